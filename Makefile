@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh Linux machine (Python >= 3.10 with venv):
+#   make demo   -- create .venv, install, run the whole pipeline on the embedded stdlib corpus
+#   make test   -- create .venv, install with test extras, run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+# torch is installed first and on its own so that a machine with a preferred local wheel (CPU-only CI) or a
+# CUDA build can choose it: `make test TORCH_SPEC='torch==2.11.0'`.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_OUT ?= runs/demo
+
+.PHONY: demo test install clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" || $(PY) -m pip install -q "torch>=2.5"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/z2all demo --out $(DEMO_OUT)
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

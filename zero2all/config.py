@@ -1,0 +1,369 @@
+"""Configuration: plain dataclasses, TOML presets in ``configs/`` and dotted command-line overrides.
+
+A run is described by one :class:`Config` with three sections::
+
+    [model]  -> ModelConfig   (architecture; field names follow the original Z2all config)
+    [train]  -> TrainConfig   (optimisation, precision, checkpoints, logging)
+    [data]   -> DataConfig    (where the token shards are and how batches are drawn)
+
+``load_config("tiny", ["model.n_layers=4", "train.lr=1e-3"])`` reads ``configs/tiny.toml`` (or any path to a
+``.toml`` file), applies the overrides, and validates. Unknown keys and values of the wrong type are rejected
+with a message that names the key, e.g. ``model.n_layer: unknown key (did you mean 'n_layers'?)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass
+class OpsConfig:
+    """Which implementation each hot op uses. The switchboard in ``zero2all/model/ops.py`` reads these.
+
+    ``torch``  : plain PyTorch (the reference every kernel is tested against).
+    ``triton`` : our fused Triton kernel (``zero2all/kernels``).
+    ``auto``   : ``triton`` for CUDA tensors when Triton is importable, else ``torch``.
+    Attention: ``naive`` (explicit softmax, the reference), ``sdpa`` (torch scaled_dot_product_attention, flash /
+    cuDNN backends on GPU), ``flex`` (FlexAttention; needed for document masks).
+    Cross-entropy: ``torch`` materialises logits; ``fused`` computes the loss from hidden states in chunks.
+    """
+
+    rmsnorm: str = "auto"
+    rope: str = "auto"
+    swiglu: str = "auto"
+    cross_entropy: str = "auto"
+    attention: str = "sdpa"
+
+    _CHOICES = {
+        "rmsnorm": ("torch", "triton", "auto"),
+        "rope": ("torch", "triton", "auto"),
+        "swiglu": ("torch", "triton", "auto"),
+        "cross_entropy": ("torch", "fused", "auto"),
+        "attention": ("naive", "sdpa", "flex"),
+    }
+
+    def validate(self, prefix: str = "model.ops") -> None:
+        for name, choices in self._CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"{prefix}.{name}: {value!r} is not one of {', '.join(choices)}")
+
+    @classmethod
+    def plain(cls) -> "OpsConfig":
+        """Every op on its plain PyTorch path, attention through SDPA."""
+        return cls(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa")
+
+
+@dataclass
+class ModelConfig:
+    """The Z2all (Llama-2) architecture. Defaults are the 1.1B reference model."""
+
+    vocab_size: int = 64320
+    hidden_dim: int = 2048
+    intermediate_size: int = 5632
+    n_layers: int = 22
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    max_seq_len: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # None, or {"type": "linear" | "dynamic", "factor": float}; "dynamic" is dynamic NTK scaling, which also reads
+    # "original_max_position_embeddings" (defaults to max_seq_len).
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    dropout1: float = 0.0  # dropout on the attention block's output, before the residual add
+    dropout2: float = 0.0  # dropout on the MLP block's output, before the residual add
+    residual_in_fp32: bool = True
+    # pad vocab_size up to a multiple of this (0 = leave as is); tensor cores like multiples of 64
+    pad_vocab_to_multiple_of: int = 0
+    # scale the init std of output projections (o_proj, down_proj) by 1/sqrt(2*n_layers) (GPT-2 / Megatron)
+    scaled_init: bool = True
+    ops: OpsConfig = field(default_factory=OpsConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_to_multiple_of
+        if m and m > 1:
+            return -(-self.vocab_size // m) * m
+        return self.vocab_size
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "hidden_dim", "intermediate_size", "n_layers", "n_heads", "n_kv_heads",
+                     "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name}: must be positive, got {getattr(self, name)}")
+        if self.hidden_dim % self.n_heads:
+            raise ConfigError(f"{prefix}.hidden_dim: {self.hidden_dim} is not divisible by "
+                              f"{prefix}.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"{prefix}.n_heads: {self.n_heads} is not divisible by "
+                              f"{prefix}.n_kv_heads={self.n_kv_heads} (grouped-query attention needs whole groups)")
+        if self.head_dim % 2:
+            raise ConfigError(f"{prefix}: head_dim = hidden_dim / n_heads = {self.head_dim} must be even for RoPE")
+        for name in ("attention_dropout", "dropout1", "dropout2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{prefix}.{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"{prefix}.rms_norm_eps: must be positive")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            if kind not in ("linear", "dynamic"):
+                raise ConfigError(f"{prefix}.rope_scaling.type: {kind!r} is not one of linear, dynamic")
+            factor = self.rope_scaling.get("factor")
+            if not isinstance(factor, (int, float)) or factor < 1.0:
+                raise ConfigError(f"{prefix}.rope_scaling.factor: must be a number >= 1, got {factor!r}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.padded_vocab_size:
+            raise ConfigError(f"{prefix}.pad_token_id: {self.pad_token_id} outside the vocabulary")
+        self.ops.validate(prefix + ".ops")
+
+
+@dataclass
+class DataConfig:
+    """Where training batches come from (token shards written by ``z2all prepare``)."""
+
+    path: str = ""                 # directory written by `z2all prepare`; "" = synthetic random tokens
+    seq_len: int = 0               # 0 = model.max_seq_len
+    num_workers: int = 0
+    document_mask: bool = False    # return document boundaries per window (intra-document attention)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, precision, checkpointing and logging of one run."""
+
+    out_dir: str = "runs/default"
+    seed: int = 1337
+    device: str = "auto"           # auto | cpu | cuda | cuda:N
+    micro_batch_size: int = 2
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    # optimiser
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0         # 0 = off
+    fused_adamw: str = "auto"      # auto (fused on CUDA) | true | false
+    # schedule: cosine (linear warmup then cosine to min_lr) | wsd (warmup, stable, linear decay) | constant
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2    # wsd: fraction of max_steps spent decaying
+    # precision: auto (bf16 on GPUs that support it, else fp32) | bf16 | fp16 | fp32
+    precision: str = "auto"
+    compile: bool = False
+    # evaluation / logging / checkpoints
+    eval_every: int = 200
+    eval_batches: int = 20
+    sample_every: int = 0          # 0 = only at the end
+    log_every: int = 1
+    ckpt_every: int = 500
+    keep_last: int = 3
+    tensorboard: bool = True
+    gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate("model")
+        return self
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# generic dict <-> dataclass with key-naming errors
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r} ({type(value).__name__})")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r} ({type(value).__name__})")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r} ({type(value).__name__})")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a table, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types with the key's dotted name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
+            raise ConfigError(f"{dotted}: unknown key{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, dotted)
+        else:
+            kwargs[key] = _check_type(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "rope_scaling":
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``model.n_layers=4`` -> (["model", "n_layers"], 4). Values are parsed as TOML, falling back to a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. model.n_layers=4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: bad key")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.toml"
+    if candidate.exists():
+        return candidate
+    known = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+    raise ConfigError(f"config {str(name_or_path)!r}: no such file and no preset of that name "
+                      f"(presets: {', '.join(known)})")
+
+
+def list_presets() -> list[str]:
+    return sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+
+
+def load_config_dict(name_or_path: str | Path | None, overrides: list[str] | None = None) -> dict:
+    data: dict = {}
+    if name_or_path is not None:
+        path = preset_path(name_or_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        data = _deep_merge(data, nested)
+    return data
+
+
+def load_config(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a preset name (``tiny``) or a ``.toml`` path, apply ``key=value`` overrides, validate."""
+    return from_dict(Config, load_config_dict(name_or_path, overrides)).validate()
+
+
+def model_config_from_dict(data: dict) -> ModelConfig:
+    cfg = from_dict(ModelConfig, data, "model")
+    cfg.validate()
+    return cfg
+
+
+def load_model_config(name_or_path: str | Path, overrides: list[str] | None = None) -> ModelConfig:
+    return load_config(name_or_path, overrides).model
+
+
+def save_json(obj: Any, path: str | Path) -> None:
+    """Write JSON atomically (temporary file, fsync, rename)."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(to_dict(obj), f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,255 @@
+"""The op switchboard: every hot op of the model goes through one function here, which picks an implementation.
+
+Each op has a plain PyTorch reference (``*_torch``), which defines the semantics and is what the fused Triton
+kernels in ``zero2all/kernels`` are tested against. ``impl`` comes from ``ModelConfig.ops``:
+
+    "torch"  -> the reference below
+    "triton" -> the fused kernel (raises if Triton is missing)
+    "auto"   -> the fused kernel for CUDA tensors when Triton imports, else the reference
+
+Shapes used throughout: ``x`` (batch, seq, hidden); ``q`` (batch, seq, n_heads, head_dim);
+``k``/``v`` (batch, seq, n_kv_heads, head_dim); ``cos``/``sin`` (seq, head_dim // 2), float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(impl: str, x: torch.Tensor) -> bool:
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError("ops: 'triton' was asked for but Triton is not importable; use 'torch' or 'auto'")
+        return True
+    if impl == "auto":
+        return x.is_cuda and triton_available()
+    return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RMSNorm (fused with the residual add)
+
+
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype (Llama / HF semantics:
+    the normalised value is cast to the input dtype before the weight multiply)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      residual_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm block entry: ``residual = residual + x`` then ``rmsnorm(residual)``.
+
+    Returns ``(normed, residual)``; the residual stream is float32 when ``residual_in_fp32`` (so the sum of many
+    bf16 block outputs does not lose precision), else x's dtype. ``residual=None`` starts the stream at ``x``.
+    """
+    if residual is None:
+        residual = x.float() if residual_in_fp32 else x
+    else:
+        residual = residual + (x.float() if residual_in_fp32 else x)
+    return rmsnorm_torch(residual, weight, eps).to(x.dtype), residual
+
+
+def add_rmsnorm(x, residual, weight, eps, residual_in_fp32=True, impl="auto"):
+    if use_triton(impl, x):
+        from zero2all.kernels.rmsnorm import triton_add_rmsnorm
+
+        return triton_add_rmsnorm(x, residual, weight, eps, residual_in_fp32)
+    return add_rmsnorm_torch(x, residual, weight, eps, residual_in_fp32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_frequencies(head_dim: int, theta: float, positions: torch.Tensor, scaling: dict | None = None,
+                     seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (len(positions), head_dim // 2), float32.
+
+    inv_freq_i = theta^(-2i/d). ``scaling``: {"type": "linear", "factor": f} divides positions by f (position
+    interpolation); {"type": "dynamic", "factor": f} is dynamic NTK: when the sequence (``seq_len``) exceeds the
+    original context L, the base becomes theta * (f * seq_len / L - (f - 1))^(d / (d - 2)).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                                / head_dim))
+    pos = positions.float()
+    if scaling:
+        kind = scaling.get("type", scaling.get("rope_type"))
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            pos = pos / factor
+        elif kind == "dynamic":
+            original = int(scaling.get("original_max_position_embeddings") or 0)
+            if seq_len is not None and original and seq_len > original:
+                base = theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+                inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                        device=positions.device).float() / head_dim))
+        else:
+            raise ValueError(f"rope_scaling type {kind!r} is not one of linear, dynamic")
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate pairs (i, i + d/2) of each head by the position's angle (the "rotate half" layout of Llama in HF).
+
+    out[..., :d/2] = x1 * cos - x2 * sin ;  out[..., d/2:] = x2 * cos + x1 * sin   (computed in float32)
+    """
+    c = cos[None, :, None, :]
+    s = sin[None, :, None, :]
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def apply_rope(q, k, cos, sin, impl="auto"):
+    if use_triton(impl, q):
+        from zero2all.kernels.rope import triton_apply_rope
+
+        return triton_apply_rope(q, k, cos, sin)
+    return apply_rope_torch(q, k, cos, sin)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SwiGLU
+
+
+def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where the last dimension of ``gate_up`` is [gate | up] (one fused projection)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu(gate_up, impl="auto"):
+    if use_triton(impl, gate_up):
+        from zero2all.kernels.swiglu import triton_swiglu
+
+        return triton_swiglu(gate_up)
+    return swiglu_torch(gate_up)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LM head + cross-entropy
+
+
+def linear_cross_entropy_torch(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index (logits in float32).
+
+    ``z_loss`` adds z_loss * mean(logsumexp(logits)^2) over the same tokens (PaLM's auxiliary loss)."""
+    logits = F.linear(hidden, weight).float()
+    logits = logits.view(-1, logits.size(-1))
+    targets = targets.reshape(-1)
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    if z_loss:
+        valid = targets != ignore_index
+        lse = torch.logsumexp(logits[valid], dim=-1)
+        loss = loss + z_loss * lse.pow(2).mean()
+    return loss
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, z_loss=0.0, impl="auto"):
+    if impl == "fused" or (impl == "auto" and hidden.is_cuda and triton_available()):
+        from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
+
+        return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, z_loss=z_loss)
+    return linear_cross_entropy_torch(hidden, weight, targets, ignore_index, z_loss)
+
+
+def uses_fused_cross_entropy(impl: str, hidden: torch.Tensor) -> bool:
+    return impl == "fused" or (impl == "auto" and hidden.is_cuda and triton_available())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The reference: softmax(q k^T / sqrt(d) + mask) v with K/V heads repeated for grouped-query attention.
+
+    q (B, H, Tq, D), k/v (B, Hkv, Tk, D); ``mask`` is boolean (Tq, Tk) or (B, 1, Tq, Tk), True = may attend.
+    """
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if dropout_p and training:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ v.float()).to(q.dtype)
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Boolean (q_len, kv_len) mask for queries that are the last q_len of kv_len positions."""
+    offset = kv_len - q_len
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    return j <= i + offset
+
+
+def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None):
+    """Causal attention. q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with Tk >= Tq (a KV cache holds the earlier keys).
+
+    ``doc_ids`` (B, T) of document indices restricts attention to the same document (needs Tq == Tk).
+    """
+    tq, tk = q.size(2), k.size(2)
+    if impl == "flex":
+        from zero2all.kernels.attention import flex_causal_attention
+
+        return flex_causal_attention(q, k, v, doc_ids=doc_ids)
+    mask = None
+    if doc_ids is not None:
+        if tq != tk:
+            raise ValueError("attention: document masks need the full sequence (no KV cache)")
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        mask = (same & causal_mask(tq, tk, q.device))[:, None]
+    elif tq != tk and tq > 1:
+        mask = causal_mask(tq, tk, q.device)
+    if impl == "naive":
+        if mask is None and tq > 1:
+            mask = causal_mask(tq, tk, q.device)
+        return attention_naive(q, k, v, mask, dropout_p, training)
+    if impl != "sdpa":
+        raise ValueError(f"attention impl {impl!r} is not one of naive, sdpa, flex")
+    groups = q.size(1) // k.size(1)
+    kwargs = {}
+    if groups > 1:
+        if _sdpa_has_gqa():
+            kwargs["enable_gqa"] = True
+        else:  # torch < 2.5
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
+                                          is_causal=mask is None and tq > 1, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_has_gqa() -> bool:
+    import inspect
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,217 @@
+"""The Z2all model: a Llama-2 decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, KV cache) in one file.
+
+Read top to bottom: KVCache, Attention, MLP, Block, Z2all. Every hot op goes through ``ops`` (the switchboard),
+so a fused Triton kernel and the plain PyTorch reference are interchangeable per ``ModelConfig.ops``.
+
+Layout choices (and why):
+- q, k, v come from ONE projection ``qkv`` (hidden -> (n_heads + 2 * n_kv_heads) * head_dim) and gate/up from ONE
+  projection ``gate_up`` (hidden -> 2 * intermediate): one large GEMM instead of three / two smaller ones. The HF
+  mapping in ``hf.py`` splits and joins them; the math is identical to HF's LlamaForCausalLM.
+- Pre-norm with the residual add fused into the norm: each block receives ``(x, residual)`` where x is the last
+  sub-layer's output, so "residual += x; normed = rmsnorm(residual)" is one kernel. With ``residual_in_fp32`` the
+  residual stream stays float32 under bf16 autocast.
+- Initialisation: N(0, initializer_range) for every linear and the embedding; the two projections that write into
+  the residual stream (``o_proj``, ``down_proj``) use std / sqrt(2 * n_layers) when ``scaled_init`` (GPT-2 /
+  Megatron: keeps the residual's variance independent of depth); norm weights are 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero2all.config import ModelConfig
+from zero2all.model import ops
+
+
+class KVCache:
+    """Preallocated keys and values for incremental decoding: per layer (batch, n_kv_heads, max_len, head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None, device=None,
+                 dtype=torch.float32):
+        self.max_len = max_len or cfg.max_seq_len
+        shape = (batch_size, cfg.n_kv_heads, self.max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+
+    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (batch, n_kv_heads, T, head_dim) at [start_pos, start_pos + T); return all keys so far."""
+        end = start_pos + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache: position {end} exceeds its length {self.max_len}")
+        self.k[layer][:, :, start_pos:end] = k.to(self.k[layer].dtype)
+        self.v[layer][:, :, start_pos:end] = v.to(self.v[layer].dtype)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # used only where no residual is fused in
+        return ops.rmsnorm_torch(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_size = cfg.n_heads * cfg.head_dim
+        self.kv_size = cfg.n_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_dim, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_dim, bias=cfg.attention_bias)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None):
+        B, T, _ = x.shape                                                    # x: (B, T, hidden)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)                     # (B, T, Hkv, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, start_pos, k, v)         # (B, Hkv, start_pos + T, D)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        y = ops.attention(q, k, v, impl=self.cfg.ops.attention, dropout_p=self.cfg.attention_dropout,
+                          training=self.training, doc_ids=doc_ids)           # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.q_size)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate_up_proj = nn.Linear(cfg.hidden_dim, 2 * cfg.intermediate_size, bias=False)  # [gate | up]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x), impl=self.cfg.ops.swiglu))
+
+
+class Block(nn.Module):
+    """residual += x; h = attn(norm(residual)); residual += h; out = mlp(norm(residual)). Returns (out, residual)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None):
+        c = self.cfg
+        h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
+                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
+        h = self.self_attn(h, cos, sin, kv_cache, start_pos, doc_ids)
+        h = F.dropout(h, c.dropout1, self.training) if c.dropout1 else h
+        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm.weight, c.rms_norm_eps,
+                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
+        h = self.mlp(h)
+        h = F.dropout(h, c.dropout2, self.training) if c.dropout2 else h
+        return h, residual
+
+
+class Z2all(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        V = cfg.padded_vocab_size
+        self.embed_tokens = nn.Embedding(V, cfg.hidden_dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_dim, V, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if self.embed_tokens.weight.device.type != "meta":
+            self.reset_parameters()
+
+    # -- initialisation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None):
+        std = self.cfg.initializer_range
+        out_std = std / math.sqrt(2 * self.cfg.n_layers) if self.cfg.scaled_init else std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = out_std if name.endswith(("o_proj", "down_proj")) else std
+                module.weight.normal_(0.0, s, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        if self.cfg.tie_word_embeddings:  # the shared matrix keeps the embedding's init
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # -- rotary tables ----------------------------------------------------------------------------------------
+    def rope_tables(self, start_pos: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        scaling = c.rope_scaling
+        if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
+            scaling = dict(scaling)
+            scaling.setdefault("original_max_position_embeddings", c.max_seq_len)
+        positions = torch.arange(start_pos, start_pos + T, device=device)
+        return ops.rope_frequencies(c.head_dim, c.rope_theta, positions, scaling, seq_len=start_pos + T)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                start_pos: int = 0, doc_ids: torch.Tensor | None = None, z_loss: float = 0.0):
+        """tokens (B, T) int64 -> (logits (B, T, padded_vocab), loss or None).
+
+        With ``targets`` (B, T) the mean cross-entropy over targets != -100 is returned as well. When the fused
+        linear+cross-entropy op is selected (``ops.cross_entropy`` = fused, or auto on a GPU) the logits are never
+        materialised and ``None`` is returned in their place.
+        """
+        B, T = tokens.shape
+        cos, sin = self.rope_tables(start_pos, T, tokens.device)
+        x, residual = self.embed_tokens(tokens), None                        # (B, T, hidden)
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids)
+        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, self.cfg.rms_norm_eps, self.cfg.residual_in_fp32,
+                               impl=self.cfg.ops.rmsnorm)
+        if targets is None:
+            return self.lm_head(h), None
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
+            return None, ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
+        logits = self.lm_head(h)
+        loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
+            F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). ``non_embedding`` leaves out the input embedding only: the LM
+        head does matmul work and counts (as in the MFU formula of the README)."""
+        seen, n = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        if non_embedding and not self.cfg.tie_word_embeddings:
+            n -= self.embed_tokens.weight.numel()
+        return n
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
+        w = self.embed_tokens.weight
+        return KVCache(self.cfg, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=None, seed: int | None = None) -> Z2all:
+    """Build a model on ``device`` (``"meta"`` allocates nothing: parameter counts and sharded init)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = Z2all(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
