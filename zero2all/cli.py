@@ -94,11 +94,237 @@ def _import_hf(p):
 # ---------------------------------------------------------------------------------------------------- training
 # (pretrain, sft, dpo, demo)
 
+
+@command("pretrain", "pretrain a model on token shards (or synthetic tokens) with the shared trainer",
+         "  z2all pretrain --config tiny --data runs/demo/data --out runs/tiny\n"
+         "  z2all pretrain --config tiny --data runs/demo/data --out runs/tiny --resume auto train.max_steps=900\n"
+         "  z2all pretrain --config z2all-1.1b --out runs/1b-synthetic train.max_steps=50   # random-data run")
+def _pretrain(p):
+    p.add_argument("--config", default="tiny", help="preset name or .toml path")
+    p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path; "
+                                                "none = synthetic tokens)")
+    p.add_argument("--out", default=None, help="output directory (sets train.out_dir)")
+    p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
+                                                  "directory (sets train.resume)")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.config import load_config
+        from zero2all.train.trainer import pretrain
+
+        extra = []
+        for key, value in (("data.path", args.data), ("train.out_dir", args.out), ("train.resume", args.resume),
+                           ("train.device", args.device)):
+            if value is not None:
+                extra.append(f"{key}={_toml_string(value)}")
+        cfg = load_config(args.config, extra + list(args.overrides))
+        pretrain(cfg, show_progress=not args.no_progress)
+
+    return run
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@command("demo", "the whole pipeline offline on the embedded stdlib corpus: tokenizer, shards, a tiny model, samples",
+         "  z2all demo --out runs/demo\n  z2all demo --out runs/demo --minutes 1")
+def _demo(p):
+    p.add_argument("--out", default="runs/demo", help="output folder")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="approximate training time budget (default: 4 on a CPU; a GPU runs the same steps)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (overrides --minutes)")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.demo import run_demo
+
+        run_demo(args.out, minutes=args.minutes, steps=args.steps, vocab_size=args.vocab_size,
+                 threads=args.threads, overrides=list(args.overrides))
+
+    return run
+
 # ---------------------------------------------------------------------------------------------------- inference
 # (generate, chat, serve)
 
+
+def _sampling_args(p, max_new_tokens: int, temperature: float):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, HF Llama, or with a LoRA adapter)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+
+
+def _load_generator(args):
+    from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
+
+    tokenizer = None
+    if args.tokenizer:
+        from zero2all.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype, tokenizer=tokenizer)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    return Generator(model, tokenizer), params
+
+
+@command("generate", "continue a prompt (streamed to the terminal); several --prompt run as one batch",
+         "  z2all generate --ckpt runs/demo/final --prompt 'def parse_args(' --max-new-tokens 64\n"
+         "  z2all generate --ckpt runs/demo/sft --chat --prompt 'Write the docstring of os.path.join'\n"
+         "  z2all generate --ckpt runs/demo/final --prompt 'import ' --temperature 0.8 --top-p 0.95 --seed 1")
+def _generate(p):
+    _sampling_args(p, max_new_tokens=128, temperature=0.8)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--system", default=None, help="system prompt (with --chat)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    def run(args):
+        import time
+
+        generator, params = _load_generator(args)
+        params.stop = tuple(args.stop)
+        prompts = args.prompt
+        if args.chat:
+            head = [{"role": "system", "content": args.system}] if args.system else []
+            prompts = [generator.tokenizer.apply_chat_template(head + [{"role": "user", "content": t}],
+                                                               add_generation_prompt=True) for t in prompts]
+        t0 = time.perf_counter()
+        try:
+            if len(prompts) == 1:
+                if not args.chat:
+                    print(args.prompt[0], end="", flush=True)
+                outs = generator.generate(prompts, params, on_event=lambda ev: print(ev.text, end="", flush=True))
+                print()
+            else:
+                outs = generator.generate(prompts, params)
+        except ValueError as e:
+            print(f"z2all generate: error: {e}", file=sys.stderr)
+            return 2
+        if len(prompts) > 1:
+            for i, (text, out) in enumerate(zip(args.prompt, outs)):
+                print(f"--- [{i}] {text}{out.text}")
+        seconds = time.perf_counter() - t0
+        n = sum(o.num_generated for o in outs)
+        print(f"({n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tokens/s; finish: "
+              f"{', '.join(o.finish_reason for o in outs)})", file=sys.stderr)
+
+    return run
+
+
+@command("chat", "chat with a model in the terminal (history, system prompt, streamed replies)",
+         "  z2all chat --ckpt runs/demo/sft\n"
+         "  z2all chat --ckpt runs/demo/sft --system 'You answer with Python code.' --temperature 0.3\n"
+         "  (at the prompt: /reset clears the history, /system TEXT sets a system prompt, /exit leaves)")
+def _chat(p):
+    _sampling_args(p, max_new_tokens=256, temperature=0.7)
+    p.add_argument("--system", default=None, help="system prompt")
+
+    def run(args):
+        from zero2all.infer.chat import ChatSession, chat_loop
+
+        generator, params = _load_generator(args)
+        chat_loop(ChatSession(generator, system=args.system, params=params))
+
+    return run
+
+
+@command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions",
+         "  z2all serve --ckpt runs/demo/sft --port 8000\n"
+         "  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+         "       -d '{\"model\": \"sft\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
+def _serve(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, HF Llama, or with a LoRA adapter)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait while one generates; more get HTTP 429")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+
+    def run(args):
+        from zero2all.infer.server import serve
+
+        tokenizer = None
+        if args.tokenizer:
+            from zero2all.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+        serve(args.ckpt, host=args.host, port=args.port, tokenizer=tokenizer, model_name=args.model_name,
+              device=args.device, dtype=args.dtype, max_tokens_limit=args.max_tokens_limit,
+              max_queue=args.max_queue)
+
+    return run
+
 # ---------------------------------------------------------------------------------------------------- accounting
 # (estimate)
+
+
+@command("estimate", "parameters, FLOPs, memory per GPU, communication, MFU and training time of a config",
+         "  z2all estimate --config z2all-1.1b\n"
+         "  z2all estimate --config llama2-70b --gpus 1024 --tokens 15e12 --mfu 0.4 --zero 1 --tp 8 --pp 4 \\\n"
+         "      --micro-batch 1 --grad-accum 32 --recompute selective\n"
+         "  z2all estimate --config llama2-7b --gpus 8 --gpu a100 --zero 3 --json")
+def _estimate(p):
+    p.add_argument("--config", default="z2all-1.1b", help="preset name or .toml path")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--gpu", default="h100", help="GPU type: h100, h200, a100, a10, l4, 4090, ... (default h100)")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="training tokens, e.g. 15e12 (default: 20 per parameter, Chinchilla-optimal)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over data parallel")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on when > 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: train config)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len or max_seq_len)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per step per data-parallel rank (= pipeline micro-batches; default: config)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation")
+    p.add_argument("--precision", default="bf16-amp", choices=["bf16-amp", "bf16-mixed", "fp32"],
+                   help="bf16-amp: fp32 weights + bf16 autocast (our trainer); bf16-mixed: bf16 weights, fp32 "
+                        "master in the optimizer; fp32")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _overrides(p)
+
+    def run(args):
+        import json
+
+        from zero2all.accounting import Layout, estimate, format_estimate
+        from zero2all.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        ops = cfg.model.ops
+        layout = Layout(gpus=args.gpus, gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
+                        tp=args.tp, pp=args.pp,
+                        micro_batch=args.micro_batch or cfg.train.micro_batch_size,
+                        seq_len=args.seq or cfg.data.seq_len or cfg.model.max_seq_len,
+                        grad_accum_steps=args.grad_accum or cfg.train.grad_accum_steps,
+                        recompute=args.recompute, precision=args.precision,
+                        fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
+                        fused_cross_entropy=ops.cross_entropy != "torch")
+        est = estimate(cfg.model, layout)
+        if args.json:
+            print(json.dumps(est, indent=2))
+        else:
+            print(format_estimate(est, str(args.config)))
+
+    return run
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
 # (bench)

@@ -195,6 +195,28 @@ class TrainConfig:
     keep_last: int = 3
     tensorboard: bool = True
     gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
+    # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint
+    # in out_dir, else fresh) | a checkpoint directory
+    resume: str = ""
+    z_loss: float = 0.0            # pretraining: weight of the PaLM z-loss (0 = off)
+    # sampled continuations at eval time and at the end ("" prompts = the first tokens of validation rows)
+    num_samples: int = 3
+    sample_new_tokens: int = 64
+    sample_temperature: float = 0.8
+    sample_top_k: int = 50
+    sample_prompts: list[str] = field(default_factory=list)
+    # multi-process training (zero2all/train/distributed.py; launch with torchrun)
+    parallel: str = "auto"         # auto (ddp when launched with >1 process, else none) | none | ddp | fsdp | zero1
+    reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
+    fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
+    cpu_offload: bool = False      # fsdp: keep sharded parameters, gradients and optimizer state in CPU memory
+    comm_hook: str = "none"        # ddp/zero1 gradient compression: none | bf16 | powersgd
+    powersgd_rank: int = 2         # powersgd: rank of the low-rank approximation
+    powersgd_start_iter: int = 10  # powersgd: plain all-reduce for this many steps first
+    activation_checkpointing: str = "none"   # none | full (every block) | selective
+    ac_selective: str = "blocks"   # selective: blocks (every ac_every-th block) | attention (attention core only)
+    ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
+    dist_timeout_s: float = 600.0  # a collective that does not complete within this many seconds fails the run
 
 
 @dataclass

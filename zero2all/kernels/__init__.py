@@ -1,0 +1,26 @@
+"""Fused Triton kernels, one file per op, each registered as a torch custom op (``z2all::*``).
+
+Every op has Triton forward and backward kernels, a ``torch.library.custom_op`` with a fake (meta) implementation
+and registered autograd, so ``torch.compile(fullgraph=True)`` traces through it without graph breaks. The plain
+PyTorch reference each kernel must match lives in ``zero2all/model/ops.py`` (``*_torch``). The kernels also run on
+CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
+
+    rmsnorm.py        residual add + RMSNorm          triton_add_rmsnorm
+    rope.py           rotary embedding of q and k     triton_apply_rope
+    swiglu.py         silu(gate) * up                 triton_swiglu
+    cross_entropy.py  LM head + cross-entropy         fused_linear_cross_entropy
+    attention.py      FlexAttention, document masks   flex_causal_attention
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grid_programs(device: torch.device, n_items: int, per_sm: int = 4) -> int:
+    """How many programs a persistent kernel launches: a few per multiprocessor on a GPU (enough to hide latency
+    without many partial results to reduce), a handful under the CPU interpreter."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_items, sms * per_sm))
+    return max(1, min(n_items, 4))

@@ -109,9 +109,11 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """Rotate pairs (i, i + d/2) of each head by the position's angle (the "rotate half" layout of Llama in HF).
 
     out[..., :d/2] = x1 * cos - x2 * sin ;  out[..., d/2:] = x2 * cos + x1 * sin   (computed in float32)
+
+    cos/sin are (T, d/2), shared by every row, or (B, T, d/2) for per-row positions.
     """
-    c = cos[None, :, None, :]
-    s = sin[None, :, None, :]
+    c = cos[:, :, None, :] if cos.dim() == 3 else cos[None, :, None, :]
+    s = sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]
 
     def rotate(x):
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -121,7 +123,7 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def apply_rope(q, k, cos, sin, impl="auto"):
-    if use_triton(impl, q):
+    if cos.dim() == 2 and use_triton(impl, q):  # per-row tables (B, T, d/2) take the reference path
         from zero2all.kernels.rope import triton_apply_rope
 
         return triton_apply_rope(q, k, cos, sin)
@@ -209,12 +211,19 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return j <= i + offset
 
 
-def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None):
+def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None, mask=None):
     """Causal attention. q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with Tk >= Tq (a KV cache holds the earlier keys).
 
     ``doc_ids`` (B, T) of document indices restricts attention to the same document (needs Tq == Tk).
+    ``mask``: an explicit boolean mask broadcastable to (B, 1, Tq, Tk), True = may attend, used as given (the
+    caller includes causality; e.g. a static KV cache with padded or not yet written slots). Every query must
+    see at least one key. With ``flex`` an explicit mask takes the SDPA path.
     """
     tq, tk = q.size(2), k.size(2)
+    if mask is not None:
+        if impl == "naive":
+            return attention_naive(q, k, v, mask, dropout_p, training)
+        return _sdpa(q, k, v, mask, dropout_p if training else 0.0, is_causal=False)
     if impl == "flex":
         from zero2all.kernels.attention import flex_causal_attention
 
@@ -233,6 +242,10 @@ def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None)
         return attention_naive(q, k, v, mask, dropout_p, training)
     if impl != "sdpa":
         raise ValueError(f"attention impl {impl!r} is not one of naive, sdpa, flex")
+    return _sdpa(q, k, v, mask, dropout_p if training else 0.0, is_causal=mask is None and tq > 1)
+
+
+def _sdpa(q, k, v, mask, dropout_p, is_causal):
     groups = q.size(1) // k.size(1)
     kwargs = {}
     if groups > 1:
@@ -241,8 +254,8 @@ def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None)
         else:  # torch < 2.5
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
-                                          is_causal=mask is None and tq > 1, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

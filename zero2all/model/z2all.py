@@ -68,7 +68,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_dim, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_dim, bias=cfg.attention_bias)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None):
+    def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
+                attn_mask=None):
         B, T, _ = x.shape                                                    # x: (B, T, hidden)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
@@ -80,7 +81,7 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, start_pos, k, v)         # (B, Hkv, start_pos + T, D)
             k, v = k.to(q.dtype), v.to(q.dtype)
         y = ops.attention(q, k, v, impl=self.cfg.ops.attention, dropout_p=self.cfg.attention_dropout,
-                          training=self.training, doc_ids=doc_ids)           # (B, H, T, D)
+                          training=self.training, doc_ids=doc_ids, mask=attn_mask)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)
         return self.o_proj(y)
 
@@ -107,11 +108,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None):
+    def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
         h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
                                       c.residual_in_fp32, impl=c.ops.rmsnorm)
-        h = self.self_attn(h, cos, sin, kv_cache, start_pos, doc_ids)
+        h = self.self_attn(h, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
         h = F.dropout(h, c.dropout1, self.training) if c.dropout1 else h
         h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm.weight, c.rms_norm_eps,
                                       c.residual_in_fp32, impl=c.ops.rmsnorm)
@@ -154,29 +155,45 @@ class Z2all(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     # -- rotary tables ----------------------------------------------------------------------------------------
-    def rope_tables(self, start_pos: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, start_pos: int, T: int, device, position_ids: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (T, head_dim // 2) for positions start_pos .. start_pos + T - 1, or of shape
+        (B, T, head_dim // 2) for explicit per-row ``position_ids`` (B, T) (packed samples restarting at 0,
+        left-padded generation batches)."""
         c = self.cfg
         scaling = c.rope_scaling
-        if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
+        dynamic = bool(scaling) and scaling.get("type", scaling.get("rope_type")) == "dynamic"
+        if dynamic:
             scaling = dict(scaling)
             scaling.setdefault("original_max_position_embeddings", c.max_seq_len)
-        positions = torch.arange(start_pos, start_pos + T, device=device)
-        return ops.rope_frequencies(c.head_dim, c.rope_theta, positions, scaling, seq_len=start_pos + T)
+        if position_ids is None:
+            positions = torch.arange(start_pos, start_pos + T, device=device)
+            return ops.rope_frequencies(c.head_dim, c.rope_theta, positions, scaling, seq_len=start_pos + T)
+        # dynamic NTK needs the sequence length on the host (a sync); other kinds stay on the device
+        seq_len = int(position_ids.max()) + 1 if dynamic else None
+        cos, sin = ops.rope_frequencies(c.head_dim, c.rope_theta, position_ids.reshape(-1), scaling, seq_len=seq_len)
+        return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
 
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                start_pos: int = 0, doc_ids: torch.Tensor | None = None, z_loss: float = 0.0):
+                start_pos: int = 0, doc_ids: torch.Tensor | None = None, z_loss: float = 0.0,
+                position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
         """tokens (B, T) int64 -> (logits (B, T, padded_vocab), loss or None).
+
+        ``position_ids`` (B, T): RoPE positions per row (default start_pos + arange(T)); packed SFT samples restart
+        at 0, left-padded generation rows start after their padding. ``attn_mask``: boolean, broadcastable to
+        (B, 1, T, Tk), True = may attend; it replaces the causal / document mask (the caller includes causality),
+        e.g. a static KV cache whose unwritten or padded slots must be hidden.
 
         With ``targets`` (B, T) the mean cross-entropy over targets != -100 is returned as well. When the fused
         linear+cross-entropy op is selected (``ops.cross_entropy`` = fused, or auto on a GPU) the logits are never
         materialised and ``None`` is returned in their place.
         """
         B, T = tokens.shape
-        cos, sin = self.rope_tables(start_pos, T, tokens.device)
+        cos, sin = self.rope_tables(start_pos, T, tokens.device, position_ids)
         x, residual = self.embed_tokens(tokens), None                        # (B, T, hidden)
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids)
+            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, self.cfg.rms_norm_eps, self.cfg.residual_in_fp32,
                                impl=self.cfg.ops.rmsnorm)
         if targets is None:

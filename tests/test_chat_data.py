@@ -1,0 +1,203 @@
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from standin_tokenizer import ByteTokenizer, tiny_model_config
+from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, collate, dpo_collate, load_dpo_samples,
+                                load_sft_samples, pack_samples, pad_samples, render_dpo_record, render_sft_record)
+from zero2all.model.z2all import build_model
+from zero2all.train.dpo import dpo_loss, sequence_logprobs
+
+TOK = ByteTokenizer()
+
+
+def labelled_text(sample):
+    """The labelled tokens, decoded with a '|' between separate labelled runs."""
+    runs, cur = [], []
+    for t, y in zip(sample.input_ids, sample.labels):
+        if y != IGNORE_INDEX:
+            assert y == t
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return "|".join(TOK.decode(r) for r in runs)
+
+
+def test_conversation_labels_cover_only_assistant_turns():
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}]
+    s = render_sft_record(TOK, {"conversations": conv}, "x.jsonl:1")
+    assert s.input_ids == TOK.apply_chat_template(conv)
+    assert labelled_text(s) == "hello<|im_end|>|4<|im_end|>"
+    assert s.num_label_tokens == len("hello") + 1 + len("4") + 1
+
+
+def test_instruction_labels_cover_only_the_output():
+    s = render_sft_record(TOK, {"instruction": "Add", "input": "2 and 3", "output": "5"})
+    expected = TOK.apply_chat_template([{"role": "user", "content": "Add\n\n2 and 3"},
+                                        {"role": "assistant", "content": "5"}])
+    assert s.input_ids == expected
+    assert labelled_text(s) == "5<|im_end|>"
+    s2 = render_sft_record(TOK, {"instruction": "Say hi", "output": "hi", "system": "sys"})
+    assert TOK.decode(s2.input_ids).startswith("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nSay hi<|im_end|>")
+    assert labelled_text(s2) == "hi<|im_end|>"
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"conversations": [{"role": "bot", "content": "x"}]}, "role 'bot'"),
+    ({"conversations": [{"role": "user", "content": "x"}]}, "no assistant"),
+    ({"instruction": "x"}, "'output'"),
+    ({"text": "x"}, "expected 'conversations'"),
+    ({"conversations": [{"role": "user", "content": 3}]}, "content must be a string"),
+])
+def test_bad_records_name_the_place(record, message):
+    with pytest.raises(ChatDataError, match=message) as e:
+        render_sft_record(TOK, record, "data.jsonl:7")
+    assert str(e.value).startswith("data.jsonl:7:")
+
+
+def test_load_reports_file_line_or_counts_skips(tmp_path):
+    f = tmp_path / "sft.jsonl"
+    good = {"instruction": "a", "output": "b"}
+    f.write_text("\n".join([json.dumps(good), "{not json", json.dumps({"instruction": "x"}), "",
+                            json.dumps(good)]) + "\n")
+    with pytest.raises(ChatDataError, match=r"sft.jsonl:2: invalid JSON"):
+        load_sft_samples(f, TOK)
+    samples, stats = load_sft_samples(f, TOK, on_error="skip")
+    assert len(samples) == 2 and stats.records == 4 and stats.skipped == 2
+    assert "sft.jsonl:3" in stats.errors[1]
+    # truncation below the first label drops the sample (counted)
+    samples, stats = load_sft_samples(f, TOK, max_len=5, on_error="skip")
+    assert samples == [] and stats.truncated == 2 and stats.dropped_no_labels == 2
+
+
+def random_samples(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        conv = [{"role": "user", "content": "q" * int(torch.randint(1, 9, (1,), generator=g))},
+                {"role": "assistant", "content": "a" * int(torch.randint(1, 13, (1,), generator=g))}]
+        if i % 2:
+            conv += [{"role": "user", "content": "more"}, {"role": "assistant", "content": "z" * (i + 1)}]
+        out.append(render_sft_record(TOK, {"conversations": conv}))
+    return out
+
+
+def test_packed_loss_equals_unpacked_loss():
+    model = build_model(tiny_model_config(initializer_range=0.3), seed=1).eval()
+    samples = random_samples(7, seed=3)
+    rows = pack_samples(samples, seq_len=96, pad_id=TOK.pad_id)
+    assert len(rows) < len(samples)  # several samples share a row
+    batch = collate(rows)
+    with torch.no_grad():
+        _, packed = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+                          position_ids=batch["position_ids"])
+        total, count = 0.0, 0
+        for s in samples:  # each sample alone, no padding at all
+            logits, _ = model(torch.tensor([s.input_ids[:-1]]))
+            y = torch.tensor(s.labels[1:])
+            total += F.cross_entropy(logits[0].double(), y, ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((y != IGNORE_INDEX).sum())
+        padded = collate(pad_samples(samples, None, TOK.pad_id))
+        _, padded_loss = model(padded["tokens"], padded["targets"])
+    assert packed.item() == pytest.approx(total / count, rel=1e-5)
+    assert padded_loss.item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_packing_without_document_ids_differs():
+    """The check above is not vacuous: without doc_ids, samples attend to each other and the loss changes.
+    (Positions restarting at 0 matter less: RoPE scores depend only on position differences, so a constant shift
+    per sample changes them only by rounding, and by the base under dynamic NTK scaling.)"""
+    model = build_model(tiny_model_config(initializer_range=0.3), seed=1).eval()
+    batch = collate(pack_samples(random_samples(7, seed=3), seq_len=96, pad_id=TOK.pad_id))
+    with torch.no_grad():
+        _, right = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+                         position_ids=batch["position_ids"])
+        _, no_docs = model(batch["tokens"], batch["targets"], position_ids=batch["position_ids"])
+        _, zero_pos = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+                            position_ids=torch.zeros_like(batch["position_ids"]))
+    assert abs(right.item() - no_docs.item()) > 1e-4
+    assert abs(right.item() - zero_pos.item()) > 1e-4  # the positions given are the ones used
+
+
+def test_pack_rows_layout():
+    samples = random_samples(5, seed=0)
+    rows = pack_samples(samples, seq_len=64, pad_id=TOK.pad_id)
+    n_tokens = sum(len(s.input_ids) - 1 for s in samples)
+    assert sum(int((r["doc_ids"] < r["doc_ids"].max()).sum()) for r in rows) <= n_tokens
+    for r in rows:
+        starts = torch.nonzero(r["position_ids"] == 0).flatten().tolist()
+        changes = [0] + (torch.nonzero(r["doc_ids"][1:] != r["doc_ids"][:-1]).flatten() + 1).tolist()
+        assert starts == changes
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_samples(samples, seq_len=8, pad_id=0)
+
+
+def test_dpo_records_render_prompt_unlabelled(tmp_path):
+    pair = render_dpo_record(TOK, {"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+    assert labelled_text(pair.chosen) == "4<|im_end|>" and labelled_text(pair.rejected) == "5<|im_end|>"
+    prompt_len = len(TOK.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True))
+    assert pair.chosen.input_ids[:prompt_len] == pair.rejected.input_ids[:prompt_len]
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"},
+            {"role": "user", "content": "name?"}]
+    pair = render_dpo_record(TOK, {"conversations": conv, "chosen": {"role": "assistant", "content": "Zed"},
+                                   "rejected": "no"})
+    assert labelled_text(pair.chosen) == "Zed<|im_end|>"  # earlier assistant turns are context only
+    f = tmp_path / "dpo.jsonl"
+    f.write_text(json.dumps({"prompt": "p", "chosen": "a"}) + "\n")
+    with pytest.raises(ChatDataError, match=r"dpo.jsonl:1: preference record needs 'rejected'"):
+        load_dpo_samples(f, TOK)
+    f.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "bb"}) + "\n")
+    pairs, _ = load_dpo_samples(f, TOK)
+    batch = dpo_collate(pairs, TOK.pad_id)
+    assert batch["tokens"].shape[0] == 2 and (batch["targets"][0] != -100).sum() == 2
+    assert (batch["targets"][1] != -100).sum() == 3
+
+
+def test_sequence_logprobs_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0], [1.0, 1.0]]])   # p = (1/4, 3/4), (1/2, 1/2)
+    labels = torch.tensor([[1, 0, -100]])
+    assert sequence_logprobs(logits, labels).item() == pytest.approx(math.log(0.75) + math.log(0.5), rel=1e-6)
+
+
+def test_dpo_loss_by_hand():
+    pc, pr = torch.tensor([-1.0, -5.0]), torch.tensor([-3.0, -4.0])
+    rc, rr = torch.tensor([-2.0, -4.0]), torch.tensor([-2.0, -4.5])
+    loss, m = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    # margins: 0.1*((-1+2)-(-3+2)) = 0.2 and 0.1*((-5+4)-(-4+4.5)) = -0.15
+    expected = (math.log(1 + math.exp(-0.2)) + math.log(1 + math.exp(0.15))) / 2   # 0.598139, 0.770957
+    assert loss.item() == pytest.approx(expected, rel=1e-6) == pytest.approx(0.684548, abs=1e-6)
+    assert m["rewards/accuracy"] == 0.5 and m["rewards/margin"] == pytest.approx(0.025, abs=1e-7)
+    assert m["rewards/chosen"] == pytest.approx((0.1 - 0.1) / 2, abs=1e-7)
+    # gradient wrt the policy's chosen log-prob: -beta * sigmoid(-margin) / B
+    pc.requires_grad_(True)
+    dpo_loss(pc, pr, rc, rr, beta=0.1)[0].backward()
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert pc.grad.tolist() == pytest.approx([-0.1 * sig(-0.2) / 2, -0.1 * sig(0.15) / 2], rel=1e-6)
+
+
+def test_labels_with_a_trained_tokenizer(tmp_path):
+    """With a real BPE tokenizer the rendering equals its chat template and labels decode to the answers."""
+    from zero2all.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(__file__).read())
+    tok = train_tokenizer([str(corpus)], vocab_size=400, out_dir=tmp_path / "tok")
+    conv = [{"role": "user", "content": "What is labelled?"}, {"role": "assistant", "content": "Only answers."},
+            {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "def f(x): return x"}]
+    s = render_sft_record(tok, {"conversations": conv})
+    assert s.input_ids == tok.apply_chat_template(conv)
+    runs, cur = [], []
+    for t, y in zip(s.input_ids, s.labels):
+        if y != IGNORE_INDEX:
+            cur.append(y)
+        elif cur:
+            runs, cur = runs + [cur], []
+    assert [tok.decode(r) for r in runs] == ["Only answers.<|im_end|>", "def f(x): return x<|im_end|>"]

@@ -1,0 +1,204 @@
+import pytest
+import torch
+
+from standin_tokenizer import ByteTokenizer, tiny_model_config
+from zero2all.infer.generate import (DecodeSession, Generator, SamplingParams, _RowText, apply_repetition_penalty,
+                                     filter_top_k_top_p)
+from zero2all.model.z2all import build_model
+
+PROMPTS = [[5, 9, 200], list(range(30, 47)), [7], [100, 101, 102, 103, 104, 105, 106, 107, 108]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a large init std gives peaked logits, so greedy choices are not decided by rounding
+    return build_model(tiny_model_config(initializer_range=0.3), seed=0).eval()
+
+
+def greedy_full_recompute(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        logits, _ = model(torch.tensor([seq]))
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_with_cache_equals_full_recompute(model):
+    gen = Generator(model)
+    outs = gen.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[]))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_full_recompute(model, prompt, 12)
+        assert out.finish_reason == "length" and out.num_generated == 12
+
+
+@torch.no_grad()
+def test_session_logits_equal_full_forward(model):
+    session = DecodeSession(model, batch_size=len(PROMPTS), max_len=64, cuda_graph=False)
+    logits = session.prefill(PROMPTS, pad_id=3)
+    seqs = [list(p) for p in PROMPTS]
+    P = max(len(p) for p in PROMPTS)
+    for step in range(5):
+        for r, seq in enumerate(seqs):
+            ref, _ = model(torch.tensor([seq]))
+            torch.testing.assert_close(logits[r], ref[0, -1], atol=1e-4, rtol=1e-4)
+        nxt = torch.tensor([(17 * step + 31 * r) % 256 for r in range(len(seqs))])
+        for r, seq in enumerate(seqs):
+            seq.append(int(nxt[r]))
+        logits = session.decode(nxt, P + step)
+
+
+def test_chunked_prefill_equals_one_chunk(model, monkeypatch):
+    import zero2all.infer.generate as g
+
+    whole = DecodeSession(model, 4, 64, cuda_graph=False).prefill(PROMPTS, 0)
+    monkeypatch.setattr(g, "prefill_chunk_len", lambda b, v: 4)
+    chunked = DecodeSession(model, 4, 64, cuda_graph=False).prefill(PROMPTS, 0)
+    torch.testing.assert_close(whole, chunked, atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
+    gen = Generator(model)
+    p = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.95, stop_token_ids=[])
+    a = gen.generate(PROMPTS[:2], p, seed=123)
+    b = gen.generate(PROMPTS[:2], p, seed=123)
+    c = gen.generate(PROMPTS[:2], p, seed=124)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_top_k_one_is_greedy(model):
+    gen = Generator(model)
+    greedy = gen.generate(PROMPTS, max_new_tokens=8, temperature=0, stop_token_ids=[])
+    top1 = gen.generate(PROMPTS, max_new_tokens=8, temperature=0.7, top_k=1, seed=5, stop_token_ids=[])
+    assert [x.token_ids for x in greedy] == [x.token_ids for x in top1]
+
+
+def test_stop_token_ends_row_and_is_excluded(model):
+    gen = Generator(model)
+    free = gen.generate([PROMPTS[1]], max_new_tokens=10, temperature=0, stop_token_ids=[])[0].token_ids
+    stop = free[4]
+    out = gen.generate([PROMPTS[1]], max_new_tokens=10, temperature=0, stop_token_ids=[stop])[0]
+    assert out.token_ids == free[:free.index(stop)]
+    assert out.finish_reason == "stop" and out.num_generated == free.index(stop) + 1
+
+
+def test_top_p_and_top_k_filter_by_hand():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = lambda out: (out > float("-inf")).tolist()[0]  # noqa: E731
+    assert kept(filter_top_k_top_p(logits, top_p=0.8)) == [True, True, False, False]
+    assert kept(filter_top_k_top_p(logits, top_p=0.81)) == [True, True, True, False]
+    assert kept(filter_top_k_top_p(logits, top_p=0.1)) == [True, False, False, False]
+    assert kept(filter_top_k_top_p(logits[:, [3, 1, 0, 2]], top_k=2)) == [False, True, True, False]
+
+
+def test_repetition_penalty_by_hand():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, True, False]])
+    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -4.0, 1.0]]
+
+
+def test_repetition_penalty_changes_greedy_output(model):
+    gen = Generator(model)
+    plain = gen.generate([[1, 2, 3]], max_new_tokens=20, temperature=0, stop_token_ids=[])[0].token_ids
+    pen = gen.generate([[1, 2, 3]], max_new_tokens=20, temperature=0, stop_token_ids=[],
+                       repetition_penalty=1e6)[0].token_ids
+    assert len(set(pen)) == len(pen) and not set(pen) & {1, 2, 3}  # a huge penalty forbids any repeat
+    assert len(set(plain)) < len(plain) or plain != pen
+
+
+def test_stop_strings_and_multibyte_streaming():
+    tok = ByteTokenizer()
+    row = _RowText(tok, ["STOP"])
+    pieces = []
+    for t in tok.encode("héllo STand STOP world"):
+        piece, hit = row.add(t)
+        pieces.append(piece)
+        if hit:
+            break
+    assert hit and "".join(pieces) == "héllo STand "
+    assert "\ufffd" not in "".join(pieces)
+    # 'ST' is held back until it is clear that it does not start "STOP"
+    n = len("héllo ST".encode())
+    assert pieces[n - 2] == pieces[n - 1] == "" and pieces[n] == "STa"
+    assert pieces[1] == "" and pieces[2] == "é"  # the first byte of 'é' alone is not shown
+
+
+def test_stream_events_match_generate_with_text(model):
+    tok = ByteTokenizer()
+    gen = Generator(model, tok)
+    prompts = ["hi", "a longer prompt"]
+    events = list(gen.stream(prompts, max_new_tokens=9, temperature=0, stop_token_ids=[]))
+    outs = gen.generate(prompts, max_new_tokens=9, temperature=0, stop_token_ids=[])
+    for i, out in enumerate(outs):
+        mine = [e for e in events if e.index == i]
+        assert "".join(e.text for e in mine) == out.text == tok.decode(out.token_ids, skip_special=True)
+        assert [e.finish_reason for e in mine].count("length") == 1 and mine[-1].finish_reason == "length"
+
+
+def test_generation_validates_inputs(model):
+    gen = Generator(model)
+    with pytest.raises(ValueError, match="exceed"):
+        gen.generate([[1] * 120], max_new_tokens=20)
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate([[1]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        gen.generate(["text"], max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory):
+    """A tiny model with a real (trained) tokenizer attached, as the trainer writes checkpoints."""
+    from zero2all.model.io import save_model
+    from zero2all.tokenizer import train_tokenizer
+
+    d = tmp_path_factory.mktemp("real")
+    corpus = d / "corpus.txt"
+    corpus.write_text(open(__file__).read())
+    tok = train_tokenizer([str(corpus)], vocab_size=400, out_dir=d / "tok")
+    model = build_model(tiny_model_config(vocab_size=tok.vocab_size, initializer_range=0.3), seed=0)
+    save_model(model, d / "ckpt", tokenizer_dir=d / "tok")
+    return d / "ckpt"
+
+
+def test_cli_generate_streams_the_greedy_continuation(real_ckpt, capsys):
+    from zero2all.cli import main
+    from zero2all.infer.generate import load_for_inference
+
+    assert main(["generate", "--ckpt", str(real_ckpt), "--prompt", "def greedy", "--max-new-tokens", "7",
+                 "--temperature", "0"]) in (0, None)
+    out = capsys.readouterr()
+    model, tok = load_for_inference(str(real_ckpt), device="cpu")
+    expected = Generator(model, tok).generate(["def greedy"], max_new_tokens=7, temperature=0)[0]
+    assert out.out == "def greedy" + expected.text + "\n"
+    assert f"{expected.num_generated} tokens in" in out.err
+    assert main(["generate", "--ckpt", str(real_ckpt), "--prompt", "x", "--max-new-tokens", "500"]) == 2
+    assert "exceed the model's context" in capsys.readouterr().err
+
+
+def test_chat_loop_keeps_history_and_handles_commands(model):
+    from zero2all.infer.chat import ChatSession, chat_loop
+
+    session = ChatSession(Generator(model, ByteTokenizer()), system="be brief",
+                          params=SamplingParams(max_new_tokens=5, temperature=0))
+    lines = iter(["hello", "again", "/reset", "/system you are terse", "hi", "/bogus", "/exit", "never read"])
+    written = []
+    assert chat_loop(session, read=lambda _: next(lines), write=written.append) == 3
+    assert [t["role"] for t in session.turns] == ["user", "assistant"] and session.turns[0]["content"] == "hi"
+    assert session.system == "you are terse"
+    text = "".join(written)
+    assert "(conversation cleared)" in text and "unknown command /bogus" in text
+    # a second turn's prompt holds the first turn: the history is in the template
+    s2 = ChatSession(Generator(model, ByteTokenizer()), params=SamplingParams(max_new_tokens=4, temperature=0))
+    answer, _ = s2.reply("one")
+    ids, dropped = s2.prompt_ids("two")
+    assert dropped == 0 and ids == ByteTokenizer().apply_chat_template(
+        [{"role": "user", "content": "one"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "two"}], add_generation_prompt=True)
+    # a long history is cut from the oldest turn to fit the context (128 tokens, 4 for the reply)
+    for i in range(6):
+        s2.reply("x" * 20)
+    ids, dropped = s2.prompt_ids("last")
+    assert dropped > 0 and len(ids) <= 124

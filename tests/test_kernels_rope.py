@@ -1,0 +1,72 @@
+"""The RoPE kernel against a float64 reference, forward and backward, on strided views of a fused qkv output."""
+
+import pytest
+import torch
+
+from zero2all.kernels.rope import triton_apply_rope
+from zero2all.model.ops import apply_rope_torch, rope_frequencies
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference(x, cos, sin):
+    """float64: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin over halves of the last dimension."""
+    x = x.double()
+    c, s = cos.double()[None, :, None, :], sin.double()[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def run_case(B, T, H, Hkv, D, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=g).to(device, dtype).requires_grad_()
+    q, k, _ = qkv.split([H, Hkv, Hkv], dim=2)        # strided views, as the model's fused projection gives
+    assert not q.is_contiguous()
+    cos, sin = rope_frequencies(D, 10000.0, torch.arange(3, 3 + T, device=device))
+    q_out, k_out = triton_apply_rope(q, k, cos, sin)
+    assert q_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
+    tq, tk = apply_rope_torch(q, k, cos, sin)
+    tol = TOL[dtype]
+    assert rel_err(q_out, reference(q, cos, sin)) < tol
+    assert rel_err(k_out, reference(k, cos, sin)) < tol
+    assert rel_err(q_out, tq) < tol and rel_err(k_out, tk) < tol
+
+    gq = torch.randn(q.shape, generator=g).to(device, dtype)
+    gk = torch.randn(k.shape, generator=g).to(device, dtype)
+    (dqkv,) = torch.autograd.grad((q_out.float() * gq.float()).sum() + (k_out.float() * gk.float()).sum(), qkv)
+    ref_qkv = qkv.detach().double().requires_grad_()
+    rq, rk, _ = ref_qkv.split([H, Hkv, Hkv], dim=2)
+    (want,) = torch.autograd.grad((reference(rq, cos, sin) * gq.double()).sum()
+                                  + (reference(rk, cos, sin) * gk.double()).sum(), ref_qkv)
+    assert rel_err(dqkv[:, :, :H + Hkv], want[:, :, :H + Hkv]) < tol
+    assert dqkv[:, :, H + Hkv:].abs().max() == 0  # v received no gradient from RoPE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,Hkv,D", [(2, 7, 4, 2, 64), (1, 5, 6, 6, 100), (2, 3, 3, 1, 2), (1, 9, 8, 2, 96)])
+def test_rope_matches_reference(B, T, H, Hkv, D, dtype):
+    run_case(B, T, H, Hkv, D, dtype, seed=D + T)
+
+
+def test_rope_contiguous_inputs_and_bad_shapes():
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8)
+    cos, sin = rope_frequencies(8, 10000.0, torch.arange(4))
+    a, b = triton_apply_rope(q, k, cos, sin)
+    ra, rb = apply_rope_torch(q, k, cos, sin)
+    assert torch.allclose(a, ra, atol=1e-6) and torch.allclose(b, rb, atol=1e-6)
+    with pytest.raises(ValueError, match="even"):
+        triton_apply_rope(torch.randn(1, 4, 2, 7), torch.randn(1, 4, 1, 7), cos, sin)
+    with pytest.raises(ValueError, match="cos/sin"):
+        triton_apply_rope(q, k, cos[:3], sin[:3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_gpu_real_shapes(dtype):
+    run_case(8, 2048, 32, 8, 64, dtype, device="cuda")

@@ -1,0 +1,263 @@
+"""The shared training loop: schedules, weight-decay groups, accumulation, fp16 loss scaling, logging outputs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from zero2all.cli import main
+from zero2all.config import ConfigError, load_config
+from zero2all.model.io import load_model
+from zero2all.train.objectives import Objective, PretrainObjective
+from zero2all.train.optim import DynamicLossScaler, LRSchedule, param_groups
+from zero2all.train.synthetic import SyntheticDataset
+from zero2all.train.trainer import Trainer, sample_continuation
+
+TINY_MODEL = ["model.vocab_size=96", "model.hidden_dim=32", "model.intermediate_size=72", "model.n_layers=2",
+              "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=24", "model.ops.rmsnorm='torch'",
+              "model.ops.rope='torch'", "model.ops.swiglu='torch'", "model.ops.cross_entropy='torch'"]
+
+
+def tiny_cfg(out_dir, *overrides):
+    base = TINY_MODEL + [f"train.out_dir='{out_dir}'", "train.device='cpu'", "train.precision='fp32'",
+                         "train.tensorboard=false", "train.max_steps=6", "train.warmup_steps=2", "train.lr=3e-3",
+                         "train.min_lr=3e-4", "train.eval_every=0", "train.ckpt_every=0", "train.num_samples=0",
+                         "train.log_every=0"]
+    return load_config(None, base + list(overrides))
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+
+
+def test_cosine_schedule_values():
+    s = LRSchedule("cosine", lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert s.lr_at(0) == pytest.approx(0.1)          # (0 + 1) / 10
+    assert s.lr_at(4) == pytest.approx(0.5)
+    assert s.lr_at(9) == pytest.approx(1.0)          # last warmup step reaches the peak
+    assert s.lr_at(59) == pytest.approx(0.55)        # p = 0.5: halfway between peak and floor
+    assert s.lr_at(34) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.25)))
+    assert s.lr_at(109) == pytest.approx(0.1)        # last step reaches min_lr
+    values = [s.lr_at(i) for i in range(10, 110)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_and_constant_schedule_values():
+    s = LRSchedule("wsd", lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, decay_fraction=0.2)
+    assert s.lr_at(0) == pytest.approx(0.1)
+    assert s.lr_at(10) == s.lr_at(50) == s.lr_at(79) == 1.0   # stable phase
+    assert s.lr_at(80) == pytest.approx(1.0 - 0.9 / 20)       # first decay step
+    assert s.lr_at(89) == pytest.approx(0.55)
+    assert s.lr_at(99) == pytest.approx(0.1)
+    c = LRSchedule("constant", lr=2.0, min_lr=0.0, warmup_steps=4, max_steps=10)
+    assert [c.lr_at(i) for i in (0, 3, 4, 9)] == [0.5, 2.0, 2.0, 2.0]
+
+
+def test_schedule_rejects_bad_values():
+    with pytest.raises(ConfigError, match="train.schedule"):
+        LRSchedule("linear", 1.0, 0.1, 0, 10)
+    with pytest.raises(ConfigError, match="train.warmup_steps"):
+        LRSchedule("cosine", 1.0, 0.1, -1, 10)
+    assert LRSchedule("cosine", 1.0, 0.1, 20, 10).lr_at(9) == pytest.approx(0.5)  # warmup longer than the run
+    with pytest.raises(ConfigError, match="train.min_lr"):
+        LRSchedule("cosine", 1.0, 2.0, 0, 10)
+
+
+# ------------------------------------------------------------------------------------------------ optimiser
+
+
+@pytest.mark.parametrize("decay_embeddings", [False, True])
+def test_weight_decay_groups(decay_embeddings):
+    from zero2all.model.z2all import build_model
+
+    cfg = load_config(None, TINY_MODEL + ["model.attention_bias=true"]).model
+    model = build_model(cfg, seed=0)
+    groups = param_groups(model, 0.1, decay_embeddings)
+    decay, no_decay = (set(g["names"]) for g in groups)
+    assert ("embed_tokens.weight" in decay) == decay_embeddings
+    assert "lm_head.weight" in decay and "layers.0.self_attn.qkv_proj.weight" in decay
+    assert "layers.1.mlp.down_proj.weight" in decay
+    assert "norm.weight" in no_decay and "layers.0.input_layernorm.weight" in no_decay
+    assert "layers.0.self_attn.qkv_proj.bias" in no_decay
+    assert sum(p.numel() for g in groups for p in g["params"]) == model.num_params()
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+
+
+def test_tied_embeddings_are_grouped_once():
+    from zero2all.model.z2all import build_model
+
+    model = build_model(load_config(None, TINY_MODEL + ["model.tie_word_embeddings=true"]).model, seed=0)
+    groups = param_groups(model, 0.1, decay_embeddings=False)
+    names = [n for g in groups for n in g["names"]]
+    assert "embed_tokens.weight" in groups[1]["names"] and "lm_head.weight" not in names
+    assert sum(p.numel() for g in groups for p in g["params"]) == model.num_params()
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+def test_start_of_run_prints(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, "train.micro_batch_size=2", "train.grad_accum_steps=16", "train.max_steps=1")
+    trainer = Trainer(cfg, show_progress=False)
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "tokens per iteration will be: 768\n" in out
+    assert "breaks down as: 16 grad accum steps * 1 processes * 2 batch size * 24 max seq len" in out
+    # 2 layers x (qkv 32x64, o 32x32, gate_up 32x144, down 72x32) + lm_head 96x32; embedding 96x32 + 5 norms of 32
+    assert "\ndecayed parameter tensors: 9, with 23,040 parameters\n" in out
+    assert "\nnon-decayed parameter tensors: 6, with 3,232 parameters\n" in out
+
+
+def test_grad_accumulation_equivalence(tmp_path):
+    """4 micro-batches of 2 with accumulation == one batch of 8 (fp32): same losses and weights."""
+    runs = {}
+    for accum, bs in ((4, 2), (1, 8)):
+        cfg = tiny_cfg(tmp_path / f"a{accum}", f"train.grad_accum_steps={accum}", f"train.micro_batch_size={bs}",
+                       "train.max_steps=4")
+        trainer = Trainer(cfg, show_progress=False)
+        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        runs[accum] = (losses, weights(trainer.raw_model), trainer.tokens_seen)
+    (l4, w4, n4), (l1, w1, n1) = runs[4], runs[1]
+    assert n4 == n1 == 4 * 8 * 24
+    assert l4 == pytest.approx(l1, rel=1e-5, abs=1e-6)
+    for k in w1:
+        torch.testing.assert_close(w4[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert not torch.equal(w1["lm_head.weight"], Trainer(tiny_cfg(tmp_path / "fresh")).raw_model.lm_head.weight)
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", "train.max_steps=40", "train.micro_batch_size=8", "train.eval_every=20",
+                   "train.eval_batches=2", "train.num_samples=2", "train.sample_new_tokens=5",
+                   "train.tensorboard=true", "train.ckpt_every=20", "train.log_every=10")
+    summary = Trainer(cfg, show_progress=False).fit()
+    out = tmp_path / "run"
+    assert summary["last_loss_mean"] < summary["first_loss_mean"] - 0.5  # learnable synthetic sequences
+    assert summary["last_eval_loss"] < summary["first_eval_loss"]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 41))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes"):
+        assert key in train[0]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [20, 40] and evals[-1]["ppl"] == pytest.approx(math.exp(evals[-1]["loss"]))
+    assert sum(r["kind"] == "sample" for r in recs) == 2
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    report = (out / "report.md").read_text()
+    assert "train loss, last" in report and "loss.png" in report
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # the final model and each checkpoint load as plain model directories
+    model = load_model(out / "final")
+    ckpt_model = load_model(out / "ckpt-000040")
+    tokens = torch.randint(0, 96, (1, 10))
+    torch.testing.assert_close(model(tokens)[0], ckpt_model(tokens)[0], rtol=0, atol=0)
+
+
+class InjectInfObjective(Objective):
+    """Pretraining loss, but the gradient of update ``bad_update`` (0-based call group) overflows."""
+
+    name = "pretrain-with-overflow"
+
+    def __init__(self, bad_update: int, accum: int):
+        self.inner, self.calls, self.bad_update, self.accum = PretrainObjective(), 0, bad_update, accum
+
+    def loss(self, model, batch):
+        loss, metrics = self.inner.loss(model, batch)
+        update = self.calls // self.accum
+        self.calls += 1
+        if update == self.bad_update:
+            loss = loss * float("inf")
+        return loss, metrics
+
+
+def test_dynamic_loss_scaler_logic():
+    s = DynamicLossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
+    assert s.update(found_inf=True) is False and s.scale == 512.0 and s.skipped_steps == 1
+    assert [s.update(found_inf=False) for _ in range(3)] == [True] * 3 and s.scale == 1024.0
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2048.0)
+    s.unscale_([p])
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+    off = DynamicLossScaler(enabled=False)
+    assert off.scale == 1.0 and off.update(found_inf=True) is False and off.update(found_inf=False) is True
+
+
+def test_fp16_skips_overflowing_step_and_recovers(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.precision='fp16'", "train.grad_accum_steps=2", "train.max_steps=5")
+    trainer = Trainer(cfg, objective=InjectInfObjective(bad_update=1, accum=2), show_progress=False)
+    assert trainer.scaler.enabled and trainer.scaler.scale == 2.0 ** 16
+    r1 = trainer.train_step()
+    w1, opt_steps = weights(trainer.raw_model), trainer.optimizer.state_dict()["state"][0]["step"].item()
+    r2 = trainer.train_step()                         # gradients are inf/nan: no update, scale halved
+    assert r2["skipped"] and r2["skipped_total"] == 1 and not math.isfinite(r2["grad_norm"])
+    assert r2["loss_scale"] == 2.0 ** 15
+    w2 = weights(trainer.raw_model)
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert trainer.optimizer.state_dict()["state"][0]["step"].item() == opt_steps
+    assert all(p.grad is None for p in trainer.raw_model.parameters())
+    r3 = trainer.train_step()                         # recovers: finite, applied
+    assert not r3["skipped"] and math.isfinite(r3["grad_norm"]) and math.isfinite(r3["loss"])
+    assert r3["loss_scale"] == 2.0 ** 15 and r3["skipped_total"] == 1
+    assert not torch.equal(w2["lm_head.weight"], trainer.raw_model.lm_head.weight)
+    assert not r1["skipped"] and r1["loss_scale"] == 2.0 ** 16
+
+
+def test_skipped_step_is_logged(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, "train.precision='fp16'", "train.max_steps=3")
+    Trainer(cfg, objective=InjectInfObjective(bad_update=1, accum=1), show_progress=False).fit()
+    assert "SKIPPED (non-finite gradients; 1 so far)" in capsys.readouterr().out
+    assert "| skipped steps (non-finite gradients) | 1 |" in (tmp_path / "report.md").read_text()
+
+
+def test_synthetic_batches_concatenate_and_ranks_are_disjoint():
+    ds = SyntheticDataset(50, 7)
+    big = next(ds.iterator(8, seed=3))
+    it = ds.iterator(2, seed=3)
+    small = [next(it) for _ in range(4)]
+    assert torch.equal(torch.cat([b["input_ids"] for b in small]), big["input_ids"])
+    assert torch.equal(big["labels"][:, :-1], big["input_ids"][:, 1:])
+    r0 = next(SyntheticDataset(50, 7, rank=0, world_size=2).iterator(4, seed=3))["input_ids"]
+    r1 = next(SyntheticDataset(50, 7, rank=1, world_size=2).iterator(4, seed=3))["input_ids"]
+    assert torch.equal(r0[0], big["input_ids"][0]) and torch.equal(r1[0], big["input_ids"][1])
+    it2 = ds.iterator(2, seed=3)
+    it2.load_state_dict(it.state_dict())
+    assert torch.equal(next(it2)["input_ids"], next(it)["input_ids"])
+
+
+def test_sampler_with_cache_matches_full_forward():
+    from zero2all.model.z2all import build_model
+
+    model = build_model(load_config(None, TINY_MODEL).model, seed=1).eval()
+    prompt = [5, 17, 3]
+    new = sample_continuation(model, prompt, 6, temperature=0.0)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):  # greedy without a cache: re-run the whole sequence each time
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert new == ids[3:]
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    assert sample_continuation(model, prompt, 6, 1.0, 10, g1) == sample_continuation(model, prompt, 6, 1.0, 10, g2)
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="train.grad_accum_steps"):
+        Trainer(tiny_cfg(tmp_path, "train.grad_accum_steps=0"))
+    with pytest.raises(ConfigError, match="train.precision"):
+        Trainer(tiny_cfg(tmp_path, "train.precision='fp8'"))
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        Trainer(tiny_cfg(tmp_path, "data.seq_len=100"))
+
+
+def test_pretrain_command(tmp_path, capsys):
+    args = ["pretrain", "--config", "tiny", "--out", str(tmp_path / "cli"), "--device", "cpu"] + TINY_MODEL + [
+        "train.max_steps=3", "train.micro_batch_size=2", "train.warmup_steps=1", "train.tensorboard=false",
+        "train.sample_new_tokens=3", "train.num_samples=1", "train.eval_batches=1"]
+    assert main(args) == 0
+    assert (tmp_path / "cli" / "ckpt-000003").is_dir() and (tmp_path / "cli" / "report.md").exists()
+    assert main(args) == 2  # the out dir holds checkpoints and --resume was not given
+    assert "--resume auto" in capsys.readouterr().err
+    assert main(args[:1] + ["--resume", "auto"] + args[1:] + ["train.max_steps=5"]) == 0
+    assert (tmp_path / "cli" / "ckpt-000005").is_dir()

@@ -1,0 +1,837 @@
+"""Training-cost accounting: parameters, FLOPs, memory, communication, MFU and time, as plain functions.
+
+Every number ``z2all estimate`` prints comes from one function below, and each function's docstring gives its
+formula. Symbols used throughout (a Llama-2 decoder, see ``zero2all/model/z2all.py``):
+
+    l  layers               h  hidden size            V  (padded) vocabulary      I  MLP intermediate size
+    a  attention heads      a_kv  key/value heads     d  head dim = h / a         q_dim = a*d, kv_dim = a_kv*d
+    b  micro-batch size     s  sequence length        t  tensor-parallel size     N  GPUs
+
+Conventions (and why):
+- FLOPs count multiply-adds as 2 and only matrix products (the elementwise work of norms, RoPE, SwiGLU and softmax
+  is < 1 % for these shapes). Attention is counted over the full s x s score matrix, as in Megatron-LM
+  (Narayanan et al. 2021) and PaLM's MFU; a causal kernel does about half of that work, so ``attention_causal=True``
+  halves the term. Backward = 2 x forward (one product for the input gradient, one for the weight gradient).
+- The MFU formula is the project's one: MFU = tokens/s * (6*N + 12*l*h*s) / peak, with N the non-embedding
+  parameters (the LM head counts) -- see :func:`mfu`. Use it everywhere a throughput is printed.
+- Memory sizes are bytes; the GPU table lists vendor memory in GB (1e9 bytes) and dense (non-sparse) bf16 tensor
+  FLOP/s from the vendors' spec sheets.
+- Nothing here imports torch except the two measurement helpers at the end, which check these formulas against
+  what autograd really saves (``saved_activation_bytes``) and what torch's FLOP counter counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from zero2all.config import ConfigError, ModelConfig
+
+GB = 1e9
+SECONDS_PER_DAY = 86400.0
+
+# --------------------------------------------------------------------------------------------------------------
+# hardware
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_bf16_flops: float   # dense tensor-core bf16 FLOP/s (fp32 accumulate), no sparsity
+    memory_bytes: float      # vendor's number, GB = 1e9 bytes
+    note: str = ""
+
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU("NVIDIA H100 SXM 80GB", 989e12, 80 * GB),
+    "h100-pcie": GPU("NVIDIA H100 PCIe 80GB", 756e12, 80 * GB),
+    "h200": GPU("NVIDIA H200 SXM 141GB", 989e12, 141 * GB),
+    "b200": GPU("NVIDIA B200 180GB", 2250e12, 180 * GB),
+    "a100": GPU("NVIDIA A100 SXM 80GB", 312e12, 80 * GB),
+    "a100-40gb": GPU("NVIDIA A100 40GB", 312e12, 40 * GB),
+    "l40s": GPU("NVIDIA L40S 48GB", 362e12, 48 * GB),
+    "a10": GPU("NVIDIA A10 24GB", 125e12, 24 * GB),
+    "l4": GPU("NVIDIA L4 24GB", 121e12, 24 * GB),
+    "4090": GPU("NVIDIA GeForce RTX 4090 24GB", 165.2e12, 24 * GB, "bf16 with fp32 accumulate"),
+    "3090": GPU("NVIDIA GeForce RTX 3090 24GB", 71e12, 24 * GB, "bf16 with fp32 accumulate"),
+    "mi300x": GPU("AMD Instinct MI300X 192GB", 1307e12, 192 * GB),
+}
+
+# substrings of torch.cuda.get_device_name() -> key of GPUS, most specific first
+_DEVICE_NAME_KEYS = [("h100 pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"), ("gh200", "h200"),
+                     ("b200", "b200"), ("a100", "a100"), ("l40s", "l40s"), ("a10g", "a10"), ("a10", "a10"),
+                     ("l4", "l4"), ("4090", "4090"), ("3090", "3090"), ("mi300x", "mi300x")]
+
+
+def get_gpu(key: str) -> GPU:
+    """The table entry for ``h100``, ``a100``, ...; a clear error lists the known keys."""
+    try:
+        return GPUS[key.lower()]
+    except KeyError:
+        raise ConfigError(f"--gpu {key!r}: unknown GPU (known: {', '.join(GPUS)})") from None
+
+
+def peak_flops_for_device_name(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a ``torch.cuda.get_device_name()`` string, or None when it is not in the table."""
+    low = device_name.lower()
+    if "a100" in low and "40gb" in low:
+        return GPUS["a100-40gb"].peak_bf16_flops
+    for needle, key in _DEVICE_NAME_KEYS:
+        if needle in low:
+            return GPUS[key].peak_bf16_flops
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parameters
+
+
+@dataclass
+class ParamCounts:
+    """Exact parameter counts by part. ``attention_*`` and ``mlp``/``norms`` are totals over all layers."""
+
+    embedding: int
+    attention_q: int
+    attention_k: int
+    attention_v: int
+    attention_o: int
+    mlp: int
+    norms: int            # 2 per layer + the final norm
+    lm_head: int          # 0 when tied to the embedding
+    per_layer: int
+    layers: int           # l * per_layer
+    total: int
+    non_embedding: int    # total minus the input embedding (the LM head counts); = total when tied
+    matmul: int           # parameters used in matrix products (everything but the embedding lookup and norms)
+    rule_of_thumb: int    # 12 * l * h^2
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Parameters of ``Z2all(cfg)`` by part, equal to ``build_model(cfg, device="meta").num_params()``.
+
+    per layer: q = h*q_dim, k = v = h*kv_dim (grouped-query attention: a_kv < a shrinks k and v), o = q_dim*h,
+               (+ q_dim + 2*kv_dim and h biases with attention_bias), MLP = 3*h*I (SwiGLU: gate, up, down),
+               2 RMSNorm weights of h.
+    model:     embedding V*h + l*per_layer + final norm h + LM head V*h (0 when tied).
+
+    The rule of thumb 12*l*h^2 assumes multi-head attention (4h^2) and a 4h GeLU MLP (8h^2); for Llama-2-7B
+    (I = 11008 ~ 8h/3 * 3 matrices ~ 8h^2) it is within 1 % of the layer parameters, for GQA models it
+    overestimates.
+    """
+    h, l, V, I = cfg.hidden_dim, cfg.n_layers, cfg.padded_vocab_size, cfg.intermediate_size
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    bias = cfg.attention_bias
+    q = h * q_dim + (q_dim if bias else 0)
+    k = h * kv_dim + (kv_dim if bias else 0)
+    v = h * kv_dim + (kv_dim if bias else 0)
+    o = q_dim * h + (h if bias else 0)
+    mlp = 3 * h * I
+    norms_layer = 2 * h
+    per_layer = q + k + v + o + mlp + norms_layer
+    embedding = V * h
+    lm_head = 0 if cfg.tie_word_embeddings else V * h
+    total = embedding + l * per_layer + h + lm_head
+    non_embedding = total - embedding if not cfg.tie_word_embeddings else total
+    matmul = l * (q + k + v + o + mlp) + V * h
+    return ParamCounts(embedding=embedding, attention_q=l * q, attention_k=l * k, attention_v=l * v,
+                       attention_o=l * o, mlp=l * mlp, norms=l * norms_layer + h, lm_head=lm_head,
+                       per_layer=per_layer, layers=l * per_layer, total=total, non_embedding=non_embedding, matmul=matmul,
+                       rule_of_thumb=12 * l * h * h)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, attention_causal: bool = False) -> dict:
+    """Forward matmul FLOPs per token, by part (GQA- and SwiGLU-aware):
+
+        qkv       2 * h * (q_dim + 2*kv_dim)        per layer
+        o         2 * q_dim * h                     per layer
+        attention 4 * s * q_dim                     per layer (q k^T and p v over the full s x s; /2 if causal)
+        mlp       2 * 3 * h * I                     per layer
+        lm_head   2 * h * V
+
+    For multi-head attention and a 4h two-matrix MLP this is Megatron's l*(24*h^2 + 4*s*h) + 2*h*V per token
+    (see :func:`megatron_flops_per_step`).
+    """
+    h, l, V, I = cfg.hidden_dim, cfg.n_layers, cfg.padded_vocab_size, cfg.intermediate_size
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attention = 4 * seq_len * q_dim * (0.5 if attention_causal else 1.0)
+    parts = {
+        "qkv": l * 2 * h * (q_dim + 2 * kv_dim),
+        "o": l * 2 * q_dim * h,
+        "attention": l * attention,
+        "mlp": l * 2 * 3 * h * I,
+        "lm_head": 2 * h * V,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention_causal: bool = False) -> float:
+    """Forward + backward FLOPs per token = 3 x :func:`forward_flops_per_token` (backward does two products per
+    forward product: the input gradient and the weight gradient)."""
+    return 3 * forward_flops_per_token(cfg, seq_len, attention_causal)["total"]
+
+
+def training_flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, attention_causal: bool = False) -> float:
+    """FLOPs of one optimizer step over ``batch_size`` sequences of ``seq_len`` (all micro-batches, all GPUs)."""
+    return batch_size * seq_len * training_flops_per_token(cfg, seq_len, attention_causal)
+
+
+def flops_6nd(n_params: float, n_tokens: float) -> float:
+    """Kaplan et al.'s training-compute approximation C = 6 * N * D (2 forward + 4 backward per parameter/token)."""
+    return 6.0 * n_params * n_tokens
+
+
+def megatron_flops_per_step(batch_size: int, seq_len: int, hidden: int, n_layers: int, vocab: int) -> float:
+    """Narayanan et al. (2021)'s forward FLOPs of a GPT step, l*(24*b*s*h^2 + 4*b*s^2*h) + 2*b*s*h*V, times 3
+    for forward + backward (multi-head attention, 4h GeLU MLP; no activation recomputation)."""
+    b, s, h, l, V = batch_size, seq_len, hidden, n_layers, vocab
+    return 3.0 * (l * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * V)
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The project's model FLOPs per trained token: 6*N + 12*l*h*s, N = non-embedding parameters (LM head counts).
+
+    6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products (3 x 4*s*q_dim
+    with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs per norm weight).
+    """
+    return 6.0 * param_counts(cfg).non_embedding + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
+
+
+def mfu(tokens_per_s: float, cfg, seq_len: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: tokens/s * (6*N + 12*l*h*s) / peak, as a fraction (0.42 = 42 %).
+
+    ``cfg`` is a ModelConfig (or a Config, whose ``.model`` is used); ``peak_flops`` is the peak of ALL devices
+    the tokens/s were measured on (n_gpus * 989e12 for H100s in bf16). Printed the same way everywhere.
+    """
+    cfg = getattr(cfg, "model", cfg)
+    if peak_flops <= 0:
+        raise ValueError(f"mfu: peak_flops must be positive, got {peak_flops}")
+    return tokens_per_s * mfu_flops_per_token(cfg, seq_len) / peak_flops
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory: model states
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter for weights, gradients and optimizer state (AdamW), and per activation element."""
+
+    name: str
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    autocast_weight_copies: bool   # autocast keeps a bf16 copy of each matmul weight from forward to backward
+    description: str
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16-amp": Precision("bf16-amp", 4, 4, 8, 2, True,
+                          "fp32 weights/grads, AdamW m+v fp32, bf16 autocast (this project's trainer): 16 B/param"),
+    "bf16-mixed": Precision("bf16-mixed", 2, 2, 12, 2, False,
+                            "bf16 weights/grads, fp32 master + m + v in the optimizer (ZeRO paper): 16 B/param"),
+    "fp32": Precision("fp32", 4, 4, 8, 4, False, "everything fp32: 16 B/param, 4-byte activations"),
+}
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ConfigError(f"precision {name!r}: unknown (known: {', '.join(PRECISIONS)})") from None
+
+
+def model_state_bytes(n_params: float, precision: str = "bf16-amp", zero: int = 0, dp: int = 1) -> dict:
+    """Weights, gradients and AdamW states per GPU for ``n_params`` parameters replicated over ``dp`` GPUs.
+
+    ZeRO (Rajbhandari et al. 2020) shards over the data-parallel group: stage 1 the optimizer states, stage 2 also
+    the gradients, stage 3 also the weights:
+        weights    = P * w / (dp if zero >= 3 else 1)
+        gradients  = P * g / (dp if zero >= 2 else 1)
+        optimizer  = P * o / (dp if zero >= 1 else 1)
+    with (w, g, o) = (4, 4, 8) for fp32 and bf16-amp, (2, 2, 12) for bf16-mixed: 16 bytes per parameter either way.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {zero}: must be 0, 1, 2 or 3")
+    if dp < 1:
+        raise ConfigError(f"data-parallel size must be >= 1, got {dp}")
+    p = get_precision(precision)
+    weights = n_params * p.weight_bytes / (dp if zero >= 3 else 1)
+    grads = n_params * p.grad_bytes / (dp if zero >= 2 else 1)
+    optimizer = n_params * p.optimizer_bytes / (dp if zero >= 1 else 1)
+    return {"weights": weights, "gradients": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+
+def largest_trainable_params(gpu_memory_bytes: float, n_gpus: int, zero: int, precision: str = "bf16-amp") -> float:
+    """Largest parameter count whose weights + gradients + AdamW states fit (activations and buffers ignored):
+    memory / (w/s3 + g/s2 + o/s1), s_k = n_gpus when the ZeRO stage shards that part, else 1."""
+    per_param = model_state_bytes(1.0, precision, zero, n_gpus)["total"]
+    return gpu_memory_bytes / per_param
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory: activations
+
+
+def korthikanti_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, n_heads: int, tp: int = 1,
+                                           sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes of ONE GPT layer as published by Korthikanti et al. (2022), Table 2 (16-bit activations,
+    1-byte dropout masks, multi-head attention, 4h GeLU MLP, attention scores materialised):
+
+        no parallelism                  s*b*h * (34 + 5*a*s/h)
+        tensor parallel t               s*b*h * (10 + 24/t + 5*a*s/(h*t))
+        tensor + sequence parallel      s*b*h/t * (34 + 5*a*s/h)
+        selective recompute (+TP)       s*b*h * (10 + 24/t)        (with SP: 34*s*b*h/t)
+        full recompute                  2*s*b*h                    (with SP: 2*s*b*h/t; only the layer input)
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, n_heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        return 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    if recompute != "none":
+        raise ConfigError(f"recompute {recompute!r}: not one of none, selective, full")
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf16-amp", tp: int = 1,
+                                         sequence_parallel: bool = False, recompute: str = "none",
+                                         fused_kernels: bool = True, kv_repeated: bool = False) -> dict:
+    """Bytes autograd keeps per token for one Z2all block, by tensor (the Korthikanti et al. method applied to
+    this model: RMSNorm, RoPE, SwiGLU, GQA, a flash-type attention kernel that stores no s x s matrix).
+
+    e = activation bytes (2 in bf16), r = residual-stream bytes (4 with ``residual_in_fp32``, else e):
+
+        attention norm   r*h + 4        residual input + 1/rms        (torch path also keeps the fp32 normalised
+        mlp norm         r*h + 4        same                           value: + 4*h each)
+        qkv input        e*h            the normed activation the projection needs for its weight gradient
+        q, k, v          e*(q_dim + kv_dim) + e*(q_dim + 2*kv_dim)
+                                        the attention kernel saves the rotated q and k (new tensors) and v, a
+                                        view that keeps the whole fused qkv output alive; when K/V heads are
+                                        repeated for GQA (``kv_repeated``: CPU SDPA, torch < 2.5) it saves the
+                                        repeated copies instead: e*3*q_dim
+        attn out + lse   e*q_dim + 4*a  kernel output (also the o projection's input) + log-sum-exp per head
+        gate_up input    e*h
+        gate|up          2*e*I          SwiGLU's input (the fused kernel recomputes silu in backward)
+        down input       e*I            silu(gate)*up             (torch path also keeps silu(gate): + e*I)
+        dropout masks    h per dropout  (1 byte, only when dropout1/dropout2 > 0)
+
+    Tensor parallelism shards everything between the two projections of each sub-block (q, k, v, attention out,
+    gate|up, down input) by t; sequence parallelism shards the rest (norm inputs, projection inputs) by t as
+    well. Recompute: ``selective`` re-runs the attention core in backward (its out/lse are not kept; the s x s
+    terms Korthikanti removes do not exist with a flash kernel), ``full`` keeps only the block's inputs
+    (x: e*h and the residual: r*h).
+    """
+    p = get_precision(precision)
+    e = p.activation_bytes
+    r = 4 if (cfg.residual_in_fp32 or e == 4) else e
+    h, a, I = cfg.hidden_dim, cfg.n_heads, cfg.intermediate_size
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    if kv_repeated and kv_dim < q_dim:
+        qkv_saved = e * 3 * q_dim
+    else:
+        qkv_saved = e * (q_dim + kv_dim) + e * (q_dim + 2 * kv_dim)
+    t = tp
+    sp = t if sequence_parallel else 1
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"recompute {recompute!r}: not one of none, selective, full")
+    if recompute == "full":
+        parts = {"block inputs": (e * h + r * h) / sp}
+        parts["total"] = sum(parts.values())
+        return parts
+    norm_extra = 0 if fused_kernels else 4 * h
+    parts = {
+        "norms": 2 * (r * h + 4 + norm_extra) / sp,
+        "projection inputs": 2 * e * h / sp,                      # qkv input, gate_up input
+        "q, k, v": qkv_saved / t,
+        "attention out + lse": (e * q_dim + (0 if recompute == "selective" else 4 * a)) / t,
+        "gate|up": 2 * e * I / t,
+        "down input": (e * I + (0 if fused_kernels else e * I)) / t,
+    }
+    masks = (h if cfg.dropout1 else 0) + (h if cfg.dropout2 else 0)
+    if masks:
+        parts["dropout masks"] = masks / sp
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def head_activation_bytes_per_token(cfg: ModelConfig, precision: str = "bf16-amp", fused_cross_entropy: bool = True,
+                                    fused_kernels: bool = True) -> dict:
+    """Activations outside the blocks, per token: token ids (8, for the embedding gradient), final norm
+    (r*h + 4, + 4*h on the torch path), LM-head input (e*h), and without the fused linear-cross-entropy the
+    fp32 log-softmax of the logits (4*V) that cross-entropy keeps for backward. (The bf16 logits themselves, e*V,
+    are the forward's output and live as long as the caller holds them; see :func:`peak_memory_bytes`.)"""
+    p = get_precision(precision)
+    e = p.activation_bytes
+    r = 4 if (cfg.residual_in_fp32 or e == 4) else e
+    h, V = cfg.hidden_dim, cfg.padded_vocab_size
+    parts = {"token ids": 8, "final norm": r * h + 4 + (0 if fused_kernels else 4 * h), "lm_head input": e * h}
+    if not fused_cross_entropy:
+        parts["log-softmax (fp32)"] = 4 * V
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def autocast_weight_copy_bytes(cfg: ModelConfig, precision: str = "bf16-amp", tp: int = 1, pp: int = 1,
+                               zero: int = 0, fused_cross_entropy: bool = False) -> float:
+    """bf16 copies of the matmul weights that autocast makes in forward and autograd keeps until backward:
+    2 bytes per matmul parameter of this GPU's shard (under ZeRO-3 only the ~2 layers being gathered). The fused
+    linear-cross-entropy takes the LM head's weight as it is, so its copy is left out then."""
+    if not get_precision(precision).autocast_weight_copies:
+        return 0.0
+    pc = param_counts(cfg)
+    layer_matmul = (pc.attention_q + pc.attention_k + pc.attention_v + pc.attention_o + pc.mlp) / cfg.n_layers
+    if zero >= 3:
+        return 2.0 * 2 * layer_matmul / tp
+    layers = math.ceil(cfg.n_layers / pp)
+    head = 0 if fused_cross_entropy else cfg.padded_vocab_size * cfg.hidden_dim
+    return 2.0 * (layers * layer_matmul + head) / tp
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parallel layout, peak memory, largest micro-batch
+
+
+def params_per_gpu(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> float:
+    """Parameters one GPU holds before ZeRO sharding: the worst pipeline stage (ceil(l/pp) layers plus the
+    embedding on the first stage or the LM head + final norm on the last), matmul weights and embedding split by
+    tp (vocab-parallel), norm weights replicated."""
+    pc = param_counts(cfg)
+    h, l = cfg.hidden_dim, cfg.n_layers
+    layer_matmul = pc.per_layer - 2 * h
+    layers = math.ceil(l / pp)
+    body = layers * (layer_matmul / tp + 2 * h)
+    first = pc.embedding / tp
+    last = pc.lm_head / tp + h
+    if pp == 1:
+        return body + first + last
+    return body + max(first, last)
+
+
+def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: int = 1, precision: str = "bf16-amp",
+                      zero: int = 0, tp: int = 1, pp: int = 1, grad_accum_steps: int = 1, recompute: str = "none",
+                      sequence_parallel: bool | None = None, fused_kernels: bool = True,
+                      fused_cross_entropy: bool = True) -> dict:
+    """Predicted peak memory of one GPU during a training step, by part:
+
+        model states      :func:`model_state_bytes` of :func:`params_per_gpu` over dp = n_gpus / (tp*pp)
+        weight copies     :func:`autocast_weight_copy_bytes`
+        activations       b*s * (layers_on_gpu * per-layer + head) * in-flight micro-batches (1F1B keeps
+                          min(pp, grad_accum) micro-batches on the first stage); with full recompute one block's
+                          full activations are rebuilt during its backward and are added once
+        logits            without the fused loss: the bf16 logits the forward returns (e*V per token) and, at the
+                          start of backward, two fp32 gradients of the log-softmax (8*V per token)
+
+    The peak is at the start of backward: every activation alive, and the gradients only if they survive between
+    backward passes (gradient accumulation, ``grad_accum_steps > 1``); with one micro-batch per step they are
+    created while activations are freed, so the peak is max(that, weights + gradients + optimizer).
+    """
+    if n_gpus % (tp * pp):
+        raise ConfigError(f"--gpus {n_gpus} is not divisible by tp*pp = {tp * pp}")
+    if sequence_parallel is None:
+        sequence_parallel = tp > 1
+    dp = n_gpus // (tp * pp)
+    p = get_precision(precision)
+    states = model_state_bytes(params_per_gpu(cfg, tp, pp), precision, zero, dp)
+    copies = autocast_weight_copy_bytes(cfg, precision, tp, pp, zero, fused_cross_entropy)
+    tokens = micro_batch * seq_len
+    layers = math.ceil(cfg.n_layers / pp)
+    per_layer = activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, recompute,
+                                                     fused_kernels)["total"]
+    head = head_activation_bytes_per_token(cfg, precision, fused_cross_entropy, fused_kernels)["total"]
+    in_flight = min(pp, grad_accum_steps) if pp > 1 else 1
+    activations = in_flight * tokens * (layers * per_layer + head / (tp if sequence_parallel else 1))
+    if recompute == "full":
+        activations += tokens * activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, "none",
+                                                                     fused_kernels)["total"]
+    logits = 0.0 if fused_cross_entropy else tokens * cfg.padded_vocab_size * (p.activation_bytes + 8) / tp
+    grads_at_peak = states["gradients"] if grad_accum_steps > 1 else 0.0
+    at_backward_start = states["weights"] + states["optimizer"] + grads_at_peak + copies + activations + logits
+    total = max(at_backward_start, states["total"])
+    return {"weights": states["weights"], "gradients": states["gradients"], "optimizer": states["optimizer"],
+            "model_states": states["total"], "weight_copies": copies, "activations": activations,
+            "logits": logits, "total": total}
+
+
+def max_micro_batch(cfg: ModelConfig, seq_len: int, gpu_memory_bytes: float, reserve_bytes: float = 2 * GB,
+                    **layout) -> int:
+    """Largest micro-batch whose :func:`peak_memory_bytes` fits in ``gpu_memory_bytes - reserve_bytes`` (the
+    reserve covers the CUDA context, allocator fragmentation and workspaces); 0 if not even one sequence fits.
+    ``layout`` takes the keyword arguments of :func:`peak_memory_bytes` (n_gpus, precision, zero, tp, ...)."""
+    budget = gpu_memory_bytes - reserve_bytes
+
+    def fits(b: int) -> bool:
+        return peak_memory_bytes(cfg, b, seq_len, **layout)["total"] <= budget
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi):  # peak memory grows with the micro-batch: double, then bisect
+        hi *= 2
+        if hi > 1 << 24:
+            return hi
+    lo = hi // 2  # fits(lo) and not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --------------------------------------------------------------------------------------------------------------
+# communication
+
+
+def ring_all_reduce_factor(n: int) -> float:
+    """Bytes a GPU sends per byte of buffer in a ring all-reduce: 2(n-1)/n (reduce-scatter + all-gather)."""
+    return 2.0 * (n - 1) / n if n > 1 else 0.0
+
+
+def ring_gather_factor(n: int) -> float:
+    """Bytes sent per buffer byte in a ring reduce-scatter or all-gather: (n-1)/n."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def data_parallel_comm_bytes(n_params: float, dp: int, zero: int = 0, precision: str = "bf16-amp",
+                             grad_accum_steps: int = 1) -> dict:
+    """Bytes each GPU sends per optimizer step for data parallelism over ``dp`` GPUs, P params, M micro-steps,
+    gradients of g bytes and weights of w bytes (ring collectives):
+
+        DDP (zero 0)  all-reduce grads once per step (no_sync during accumulation)   2(dp-1)/dp * P*g
+        ZeRO-1        reduce-scatter grads once + all-gather updated weights          (dp-1)/dp * P*(g + w)
+        ZeRO-2        reduce-scatter grads every micro-step + all-gather weights      (dp-1)/dp * P*(M*g + w)
+        ZeRO-3        per micro-step all-gather weights for forward and for backward
+                      and reduce-scatter grads                                        (dp-1)/dp * M*P*(2w + g)
+
+    With g = w and M = 1 this is the ZeRO paper's 2P (stages 0-2) and 3P (stage 3).
+    """
+    p = get_precision(precision)
+    g, w, M = p.grad_bytes, p.weight_bytes, grad_accum_steps
+    f = ring_gather_factor(dp)
+    if zero == 0:
+        sent = ring_all_reduce_factor(dp) * n_params * g
+    elif zero == 1:
+        sent = f * n_params * (g + w)
+    elif zero == 2:
+        sent = f * n_params * (M * g + w)
+    elif zero == 3:
+        sent = f * M * n_params * (2 * w + g)
+    else:
+        raise ConfigError(f"--zero {zero}: must be 0, 1, 2 or 3")
+    return {"bytes_per_step": sent, "collective": ["all-reduce", "reduce-scatter + all-gather",
+                                                   "reduce-scatter + all-gather", "all-gather x2 + reduce-scatter"][zero]}
+
+
+def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, grad_accum_steps: int = 1,
+                               precision: str = "bf16-amp", recompute: str = "none", pp: int = 1) -> float:
+    """Bytes each GPU sends per optimizer step for Megatron tensor parallelism: per block and micro-batch two
+    all-reduces of the b*s*h activation in forward and two in backward (with sequence parallelism each becomes an
+    all-gather + reduce-scatter of the same total volume), each 2(t-1)/t * b*s*h*e; full recompute re-runs the
+    forward's two: 4 -> 6."""
+    e = get_precision(precision).activation_bytes
+    n_collectives = 6 if recompute == "full" else 4
+    layers = math.ceil(cfg.n_layers / pp)
+    return (grad_accum_steps * layers * n_collectives * ring_all_reduce_factor(tp)
+            * micro_batch * seq_len * cfg.hidden_dim * e)
+
+
+def pipeline_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, pp: int, grad_accum_steps: int = 1,
+                        precision: str = "bf16-amp", tp: int = 1, sequence_parallel: bool = True) -> float:
+    """Bytes an inner pipeline stage sends per step: each micro-batch's b*s*h activation forward and its gradient
+    backward (2 * M * b*s*h*e), divided by t with sequence parallelism."""
+    if pp <= 1:
+        return 0.0
+    e = get_precision(precision).activation_bytes
+    return 2.0 * grad_accum_steps * micro_batch * seq_len * cfg.hidden_dim * e / (tp if sequence_parallel else 1)
+
+
+def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a GPipe / 1F1B schedule with K stages and M micro-batches: (K-1)/(K+M-1).
+    (Equivalently the bubble is (K-1)/M of the ideal compute time.)"""
+    if stages < 1 or micro_batches < 1:
+        raise ConfigError("pipeline: stages and micro-batches must be >= 1")
+    return (stages - 1) / (stages + micro_batches - 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# time
+
+
+def training_seconds(total_flops: float, n_gpus: int, peak_flops_per_gpu: float, mfu_fraction: float) -> float:
+    """Wall time = FLOPs / (n_gpus * peak * MFU)."""
+    if not 0 < mfu_fraction <= 1:
+        raise ConfigError(f"--mfu {mfu_fraction}: must be in (0, 1]")
+    return total_flops / (n_gpus * peak_flops_per_gpu * mfu_fraction)
+
+
+def training_days(n_tokens: float, flops_per_token: float, n_gpus: int, peak_flops_per_gpu: float,
+                  mfu_fraction: float) -> float:
+    """Days to train on D tokens: D * flops_per_token / (n_gpus * peak * MFU) / 86400. With flops_per_token = 6N
+    this is the 6ND estimate; :func:`mfu_flops_per_token` adds the attention term."""
+    return training_seconds(n_tokens * flops_per_token, n_gpus, peak_flops_per_gpu, mfu_fraction) / SECONDS_PER_DAY
+
+
+def step_seconds(cfg: ModelConfig, tokens_per_step: float, seq_len: int, n_gpus: int, peak_flops_per_gpu: float,
+                 mfu_fraction: float) -> float:
+    """Predicted time of one optimizer step at a given MFU: tokens_per_step * (6N + 12lhs) / (n * peak * MFU)."""
+    return training_seconds(tokens_per_step * mfu_flops_per_token(cfg, seq_len), n_gpus, peak_flops_per_gpu,
+                            mfu_fraction)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the whole estimate (what `z2all estimate` prints)
+
+
+@dataclass
+class Layout:
+    gpus: int = 1
+    gpu: str = "h100"
+    tokens: float | None = None        # None = 20 tokens per parameter (Chinchilla-optimal)
+    mfu: float = 0.4
+    zero: int = 0
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum_steps: int = 1
+    recompute: str = "none"
+    precision: str = "bf16-amp"
+    sequence_parallel: bool | None = None
+    fused_kernels: bool = True
+    fused_cross_entropy: bool = True
+
+    def validate(self) -> None:
+        for name in ("gpus", "tp", "pp", "micro_batch", "seq_len", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.gpus % (self.tp * self.pp):
+            raise ConfigError(f"--gpus {self.gpus} is not divisible by --tp {self.tp} x --pp {self.pp}")
+        if self.tokens is not None and self.tokens <= 0:
+            raise ConfigError(f"--tokens: must be positive, got {self.tokens}")
+        get_gpu(self.gpu)
+        get_precision(self.precision)
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero {self.zero}: must be 0, 1, 2 or 3")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"--recompute {self.recompute!r}: not one of none, selective, full")
+        if not 0 < self.mfu <= 1:
+            raise ConfigError(f"--mfu {self.mfu}: must be in (0, 1]")
+
+
+def estimate(cfg: ModelConfig, layout: Layout) -> dict:
+    """Everything at once for one model and one cluster layout, as a JSON-ready dict."""
+    layout.validate()
+    gpu = get_gpu(layout.gpu)
+    L = layout
+    sp = (L.tp > 1) if L.sequence_parallel is None else L.sequence_parallel
+    dp = L.gpus // (L.tp * L.pp)
+    pc = param_counts(cfg)
+    tokens = L.tokens if L.tokens is not None else 20.0 * pc.total
+    fwd = forward_flops_per_token(cfg, L.seq_len)
+    per_token_mfu = mfu_flops_per_token(cfg, L.seq_len)
+    tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
+    mem_kw = dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
+                  grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
+                  fused_kernels=L.fused_kernels, fused_cross_entropy=L.fused_cross_entropy)
+    memory = peak_memory_bytes(cfg, L.micro_batch, L.seq_len, **mem_kw)
+    per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels)
+    shard = params_per_gpu(cfg, L.tp, L.pp)
+    comm = {
+        "data_parallel": data_parallel_comm_bytes(shard, dp, L.zero, L.precision, L.grad_accum_steps),
+        "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.tp,
+                                                                     L.grad_accum_steps, L.precision, L.recompute,
+                                                                     L.pp),
+        "pipeline_bytes_per_step": pipeline_comm_bytes(cfg, L.micro_batch, L.seq_len, L.pp, L.grad_accum_steps,
+                                                       L.precision, L.tp, sp),
+    }
+    bubble = pipeline_bubble_fraction(L.pp, L.grad_accum_steps)
+    step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
+    return {
+        "layout": asdict(L) | {"dp": dp, "sequence_parallel": sp,
+                                                                           "tokens": tokens},
+        "gpu": asdict(gpu),
+        "params": pc.as_dict(),
+        "flops": {
+            "forward_per_token": fwd,
+            "training_per_token": 3 * fwd["total"],
+            "mfu_per_token (6N+12lhs)": per_token_mfu,
+            "6N_per_token": 6.0 * pc.non_embedding,
+            "per_step": tokens_per_step * per_token_mfu,
+            "total_6ND (N=all params)": flops_6nd(pc.total, tokens),
+            "total": tokens * per_token_mfu,
+        },
+        "memory_per_gpu": memory | {
+            "gpu_memory": gpu.memory_bytes,
+            "fits": memory["total"] <= gpu.memory_bytes - 2 * GB,
+            "params_on_gpu_before_zero": shard,
+            "activation_per_token_per_layer": per_layer,
+            "korthikanti_per_layer (GPT formula)": korthikanti_activation_bytes_per_layer(
+                L.seq_len, L.micro_batch, cfg.hidden_dim, cfg.n_heads, L.tp, sp, L.recompute),
+            "max_micro_batch": max_micro_batch(cfg, L.seq_len, gpu.memory_bytes, **mem_kw),
+        },
+        "communication": comm,
+        "pipeline_bubble": bubble,
+        "time": {
+            "tokens_per_step": tokens_per_step,
+            "step_seconds": step_s,
+            "tokens_per_second": tokens_per_step / step_s,
+            "steps": tokens / tokens_per_step,
+            "days": training_days(tokens, per_token_mfu, L.gpus, gpu.peak_bf16_flops, L.mfu),
+            "days_6ND": training_days(tokens, 6.0 * pc.total, L.gpus, gpu.peak_bf16_flops, L.mfu),
+            "gpu_hours": training_seconds(tokens * per_token_mfu, L.gpus, gpu.peak_bf16_flops, L.mfu)
+            * L.gpus / 3600,
+        },
+    }
+
+
+def _si(x: float, unit: str = "") -> str:
+    for div, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {suffix}{unit}"
+    return f"{x:.3g} {unit}".rstrip()
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def format_estimate(est: dict, name: str = "") -> str:
+    """The readable table ``z2all estimate`` prints."""
+    L, p, f, m, c, t = est["layout"], est["params"], est["flops"], est["memory_per_gpu"], est["communication"], \
+        est["time"]
+    rows: list[tuple[str, str]] = []
+
+    def section(title):
+        rows.append((f"-- {title}", ""))
+
+    section(f"model {name}".strip())
+    rows += [("parameters", f"{p['total']:,} ({_si(p['total'])})"),
+             ("  embedding", f"{p['embedding']:,}"),
+             ("  attention q / k / v / o", f"{p['attention_q']:,} / {p['attention_k']:,} / {p['attention_v']:,} / "
+                                           f"{p['attention_o']:,}"),
+             ("  mlp (gate, up, down)", f"{p['mlp']:,}"),
+             ("  norms", f"{p['norms']:,}"),
+             ("  lm head", f"{p['lm_head']:,}" + (" (tied)" if p["lm_head"] == 0 else "")),
+             ("non-embedding (N)", f"{p['non_embedding']:,}"),
+             ("rule of thumb 12*l*h^2", f"{p['rule_of_thumb']:,} (exact, all layers: {p['layers']:,})")]
+    section(f"FLOPs (seq {L['seq_len']})")
+    fw = f["forward_per_token"]
+    rows += [("forward / token", f"{_si(fw['total'], 'FLOP')} (qkv {_si(fw['qkv'])}, o {_si(fw['o'])}, "
+                                 f"attn {_si(fw['attention'])}, mlp {_si(fw['mlp'])}, head {_si(fw['lm_head'])})"),
+             ("train / token (3x fwd)", _si(f["training_per_token"], "FLOP")),
+             ("MFU FLOPs / token 6N+12lhs", f"{_si(f['mfu_per_token (6N+12lhs)'], 'FLOP')} "
+                                            f"(6N alone {_si(f['6N_per_token'], 'FLOP')})"),
+             ("per step", f"{f['per_step']:.3g} FLOP"),
+             (f"total for {L['tokens']:.3g} tokens", f"{f['total']:.3g} FLOP "
+                                                     f"(6ND with all parameters: {f['total_6ND (N=all params)']:.3g})")]
+    zero = L["zero"]
+    section(f"memory per GPU ({L['precision']}, ZeRO-{zero}, dp {L['dp']} x tp {L['tp']} x pp {L['pp']}, "
+            f"micro-batch {L['micro_batch']}, recompute {L['recompute']})")
+    rows += [("weights", _gb(m["weights"])), ("gradients", _gb(m["gradients"])),
+             ("optimizer (AdamW)", _gb(m["optimizer"])),
+             ("bf16 weight copies", _gb(m["weight_copies"])),
+             ("activations", f"{_gb(m['activations'])} "
+                             f"({m['activation_per_token_per_layer']['total']:,.0f} B/token/layer = "
+                             f"{_gb(m['activation_per_token_per_layer']['total'] * L['micro_batch'] * L['seq_len'])}"
+                             f"/layer; Korthikanti's GPT formula, s x s scores kept: "
+                             f"{_gb(m['korthikanti_per_layer (GPT formula)'])}/layer)"),
+             ("logits", _gb(m["logits"])),
+             ("total", f"{_gb(m['total'])} of {_gb(m['gpu_memory'])} -> "
+                       f"{'fits' if m['fits'] else 'DOES NOT FIT'}"),
+             ("largest micro-batch that fits", str(m["max_micro_batch"]))]
+    section("communication per GPU per step")
+    rows += [(f"data parallel ({c['data_parallel']['collective']})", _gb(c["data_parallel"]["bytes_per_step"])),
+             ("tensor parallel", _gb(c["tensor_parallel_bytes_per_step"])),
+             ("pipeline p2p", _gb(c["pipeline_bytes_per_step"])),
+             ("pipeline bubble (K-1)/(K+M-1)", f"{est['pipeline_bubble'] * 100:.1f} %")]
+    section(f"time ({L['gpus']} x {L['gpu']}, MFU {L['mfu'] * 100:.0f} %)")
+    rows += [("tokens / step", f"{t['tokens_per_step']:,}"),
+             ("step time", f"{t['step_seconds']:.3f} s"),
+             ("throughput", f"{t['tokens_per_second']:,.0f} tokens/s"),
+             ("steps", f"{t['steps']:,.0f}"),
+             ("training time", f"{t['days']:,.1f} days (6ND: {t['days_6ND']:,.1f} days), "
+                               f"{t['gpu_hours']:,.0f} GPU-hours")]
+    width = max(len(k) for k, _ in rows if not k.startswith("--"))
+    return "\n".join(k if k.startswith("--") else f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measurement helpers (used by tests and benchmarks/accounting_check.py to check the formulas above)
+
+
+def _is_parameter_copy(t) -> bool:
+    """True when ``t`` is a cast / transpose / view of a parameter (autocast's bf16 weight copy): its autograd
+    history is a chain of such nodes ending at a parameter's gradient accumulator."""
+    fn = t.grad_fn
+    for _ in range(6):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name not in _COPY_NODES:
+            return False
+        nexts = [f for f, _ in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return False
+        fn = nexts[0]
+    return False
+
+
+_COPY_NODES = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+               "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0"}
+
+
+def saved_activation_bytes(model, tokens, targets, autocast_dtype=None) -> dict:
+    """Run one forward of ``model`` and measure what autograd keeps for backward, with saved_tensors_hooks.
+
+    Each saved tensor's storage is counted once (views share storage). Storages of parameters are left out;
+    tensors that are casts of parameters (autocast's bf16 weight copies) are counted apart.
+    Returns {"activations", "weight_copies", "tensors"} (bytes, bytes, number of storages).
+    """
+    import torch
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in param_ptrs and key not in seen:
+            seen[key] = (storage.nbytes(), _is_parameter_copy(t))
+        return t
+
+    device_type = tokens.device.type
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            _, loss = model(tokens, targets)
+    del loss
+    acts = sum(n for n, c in seen.values() if not c)
+    copies = sum(n for n, c in seen.values() if c)
+    return {"activations": acts, "weight_copies": copies, "tensors": len(seen)}
+
+
+def measured_flops(model, tokens, targets, backward: bool) -> int:
+    """Total FLOPs torch's FlopCounterMode counts for one forward (and backward) of ``model``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _, loss = model(tokens, targets)
+        if backward:
+            loss.backward()
+    return counter.get_total_flops()

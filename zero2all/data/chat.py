@@ -1,0 +1,356 @@
+"""Chat data for post-training: records -> chat-template token ids with assistant-only labels, packing, DPO pairs.
+
+Record formats (JSON lines; one record per line)::
+
+    instruction   {"instruction": "...", "input": "...", "output": "...", "system": "..."}   (input, system optional)
+    conversation  {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    preference    {"prompt": "..." or "conversations": [...], "chosen": ..., "rejected": ...}
+                  (chosen / rejected: a string, an assistant message, or a list of messages to append)
+
+Rendering uses the tokenizer's chat template (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message) through
+``tokenizer.apply_chat_template`` only, so training sees exactly the ids inference will build. Each message's ids
+are the difference between the template of the conversation up to it and up to the one before it, and an
+assistant message's header (``<|im_start|>assistant\\n``) is the generation prompt: so the labels cover precisely
+what the model must produce after the generation prompt, i.e. the assistant's content and its ``<|im_end|>``.
+Everything else (system, user, headers, the newline after ``<|im_end|>``) gets label -100 (ignored by the loss).
+
+``labels`` are aligned with ``input_ids`` (labels[j] is input_ids[j] or -100); training shifts them per sample
+(tokens = ids[:-1], targets = labels[1:]) before packing, so no target ever crosses from one sample into the next.
+
+Packing puts several samples in one row of ``seq_len`` tokens with per-sample document ids (attention stays inside
+a sample: the model's ``doc_ids``) and positions restarting at 0 for each sample (the model's ``position_ids``);
+the packed loss then equals the loss of the samples run one by one (the mean over all assistant tokens). (RoPE
+scores depend only on position differences, so restarting positions changes little in exact arithmetic; it keeps
+the rounding, and dynamic NTK scaling, exactly as for a sample alone.)
+Padding puts one sample per row instead. Bad records raise :class:`ChatDataError` naming ``file:line`` or are
+counted and skipped (``on_error="skip"``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+
+
+class ChatDataError(ValueError):
+    """A record is malformed; the message starts with ``file:line``."""
+
+
+@dataclass
+class SFTSample:
+    input_ids: list[int]
+    labels: list[int]          # aligned with input_ids; IGNORE_INDEX where no loss is taken
+
+    @property
+    def num_label_tokens(self) -> int:
+        return sum(1 for t in self.labels if t != IGNORE_INDEX)
+
+
+@dataclass
+class DPOSample:
+    chosen: SFTSample          # prompt + chosen answer, labels on the answer only
+    rejected: SFTSample
+
+
+@dataclass
+class LoadStats:
+    records: int = 0
+    skipped: int = 0           # malformed records skipped with on_error="skip"
+    truncated: int = 0         # samples cut to the maximum length
+    dropped_no_labels: int = 0  # samples with no assistant token left (e.g. truncated away)
+    errors: list[str] = field(default_factory=list)  # the first few skip messages
+
+    def summary(self) -> str:
+        return (f"{self.records} records, {self.skipped} malformed skipped, {self.truncated} truncated, "
+                f"{self.dropped_no_labels} without assistant tokens dropped")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# records -> messages
+
+
+def _check_messages(messages, where: str, field_name: str = "conversations") -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatDataError(f"{where}: '{field_name}' must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatDataError(f"{where}: {field_name}[{i}] must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ChatDataError(f"{where}: {field_name}[{i}].role {role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ChatDataError(f"{where}: {field_name}[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def instruction_to_messages(record: dict, where: str = "record") -> list[dict]:
+    """{"instruction", "input"?, "output", "system"?} -> [system?, user, assistant]."""
+    for key in ("instruction", "output"):
+        if not isinstance(record.get(key), str):
+            raise ChatDataError(f"{where}: instruction record needs a string '{key}'")
+    extra = record.get("input") or ""
+    if not isinstance(extra, str):
+        raise ChatDataError(f"{where}: 'input' must be a string")
+    user = record["instruction"] + ("\n\n" + extra if extra else "")
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+    if record.get("system"):
+        messages.insert(0, {"role": "system", "content": str(record["system"])})
+    return messages
+
+
+def record_to_messages(record, where: str = "record") -> list[dict]:
+    """An SFT record of either format -> a validated message list that contains an assistant turn."""
+    if not isinstance(record, dict):
+        raise ChatDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "conversations" in record:
+        messages = _check_messages(record["conversations"], where)
+    elif "instruction" in record:
+        messages = instruction_to_messages(record, where)
+    else:
+        raise ChatDataError(f"{where}: expected 'conversations' or 'instruction'/'output' keys, "
+                            f"got {sorted(record)[:6]}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatDataError(f"{where}: no assistant message (nothing to learn from)")
+    return messages
+
+
+# --------------------------------------------------------------------------------------------------------------
+# messages -> ids and labels
+
+
+def render_messages(tokenizer, messages: Sequence[dict], train_on: str = "assistant",
+                    where: str = "record") -> SFTSample:
+    """Token ids of the conversation and labels on assistant tokens (all of them, or only the ``last`` turn)."""
+    if train_on not in ("assistant", "last"):
+        raise ValueError(f"train_on: {train_on!r} is not one of assistant, last")
+    im_end = tokenizer.im_end_id
+    last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, m in enumerate(messages):
+        full = list(tokenizer.apply_chat_template(list(messages[:i + 1])))
+        if full[:len(ids)] != ids:
+            raise ChatDataError(f"{where}: the chat template is not prefix-stable at message {i}")
+        learn = m["role"] == "assistant" and (train_on == "assistant" or i == last_assistant)
+        if not learn:
+            labels += [IGNORE_INDEX] * (len(full) - len(ids))
+            ids = full
+            continue
+        header = list(tokenizer.apply_chat_template(list(messages[:i]), add_generation_prompt=True))
+        if full[:len(header)] != header:
+            raise ChatDataError(f"{where}: the generation prompt is not a prefix of assistant message {i}")
+        body = full[len(header):]
+        # the answer runs up to and including its last <|im_end|>; what follows (a newline) is template glue
+        end = len(body) - body[::-1].index(im_end) if im_end in body else len(body)
+        labels += [IGNORE_INDEX] * (len(header) - len(ids)) + body[:end] + [IGNORE_INDEX] * (len(body) - end)
+        ids = full
+    return SFTSample(ids, labels)
+
+
+def render_sft_record(tokenizer, record, where: str = "record") -> SFTSample:
+    return render_messages(tokenizer, record_to_messages(record, where), "assistant", where)
+
+
+def _answer_messages(value, where: str, key: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        return _check_messages([value], where, key)
+    if isinstance(value, list):
+        return _check_messages(value, where, key)
+    raise ChatDataError(f"{where}: '{key}' must be a string, a message or a list of messages")
+
+
+def render_dpo_record(tokenizer, record, where: str = "record") -> DPOSample:
+    """{"prompt" | "conversations", "chosen", "rejected"} -> the two full sequences, labels on the answers."""
+    if not isinstance(record, dict):
+        raise ChatDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise ChatDataError(f"{where}: preference record needs '{key}'")
+    if "conversations" in record:
+        prompt = _check_messages(record["conversations"], where)
+    elif isinstance(record.get("prompt"), str):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+        if record.get("system"):
+            prompt.insert(0, {"role": "system", "content": str(record["system"])})
+    else:
+        raise ChatDataError(f"{where}: preference record needs a string 'prompt' or a 'conversations' list")
+    pair = []
+    for key in ("chosen", "rejected"):
+        answer = _answer_messages(record[key], where, key)
+        if answer[-1]["role"] != "assistant":
+            raise ChatDataError(f"{where}: '{key}' must end with an assistant message")
+        pair.append(render_messages(tokenizer, prompt + answer, "last", where))
+    return DPOSample(*pair)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# files
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[str, object]]:
+    """Yield (``file:line``, parsed record) for each non-empty line of a .jsonl / .jsonl.gz file; a .json file
+    holding one list of records is read whole. A line that is not JSON raises :class:`ChatDataError`."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ChatDataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        if not isinstance(data, list):
+            raise ChatDataError(f"{path}: a .json file must hold a list of records")
+        for i, rec in enumerate(data):
+            yield f"{path}[{i}]", rec
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, ChatDataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+
+
+def _load(paths, render, on_error: str, stats: LoadStats):
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error: {on_error!r} is not one of raise, skip")
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for where, record in iter_jsonl(path):
+            stats.records += 1
+            try:
+                if isinstance(record, ChatDataError):
+                    raise record
+                yield render(record, where)
+            except ChatDataError as e:
+                if on_error == "raise":
+                    raise
+                stats.skipped += 1
+                if len(stats.errors) < 10:
+                    stats.errors.append(str(e))
+
+
+def _fit(sample: SFTSample, max_len: int | None, stats: LoadStats) -> SFTSample | None:
+    if max_len is not None and len(sample.input_ids) > max_len:
+        sample = SFTSample(sample.input_ids[:max_len], sample.labels[:max_len])
+        stats.truncated += 1
+    if sample.num_label_tokens == 0 or len(sample.input_ids) < 2:
+        stats.dropped_no_labels += 1
+        return None
+    return sample
+
+
+def load_sft_samples(paths, tokenizer, max_len: int | None = None, on_error: str = "raise"
+                     ) -> tuple[list[SFTSample], LoadStats]:
+    """Render every record of the files; samples longer than ``max_len`` tokens are truncated (and counted)."""
+    stats = LoadStats()
+    out = []
+    for s in _load(paths, lambda r, w: render_sft_record(tokenizer, r, w), on_error, stats):
+        s = _fit(s, max_len, stats)
+        if s is not None:
+            out.append(s)
+    return out, stats
+
+
+def load_dpo_samples(paths, tokenizer, max_len: int | None = None, on_error: str = "raise"
+                     ) -> tuple[list[DPOSample], LoadStats]:
+    stats = LoadStats()
+    out = []
+    for pair in _load(paths, lambda r, w: render_dpo_record(tokenizer, r, w), on_error, stats):
+        chosen, rejected = _fit(pair.chosen, max_len, stats), _fit(pair.rejected, max_len, stats)
+        if chosen is not None and rejected is not None:
+            out.append(DPOSample(chosen, rejected))
+    return out, stats
+
+
+# --------------------------------------------------------------------------------------------------------------
+# batches
+
+
+def shift(sample: SFTSample) -> tuple[list[int], list[int]]:
+    """(tokens, targets) for next-token prediction: tokens = ids[:-1], targets = labels[1:]."""
+    return sample.input_ids[:-1], sample.labels[1:]
+
+
+def pack_samples(samples: Iterable[SFTSample], seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy in-order packing into rows of ``seq_len`` tokens.
+
+    Each row: ``tokens``, ``targets`` (-100 where no loss), ``doc_ids`` (sample index within the row; the tail
+    padding is a document of its own) and ``position_ids`` (restarting at 0 for each sample). A sample longer than
+    seq_len + 1 tokens is an error here (truncate when loading).
+    """
+    rows: list[dict[str, torch.Tensor]] = []
+    cur: list[tuple[list[int], list[int]]] = []
+    used = 0
+
+    def flush():
+        nonlocal cur, used
+        if not cur:
+            return
+        tokens, targets, docs, pos = [], [], [], []
+        for d, (t, y) in enumerate(cur):
+            tokens += t
+            targets += y
+            docs += [d] * len(t)
+            pos += list(range(len(t)))
+        n = seq_len - len(tokens)
+        tokens += [pad_id] * n
+        targets += [IGNORE_INDEX] * n
+        docs += [len(cur)] * n
+        pos += list(range(n))
+        rows.append({"tokens": torch.tensor(tokens), "targets": torch.tensor(targets),
+                     "doc_ids": torch.tensor(docs), "position_ids": torch.tensor(pos)})
+        cur, used = [], 0
+
+    for i, s in enumerate(samples):
+        t, y = shift(s)
+        if len(t) > seq_len:
+            raise ValueError(f"sample {i}: {len(t) + 1} tokens do not fit seq_len {seq_len} + 1; truncate first")
+        if used + len(t) > seq_len:
+            flush()
+        cur.append((t, y))
+        used += len(t)
+    flush()
+    return rows
+
+
+def pad_samples(samples: Iterable[SFTSample], seq_len: int | None, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """One sample per row, right-padded to ``seq_len`` (None: to the longest sample of ``samples``)."""
+    pairs = [shift(s) for s in samples]
+    length = seq_len or max(len(t) for t, _ in pairs)
+    rows = []
+    for i, (t, y) in enumerate(pairs):
+        if len(t) > length:
+            raise ValueError(f"sample {i}: {len(t) + 1} tokens do not fit seq_len {length} + 1; truncate first")
+        n = length - len(t)
+        rows.append({"tokens": torch.tensor(t + [pad_id] * n), "targets": torch.tensor(y + [IGNORE_INDEX] * n),
+                     "position_ids": torch.arange(length)})
+    return rows
+
+
+def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack rows of equal length into a batch (B, T) per key."""
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def dpo_collate(pairs: Sequence[DPOSample], pad_id: int, seq_len: int | None = None) -> dict[str, torch.Tensor]:
+    """Chosen rows first, then rejected rows, right-padded to one length: tokens and targets of shape (2B, T)."""
+    rows = pad_samples([p.chosen for p in pairs] + [p.rejected for p in pairs],
+                       seq_len or max(max(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in pairs) - 1,
+                       pad_id)
+    return collate(rows)

@@ -1,0 +1,498 @@
+"""Pretokenization: records in, memory-mappable token shards out (``z2all prepare``).
+
+Output directory::
+
+    meta.json                 tokenizer hash, dtype, splits (shard list, token/doc counts), per-source counts,
+                              mixture weights, the command; written last, so its presence means "complete"
+    train_00000.bin           tokens, uint16 if the vocabulary has <= 65536 entries else uint32, native order
+    train_00000.idx.npy       int64 document start offsets into that shard, plus the end (len = docs + 1)
+    valid_00000.bin / .idx.npy
+    shard_00000.json          marks shard group 0 complete (what resume skips)
+
+Each document's tokens are followed by ``<|endoftext|>``, so documents are separated in the concatenated stream.
+
+**Determinism.** The main process reads records in a fixed order (sources in the given order, files sorted) and
+cuts them into chunks of ~``chunk_bytes`` of text; workers tokenize chunks and the main process writes results in
+chunk order. Every per-document decision is a function of the document alone, so the bytes written are the same
+for any number of workers. A shard group is ``shard_chunks`` consecutive chunks: one train and one valid shard.
+
+**Train/valid split** by document: ``u = blake2b(source name, text)`` mapped to [0, 1); the document is held out
+when ``u < valid_fraction``. Identical documents fall on the same side, and the split does not depend on order.
+
+**Mixture weights** (``--source NAME=WEIGHT``): the weight is the expected number of copies of each of the
+source's documents in the train split, realised by sampling: ``floor(w)`` copies plus one more with probability
+``w - floor(w)`` (a second hash of the document), so ``zh=0.4`` keeps a 40 % sample of ``zh`` and ``code=2`` shows
+code twice. For a target token share ``f_s`` per source with ``T_s`` tokens, use ``w_s = f_s * T / T_s``;
+meta.json reports the realised token share of each source. Held-out documents are kept at most once (weight
+``< 1`` still subsamples them, so the valid split follows the mixture).
+
+**Resume.** A group is complete when its ``shard_XXXXX.json`` exists (written after its shards are renamed into
+place). Re-running the same command skips the chunks of complete groups (they are read but not tokenized); a
+run with a different tokenizer or settings is refused instead of mixing shards.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from zero2all.data.readers import ReadStats, SourceSpec, atomic_output, iter_records
+
+META_FILE = "meta.json"
+STATE_FILE = "_state.json"
+FORMAT = "zero2all-shards"
+FORMAT_VERSION = 1
+
+
+class TokenizerMismatchError(ValueError):
+    """Shards were made with another tokenizer than the one in use."""
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _unit_hashes(source: str, text: str) -> tuple[float, float]:
+    """Two independent uniforms in [0, 1) from the document's content: (split, sampling)."""
+    h = hashlib.blake2b(source.encode() + b"\0" + text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return int.from_bytes(h[:8], "little") / 2**64, int.from_bytes(h[8:], "little") / 2**64
+
+
+def copies_of(weight: float, u: float) -> int:
+    """floor(w) copies plus one with probability frac(w): expectation exactly ``weight``."""
+    base = math.floor(weight)
+    return base + (1 if u < weight - base else 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# worker side
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
+    from zero2all.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction,
+                   dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id)
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    train: np.ndarray          # tokens, each document followed by eos
+    train_lens: np.ndarray     # int64 length (incl. eos) of each train document copy
+    valid: np.ndarray
+    valid_lens: np.ndarray
+    per_source: dict           # name -> [docs, docs_train, docs_valid, tokens_train, tokens_valid, bytes]
+    text_bytes: int
+
+
+def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkResult:
+    """Tokenize one chunk: split / sample each document, encode the kept ones, lay out the token arrays."""
+    w = _WORKER
+    tok, names, weights, vf, dtype, eos = w["tok"], w["names"], w["weights"], w["valid_fraction"], w["dtype"], w["eos"]
+    plan = []  # (text position, copies, is_valid)
+    per_source = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+    text_bytes = 0
+    for i, (text, s) in enumerate(zip(texts, sources)):
+        u_split, u_sample = _unit_hashes(names[s], text)
+        is_valid = u_split < vf
+        n = copies_of(weights[s], u_sample)
+        if is_valid:
+            n = min(n, 1)
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        text_bytes += nbytes
+        stats = per_source[names[s]]
+        stats[0] += 1
+        stats[5] += nbytes
+        if n:
+            plan.append((i, n, is_valid))
+    encoded = tok.encode_batch([texts[i] for i, _, _ in plan]) if plan else []
+    parts: dict = {False: ([], []), True: ([], [])}
+    for (i, n, is_valid), ids in zip(plan, encoded):
+        arrs, lens = parts[is_valid]
+        doc = np.empty(len(ids) + 1, dtype=dtype)
+        doc[:-1] = ids
+        doc[-1] = eos
+        stats = per_source[names[sources[i]]]
+        for _ in range(n):
+            arrs.append(doc)
+            lens.append(len(doc))
+        stats[2 if is_valid else 1] += n
+        stats[4 if is_valid else 3] += n * len(doc)
+
+    def cat(arrs):
+        return np.concatenate(arrs) if arrs else np.empty(0, dtype=dtype)
+
+    return ChunkResult(index, cat(parts[False][0]), np.asarray(parts[False][1], dtype=np.int64),
+                       cat(parts[True][0]), np.asarray(parts[True][1], dtype=np.int64), dict(per_source), text_bytes)
+
+
+def _tokenize_chunk_args(args):
+    return tokenize_chunk(*args)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# main side
+
+
+def _parse_sources(inputs, weights: dict | None, text_field: str | None) -> list[SourceSpec]:
+    if isinstance(inputs, (str, os.PathLike, SourceSpec)):
+        inputs = [inputs]
+    specs = [x if isinstance(x, SourceSpec) else SourceSpec.parse(str(x), text_field=text_field) for x in inputs]
+    seen = {}
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"two inputs are both named {s.name!r} ({seen[s.name]} and {s.paths}); name them "
+                             f"with NAME=PATH")
+        seen[s.name] = s.paths
+    for name, w in (weights or {}).items():
+        if name not in seen:
+            raise ValueError(f"--source {name}={w}: no input named {name!r} (inputs: {', '.join(seen)})")
+        if not (isinstance(w, (int, float)) and w >= 0 and math.isfinite(w)):
+            raise ValueError(f"--source {name}={w}: the weight must be a finite number >= 0")
+        next(s for s in specs if s.name == name).weight = float(w)
+    return specs
+
+
+def _chunks(specs: list[SourceSpec], chunk_bytes: int, stats: ReadStats, txt_mode: str, strict: bool):
+    """(chunk index, texts, source indices), cut every ~chunk_bytes of text: the same cut for any worker count."""
+    texts, srcs, size, index = [], [], 0, 0
+    for s_index, spec in enumerate(specs):
+        for rec in iter_records(spec, txt_mode=txt_mode, strict=strict, stats=stats):
+            text = rec["content"]
+            texts.append(text)
+            srcs.append(s_index)
+            size += len(text)
+            if size >= chunk_bytes:
+                yield index, texts, srcs
+                texts, srcs, size, index = [], [], 0, index + 1
+    if texts:
+        yield index, texts, srcs
+
+
+def _fingerprint(specs, tokenizer_hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype) -> dict:
+    return {"sources": [{"name": s.name, "paths": [str(p) for p in s.paths], "text_field": s.text_field,
+                         "weight": s.weight} for s in specs],
+            "tokenizer_hash": tokenizer_hash, "valid_fraction": valid_fraction, "chunk_bytes": chunk_bytes,
+            "shard_chunks": shard_chunks, "txt_mode": txt_mode, "dtype": str(dtype)}
+
+
+def _check_existing(out: Path, fingerprint: dict, overwrite: bool) -> dict | None:
+    """Refuse to mix with shards of another tokenizer or other settings; returns a complete meta if there is one."""
+    for name in (META_FILE, STATE_FILE):
+        f = out / name
+        if not f.exists():
+            continue
+        old = json.loads(f.read_text(encoding="utf-8"))
+        old_fp = old.get("fingerprint", {})
+        if overwrite:
+            _remove_outputs(out)
+            return None
+        if old_fp.get("tokenizer_hash") != fingerprint["tokenizer_hash"]:
+            raise TokenizerMismatchError(
+                f"{f}: these shards were made with tokenizer {str(old_fp.get('tokenizer_hash'))[:16]}, not "
+                f"{fingerprint['tokenizer_hash'][:16]}; use another --out, or --overwrite to start over")
+        if old_fp != fingerprint:
+            diff = [k for k in fingerprint if old_fp.get(k) != fingerprint[k]]
+            raise ValueError(f"{f}: {out} was prepared with other settings ({', '.join(diff)} differ); use another "
+                             f"--out, or --overwrite to start over")
+        if name == META_FILE:
+            return old
+    return None
+
+
+def _remove_outputs(out: Path) -> None:
+    for f in out.iterdir():
+        if f.name in (META_FILE, STATE_FILE) or f.name.startswith(("train_", "valid_", "shard_", ".train_",
+                                                                  ".valid_")):
+            f.unlink()
+
+
+def _group_name(split: str, g: int) -> str:
+    return f"{split}_{g:05d}"
+
+
+class _GroupWriter:
+    """Accumulates one shard group (a train and a valid shard) in temporary files; ``finish`` renames them into
+    place and writes the group's completion marker last."""
+
+    def __init__(self, out: Path, g: int, dtype: np.dtype):
+        self.out, self.g, self.dtype = out, g, dtype
+        self.tmp = {s: out / f".{_group_name(s, g)}.bin.tmp" for s in ("train", "valid")}
+        self.files = {s: open(p, "wb") for s, p in self.tmp.items()}
+        self.lens = {"train": [], "valid": []}
+        self.per_source: dict = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+        self.chunks = 0
+
+    def add(self, r: ChunkResult) -> None:
+        for split, arr, lens in (("train", r.train, r.train_lens), ("valid", r.valid, r.valid_lens)):
+            self.files[split].write(arr.tobytes())
+            self.lens[split].append(lens)
+        for name, v in r.per_source.items():
+            acc = self.per_source[name]
+            for i, x in enumerate(v):
+                acc[i] += x
+        self.chunks += 1
+
+    def finish(self, fingerprint: dict) -> dict:
+        info = {"group": self.g, "chunks": self.chunks, "per_source": dict(self.per_source)}
+        for split in ("train", "valid"):
+            f = self.files[split]
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            lens = np.concatenate(self.lens[split]) if self.lens[split] else np.empty(0, np.int64)
+            offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            base = _group_name(split, self.g)
+            with atomic_output(self.out / f"{base}.idx.npy") as fi:
+                np.save(fi, offsets)
+            os.replace(self.tmp[split], self.out / f"{base}.bin")
+            info[split] = {"bin": f"{base}.bin", "idx": f"{base}.idx.npy", "tokens": int(offsets[-1]),
+                           "docs": int(len(lens))}
+        info["fingerprint_hash"] = _hash_obj(fingerprint)
+        with atomic_output(self.out / f"shard_{self.g:05d}.json", "w") as f:
+            json.dump(info, f, indent=1)
+        return info
+
+    def abort(self) -> None:
+        for split, f in self.files.items():
+            f.close()
+            self.tmp[split].unlink(missing_ok=True)
+
+
+def _hash_obj(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _completed_groups(out: Path, fingerprint: dict) -> dict[int, dict]:
+    done = {}
+    fp = _hash_obj(fingerprint)
+    for f in sorted(out.glob("shard_*.json")):
+        info = json.loads(f.read_text(encoding="utf-8"))
+        files_ok = all((out / info[s]["bin"]).exists() and (out / info[s]["idx"]).exists() for s in ("train", "valid"))
+        if info.get("fingerprint_hash") == fp and files_ok:
+            done[info["group"]] = info
+    return done
+
+
+class _Progress:
+    """tqdm bar in MB of text with tokens/s in the postfix (silent when disabled)."""
+
+    def __init__(self, enabled: bool):
+        self.t0 = time.time()
+        self.bytes = 0
+        self.tokens = 0
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc="prepare", mininterval=0.5,
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, nbytes: int, ntokens: int) -> None:
+        self.bytes += nbytes
+        self.tokens += ntokens
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            dt = max(time.time() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{self.tokens / dt / 1e6:.2f}M tok/s, {self.tokens / 1e6:.1f}M tok",
+                                     refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, workers: int | None = None,
+            weights: dict | None = None, text_field: str | None = None, txt_mode: str = "file",
+            strict: bool = False, chunk_bytes: int = 1 << 20, shard_chunks: int = 256, seq_len: int | None = None,
+            overwrite: bool = False, progress: bool | None = None, command: str | None = None, log=print,
+            _stop_after_groups: int | None = None) -> dict:
+    """Tokenize ``inputs`` with the tokenizer in ``tokenizer_dir`` into shards in ``out_dir`` (see the module
+    docstring). ``workers``: processes (default: all cores; 1 = in this process). ``weights``: {source name:
+    mixture weight}. ``seq_len`` (optional) checks each split has at least one window. Returns meta.json's dict.
+    ``_stop_after_groups`` simulates an interruption (tests)."""
+    from zero2all.tokenizer import load_tokenizer
+
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
+    t0 = time.time()
+    tok = load_tokenizer(tokenizer_dir)
+    if tok.eos_id is None:
+        raise ValueError(f"{tokenizer_dir}: the tokenizer has no <|endoftext|> / eos token to separate documents")
+    dtype = shard_dtype(tok.vocab_size)
+    specs = _parse_sources(inputs, weights, text_field)
+    workers = max(1, workers or os.cpu_count() or 1)
+    fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    complete = _check_existing(out, fingerprint, overwrite)
+    if complete is not None:
+        log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
+        return complete
+    with atomic_output(out / STATE_FILE, "w") as f:
+        json.dump({"fingerprint": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+    done = _completed_groups(out, fingerprint)
+    if done:
+        log(f"{out}: resuming; {len(done)} shard groups already complete")
+
+    stats = ReadStats()
+    names = [s.name for s in specs]
+    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction)
+    bar = _Progress(progress if progress is not None else sys.stderr.isatty())
+    groups: dict[int, dict] = dict(done)
+    writer: _GroupWriter | None = None
+    tokenized_chunks = 0
+
+    def todo():
+        for index, texts, srcs in _chunks(specs, chunk_bytes, stats, txt_mode, strict):
+            if index // shard_chunks not in done:
+                yield index, texts, srcs
+
+    def consume(r: ChunkResult):
+        nonlocal writer, tokenized_chunks
+        g = r.index // shard_chunks
+        if writer is not None and writer.g != g:
+            groups[writer.g] = writer.finish(fingerprint)
+            writer = None
+            if _stop_after_groups is not None and len(groups) - len(done) >= _stop_after_groups:
+                raise KeyboardInterrupt(f"stopped after {_stop_after_groups} groups (test hook)")
+        if writer is None:
+            writer = _GroupWriter(out, g, dtype)
+        writer.add(r)
+        tokenized_chunks += 1
+        bar.update(r.text_bytes, len(r.train) + len(r.valid))
+
+    try:
+        if workers == 1:
+            _init_worker(*init_args)
+            for args in todo():
+                consume(tokenize_chunk(*args))
+        else:
+            _run_pool(workers, init_args, todo(), consume)
+        if writer is not None:
+            groups[writer.g] = writer.finish(fingerprint)
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        bar.close()
+        raise
+    bar.close()
+    seconds = time.time() - t0
+    meta = _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds,
+                       command, seq_len, tokenized_chunks, bar)
+    (out / STATE_FILE).unlink(missing_ok=True)
+    if stats.bad:
+        log(stats.report())
+    tr, va = meta["splits"]["train"], meta["splits"]["valid"]
+    log(f"wrote {out}: train {tr['tokens']:,} tokens / {tr['docs']:,} docs in {len(tr['shards'])} shards, valid "
+        f"{va['tokens']:,} tokens / {va['docs']:,} docs ({dtype.name}); {meta['throughput']['mb_per_s']:.1f} MB/s, "
+        f"{meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {workers} workers")
+    return meta
+
+
+def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
+    """Tokenize chunks on ``workers`` processes, at most 2 per worker in flight (bounded memory), results consumed
+    in chunk order."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fork after the Rust thread pool ran is unsafe; spawn is portable
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending = collections.deque()
+        for args in tasks:
+            pending.append(pool.apply_async(_tokenize_chunk_args, (args,)))
+            while len(pending) >= 2 * workers:
+                consume(pending.popleft().get())
+        while pending:
+            consume(pending.popleft().get())
+
+
+def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds, command,
+                seq_len, tokenized_chunks, bar) -> dict:
+    splits = {}
+    for split in ("train", "valid"):
+        shards = [groups[g][split] for g in sorted(groups)]
+        splits[split] = {"shards": shards, "tokens": sum(s["tokens"] for s in shards),
+                         "docs": sum(s["docs"] for s in shards)}
+        if seq_len and split == "train" and splits[split]["tokens"] < seq_len + 1:
+            raise ValueError(f"the {split} split has {splits[split]['tokens']} tokens, fewer than seq_len+1="
+                             f"{seq_len + 1}: add data or lower --seq-len")
+    per_source = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+    for g in groups.values():
+        for name, v in g["per_source"].items():
+            for i, x in enumerate(v):
+                per_source[name][i] += x
+    total_train = max(splits["train"]["tokens"], 1)
+    sources = {}
+    for s in specs:
+        docs, d_tr, d_va, t_tr, t_va, nbytes = per_source[s.name]
+        sources[s.name] = {"paths": [str(p) for p in s.paths], "text_field": s.text_field, "weight": s.weight,
+                           "docs_read": docs, "bytes": nbytes, "docs_train": d_tr, "docs_valid": d_va,
+                           "tokens_train": t_tr, "tokens_valid": t_va, "train_share": round(t_tr / total_train, 6)}
+    total_bytes = sum(v["bytes"] for v in sources.values())
+    total_tokens = splits["train"]["tokens"] + splits["valid"]["tokens"]
+    meta = {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "tokenizer": {"hash": tok.hash, "dir": str(tokenizer_dir), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                      "backend": tok.backend},
+        "dtype": dtype.name, "separator": "eos after every document",
+        "valid_fraction": valid_fraction, "splits": splits, "sources": sources,
+        "bytes_per_token": round(total_bytes / max(total_tokens, 1), 4),
+        "read": stats.to_dict(),
+        "fingerprint": fingerprint,
+        "command": command or " ".join(sys.argv),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "throughput": {"seconds": round(seconds, 3), "tokenized_chunks": tokenized_chunks,
+                       "mb_per_s": round(bar.bytes / 1e6 / max(seconds, 1e-9), 2),
+                       "tokens_per_s": round(bar.tokens / max(seconds, 1e-9), 1)},
+    }
+    with atomic_output(out / META_FILE, "w") as f:
+        json.dump(meta, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return meta
+
+
+def read_meta(data_dir) -> dict:
+    f = Path(data_dir) / META_FILE
+    if not f.exists():
+        state = Path(data_dir) / STATE_FILE
+        hint = " (an interrupted `z2all prepare`: run the same command again to finish it)" if state.exists() else ""
+        raise FileNotFoundError(f"{f}: no meta.json; not a finished `z2all prepare` output{hint}")
+    meta = json.loads(f.read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def check_tokenizer(data_dir, tokenizer) -> None:
+    """Raise :class:`TokenizerMismatchError` unless ``data_dir``'s shards were made with ``tokenizer`` (a Tokenizer,
+    a tokenizer directory or a hash)."""
+    if isinstance(tokenizer, str) and len(tokenizer) == 64 and not os.path.exists(tokenizer):
+        expected = tokenizer
+    elif hasattr(tokenizer, "hash"):
+        expected = tokenizer.hash
+    else:
+        from zero2all.tokenizer import load_tokenizer
+
+        expected = load_tokenizer(tokenizer).hash
+    got = read_meta(data_dir)["tokenizer"]["hash"]
+    if got != expected:
+        raise TokenizerMismatchError(
+            f"{data_dir}: the shards were tokenized with tokenizer {got[:16]}, but this run uses {expected[:16]}; "
+            f"re-run `z2all prepare` with this tokenizer (or use the matching tokenizer)")

@@ -1,0 +1,133 @@
+"""``z2all demo`` (what ``make demo`` runs): the whole pipeline, offline, on the Python standard library's source.
+
+    1. corpus     the running Python's stdlib ``.py`` files (embedded, always present)
+    2. tokenizer  an 8k byte-level BPE trained on it               -> OUT/tokenizer/
+    3. shards     the corpus tokenized into uint16 shards           -> OUT/data/
+    4. pretrain   the ``tiny`` preset (~7M parameters) for a few minutes on the CPU (a GPU when there is one)
+                                                                    -> OUT/ckpt-*/, OUT/final/, metrics, report
+    5. samples    Python code generated from a few prompts
+
+Each step is also a command of its own (README, "demo" section). Re-running the demo reuses finished steps
+(the tokenizer, the shards) and continues an interrupted training run from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+DEMO_PROMPTS = ["def ", "class ", "import ", "    def __init__(self", "for i in range("]
+
+# the tiny preset, with a batch suited to a few CPU minutes: more, smaller updates learn faster early on
+DEMO_TRAIN = ["train.micro_batch_size=8", "train.warmup_steps=20", "train.eval_every=50", "train.eval_batches=8",
+              "train.ckpt_every=50", "train.keep_last=2", "train.num_samples=3", "train.sample_new_tokens=48",
+              "train.log_every=10"]
+
+
+def _say(msg: str) -> None:
+    print(f"\n=== {msg}", flush=True)
+
+
+def measure_step_time(cfg, repeats: int = 2) -> float:
+    """Seconds per optimiser update of ``cfg`` on its device (one warm-up update, then the mean of ``repeats``)."""
+    from zero2all.model.z2all import build_model
+    from zero2all.train.optim import build_optimizer
+    from zero2all.train.trainer import autocast_context, data_seq_len, pick_device, resolve_precision
+
+    device = pick_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    model = build_model(cfg.model, device=device, seed=0)
+    opt = build_optimizer(model, cfg.train, device)
+    T, B = data_seq_len(cfg), cfg.train.micro_batch_size
+    x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(cfg.train.grad_accum_steps):
+            with autocast_context(precision, device):
+                _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps: int | None = None,
+             vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None) -> dict:
+    from zero2all.config import load_config
+    from zero2all.data.pretokenize import prepare
+    from zero2all.data.readers import stdlib_files
+    from zero2all.tokenizer import load_tokenizer, train_tokenizer
+    from zero2all.train import checkpoint as ckpt_io
+    from zero2all.train.trainer import Trainer, pick_device, sample_continuation
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.set_num_threads(threads)
+
+    files = stdlib_files()
+    size = sum(f.stat().st_size for f in files)
+    _say(f"1/5 corpus: the Python standard library, {len(files):,} .py files, {size / 1e6:.1f} MB "
+         f"({Path(files[0]).parent if files else '?'})")
+
+    tok_dir = out / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        _say(f"2/5 tokenizer: reusing {tok_dir}")
+        tok = load_tokenizer(tok_dir)
+    else:
+        _say(f"2/5 tokenizer: training a {vocab_size}-token byte-level BPE  "
+             f"(z2all train-tokenizer --input stdlib --vocab-size {vocab_size} --out {tok_dir})")
+        tok = train_tokenizer("stdlib", vocab_size, out_dir=tok_dir)
+    print(f"vocabulary {tok.vocab_size}, hash {tok.hash[:16]}")
+
+    data_dir = out / "data"
+    _say(f"3/5 shards: tokenizing the corpus  (z2all prepare --input stdlib --tokenizer {tok_dir} --out {data_dir})")
+    meta = prepare("stdlib", tok_dir, data_dir, seq_len=256)
+    train_tokens = meta["splits"]["train"]["tokens"]
+    print(f"{train_tokens:,} training tokens, {meta['splits']['valid']['tokens']:,} validation tokens, "
+          f"{meta.get('bytes_per_token', 0):.2f} bytes per token")
+
+    base = [f"data.path={json.dumps(str(data_dir))}", f"train.out_dir={json.dumps(str(out))}",
+            "train.resume='auto'", f"model.vocab_size={tok.vocab_size}",
+            f"train.sample_prompts={json.dumps(DEMO_PROMPTS[:3])}"] + DEMO_TRAIN + list(overrides or [])
+    cfg = load_config("tiny", base)
+    previous = ckpt_io.latest_checkpoint(out)
+    if steps is None and previous is not None:  # continue the interrupted run with the length it was given
+        steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
+    if steps is None:
+        budget_s = 60 * (minutes if minutes is not None else 4.0)
+        step_s = measure_step_time(cfg)
+        steps = max(30, min(3000, int(budget_s / step_s)))
+        print(f"measured {step_s:.2f} s per update on {pick_device(cfg.train.device)}: "
+              f"{steps} updates fit {budget_s / 60:.1f} minutes")
+    cfg = load_config("tiny", base + [f"train.max_steps={steps}"])
+    _say(f"4/5 pretraining the tiny preset for {steps} steps  (z2all pretrain --config tiny --data {data_dir} "
+         f"--out {out} train.max_steps={steps} ...)")
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
+
+    _say("5/5 samples: Python code generated by the trained model (temperature 0.8, top-k 50)")
+    model = trainer.raw_model.eval()
+    gen = torch.Generator().manual_seed(0)
+    for prompt in DEMO_PROMPTS:
+        new = sample_continuation(model, tok.encode(prompt), 80, 0.8, 50, gen, tok.eos_id, trainer.autocast)
+        print(f"--- prompt {prompt!r}\n{prompt}{tok.decode(new)}\n")
+
+    k = summary.get("mean_window", 1)
+    print(f"train loss {summary['first_loss_mean']:.3f} (mean of the first {k} steps) -> "
+          f"{summary['last_loss_mean']:.3f} (last {k} steps)")
+    if "last_eval_loss" in summary:
+        print(f"validation loss {summary['first_eval_loss']:.3f} (step {cfg.train.eval_every}) -> "
+              f"{summary['last_eval_loss']:.3f} (perplexity {summary['last_eval_ppl']:.1f}) at step {steps}")
+    print(f"demo finished in {(time.time() - t_start) / 60:.1f} minutes. Outputs in {out}/: report.md, loss.png, "
+          f"metrics.jsonl, tensorboard/, final/ (model + tokenizer), ckpt-*/ (resumable), tokenizer/, data/")
+    return summary

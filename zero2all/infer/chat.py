@@ -1,0 +1,113 @@
+"""``z2all chat``: an interactive terminal chat with history, a system prompt and streamed replies.
+
+Commands typed at the prompt::
+
+    /reset          forget the conversation (the system prompt stays)
+    /system TEXT    set a new system prompt and start over
+    /exit, /quit    leave (so does Ctrl-D)
+
+When the conversation no longer fits the model's context together with the reply budget, the oldest turns are
+dropped (the system prompt is kept) and a note says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from zero2all.infer.generate import Generator, SamplingParams
+
+HELP = "commands: /reset, /system TEXT, /exit"
+
+
+class ChatSession:
+    """The conversation state: the system prompt and the turns so far, rendered with the chat template."""
+
+    def __init__(self, generator: Generator, system: str | None = None, params: SamplingParams | None = None):
+        if generator.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        self.generator = generator
+        self.system = system
+        self.params = params or SamplingParams(max_new_tokens=256, temperature=0.7, top_p=0.9)
+        self.turns: list[dict] = []
+
+    def messages(self, turns=None) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + (self.turns if turns is None else turns)
+
+    def reset(self, system: str | None = None, keep_system: bool = True):
+        self.turns = []
+        if not keep_system:
+            self.system = system
+
+    def prompt_ids(self, user_text: str) -> tuple[list[int], int]:
+        """Template ids for the history + the new user message; drops the oldest turns while they do not fit.
+        Returns (ids, number of turns dropped)."""
+        tok = self.generator.tokenizer
+        budget = self.generator.max_seq_len - self.params.max_new_tokens
+        turns = self.turns + [{"role": "user", "content": user_text}]
+        dropped = 0
+        while True:
+            ids = list(tok.apply_chat_template(self.messages(turns), add_generation_prompt=True))
+            if len(ids) <= budget or len(turns) == 1:
+                break
+            turns = turns[2:]  # the oldest user + assistant pair
+            dropped += 2
+        if len(ids) > budget:
+            raise ValueError(f"the message alone is {len(ids)} tokens; at most {budget} fit with a reply budget "
+                             f"of {self.params.max_new_tokens}")
+        self.turns = turns[:-1]
+        return ids, dropped
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] | None = None) -> tuple[str, int]:
+        """Generate the assistant's answer (streamed to ``on_text``), add both to the history.
+        Returns (answer, turns dropped to fit)."""
+        ids, dropped = self.prompt_ids(user_text)
+        answer = []
+        for ev in self.generator.stream([ids], self.params):
+            if ev.text:
+                answer.append(ev.text)
+                if on_text:
+                    on_text(ev.text)
+        text = "".join(answer)
+        self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
+        return text, dropped
+
+
+def chat_loop(session: ChatSession, read: Callable[[str], str] = input,
+              write: Callable[[str], None] = lambda s: (sys.stdout.write(s), sys.stdout.flush())) -> int:
+    """Read lines until /exit or end of input; stream each reply. Returns the number of replies."""
+    write(f"chatting ({HELP}); Ctrl-D leaves\n")
+    replies = 0
+    while True:
+        try:
+            line = read("you> ")
+        except (EOFError, KeyboardInterrupt):
+            write("\n")
+            return replies
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return replies
+        if text == "/reset":
+            session.reset()
+            write("(conversation cleared)\n")
+            continue
+        if text.startswith("/system"):
+            session.reset(text[len("/system"):].strip() or None, keep_system=False)
+            write(f"(system prompt {'set' if session.system else 'cleared'}; conversation cleared)\n")
+            continue
+        if text.startswith("/"):
+            write(f"(unknown command {text.split()[0]}; {HELP})\n")
+            continue
+        write("assistant> ")
+        try:
+            _, dropped = session.reply(line, on_text=write)
+        except ValueError as e:
+            write(f"\n(error: {e})\n")
+            continue
+        write("\n")
+        if dropped:
+            write(f"(the {dropped} oldest messages were dropped to fit the context)\n")
+        replies += 1

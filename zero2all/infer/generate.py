@@ -1,0 +1,503 @@
+"""Batched generation: a preallocated KV cache, sampling, stop conditions, streaming, CUDA-graph decode steps.
+
+How a batch of prompts of different lengths is laid out (``P`` = longest prompt, ``L`` = cache length)::
+
+    cache slot   0    1    2    3    4    5 ...
+    row 0        pad  pad  a    b    c  | generated tokens at slots P, P+1, ...
+    row 1        d    e    f    g    h  |
+
+Prompts are left-padded so every row's next token goes to the same cache slot (one ``index_copy_`` per layer),
+while each row keeps its own RoPE positions (``position = slot - pad_len``, so a row's positions start at 0 as if
+it were alone) and an attention mask hides its padding: key slot j is visible to a query at slot i iff
+``pad_len <= j <= i``. Because the cache has a fixed shape and the step's inputs live in fixed buffers (the token,
+the slot index), the decode step is the same sequence of kernels every time; on CUDA it is captured once as a CUDA
+graph and replayed, which removes the per-kernel launch cost that dominates small-batch decoding (optionally the
+step is compiled with ``torch.compile`` first so that the elementwise ops fuse). On CPU the same step runs eagerly.
+
+Sampling, applied to float32 logits in this order (each step, per row):
+
+    repetition penalty p (CTRL, Keskar et al. 2019): for every token already in the row (prompt or output),
+                         logit / p if logit > 0 else logit * p
+    temperature T:       logits / T          (T = 0 means greedy: argmax)
+    top-k:               keep the k largest logits
+    top-p (nucleus):     keep the smallest set of most likely tokens whose probability sums to >= p
+    draw:                one sample from softmax(logits) with a seedable ``torch.Generator``
+
+A row stops at a stop token (default: the tokenizer's end-of-text and ``<|im_end|>``), at a stop string (the text
+is cut before it), or after ``max_new_tokens``. Text is streamed in pieces that are safe to show: a piece is held
+back while it could still be the start of a stop string or ends inside a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from zero2all.model.z2all import Z2all
+
+# --------------------------------------------------------------------------------------------------------------
+# parameters and results
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = 0                    # 0 = off
+    top_p: float = 1.0                # 1 = off
+    repetition_penalty: float = 1.0   # 1 = off
+    stop: Sequence[str] = ()          # stop strings (not included in the output)
+    stop_token_ids: Sequence[int] | None = None  # None = the tokenizer's eos and <|im_end|>
+    seed: int | None = None           # None = drawn from torch's global generator
+
+    def validate(self) -> "SamplingParams":
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {list(self.stop)!r}")
+        return self
+
+
+@dataclass
+class GenerationEvent:
+    """One streamed step of one row: the token drawn, the newly showable text, and why the row ended (or None)."""
+
+    index: int
+    token_id: int
+    text: str
+    finish_reason: str | None = None  # "stop" (stop token or string) | "length"
+    stop_token: bool = False          # token_id is the stop token that ended the row (not part of the output)
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]              # generated tokens, the stop token excluded
+    text: str
+    finish_reason: str
+    num_generated: int                # tokens drawn, the stop token included
+
+
+# --------------------------------------------------------------------------------------------------------------
+# logits processing
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits (B, V), seen (B, V) bool: divide positive / multiply negative logits of seen tokens by ``penalty``."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k and outside the nucleus of mass ``top_p`` to -inf (at least one survives)."""
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens strictly more likely than it already reach top_p
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,) by the rules in the module docstring."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# static KV cache and the decode session
+
+
+class StaticKVCache:
+    """Per layer (batch, n_kv_heads, max_len, head_dim) keys and values, written at the slots in ``self.slots``.
+
+    Duck-types the model's ``KVCache.update(layer, start_pos, k, v)``: ``start_pos`` is ignored; the caller sets
+    ``slots`` (a 1-D long tensor, one slot per new token, the same for every row) and ``visible_len`` (how many
+    slots attention reads; the attention mask hides the ones that are not valid for a row).
+    """
+
+    def __init__(self, model: Z2all, batch_size: int, max_len: int, dtype: torch.dtype):
+        cfg = model.cfg
+        device = model.embed_tokens.weight.device
+        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.max_len = max_len
+        self.visible_len = max_len
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)
+
+    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer].index_copy_(2, self.slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, self.slots, v.to(self.v[layer].dtype))
+        n = self.visible_len
+        if n == self.max_len:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
+
+def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) -> int:
+    """Prompt tokens per prefill chunk so that the chunk's logits (batch, chunk, vocab) stay under the budget."""
+    return max(16, budget_elements // max(1, batch * vocab))
+
+
+class DecodeSession:
+    """A static KV cache of shape (batch, max_len) plus fixed input buffers and the decode step (graph) over them.
+
+    Reused across calls with the same (batch, max_len): the cache is simply overwritten from slot 0.
+    """
+
+    def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool, compile: bool = False):
+        self.model = model
+        self.batch_size, self.max_len = batch_size, max_len
+        w = model.embed_tokens.weight
+        self.device = w.device
+        self.cache = StaticKVCache(model, batch_size, max_len, dtype=w.dtype)
+        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)   # the step's input
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)                 # the step's cache slot
+        self.pad_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # left padding per row
+        self.key_slots = torch.arange(max_len, device=self.device)
+        self.graph = None
+        self.logits_out = None
+        self.step_fn = self._step
+        if compile:
+            self.step_fn = torch.compile(self._step, dynamic=False)
+        if cuda_graph:
+            try:
+                self._capture()
+            except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so once
+                warnings.warn(f"decode: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly")
+                self.graph = None
+
+    # the decode step: one token per row at cache slot self.slot
+    def _step(self) -> torch.Tensor:
+        positions = (self.slot - self.pad_len).clamp_min(0)[:, None]                        # (B, 1)
+        j = self.key_slots[None, :]
+        visible = (j >= self.pad_len[:, None]) & (j <= self.slot)                           # (B, L)
+        logits, _ = self.model(self.tokens, kv_cache=self.cache, position_ids=positions,
+                               attn_mask=visible[:, None, None, :])
+        return logits[:, -1]                                                                # (B, V)
+
+    def _use_decode_layout(self):
+        self.cache.slots = self.slot
+        self.cache.visible_len = self.max_len
+
+    def _capture(self):
+        self._use_decode_layout()
+        self.slot.fill_(0)  # warm-up writes land in slot 0, which every prefill overwrites
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(3):
+                self.step_fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.logits_out = self.step_fn()
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
+        """Left-pad, run the prompts through the model in chunks, return the last position's logits (B, V)."""
+        B, P = len(prompts), max(len(p) for p in prompts)
+        if B != self.batch_size or P > self.max_len:
+            raise ValueError(f"decode session: {B} prompts of up to {P} tokens do not fit ({self.batch_size}, "
+                             f"{self.max_len})")
+        pad = [P - len(p) for p in prompts]
+        tokens = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, prompts)], dtype=torch.long)
+        tokens = tokens.to(self.device)
+        self.pad_len.copy_(torch.tensor(pad, dtype=torch.long))
+        chunk = prefill_chunk_len(B, self.model.cfg.padded_vocab_size)
+        logits = None
+        for start in range(0, P, chunk):
+            end = min(P, start + chunk)
+            slots = torch.arange(start, end, device=self.device)
+            self.cache.slots, self.cache.visible_len = slots, end
+            q = slots[None, :, None]                                     # (1, T, 1) query slots
+            k = torch.arange(end, device=self.device)[None, None, :]     # (1, 1, end) key slots
+            pad_len = self.pad_len[:, None, None]
+            # a padding query sees only itself, so no row of the mask is empty (an empty row gives NaN)
+            visible = (k <= q) & ((k >= pad_len) | (k == q))             # (B, T, end)
+            positions = (slots[None, :] - self.pad_len[:, None]).clamp_min(0)
+            out, _ = self.model(tokens[:, start:end], kv_cache=self.cache, position_ids=positions,
+                                attn_mask=visible[:, None])
+            logits = out[:, -1]
+        self._use_decode_layout()
+        return logits.float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32."""
+        self.tokens.copy_(tokens[:, None])
+        self.slot.fill_(slot)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits_out.float()
+        return self.step_fn().float()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the generator
+
+
+class _RowText:
+    """Incremental detokenisation of one row with stop strings: decides which text is safe to show."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.ids: list[int] = []
+        self.shown = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append a token; return (new showable text, hit a stop string)."""
+        self.ids.append(token_id)
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        hits = [at for at in (text.find(s) for s in self.stop) if at != -1]
+        if hits:
+            self.text = text[:min(hits)]
+            return self._emit(len(self.text)), True
+        self.text = text
+        end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its other bytes
+        safe = end
+        for s in self.stop:  # hold back a tail that may still grow into a stop string
+            for n in range(min(len(s) - 1, end), 0, -1):
+                if text[end - n:end] == s[:n]:
+                    safe = min(safe, end - n)
+                    break
+        return self._emit(safe), False
+
+    def finish(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        piece = self.text[self.shown:upto]
+        self.shown = max(self.shown, upto)
+        return piece
+
+
+class Generator:
+    """Generates from a model (and optionally a tokenizer, for text prompts, stop strings and text output).
+
+    ``cuda_graph``: None = on for CUDA models. ``compile``: compile the decode step with torch.compile before
+    capturing it. Not thread-safe: one call at a time (the server serialises requests).
+    """
+
+    def __init__(self, model: Z2all, tokenizer=None, cuda_graph: bool | None = None, compile: bool = False,
+                 max_sessions: int = 4, length_bucket: int = 128):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = model.embed_tokens.weight.device
+        graph_ok = self.device.type == "cuda"
+        scaling = model.cfg.rope_scaling
+        if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
+            graph_ok = False  # dynamic NTK reads the sequence length on the host every step
+        self.cuda_graph = graph_ok if cuda_graph is None else (cuda_graph and graph_ok)
+        self.compile = compile
+        self.max_sessions = max_sessions
+        self.length_bucket = length_bucket
+        self._sessions: OrderedDict[tuple[int, int], DecodeSession] = OrderedDict()
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.cfg.max_seq_len
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or load one")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def default_stop_ids(self) -> list[int]:
+        tok = self.tokenizer
+        ids = [getattr(tok, name, None) for name in ("eos_id", "im_end_id")] if tok is not None else []
+        if not ids and self.model.cfg.eos_token_id is not None:
+            ids = [self.model.cfg.eos_token_id]
+        return [i for i in ids if i is not None]
+
+    def session(self, batch_size: int, needed_len: int) -> DecodeSession:
+        """A cached decode session whose cache length is ``needed_len`` rounded up to the length bucket."""
+        b = self.length_bucket
+        length = min(self.max_seq_len, -(-needed_len // b) * b)
+        key = (batch_size, length)
+        if key in self._sessions:
+            self._sessions.move_to_end(key)
+            return self._sessions[key]
+        while len(self._sessions) >= self.max_sessions:
+            self._sessions.popitem(last=False)
+        s = DecodeSession(self.model, batch_size, length, cuda_graph=self.cuda_graph, compile=self.compile)
+        self._sessions[key] = s
+        return s
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def stream(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+               **overrides) -> Iterator[GenerationEvent]:
+        """Yield one :class:`GenerationEvent` per row per step until every row has finished.
+
+        Each row ends with exactly one event whose ``finish_reason`` is set.
+        """
+        params = params or SamplingParams()
+        if overrides:
+            params = SamplingParams(**{**params.__dict__, **overrides})
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        ids = [self.encode(p) for p in prompts]
+        if not ids:
+            return
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + params.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed "
+                                 f"the model's context of {self.max_seq_len}")
+        vocab = self.model.cfg.padded_vocab_size
+        for i, p in enumerate(ids):
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+        stop_ids = set(self.default_stop_ids() if params.stop_token_ids is None else params.stop_token_ids)
+        B, P = len(ids), max(len(p) for p in ids)
+        pad_id = getattr(self.tokenizer, "pad_id", None) if self.tokenizer is not None else None
+        pad_id = 0 if pad_id is None else pad_id
+
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(B, vocab, dtype=torch.bool, device=self.device)
+            for r, p in enumerate(ids):
+                seen[r, torch.tensor(p, device=self.device)] = True
+
+        session = self.session(B, P + params.max_new_tokens)
+        logits = session.prefill(ids, pad_id)
+        rows = [_RowText(self.tokenizer, params.stop) for _ in range(B)]
+        finished = [False] * B
+        on_cuda = self.device.type == "cuda"
+        host_tokens = torch.empty(B, dtype=torch.long, pin_memory=on_cuda)
+        copied = torch.cuda.Event() if on_cuda else None
+        for step in range(params.max_new_tokens):
+            next_tokens = sample_next_token(logits, params, seen, gen)                      # (B,) on device
+            if seen is not None:
+                seen.scatter_(1, next_tokens[:, None], True)
+            last = step == params.max_new_tokens - 1
+            host_tokens.copy_(next_tokens, non_blocking=on_cuda)
+            if on_cuda:
+                copied.record()
+            if not last:
+                # queue the next step before the host looks at the tokens (the GPU keeps busy meanwhile);
+                # rows that have finished just run along and are ignored
+                logits = session.decode(next_tokens, P + step)
+            if on_cuda:
+                copied.synchronize()
+            for r, tok in enumerate(host_tokens.tolist()):
+                if finished[r]:
+                    continue
+                if tok in stop_ids:
+                    finished[r] = True
+                    yield GenerationEvent(r, tok, rows[r].finish(), "stop", stop_token=True)
+                    continue
+                piece, hit_stop = rows[r].add(tok)
+                if hit_stop:
+                    finished[r] = True
+                    yield GenerationEvent(r, tok, piece, "stop")
+                elif last:
+                    finished[r] = True
+                    yield GenerationEvent(r, tok, piece + rows[r].finish(), "length")
+                else:
+                    yield GenerationEvent(r, tok, piece)
+            if all(finished):
+                break
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+                 on_event: Callable[[GenerationEvent], None] | None = None, **overrides) -> list[Completion]:
+        """Run :meth:`stream` to the end; ``on_event`` sees every event (a streaming callback)."""
+        ids = [self.encode(p) for p in prompts]
+        tokens: list[list[int]] = [[] for _ in ids]
+        texts = [""] * len(ids)
+        reasons = ["length"] * len(ids)
+        drawn = [0] * len(ids)
+        for ev in self.stream(ids, params, **overrides):
+            if on_event is not None:
+                on_event(ev)
+            drawn[ev.index] += 1
+            texts[ev.index] += ev.text
+            if not ev.stop_token:
+                tokens[ev.index].append(ev.token_id)
+            if ev.finish_reason:
+                reasons[ev.index] = ev.finish_reason
+        return [Completion(p, t, s, r, n) for p, t, s, r, n in zip(ids, tokens, texts, reasons, drawn)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_for_inference(ckpt: str, device: str = "auto", dtype: str = "auto", tokenizer=None):
+    """(model, tokenizer) from a checkpoint directory (ours, HF, or one with LoRA adapters, merged on load).
+
+    ``dtype`` auto: bfloat16 on CUDA, float32 on CPU. ``tokenizer`` None: ``load_tokenizer(ckpt)``.
+    """
+    from pathlib import Path
+
+    from zero2all.model.lora import find_adapter_dir, load_merged_model
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = {"auto": torch.bfloat16 if str(device).startswith("cuda") else torch.float32,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if find_adapter_dir(ckpt) is not None:
+        model = load_merged_model(ckpt).to(device=device, dtype=torch_dtype).eval()
+    else:
+        from zero2all.model.io import load_model
+
+        model = load_model(ckpt, device=device, dtype=torch_dtype)
+    if tokenizer is None:
+        from zero2all.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(ckpt))
+    return model, tokenizer
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """Run fn, return (result, seconds), synchronising the GPU around it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0

@@ -1,0 +1,162 @@
+"""LM head fused with cross-entropy: the loss from hidden states and the head's weight, in chunks of tokens, never
+materialising the full (tokens x vocab) logits.
+
+For a chunk of C tokens, logits = h W^T (C x V, one GEMM in the compute dtype), then one Triton program per row::
+
+    lse    = log(sum_j exp(logit_j))                     (online max / sum over blocks of the vocabulary)
+    loss_i = lse - logit_target + z * lse^2              (z: PaLM's z-loss; rows whose target is ignore_index: 0)
+    dlogit = (softmax * (1 + 2 z lse) - onehot(target)) / n_valid       written over the logits in place
+
+and the chunk's gradients follow by two more GEMMs: dh = dlogit W, dW += dlogit^T h. The loss is
+sum_i loss_i / n_valid, the mean over tokens whose target is not ignore_index (``ops.linear_cross_entropy_torch``).
+
+Because the loss is a scalar, its gradients are computed during the forward (when autograd will need them) and
+merely scaled by the incoming gradient in the backward: the peak extra memory is one chunk of logits plus the two
+gradients, instead of (tokens x vocab) logits in float32 plus their gradient. The weight gradient is accumulated
+in float32 over chunks and cast to the weight's dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# at most this many logits per chunk (2^28 = 512 MiB in bf16): 4096 tokens at a 64k vocabulary
+CHUNK_ELEMENTS = 2 ** 28
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(LOGITS, stride_row, TARGETS, LOSS, N_VALID, V, ignore_index, z_loss,
+                               COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_row
+    target = tl.load(TARGETS + row)
+    valid = target != ignore_index
+    safe_target = tl.where(valid, target, 0)
+    cols = tl.arange(0, BLOCK)
+    # pass 1: running max m and running sum s of exp(logit - m)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    x_target = tl.load(base + safe_target).to(tl.float32)
+    loss = lse - x_target + z_loss * lse * lse
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    if COMPUTE_GRAD:
+        # pass 2: gradient of loss_i / n_valid w.r.t. the logits, over the logits in place
+        scale = tl.where(valid, 1.0 / tl.load(N_VALID).to(tl.float32), 0.0)
+        softmax_scale = 1.0 + 2.0 * z_loss * lse
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            mask = idx < V
+            x = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32)
+            d = tl.exp(x - lse) * softmax_scale - tl.where(idx == safe_target, 1.0, 0.0)
+            tl.store(base + idx, (d * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def _chunk_rows(n_tokens: int, vocab: int) -> int:
+    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    if rows >= 256:
+        rows = rows // 256 * 256  # whole GEMM tiles
+    return min(n_tokens, rows)
+
+
+@torch.library.custom_op("z2all::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                          z_loss: float, compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (N, H), weight (V, H) in one dtype, targets (N,) -> (loss, d loss/d hidden, d loss/d weight)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    targets = targets.contiguous()
+    n_valid = (targets != ignore_index).sum()
+    row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0,))
+    chunk = _chunk_rows(N, V)
+    n_chunks = triton.cdiv(N, chunk) if N else 0
+    grad_weight_acc = None
+    if compute_grad and n_chunks > 1:
+        grad_weight_acc = torch.zeros((V, H), dtype=torch.float32, device=hidden.device)
+    grad_weight = weight.new_zeros(weight.shape) if compute_grad and n_chunks == 0 else None
+    block = min(4096, triton.next_power_of_2(V))
+    with torch.autocast(hidden.device.type, enabled=False):  # GEMMs in the inputs' dtype, as the caller chose
+        grad_weight = _chunks(hidden, weight, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss,
+                              grad_hidden, grad_weight, grad_weight_acc, chunk, block)
+    if grad_weight is None:
+        grad_weight = weight.new_empty((0,))
+    loss = row_loss.sum() / n_valid
+    return loss, grad_hidden, grad_weight
+
+
+def _chunks(hidden, weight, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss, grad_hidden,
+            grad_weight, grad_weight_acc, chunk, block):
+    N, V = hidden.shape[0], weight.shape[0]
+    for start in range(0, N, chunk):
+        h = hidden[start:start + chunk]
+        logits = h @ weight.t()                                          # (C, V), the only logits alive
+        _cross_entropy_rows_kernel[(h.shape[0],)](logits, logits.stride(0), targets[start:start + chunk],
+                                                  row_loss[start:start + chunk], n_valid, V, ignore_index,
+                                                  float(z_loss), COMPUTE_GRAD=compute_grad, BLOCK=block,
+                                                  num_warps=8 if block >= 2048 else 4)
+        if compute_grad:                                                 # logits now hold d loss / d logits
+            torch.mm(logits, weight, out=grad_hidden[start:start + chunk])
+            if grad_weight_acc is None:
+                grad_weight = logits.t() @ h
+            elif weight.dtype == torch.float32:
+                grad_weight_acc.addmm_(logits.t(), h)
+            else:
+                grad_weight_acc += logits.t() @ h
+    if grad_weight_acc is not None:
+        grad_weight = grad_weight_acc.to(weight.dtype)
+    return grad_weight
+
+
+@_linear_cross_entropy.register_fake
+def _(hidden, weight, targets, ignore_index, z_loss, compute_grad):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    if compute_grad:
+        return loss, torch.empty_like(hidden), torch.empty_like(weight)
+    return loss, hidden.new_empty((0,)), weight.new_empty((0,))
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_hidden, grad_weight = output
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.compute_grad = inputs[5]
+
+
+def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
+    if not ctx.compute_grad:
+        raise RuntimeError("fused_linear_cross_entropy: called without gradients; cannot run backward")
+    grad_hidden, grad_weight = ctx.saved_tensors
+    g = grad_loss.to(torch.float32)
+    return (grad_hidden * g).to(grad_hidden.dtype), (grad_weight * g).to(grad_weight.dtype), None, None, None, None
+
+
+_linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index, plus ``z_loss * mean(lse^2)``.
+
+    hidden (..., H); weight (V, H) (cast to hidden's dtype, as autocast's linear would); targets (...) int64.
+    Equal to ``ops.linear_cross_entropy_torch``; gradients flow to hidden and weight.
+    """
+    H = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"linear_cross_entropy: weight shape {tuple(weight.shape)} does not match hidden size {H}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"linear_cross_entropy: targets shape {tuple(targets.shape)} != hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    h2 = hidden.reshape(-1, H)
+    w = weight.to(hidden.dtype)
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss, _, _ = _linear_cross_entropy(h2, w, targets.reshape(-1), int(ignore_index), float(z_loss), compute_grad)
+    return loss

@@ -1,0 +1,281 @@
+"""The tokenizer at run time, stored as HF tokenizer files.
+
+A tokenizer directory holds::
+
+    tokenizer.json            the HF `tokenizers` pipeline (model, pre-tokenizer, decoder, special tokens)
+    tokenizer_config.json     PreTrainedTokenizerFast settings and the ChatML `chat_template`
+    special_tokens_map.json   eos / pad / unk
+    z2all_tokenizer.json      our metadata: backend, special-token ids, training statistics
+    tokenizer.model           (spm backend only) the SentencePiece model it was converted from
+
+so ``transformers.AutoTokenizer.from_pretrained(dir)`` loads it without ``trust_remote_code``, and both backends
+(byte-level BPE and SentencePiece BPE) run through the same `tokenizers` engine: our ids are AutoTokenizer's ids.
+
+**Injection safety.** ``Tokenizer.encode(text)`` runs a copy of the pipeline that has *no* added tokens, so raw
+text containing ``<|im_end|>`` is encoded as ordinary characters (``<``, ``|``, ``im``, ...) and can never produce
+a special id. Special ids enter only through explicit calls: :meth:`Tokenizer.apply_chat_template`, or the ids
+themselves (``tok.eos_id``). (AutoTokenizer follows HF's usual rule and does match special strings in text; that
+is what lets its ``apply_chat_template`` render the template to text and tokenize it to the same ids as ours.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
+NAMED_SPECIALS = (EOS, PAD, IM_START, IM_END)
+N_RESERVED = 12  # <|reserved_0|> ... <|reserved_11|>: 16 specials in all, room for tools/FIM markers later
+VOCAB_MULTIPLE = 64
+META_FILE = "z2all_tokenizer.json"
+
+# ChatML. Our apply_chat_template renders exactly this, with the specials entered as ids.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def reserved_token(i: int) -> str:
+    return f"<|reserved_{i}|>"
+
+
+def special_tokens(n_reserved: int = N_RESERVED) -> list[str]:
+    """The special tokens in id order: the four named ones, then the reserved block."""
+    return list(NAMED_SPECIALS) + [reserved_token(i) for i in range(n_reserved)]
+
+
+def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def canonical_hash(tokenizer_json: str | bytes) -> str:
+    """sha256 of tokenizer.json with keys sorted and no whitespace: the same pipeline gives the same hash even if
+    a tool re-serialises the file with another layout."""
+    obj = json.loads(tokenizer_json)
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+class Tokenizer:
+    """Encode / decode / chat template over a `tokenizers` pipeline (see the module docstring).
+
+    Attributes: ``vocab_size`` (a multiple of 64: the model's embedding rows), ``eos_id`` (``<|endoftext|>``, the
+    document separator), ``pad_id``, ``im_start_id``, ``im_end_id``, ``special_ids`` (name -> id), ``hash``.
+    """
+
+    def __init__(self, tokenizer_json: str, meta: dict | None = None, extra_files: dict | None = None):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        self._json = tokenizer_json
+        self.meta = dict(meta or {})
+        self._extra_files = dict(extra_files or {})  # name -> bytes (e.g. tokenizer.model)
+        self._full = _HFTokenizer.from_str(tokenizer_json)
+        raw = json.loads(tokenizer_json)
+        raw["added_tokens"] = []
+        raw["post_processor"] = None
+        self._raw = _HFTokenizer.from_str(json.dumps(raw))
+        self.hash = canonical_hash(tokenizer_json)
+        added = [t for t in json.loads(tokenizer_json).get("added_tokens", []) if t.get("special")]
+        self.special_ids: dict[str, int] = {t["content"]: t["id"] for t in sorted(added, key=lambda t: t["id"])}
+        self.backend = self.meta.get("backend", "hf")
+        n = self._full.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = round_up(n)  # foreign tokenizers: the padded size a model would use
+        self.eos_id = self._special(EOS, self.meta.get("eos_token"))
+        self.pad_id = self._special(PAD, self.meta.get("pad_token"))
+        self.im_start_id = self.special_ids.get(IM_START)
+        self.im_end_id = self.special_ids.get(IM_END)
+
+    def _special(self, name: str, fallback: str | None) -> int | None:
+        if name in self.special_ids:
+            return self.special_ids[name]
+        if fallback is not None:
+            return self._full.token_to_id(fallback)
+        return None
+
+    # ---------------------------------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str) -> list[int]:
+        """Raw text -> ids. Never produces a special id (special strings in ``text`` are ordinary characters)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self._raw.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Like :meth:`encode` for many texts (the Rust side splits the batch over threads when allowed)."""
+        fast = getattr(self._raw, "encode_batch_fast", None)
+        encs = (fast or self._raw.encode_batch)(list(texts), add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """ids -> text. Lossless: ``decode(encode(x)) == x`` for any string ``x``."""
+        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._full.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._full.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(backend={self.backend}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
+                f"hash={self.hash[:12]})")
+
+    # ---------------------------------------------------------------------------------------------- chat
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, the specials entered as ids and
+        the role / content encoded as raw text (so a message cannot forge a turn boundary). With
+        ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``. Equal to what AutoTokenizer's
+        ``apply_chat_template(..., tokenize=True)`` gives with our ``chat_template``."""
+        if self.im_start_id is None or self.im_end_id is None:
+            raise ValueError("this tokenizer has no <|im_start|>/<|im_end|> tokens; it cannot render chats")
+        ids: list[int] = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r:.120}")
+            ids.append(self.im_start_id)
+            ids += self.encode(m["role"] + "\n" + m["content"])
+            ids.append(self.im_end_id)
+            ids += self.encode("\n")
+        if add_generation_prompt:
+            ids.append(self.im_start_id)
+            ids += self.encode("assistant\n")
+        return ids
+
+    # ---------------------------------------------------------------------------------------------- files
+
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """Write the HF files and our metadata into ``out_dir`` (a temporary directory renamed when complete)."""
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        os.chmod(tmp, 0o755)
+        try:
+            (tmp / "tokenizer.json").write_text(self._json, encoding="utf-8")
+            for name, data in self._extra_files.items():
+                (tmp / name).write_bytes(data)
+            unk = self.meta.get("unk_token")
+            specials_map = {"eos_token": EOS, "pad_token": PAD}
+            if unk:
+                specials_map["unk_token"] = unk
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": int(self.meta.get("model_max_length", 1_000_000)),
+                "clean_up_tokenization_spaces": False,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                **specials_map,
+                "added_tokens_decoder": {
+                    str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
+                             "normalized": False, "single_word": False}
+                    for name, i in self.special_ids.items()},
+            }
+            _write_json(tmp / "tokenizer_config.json", config)
+            _write_json(tmp / "special_tokens_map.json", specials_map)
+            meta = dict(self.meta)
+            meta.update({"format": "zero2all-tokenizer", "backend": self.backend, "vocab_size": self.vocab_size,
+                         "special_ids": self.special_ids, "hash": self.hash})
+            _write_json(tmp / META_FILE, meta)
+            if out_dir.exists():
+                old = out_dir.with_name(f".{out_dir.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out_dir
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer directory (ours, or any HF directory with a tokenizer.json), or a tokenizer.json file."""
+    path = Path(path)
+    tj = path if path.is_file() else path / "tokenizer.json"
+    if not tj.exists():
+        raise FileNotFoundError(f"{path}: no tokenizer.json (train one with `z2all train-tokenizer`)")
+    meta: dict = {}
+    extra: dict = {}
+    if path.is_dir():
+        mfile = path / META_FILE
+        if mfile.exists():
+            meta = json.loads(mfile.read_text(encoding="utf-8"))
+        else:  # a foreign HF directory: take eos/pad names from its special-tokens map
+            smap = path / "special_tokens_map.json"
+            if smap.exists():
+                for k, v in json.loads(smap.read_text(encoding="utf-8")).items():
+                    meta[k] = v.get("content") if isinstance(v, dict) else v
+        spm = path / "tokenizer.model"
+        if spm.exists() and meta.get("backend") == "spm":
+            extra["tokenizer.model"] = spm.read_bytes()
+    text = tj.read_text(encoding="utf-8")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{tj}:{e.lineno}: not valid JSON ({e.msg})") from None
+    return Tokenizer(text, meta=meta, extra_files=extra)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SentencePiece BPE -> the same pipeline in `tokenizers`
+
+
+def sentencepiece_to_tokenizer_json(model_proto: bytes, specials: list[str]) -> tuple[str, dict]:
+    """Convert a SentencePiece BPE model (byte fallback, identity normalisation, no dummy prefix) into a
+    `tokenizers` BPE pipeline that produces the same ids.
+
+    SentencePiece BPE encodes by repeatedly merging the adjacent pair whose concatenation is the vocabulary piece
+    with the highest score; `tokenizers` BPE merges the pair of lowest rank. So every piece ``p`` that splits into
+    two pieces ``a + b`` gives a merge ``(a, b)`` ranked by ``p``'s score. Spaces are the meta symbol U+2581;
+    characters outside the vocabulary fall back to their UTF-8 bytes ``<0xNN>``.
+    Returns (tokenizer.json text, {"unk_token": ...}).
+    """
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import AddedToken, decoders, models, normalizers
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(model_proto)
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    normal = pb.ModelProto.SentencePiece.NORMAL
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    scores = {p.piece: p.score for p in proto.pieces}
+    mergeable = {p.piece for p in proto.pieces if p.type == normal}
+    merges = []
+    for p in proto.pieces:
+        if p.type != normal or len(p.piece) < 2:
+            continue
+        for k in range(1, len(p.piece)):
+            a, b = p.piece[:k], p.piece[k:]
+            if a in mergeable and b in mergeable:
+                merges.append((-scores[p.piece], vocab[p.piece], vocab[a], vocab[b], a, b))
+    merges.sort()
+    unk = sp.id_to_piece(sp.unk_id())
+    bpe = models.BPE(vocab=vocab, merges=[(m[4], m[5]) for m in merges], unk_token=unk, byte_fallback=True,
+                     fuse_unk=True)
+    tok = _HFTokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials if s in vocab])
+    return tok.to_str(), {"unk_token": unk}

@@ -1,0 +1,260 @@
+"""Tokenizer training: byte-level BPE with HF `tokenizers` (``backend="hf"``) or SentencePiece BPE with byte fallback
+(``backend="spm"``), both saved as HF tokenizer files (``zero2all.tokenizer.hf``).
+
+Vocabulary layout (both backends): the 16 special tokens ``<|endoftext|>`` (the document separator), ``<|pad|>``,
+``<|im_start|>``, ``<|im_end|>``, ``<|reserved_0..11|>``; the learned vocabulary; then more
+``<|reserved_k|>`` tokens until the size is a multiple of 64 (embedding and LM-head rows that tensor cores like).
+
+**Pre-tokenization (hf backend).** Byte-level BPE never merges across the boundaries of the pieces that
+:data:`PRETOKENIZE_REGEX` cuts the text into. The alternatives, tried in order at each position:
+
+1. ``'s 't 'm 'd 'll 've 're``: English contractions are their own pieces;
+2. an optional non-letter/non-digit character, then a run of Han / Hiragana / Katakana / Hangul: CJK text has no
+   spaces, so a whole run is one piece and BPE learns the frequent words inside it; a CJK run never fuses with
+   Latin letters (``Hello世界`` -> ``Hello`` + ``世界``);
+3. an optional leading non-letter/non-digit (a space, ``_``, ``.``, ``(``), then a run of other letters and marks:
+   words with their leading space (``" return"``), identifiers with their sigil (``".append"``);
+4. 1 to 3 digits: numbers split into groups of at most three (``12345`` -> ``123`` + ``45``), so the vocabulary
+   spends no entries on arbitrary numbers and digits never merge with letters;
+5. an optional space, then a run of punctuation / symbols with trailing newlines: operators (``" =="``, ``"):\\n"``);
+6. whitespace ending in newlines (``"\\n\\n"``);
+7. a run of spaces/tabs not followed by a non-space, i.e. all but the last space of an indentation, whose last
+   space then joins the next word (``"        return"`` -> ``"       "`` + ``" return"``): indentation
+   widths become single tokens and keywords keep their usual ``" return"`` token;
+8. any other whitespace.
+Then every byte of a piece maps to one of 256 printable characters (GPT-2's byte-level alphabet), so any string,
+valid UTF-8 or not a single known character, encodes without an unknown token and decodes back exactly.
+
+**Bounded memory.** The `tokenizers` trainer holds one entry per distinct pre-token plus, per distinct pair, the
+set of words containing it; the SentencePiece trainer holds every sentence it is given. Both grow with the text
+fed, so the text fed is capped: ``max_memory_gb`` (default 8) buys ``max_memory_gb * 1e9 / MEMORY_PER_TEXT_BYTE``
+bytes of text. A first pass measures the corpus; if it is larger, documents are sampled with a fixed, seeded hash
+of their position at rate ``budget / corpus_bytes`` (and feeding stops at the budget in any case), so memory does
+not depend on corpus size. The factor was measured on high-diversity text (see BENCHMARKS.md) and includes a
+safety margin. Peak RSS is reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import resource
+import sys
+import time
+from typing import Iterable, Iterator
+
+from zero2all.data.readers import ReadStats, SourceSpec, iter_records
+from zero2all.tokenizer.hf import (N_RESERVED, VOCAB_MULTIPLE, Tokenizer, reserved_token, round_up,
+                                   sentencepiece_to_tokenizer_json, special_tokens)
+
+_CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
+PRETOKENIZE_REGEX = (
+    r"'(?:[sdmt]|ll|ve|re)"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?[{_CJK}]+"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}&&[^{_CJK}]]+"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|[^\S\r\n]+(?!\S)"
+    r"|\s+"
+)
+
+DEFAULT_MAX_MEMORY_GB = 8.0
+# Peak trainer RSS per byte of text fed, upper bound over both backends on high-diversity text (BENCHMARKS.md:
+# "Data pipeline (CPU)"), times a 1.5x margin. Natural text has fewer distinct words per byte, so it uses less.
+MEMORY_PER_TEXT_BYTE = 6.0
+BASE_MEMORY_BYTES = 400e6  # interpreter, torch-free imports, reader buffers
+SPM_MAX_SENTENCE_BYTES = 16384
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
+
+
+def text_budget_bytes(max_memory_gb: float | None) -> float:
+    """Bytes of text the trainer may be fed under a memory cap (inf when uncapped)."""
+    if not max_memory_gb or max_memory_gb <= 0:
+        return float("inf")
+    usable = max_memory_gb * 1e9 - BASE_MEMORY_BYTES
+    if usable <= 0:
+        raise ValueError(f"max_memory_gb={max_memory_gb}: below the ~{BASE_MEMORY_BYTES / 1e9:.1f} GB a run needs")
+    return usable / MEMORY_PER_TEXT_BYTE
+
+
+def _keep(index: int, rate: float, seed: int) -> bool:
+    """Seeded, order-independent Bernoulli(rate) choice for document ``index``."""
+    if rate >= 1.0:
+        return True
+    h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64 < rate
+
+
+class _SampledTexts:
+    """The documents to train on: all of them, or a seeded sample that fits the byte budget."""
+
+    def __init__(self, inputs, text_field, txt_mode, strict, budget: float, seed: int, log):
+        self.inputs, self.kw = inputs, dict(text_field=text_field, txt_mode=txt_mode, strict=strict)
+        self.budget, self.seed, self.log = budget, seed, log
+        self.stats = ReadStats()
+        self.corpus_bytes = None
+        self.rate = 1.0
+        if budget != float("inf"):
+            total = 0
+            for rec in iter_records(self.inputs, stats=ReadStats(), **self.kw):
+                total += len(rec["content"].encode("utf-8", "surrogatepass"))
+            self.corpus_bytes = total
+            self.rate = min(1.0, budget / max(total, 1))
+            log(f"corpus: {total / 1e6:,.1f} MB of text; memory cap allows {budget / 1e6:,.1f} MB -> "
+                f"sampling rate {self.rate:.4f}")
+        self.fed_bytes = 0
+        self.fed_docs = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for rec in iter_records(self.inputs, stats=self.stats, **self.kw):
+            if not _keep(rec["gid"], self.rate, self.seed):
+                continue
+            text = rec["content"]
+            n = len(text.encode("utf-8", "surrogatepass"))
+            if self.fed_bytes + n > self.budget:
+                break
+            self.fed_bytes += n
+            self.fed_docs += 1
+            yield text
+
+    def batches(self, size: int = 256) -> Iterator[list[str]]:
+        batch = []
+        for t in self:
+            batch.append(t)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def _normalise_inputs(inputs) -> list:
+    if isinstance(inputs, (str, os.PathLike, SourceSpec)):
+        inputs = [inputs]
+    return [x if isinstance(x, SourceSpec) else str(x) for x in inputs]
+
+
+def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", *, text_field: str | None = None,
+                    txt_mode: str = "file", strict: bool = False, max_memory_gb: float | None = DEFAULT_MAX_MEMORY_GB,
+                    seed: int = 0, min_frequency: int = 2, n_reserved: int = N_RESERVED,
+                    log=print) -> Tokenizer:
+    """Train a tokenizer on ``inputs`` (paths, globs, ``"stdlib"``, ``NAME=PATH`` specs) and save it to
+    ``out_dir`` (when given). ``vocab_size`` is rounded up to a multiple of 64 and includes the special tokens.
+    ``max_memory_gb`` caps the trainer's memory (None or 0: no cap, everything is fed). Returns the Tokenizer;
+    its ``meta["training"]`` holds time, peak RSS, bytes fed and the bad-input report."""
+    if backend not in ("hf", "spm"):
+        raise ValueError(f"backend: {backend!r} is not one of hf, spm")
+    target = round_up(vocab_size, VOCAB_MULTIPLE)
+    specials = special_tokens(n_reserved)
+    min_size = len(specials) + 256 + (1 if backend == "spm" else 0) + VOCAB_MULTIPLE
+    if target < min_size:
+        raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 bytes + {len(specials)} "
+                         f"special tokens + room to learn merges)")
+    t0 = time.time()
+    texts = _SampledTexts(_normalise_inputs(inputs), text_field, txt_mode, strict,
+                          text_budget_bytes(max_memory_gb), seed, log)
+    if backend == "hf":
+        tokenizer_json, extra_meta, extra_files = _train_bytelevel_bpe(texts, target, specials, min_frequency)
+    else:
+        tokenizer_json, extra_meta, extra_files = _train_sentencepiece_bpe(texts, target, specials, seed)
+    if texts.fed_docs == 0:
+        raise ValueError(f"no usable text in {inputs!r}: {texts.stats.report()}")
+    tokenizer_json, n_pad = _pad_vocab(tokenizer_json, n_reserved)
+    seconds = time.time() - t0
+    meta = {
+        "backend": backend,
+        "eos_token": specials[0],
+        "pad_token": specials[1],
+        **extra_meta,
+        "pretokenize_regex": PRETOKENIZE_REGEX if backend == "hf" else None,
+        "training": {
+            "inputs": [str(x) if not isinstance(x, SourceSpec) else f"{x.name}={','.join(x.paths)}"
+                       for x in _normalise_inputs(inputs)],
+            "vocab_size_requested": vocab_size, "reserved_padding": n_pad,
+            "max_memory_gb": max_memory_gb, "corpus_bytes": texts.corpus_bytes, "sampling_rate": texts.rate,
+            "fed_bytes": texts.fed_bytes, "fed_docs": texts.fed_docs, "seconds": round(seconds, 2),
+            "peak_rss_mb": round(peak_rss_mb(), 1), "seed": seed, "read": texts.stats.to_dict()},
+    }
+    tok = Tokenizer(tokenizer_json, meta=meta, extra_files=extra_files)
+    if texts.stats.bad:
+        log(texts.stats.report())
+    log(f"trained {backend} tokenizer: vocab {tok.vocab_size} ({n_pad} reserved padding), "
+        f"{texts.fed_docs:,} docs / {texts.fed_bytes / 1e6:,.1f} MB in {seconds:.1f}s, "
+        f"peak RSS {peak_rss_mb():,.0f} MB")
+    if out_dir is not None:
+        tok.save(out_dir)
+        log(f"wrote {out_dir} (hash {tok.hash[:16]})")
+    return tok
+
+
+def _pad_vocab(tokenizer_json: str, n_reserved: int) -> tuple[str, int]:
+    """Append ``<|reserved_k|>`` special tokens until the vocabulary size is a multiple of 64."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    tok = _HFTokenizer.from_str(tokenizer_json)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    pad = round_up(n) - n
+    k = n_reserved
+    names = []
+    while len(names) < pad:
+        if tok.token_to_id(reserved_token(k)) is None:
+            names.append(reserved_token(k))
+        k += 1
+    if names:
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in names])
+    return tok.to_str(), pad
+
+
+def _train_bytelevel_bpe(texts: _SampledTexts, target: int, specials: list[str], min_frequency: int):
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    tok = _HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=target, min_frequency=min_frequency, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts.batches(), trainer)
+    return tok.to_str(), {}, {}
+
+
+def _spm_sentences(texts: _SampledTexts) -> Iterator[str]:
+    """SentencePiece learns from "sentences" without newlines: one per non-blank line, cut to its length limit
+    (newlines themselves are encoded through byte fallback)."""
+    for doc in texts:
+        for line in doc.split("\n"):
+            if line.strip():
+                while len(line.encode("utf-8", "surrogatepass")) > SPM_MAX_SENTENCE_BYTES:
+                    yield line[: SPM_MAX_SENTENCE_BYTES // 4]
+                    line = line[SPM_MAX_SENTENCE_BYTES // 4:]
+                yield line
+
+
+def _train_sentencepiece_bpe(texts: _SampledTexts, target: int, specials: list[str], seed: int):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    if hasattr(spm, "set_random_generator_seed"):
+        spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_spm_sentences(texts), model_writer=model,
+        model_type="bpe", vocab_size=target, hard_vocab_limit=False,
+        byte_fallback=True, control_symbols=specials, unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1,
+        # lossless: no normalisation, no dummy prefix, whitespace kept as is (runs become "▁▁▁▁" pieces)
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
+        max_sentence_length=SPM_MAX_SENTENCE_BYTES, input_sentence_size=0, shuffle_input_sentence=False,
+        num_threads=os.cpu_count() or 1, minloglevel=2)
+    proto = model.getvalue()
+    tokenizer_json, extra = sentencepiece_to_tokenizer_json(proto, specials)
+    return tokenizer_json, extra, {"tokenizer.model": proto}

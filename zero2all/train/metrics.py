@@ -1,0 +1,285 @@
+"""Training metrics: MFU, peak memory, and where the numbers go (console, JSONL, TensorBoard, PNG, markdown).
+
+MFU (model FLOPs utilisation) = achieved model FLOP/s / the device's peak, with the model FLOPs of a token
+(Kaplan / PaLM): 6 * N for the matmuls of forward + backward (N = non-embedding parameters; the LM head counts)
+plus 12 * L * H * T for attention scores and values (L layers, H hidden size, T sequence length)::
+
+    MFU = tokens_per_s * (6 * N + 12 * L * H * T) / peak_flops
+
+Recomputation is not counted (that would be hardware FLOPs utilisation). ``zero2all.accounting.mfu`` is the
+project's one implementation; ``model_flops_per_token`` here is only used when that module is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# dense bf16/fp16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name()
+GPU_PEAK_FLOPS_BF16 = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+def detect_peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
+    """The device's dense bf16 peak (FLOP/s): ``configured`` when > 0, else looked up by GPU name; None on CPU or
+    an unknown GPU (MFU is then not reported)."""
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(GPU_PEAK_FLOPS_BF16, key=len, reverse=True):
+        if key in name:
+            return GPU_PEAK_FLOPS_BF16[key]
+    return None
+
+
+def model_flops_per_token(model_cfg, non_embedding_params: int, seq_len: int) -> float:
+    """6 * N + 12 * L * H * T (see the module docstring)."""
+    return 6.0 * non_embedding_params + 12.0 * model_cfg.n_layers * model_cfg.hidden_dim * seq_len
+
+
+def compute_mfu(tokens_per_s: float, model_cfg, seq_len: int, peak_flops: float | None,
+                non_embedding_params: int) -> float | None:
+    """MFU as a fraction (0.42 = 42 %), or None without a known peak."""
+    if not peak_flops:
+        return None
+    try:
+        from zero2all.accounting import mfu as accounting_mfu
+    except ImportError:
+        accounting_mfu = None
+    if accounting_mfu is not None:
+        return float(accounting_mfu(tokens_per_s, model_cfg, seq_len, peak_flops))
+    return tokens_per_s * model_flops_per_token(model_cfg, non_embedding_params, seq_len) / peak_flops
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated GPU memory since the last reset; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+def format_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_step_line(rec: dict) -> str:
+    """One console line per logged step."""
+    parts = [f"step {rec['step']:>6d}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.3e}",
+             f"grad norm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    parts.append(f"MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "MFU -")
+    parts.append(f"{1000 * rec['step_time_s']:.0f} ms")
+    parts.append(f"peak mem {rec['peak_mem_bytes'] / 2 ** 30:.2f} GiB")
+    if rec.get("skipped"):
+        parts.append(f"SKIPPED (non-finite gradients; {rec['skipped_total']} so far)")
+    if "loss_scale" in rec:
+        parts.append(f"scale {rec['loss_scale']:.0f}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Appends one JSON object per event to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    Records have a ``kind`` (``train``, ``eval``, ``sample``, ``info``) and a ``step``. On resume,
+    ``truncate_after(step)`` drops records a killed run wrote after its last checkpoint, so the file reads as one
+    uninterrupted run.
+    """
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:  # tensorboard not installed: JSONL only
+                    SummaryWriter = None
+                if SummaryWriter is not None:
+                    self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> int:
+        """Rewrite metrics.jsonl keeping only records with step <= ``step``; returns how many were dropped."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                dropped += 1
+                continue
+            if rec.get("step", 0) <= step:
+                kept.append(line)
+            else:
+                dropped += 1
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        return dropped
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if self._tb is not None:
+            kind, step = record.get("kind", "train"), record.get("step", 0)
+            for key, value in record.items():
+                if key in ("time", "step", "kind") or isinstance(value, bool):
+                    continue
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+                elif isinstance(value, str) and kind == "sample":
+                    self._tb.add_text(f"sample/{key}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    out = []
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def plot_loss_curve(records: list[dict], path: str | Path, title: str = "") -> Path | None:
+    """Training loss (raw and smoothed) and validation loss against step, saved as a PNG (written atomically)."""
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and math.isfinite(r["loss"])]
+    evals = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = zip(*train)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
+    window = max(1, len(losses) // 50)
+    if window > 1:  # trailing moving average
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, smooth, color="tab:blue", linewidth=1.6, label=f"train loss (mean of {window})")
+    if evals:
+        es, el = zip(*evals)
+        ax.plot(es, el, "o-", color="tab:orange", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title or "loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(".tmp-" + path.name)
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return float("nan") if n == 0 else (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2]))
+
+
+def summarize(records: list[dict]) -> dict:
+    """Numbers for the run report: first / last / best losses, median throughput (first logged step excluded,
+    it includes warm-up), skipped steps."""
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    steady = train[1:] if len(train) > 1 else train
+    out: dict = {"steps": train[-1]["step"] if train else 0}
+    if train:
+        k = max(1, min(10, len(train) // 10))
+        out["first_loss"] = train[0]["loss"]
+        out["first_loss_mean"] = sum(r["loss"] for r in train[:k]) / k
+        out["last_loss_mean"] = sum(r["loss"] for r in train[-k:]) / k
+        out["mean_window"] = k
+        out["median_tokens_per_s"] = _median([r["tokens_per_s"] for r in steady])
+        out["median_step_time_s"] = _median([r["step_time_s"] for r in steady])
+        mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        out["median_mfu"] = _median(mfus) if mfus else None
+        out["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in train)
+        out["skipped_steps"] = train[-1].get("skipped_total", 0)
+        out["tokens_seen"] = train[-1].get("tokens_seen", 0)
+    if evals:
+        out["first_eval_loss"] = evals[0]["loss"]
+        out["last_eval_loss"] = evals[-1]["loss"]
+        out["last_eval_ppl"] = evals[-1]["ppl"]
+        best = min(evals, key=lambda r: r["loss"])
+        out["best_eval_loss"], out["best_eval_step"] = best["loss"], best["step"]
+    return out
+
+
+def write_run_report(path: str | Path, header: dict, records: list[dict], samples: list[dict],
+                     loss_png: str | None) -> Path:
+    """A short markdown report: setup, results, samples, the loss curve (written atomically)."""
+    s = summarize(records)
+    lines = [f"# Run report: {header.get('name', '')}", ""]
+    lines += ["## Setup", "", "| | |", "|---|---|"]
+    for key, value in header.items():
+        if key != "name":
+            lines.append(f"| {key} | {value} |")
+    lines += ["", "## Results", "", "| | |", "|---|---|"]
+    if "first_loss" in s:
+        k = s["mean_window"]
+        lines.append(f"| steps | {s['steps']:,} |")
+        lines.append(f"| tokens seen | {s['tokens_seen']:,} |")
+        lines.append(f"| train loss, first {k} steps (mean) | {s['first_loss_mean']:.4f} |")
+        lines.append(f"| train loss, last {k} steps (mean) | {s['last_loss_mean']:.4f} |")
+        lines.append(f"| median tokens/s | {s['median_tokens_per_s']:,.0f} |")
+        lines.append(f"| median step time | {1000 * s['median_step_time_s']:.1f} ms |")
+        mfu = s["median_mfu"]
+        lines.append(f"| median MFU | {'-' if mfu is None else f'{100 * mfu:.1f} %'} |")
+        lines.append(f"| peak memory | {s['peak_mem_bytes'] / 2 ** 30:.2f} GiB |")
+        lines.append(f"| skipped steps (non-finite gradients) | {s['skipped_steps']} |")
+    if "last_eval_loss" in s:
+        lines.append(f"| validation loss, first eval | {s['first_eval_loss']:.4f} |")
+        lines.append(f"| validation loss, last eval | {s['last_eval_loss']:.4f} (perplexity "
+                     f"{s['last_eval_ppl']:.2f}) |")
+        lines.append(f"| best validation loss | {s['best_eval_loss']:.4f} at step {s['best_eval_step']} |")
+    if loss_png:
+        lines += ["", "## Loss curve", "", f"![loss curve]({loss_png})"]
+    if samples:
+        lines += ["", f"## Samples (step {samples[0].get('step', '?')})", ""]
+        for smp in samples:
+            lines += [f"Prompt: `{smp['prompt']!r}`", "", "```", smp["prompt"] + smp["completion"], "```", ""]
+    path = Path(path)
+    tmp = path.with_name(".tmp-" + path.name)
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,595 @@
+"""THE training loop, shared by pretraining, SFT and DPO. What differs between stages is an objective
+(``objectives.py``) that turns a batch into a loss; this file knows nothing of which stage it runs.
+
+One optimiser update ("step")::
+
+    lr = schedule(step)
+    for each of grad_accum_steps micro-batches:          # tokens per step = accum * world * micro_batch * seq_len
+        with autocast(bf16 | fp16 | off):                # fp32 master weights; activations in low precision
+            loss = objective.loss(model, batch)
+        backward(loss * loss_scale / grad_accum_steps)   # mean over micro-batches = mean over the whole batch
+    unscale (fp16); norm = ||grads||; clip to grad_clip
+    if norm is finite: optimizer.step()  else: skip the update (fp16: halve the loss scale), count it
+    zero grads; log; maybe evaluate / sample / checkpoint
+
+Determinism: every random source is seeded (Python, NumPy, torch CPU and CUDA); the data iterator and the
+schedule are functions of the seed and the step; evaluation and sampling draw from their own generators. A
+checkpoint stores all of that, so on CPU a resumed run reproduces the uninterrupted run exactly (tested).
+
+Extending to several processes: the trainer has ``rank`` / ``world_size`` (0 / 1 here), builds its data iterator
+for that rank, logs and checkpoints on rank 0 only, and keeps the plain model in ``raw_model`` next to the
+training ``model`` (a wrapper such as DDP/FSDP may replace ``model``; checkpoints and sampling use ``raw_model``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zero2all.config import Config, ConfigError, save_json, to_dict
+from zero2all.model.z2all import build_model
+from zero2all.train import checkpoint as ckpt_io
+from zero2all.train.metrics import (MetricsLogger, compute_mfu, detect_peak_flops, format_count, format_step_line,
+                                    peak_memory_bytes, plot_loss_curve, read_metrics, reset_peak_memory,
+                                    summarize, write_run_report)
+from zero2all.train.objectives import Objective, PretrainObjective
+from zero2all.train.optim import (DynamicLossScaler, LRSchedule, build_optimizer, describe_groups,
+                                  grad_norm_and_clip, set_lr)
+from zero2all.train.synthetic import SyntheticDataset
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# device, precision, seeds
+
+
+def pick_device(setting: str = "auto") -> torch.device:
+    """``auto``: the first CUDA GPU if there is one, else the CPU. Otherwise ``cpu``, ``cuda`` or ``cuda:N``."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError:
+        raise ConfigError(f"train.device: {setting!r} is not auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {setting!r} was asked for but no CUDA GPU is available")
+    return device
+
+
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """``auto``: bf16 autocast on GPUs that support it (Ampere and newer), else fp32."""
+    if setting not in PRECISIONS:
+        raise ConfigError(f"train.precision: {setting!r} is not one of {', '.join(PRECISIONS)}")
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return setting
+
+
+def autocast_context(precision: str, device: torch.device):
+    """Autocast for the forward pass; parameters (master weights) and optimiser state stay float32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# --------------------------------------------------------------------------------------------------------------
+# data
+
+
+def data_seq_len(cfg: Config) -> int:
+    return cfg.data.seq_len or cfg.model.max_seq_len
+
+
+def read_data_meta(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{data_dir}: no meta.json (is this a directory written by `z2all prepare`?)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+
+
+def tokenizer_dir_of(data_dir: str | Path, meta: dict) -> Path | None:
+    """The tokenizer directory that ``meta.json`` names (absolute, or relative to the data directory)."""
+    for key in ("tokenizer_dir", "tokenizer"):
+        value = meta.get(key)
+        if isinstance(value, dict):
+            value = value.get("dir") or value.get("path")
+        if isinstance(value, str) and value:
+            p = Path(value)
+            if not p.is_absolute() and not p.exists():
+                p = Path(data_dir) / p
+            return p
+    return None
+
+
+def build_datasets(cfg: Config, rank: int = 0, world_size: int = 1):
+    """(train dataset, validation dataset or None, tokenizer or None, tokenizer dir or None) for ``cfg.data``.
+
+    ``data.path = ""`` gives :class:`SyntheticDataset`; otherwise the packed token shards of ``z2all prepare``.
+    """
+    seq_len = data_seq_len(cfg)
+    if not cfg.data.path:
+        vocab = cfg.model.vocab_size
+        return (SyntheticDataset(vocab, seq_len, "train", rank, world_size),
+                SyntheticDataset(vocab, seq_len, "valid", rank, world_size), None, None)
+    from zero2all.data.datasets import PackedDataset
+
+    data_dir = Path(cfg.data.path)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"data.path: {data_dir} is not a directory")
+    meta = read_data_meta(data_dir)
+    train = PackedDataset(data_dir, seq_len, split="train", rank=rank, world_size=world_size)
+    try:
+        valid = PackedDataset(data_dir, seq_len, split="valid", rank=rank, world_size=world_size)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"no validation split in {data_dir} ({e}); evaluation is off")
+        valid = None
+    tok_dir = tokenizer_dir_of(data_dir, meta)
+    tokenizer = None
+    if tok_dir is not None and tok_dir.is_dir():
+        from zero2all.data.pretokenize import check_tokenizer
+        from zero2all.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tok_dir)
+        try:
+            check_tokenizer(data_dir, tokenizer)  # the tokenizer directory may have changed since `prepare`
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        tok_dir = None
+    return train, valid, tokenizer, tok_dir
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sampling (a small greedy / temperature sampler on the model's KV cache; the full one is zero2all.infer)
+
+
+@torch.no_grad()
+def sample_continuation(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+                        top_k: int = 0, generator: torch.Generator | None = None, eos_id: int | None = None,
+                        autocast=contextlib.nullcontext) -> list[int]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens (stops at ``eos_id``); returns the new ids.
+
+    temperature 0 = greedy. The prompt is processed in one forward pass filling the KV cache, then one token per
+    step. Sampling draws from ``generator`` (CPU), never from the global RNG, so training stays reproducible.
+    """
+    device = next(model.parameters()).device
+    max_len = model.cfg.max_seq_len
+    prompt_ids = list(prompt_ids)[-(max_len - 1):] or [0]
+    max_new_tokens = min(max_new_tokens, max_len - len(prompt_ids))
+    cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
+    tokens = torch.tensor([prompt_ids], device=device)
+    pos, out = 0, []
+    for _ in range(max_new_tokens):
+        with autocast():
+            logits, _ = model(tokens, kv_cache=cache, start_pos=pos)
+        pos += tokens.size(1)
+        logits = logits[0, -1, :model.cfg.vocab_size].float().cpu()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        out.append(nxt)
+        if eos_id is not None and nxt == eos_id:
+            break
+        tokens = torch.tensor([[nxt]], device=device)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the trainer
+
+
+class Trainer:
+    """``Trainer(cfg, objective).fit()``. Datasets, model and tokenizer are built from ``cfg`` unless given.
+
+    Outputs in ``cfg.train.out_dir``: ``config.json``, ``metrics.jsonl``, ``tensorboard/``, ``ckpt-XXXXXX/``,
+    ``final/`` (model + tokenizer), ``loss.png`` and ``report.md``.
+    """
+
+    def __init__(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
+                 train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
+                 rank: int = 0, world_size: int = 1, show_progress: bool = True):
+        self.cfg, self.tcfg = cfg, cfg.train
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
+        self._check_config()
+        self.device = pick_device(self.tcfg.device)
+        self.precision = resolve_precision(self.tcfg.precision, self.device)
+        self.out_dir = Path(self.tcfg.out_dir)
+        self.seq_len = data_seq_len(cfg)
+        self.show_progress = show_progress
+        seed_everything(self.tcfg.seed)
+
+        if train_data is None:
+            train_data, built_eval, built_tok, built_tok_dir = build_datasets(cfg, rank, world_size)
+            eval_data = eval_data if eval_data is not None else built_eval
+            tokenizer = tokenizer if tokenizer is not None else built_tok
+            tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else built_tok_dir
+        self.train_data, self.eval_data = train_data, eval_data
+        self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
+        self.tokenizer_hash = getattr(train_data, "tokenizer_hash", None)
+        if tokenizer is not None:
+            self._attach_tokenizer(tokenizer)
+
+        if model is None:
+            model = build_model(cfg.model, device=self.device, seed=self.tcfg.seed)
+        self.raw_model = model.to(self.device)
+        self.model = torch.compile(self.raw_model) if self.tcfg.compile else self.raw_model
+        self.optimizer = build_optimizer(self.raw_model, self.tcfg, self.device)
+        self.schedule = LRSchedule.from_config(self.tcfg)
+        self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
+        self.autocast = lambda: autocast_context(self.precision, self.device)
+        self.peak_flops = detect_peak_flops(self.device, self.tcfg.gpu_peak_flops)
+        self.non_embedding_params = self.raw_model.num_params(non_embedding=True) \
+            if hasattr(self.raw_model, "num_params") else sum(p.numel() for p in self.raw_model.parameters())
+
+        self.train_iter = self.train_data.iterator(self.tcfg.micro_batch_size, seed=self.tcfg.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_total = 0
+        self.elapsed_s = 0.0
+        self.resumed_from: Path | None = None
+        self.last_samples: list[dict] = []
+        self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main)
+
+    # -- setup helpers ----------------------------------------------------------------------------------------
+    def _check_config(self) -> None:
+        t = self.tcfg
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps"):
+            if getattr(t, name) <= 0:
+                raise ConfigError(f"train.{name}: must be positive, got {getattr(t, name)}")
+        for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "sample_every", "num_samples",
+                     "sample_new_tokens"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(t, name)}")
+        if t.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip: must be >= 0 (0 = off), got {t.grad_clip}")
+        if not isinstance(t.sample_prompts, list) or not all(isinstance(p, str) for p in t.sample_prompts):
+            raise ConfigError(f"train.sample_prompts: expected a list of strings, got {t.sample_prompts!r}")
+        if self.cfg.data.seq_len > self.cfg.model.max_seq_len:
+            raise ConfigError(f"data.seq_len: {self.cfg.data.seq_len} exceeds model.max_seq_len="
+                              f"{self.cfg.model.max_seq_len}")
+        LRSchedule.from_config(t)  # validates the schedule fields
+
+    def _attach_tokenizer(self, tok) -> None:
+        """The model must cover the tokenizer's ids; the special ids go into the model config (for export)."""
+        m = self.cfg.model
+        if tok.vocab_size > m.padded_vocab_size:
+            raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
+                              f"({tok.vocab_size} ids, tokenizer {self.tokenizer_dir})")
+        if m.eos_token_id is None and getattr(tok, "eos_id", None) is not None:
+            m.eos_token_id = tok.eos_id
+        if m.pad_token_id is None and getattr(tok, "pad_id", None) is not None:
+            m.pad_token_id = tok.pad_id
+
+    def _print(self, msg: str = "") -> None:
+        if not self.is_main:
+            return
+        if getattr(self, "_bar", None) is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tcfg.grad_accum_steps * self.world_size * self.tcfg.micro_batch_size * self.seq_len
+
+    def describe(self) -> list[str]:
+        """The start-of-run summary."""
+        t = self.tcfg
+        dev = str(self.device) + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda"
+                                  else f" ({torch.get_num_threads()} threads)")
+        lines = [
+            f"device: {dev} | precision: {self.precision}"
+            + (" autocast, fp32 master weights" if self.precision in ("bf16", "fp16") else "")
+            + (" + dynamic loss scaling" if self.precision == "fp16" else ""),
+            f"model: {format_count(self.raw_model.num_params())} parameters "
+            f"({self.non_embedding_params:,} non-embedding), {self.cfg.model.n_layers} layers, "
+            f"hidden {self.cfg.model.hidden_dim}, vocab {self.cfg.model.padded_vocab_size}",
+            f"objective: {self.objective.name} | data: {self.cfg.data.path or 'synthetic (arithmetic sequences)'}",
+            f"tokens per iteration will be: {self.tokens_per_step:,}",
+            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.world_size} processes * "
+            f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
+        ]
+        lines += describe_groups(self.optimizer.param_groups)
+        fused = bool(self.optimizer.defaults.get("fused"))
+        lines.append(f"optimizer: AdamW{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
+                     f"({t.beta1}, {t.beta2}), weight decay {t.weight_decay} | schedule {t.schedule}, warmup "
+                     f"{t.warmup_steps}, {t.max_steps} steps | grad clip {t.grad_clip or 'off'}")
+        if self.peak_flops:
+            lines.append(f"MFU against a peak of {self.peak_flops / 1e12:.0f} TFLOP/s")
+        return lines
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
+                "elapsed_s": self.elapsed_s, "world_size": self.world_size, "objective": self.objective.name,
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "schedule": self.schedule.state_dict(), "rng": ckpt_io.capture_rng_state(),
+                "tokenizer_hash": self.tokenizer_hash}
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.is_main:
+            return None
+        path = ckpt_io.save_checkpoint(self.out_dir, self.step, self.raw_model, self.trainer_state(), self.cfg,
+                                       self.train_iter.state_dict(), tokenizer_dir=self.tokenizer_dir,
+                                       tokenizer_hash=self.tokenizer_hash, keep_last=self.tcfg.keep_last)
+        self._print(f"saved checkpoint {path}")
+        return path
+
+    def resume(self, ckpt: str | Path) -> None:
+        """Restore model, optimizer, scaler, data position, RNG states and counters from ``ckpt``."""
+        ckpt = Path(ckpt)
+        saved_cfg = ckpt_io.read_run_config(ckpt)
+        state = ckpt_io.read_trainer_state(ckpt)
+        changed = ckpt_io.check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size,
+                                           state.get("world_size", 1), state.get("tokenizer_hash"),
+                                           self.tokenizer_hash)
+        loaded = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.train_iter.load_state_dict(loaded["data_state"])
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.skipped_total, self.elapsed_s = int(state["skipped_total"]), float(state["elapsed_s"])
+        ckpt_io.restore_rng_state(state["rng"])
+        self.resumed_from = ckpt
+        self._print(f"resumed from {ckpt} at step {self.step}"
+                    + (f" (changed since: {'; '.join(changed)})" if changed else ""))
+
+    def _maybe_resume(self) -> None:
+        setting = self.tcfg.resume
+        existing = ckpt_io.latest_checkpoint(self.out_dir)
+        if setting == "":
+            if existing is not None:
+                raise ConfigError(f"train.out_dir: {self.out_dir} already holds checkpoints (newest {existing.name});"
+                                  f" pass --resume auto to continue that run, or choose another --out")
+            return
+        if setting == "auto":
+            if existing is None:
+                self._print(f"--resume auto: no checkpoint in {self.out_dir}, starting fresh")
+                return
+            self.resume(existing)
+            return
+        if not Path(setting).is_dir():
+            raise FileNotFoundError(f"train.resume: {setting} is not a checkpoint directory (or use 'auto')")
+        self.resume(setting)
+
+    # -- one optimiser update ---------------------------------------------------------------------------------
+    def _to_device(self, batch: dict) -> dict:
+        non_blocking = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+                for k, v in batch.items()}
+
+    def forward_backward(self, batch: dict, loss_multiplier: float) -> tuple[torch.Tensor, dict]:
+        """Loss of one micro-batch and its backward pass (the point a DDP wrapper makes ``no_sync``)."""
+        with self.autocast():
+            loss, metrics = self.objective.loss(self.model, batch)
+        (loss * loss_multiplier).backward()
+        return loss.detach(), metrics
+
+    def train_step(self) -> dict:
+        """One optimiser update over ``grad_accum_steps`` micro-batches; returns the step's log record."""
+        t = self.tcfg
+        t0 = time.perf_counter()
+        lr = self.schedule.lr_at(self.step)
+        set_lr(self.optimizer, lr)
+        self.model.train()
+        accum = t.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, torch.Tensor | float] = {}
+        tokens = 0
+        for _ in range(accum):
+            batch = self._to_device(next(self.train_iter))
+            loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
+            loss_sum += loss.float()
+            tokens += self.objective.num_tokens(batch)
+            for k, v in metrics.items():
+                v = v.detach().float() if torch.is_tensor(v) else float(v)
+                metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.scaler.unscale_(params)
+        grad_norm = float(grad_norm_and_clip(params, t.grad_clip))  # one host sync per update
+        found_inf = not math.isfinite(grad_norm)
+        applied = self.scaler.update(found_inf)
+        if applied:
+            self.optimizer.step()
+        else:
+            self.skipped_total += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.tokens_seen += tokens * self.world_size
+        self.elapsed_s += dt
+        tokens_per_s = tokens / dt  # this process; MFU is per device
+        rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tokens_per_s * self.world_size,
+               "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops,
+                                  self.non_embedding_params),
+               "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(self.device),
+               "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
+        if self.scaler.enabled:
+            rec["loss_scale"] = self.scaler.scale
+        for k, v in metric_sums.items():
+            rec[f"train_{k}"] = float(v) / accum
+        return rec
+
+    # -- evaluation and samples -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Mean validation loss over ``eval_batches`` fixed batches (the same ones every time) and exp of it."""
+        if self.eval_data is None or self.tcfg.eval_batches == 0:
+            return None
+        self.model.eval()
+        it = self.eval_data.iterator(self.tcfg.micro_batch_size, seed=self.tcfg.seed)
+        losses = []
+        for _ in range(self.tcfg.eval_batches):
+            try:
+                batch = self._to_device(next(it))
+            except StopIteration:
+                break
+            with self.autocast():
+                loss, _ = self.objective.eval_loss(self.model, batch)
+            losses.append(loss.float())
+        self.model.train()
+        if not losses:
+            return None
+        mean = float(torch.stack(losses).mean())
+        rec = {"kind": "eval", "step": self.step, "loss": mean, "ppl": math.exp(min(mean, 50.0)),
+               "batches": len(losses)}
+        self.logger.log(rec)
+        self._print(f"eval  step {self.step:>6d} | val loss {mean:.4f} | perplexity {rec['ppl']:.2f}")
+        return rec
+
+    def _sample_prompts(self) -> list[tuple[str, list[int]]]:
+        """(display text, ids): the configured prompts, else the first 16 tokens of the first validation rows."""
+        t, tok = self.tcfg, self.tokenizer
+        if t.sample_prompts and tok is not None:
+            return [(p, tok.encode(p)) for p in t.sample_prompts[:t.num_samples]]
+        source = self.eval_data or self.train_data
+        batch = next(source.iterator(max(1, t.num_samples), seed=t.seed + 1))
+        out = []
+        for row in batch["input_ids"][:t.num_samples]:
+            ids = row[:16].tolist()
+            out.append((tok.decode(ids) if tok is not None else " ".join(map(str, ids)), ids))
+        return out
+
+    @torch.no_grad()
+    def sample(self) -> list[dict]:
+        """A few sampled continuations, logged and printed (a fixed generator: same samples for the same model)."""
+        t = self.tcfg
+        if not self.is_main or t.num_samples == 0 or t.sample_new_tokens == 0:
+            return []
+        model = self.raw_model
+        was_training = model.training
+        model.eval()
+        gen = torch.Generator().manual_seed(t.seed)
+        eos = getattr(self.tokenizer, "eos_id", None)
+        samples = []
+        for text, ids in self._sample_prompts():
+            new = sample_continuation(model, ids, t.sample_new_tokens, t.sample_temperature, t.sample_top_k,
+                                      gen, eos, self.autocast)
+            completion = self.tokenizer.decode(new) if self.tokenizer is not None else \
+                " " + " ".join(map(str, new))
+            samples.append({"kind": "sample", "step": self.step, "prompt": text, "completion": completion})
+        model.train(was_training)
+        for s in samples:
+            self.logger.log(s)
+            self._print(f"sample (step {self.step}) >>> {s['prompt']}{s['completion']}")
+        self.last_samples = samples
+        return samples
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train to ``max_steps`` (resuming first if asked); returns the run summary."""
+        t = self.tcfg
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._maybe_resume()
+        if self.is_main:
+            dropped = self.logger.truncate_after(self.step)
+            if dropped:
+                self._print(f"metrics.jsonl: dropped {dropped} records written after step {self.step}")
+            save_json(to_dict(self.cfg), self.out_dir / "config.json")
+            for line in self.describe():
+                self._print(line)
+            self.logger.log({"kind": "info", "step": self.step, "device": str(self.device),
+                             "precision": self.precision, "tokens_per_step": self.tokens_per_step,
+                             "params": self.raw_model.num_params(), "non_embedding_params":
+                             self.non_embedding_params})
+        reset_peak_memory(self.device)
+        self._bar = None
+        if self.is_main and self.show_progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                             disable=None)
+        last_eval = last_sample = last_ckpt = None
+        try:
+            while self.step < t.max_steps:
+                rec = self.train_step()
+                if self.is_main:
+                    self.logger.log(rec)
+                    if rec["skipped"] or (t.log_every and self.step % t.log_every == 0):
+                        self._print(format_step_line(rec))
+                    if self._bar is not None:
+                        self._bar.update(1)
+                        self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self.evaluate()
+                    last_eval = self.step
+                if t.sample_every and self.step % t.sample_every == 0:
+                    self.sample()
+                    last_sample = self.step
+                if t.ckpt_every and self.step % t.ckpt_every == 0:
+                    self.save_checkpoint()
+                    last_ckpt = self.step
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        if last_eval != self.step:
+            self.evaluate()
+        if last_sample != self.step:
+            self.sample()
+        if last_ckpt != self.step:
+            self.save_checkpoint()
+        return self.finish()
+
+    def finish(self) -> dict:
+        """Final model directory, loss curve, run report; returns the summary numbers."""
+        self.logger.close()
+        if not self.is_main:
+            return {}
+        from zero2all.model.io import save_model
+
+        final = save_model(self.raw_model, self.out_dir / "final",
+                           extra={"step": self.step, "tokenizer_hash": self.tokenizer_hash})
+        if self.tokenizer_dir is not None:
+            ckpt_io.copy_tokenizer_dir(self.tokenizer_dir, final)
+        records = read_metrics(self.logger.path)
+        png = plot_loss_curve(records, self.out_dir / "loss.png", title=f"{self.objective.name}: {self.out_dir.name}")
+        header = {
+            "name": str(self.out_dir), "objective": self.objective.name, "device": str(self.device),
+            "precision": self.precision, "parameters": f"{self.raw_model.num_params():,}",
+            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.world_size} x "
+                               f"{self.tcfg.micro_batch_size} x {self.seq_len})",
+            "data": self.cfg.data.path or "synthetic", "schedule": f"{self.tcfg.schedule}, lr {self.tcfg.lr:g}",
+            "resumed from": str(self.resumed_from) if self.resumed_from else "-",
+            "training time": f"{self.elapsed_s:.1f} s",
+        }
+        report = write_run_report(self.out_dir / "report.md", header, records, self.last_samples,
+                                  png.name if png else None)
+        summary = summarize(records)
+        summary.update({"final": str(final), "report": str(report), "loss_png": str(png) if png else None})
+        self._print(f"wrote {final}, {report}" + (f", {png}" if png else ""))
+        return summary
+
+
+def pretrain(cfg: Config, show_progress: bool = True) -> dict:
+    """``z2all pretrain``: the shared trainer with the next-token objective."""
+    return Trainer(cfg, PretrainObjective(z_loss=cfg.train.z_loss), show_progress=show_progress).fit()
