@@ -17,7 +17,6 @@ Builds the model of a preset on a device, trains a few steps on random tokens (b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

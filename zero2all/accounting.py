@@ -138,8 +138,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     matmul = l * (q + k + v + o + mlp) + V * h
     return ParamCounts(embedding=embedding, attention_q=l * q, attention_k=l * k, attention_v=l * v,
                        attention_o=l * o, mlp=l * mlp, norms=l * norms_layer + h, lm_head=lm_head,
-                       per_layer=per_layer, layers=l * per_layer, total=total, non_embedding=non_embedding, matmul=matmul,
-                       rule_of_thumb=12 * l * h * h)
+                       per_layer=per_layer, layers=l * per_layer, total=total, non_embedding=non_embedding,
+                       matmul=matmul, rule_of_thumb=12 * l * h * h)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -532,8 +532,9 @@ def data_parallel_comm_bytes(n_params: float, dp: int, zero: int = 0, precision:
         sent = f * M * n_params * (2 * w + g)
     else:
         raise ConfigError(f"--zero {zero}: must be 0, 1, 2 or 3")
-    return {"bytes_per_step": sent, "collective": ["all-reduce", "reduce-scatter + all-gather",
-                                                   "reduce-scatter + all-gather", "all-gather x2 + reduce-scatter"][zero]}
+    collective = ["all-reduce", "reduce-scatter + all-gather", "reduce-scatter + all-gather",
+                  "all-gather x2 + reduce-scatter"][zero]
+    return {"bytes_per_step": sent, "collective": collective}
 
 
 def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, grad_accum_steps: int = 1,

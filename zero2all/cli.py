@@ -164,6 +164,8 @@ def _sampling_args(p, max_new_tokens: int, temperature: float):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--compile", action="store_true",
+                   help="CUDA: compile the decode step with torch.compile before capturing it (slow first call)")
 
 
 def _load_generator(args):
@@ -177,7 +179,7 @@ def _load_generator(args):
     model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    return Generator(model, tokenizer), params
+    return Generator(model, tokenizer, compile=args.compile), params
 
 
 @command("generate", "continue a prompt (streamed to the terminal); several --prompt run as one batch",
@@ -256,6 +258,7 @@ def _serve(p):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--compile", action="store_true", help="CUDA: compile the decode step before capturing it")
 
     def run(args):
         from zero2all.infer.server import serve
@@ -267,7 +270,7 @@ def _serve(p):
             tokenizer = load_tokenizer(args.tokenizer)
         serve(args.ckpt, host=args.host, port=args.port, tokenizer=tokenizer, model_name=args.model_name,
               device=args.device, dtype=args.dtype, max_tokens_limit=args.max_tokens_limit,
-              max_queue=args.max_queue)
+              max_queue=args.max_queue, compile=args.compile)
 
     return run
 
@@ -328,6 +331,24 @@ def _estimate(p):
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
 # (bench)
+
+
+@command("bench", "benchmarks; `bench train`: training throughput of our kernel ablations vs the HF peer (GPU)",
+         "  z2all bench train                                  # every row: ablations, HF peers, extras\n"
+         "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
+         "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")
+def _bench(p):
+    p.add_argument("what", choices=["train"], help="which benchmark (train: benchmarks/train_throughput.py)")
+    from zero2all.bench import add_arguments
+
+    add_arguments(p)
+
+    def run(args):
+        from zero2all.bench import main_from_args
+
+        return main_from_args(args)
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

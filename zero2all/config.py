@@ -210,7 +210,7 @@ class TrainConfig:
     reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
     fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
     cpu_offload: bool = False      # fsdp: keep sharded parameters, gradients and optimizer state in CPU memory
-    comm_hook: str = "none"        # ddp/zero1 gradient compression: none | bf16 | powersgd
+    comm_hook: str = "none"        # ddp/zero1 gradient compression: none | bf16 (NCCL) | fp16 | powersgd
     powersgd_rank: int = 2         # powersgd: rank of the low-rank approximation
     powersgd_start_iter: int = 10  # powersgd: plain all-reduce for this many steps first
     activation_checkpointing: str = "none"   # none | full (every block) | selective

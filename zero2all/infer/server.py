@@ -350,7 +350,7 @@ def make_handler(app: InferenceApp, quiet: bool = False):
 def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, tokenizer=None,
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
                   max_tokens_limit: int = 1024, max_queue: int = 8, cuda_graph: bool | None = None,
-                  quiet: bool = False) -> tuple[ThreadingHTTPServer, InferenceApp]:
+                  compile: bool = False, quiet: bool = False) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
     ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``."""
@@ -358,7 +358,7 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
 
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
     name = model_name or Path(ckpt).resolve().name
-    app = InferenceApp(Generator(model, tok, cuda_graph=cuda_graph), name, max_tokens_limit=max_tokens_limit,
+    app = InferenceApp(Generator(model, tok, cuda_graph=cuda_graph, compile=compile), name, max_tokens_limit=max_tokens_limit,
                        max_queue=max_queue)
     httpd = ThreadingHTTPServer((host, port), make_handler(app, quiet=quiet))
     httpd.daemon_threads = True

@@ -16,8 +16,8 @@ parallelize it from the outside::
 Modes (``TrainConfig.parallel``):
 
 ``ddp``    DistributedDataParallel: every rank holds the whole model and optimizer; gradients are all-reduced in
-           buckets that overlap the backward pass. Optional comm hooks (torch's own): ``bf16`` compresses each
-           bucket to bfloat16 (half the bytes), ``powersgd`` sends a rank-r approximation with error feedback
+           buckets that overlap the backward pass. Optional comm hooks (torch's own): ``bf16`` (NCCL) / ``fp16``
+           compress each bucket to 16 bits (half the bytes), ``powersgd`` sends a rank-r approximation with error feedback
            (Vogels et al. 2019) after ``powersgd_start_iter`` plain steps.
 ``zero1``  DDP + ``ZeroRedundancyOptimizer``: the optimizer state (AdamW's two moments, 8 bytes/param) is
            partitioned over ranks; each rank steps its partition and broadcasts the new parameters.
@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
-COMM_HOOKS = ("none", "bf16", "powersgd")
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 AC_MODES = ("none", "full", "selective")
 AC_SELECTIVE = ("blocks", "attention")
 SHARDED_META = "z2all.json"       # written last: a checkpoint directory with this file is complete
@@ -396,7 +396,12 @@ def _register_comm_hook(ddp: nn.Module, tc) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if tc.comm_hook == "bf16":
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("train.comm_hook=bf16: torch's bf16 all-reduce hook needs CUDA + NCCL; "
+                             "use fp16 on CPU/gloo")
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif tc.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif tc.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=tc.powersgd_rank,
@@ -530,7 +535,14 @@ def _zero1_load(model: nn.Module, optimizer, path: Path) -> None:
                 entries[key[len(prefix):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
         if entries:
             template[fqn[p]] = entries
-    loaded = {"optim": {"state": template, "param_groups": None}}
+    # param groups are stored flattened as optim.param_groups.{i}.{key}; request them all
+    groups_template: dict[int, dict[str, Any]] = {}
+    for key in metadata:
+        m = re.fullmatch(r"optim\.param_groups\.(\d+)\.(\w+)", key)
+        if m:
+            groups_template.setdefault(int(m.group(1)), {})[m.group(2)] = None
+    loaded = {"optim": {"state": template,
+                        "param_groups": [groups_template[i] for i in sorted(groups_template)]}}
     dcp.load(loaded, checkpoint_id=str(path))
     saved_groups = loaded["optim"]["param_groups"]
     local = optimizer.optim.state_dict()

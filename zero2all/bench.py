@@ -1,0 +1,371 @@
+"""Training-throughput benchmark: our kernel ablations and the HF transformers peer, in one invocation, one table.
+
+Every row trains the same architecture (a preset, z2all-1.1b by default) on random tokens with the same recipe:
+float32 master weights, bf16 autocast, AdamW (torch's fused implementation unless the row says otherwise), one
+optimizer step per ``accum`` micro-batches of ``micro_batch x seq`` tokens. A row is timed over ``iters`` optimizer
+steps after ``warmup`` steps (CUDA-synchronised wall clock per step, median reported), and its peak allocated GPU
+memory is recorded. MFU uses the project's formula (``accounting.mfu``):
+
+    MFU = tokens/s * (6 N + 12 L H T) / peak,   N = non-embedding parameters (LM head counts), peak = 989e12 (H100)
+
+Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
+
+    naive              plain PyTorch ops, naive (explicit softmax) attention
+    use_all            every fused kernel, SDPA attention, fused AdamW
+    no_flash           use_all with naive attention                      ("w/o flash-attn")
+    no_rope / no_cross_entropy / no_rmsnorm / no_swiglu   use_all with that one op on its PyTorch path
+    no_adamw           use_all with the for-each (unfused) AdamW          ("w/o AdamW")
+    use_all_compile    use_all under torch.compile
+    hf / hf_compile / hf_liger   transformers' LlamaForCausalLM (sdpa), eager / compiled / with Liger kernels
+    mb16               use_all at micro-batch 16 (twice the tokens per step)
+    seq8192            use_all at seq 8192 with micro-batch * seq kept equal to the base run's
+    layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
+                              (seq, batch, hidden); the two differ only in the layout
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
+                 "no_adamw", "use_all_compile"]
+PEER_ROWS = ["hf", "hf_compile", "hf_liger"]
+EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh"]
+ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
+              "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
+              "no_adamw": "w/o AdamW", "use_all_compile": "use_all + compile", "hf": "HF Llama (sdpa) eager",
+              "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
+              "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
+              "layout_sbh": "layout (seq, batch, hidden)"}
+
+
+@dataclass
+class BenchResult:
+    row: str
+    label: str
+    micro_batch: int
+    seq: int
+    accum: int
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_gb: float | None = None
+    step_times_ms: list = field(default_factory=list)
+    error: str | None = None
+
+
+def _ops_for(row: str):
+    from zero2all.config import OpsConfig
+
+    fused = dict(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa")
+    if row == "naive":
+        return OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="naive")
+    if row == "no_flash":
+        fused["attention"] = "naive"
+    for op in ("rope", "rmsnorm", "swiglu"):
+        if row == f"no_{op}":
+            fused[op] = "torch"
+    if row == "no_cross_entropy":
+        fused["cross_entropy"] = "torch"
+    return OpsConfig(**fused)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a forward in either activation layout (for the layout question)
+
+
+def layout_forward(model, tokens, targets, layout: str):
+    """Our model's math with activations kept (batch, seq, hidden) or (seq, batch, hidden) throughout.
+
+    The GEMMs see (B*T, hidden) either way; the layouts differ in how attention's inputs and outputs are strided
+    (RoPE reads q/k through strides; SDPA takes (B, H, T, D) views) and in the one permute after attention.
+    """
+    from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
+    from zero2all.model import ops
+
+    c = model.cfg
+    B, T = tokens.shape
+    cos, sin = model.rope_tables(0, T, tokens.device)
+    sbh = layout == "sbh"
+    x = model.embed_tokens(tokens.t() if sbh else tokens)                  # (T, B, C) or (B, T, C)
+    residual = None
+    for block in model.layers:
+        attn = block.self_attn
+        h, residual = ops.add_rmsnorm(x, residual, block.input_layernorm.weight, c.rms_norm_eps,
+                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
+        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.unflatten(-1, (attn.n_heads, attn.head_dim))
+        k = k.unflatten(-1, (attn.n_kv_heads, attn.head_dim))
+        v = v.unflatten(-1, (attn.n_kv_heads, attn.head_dim))
+        if sbh:                                                           # (T, B, h, D) -> (B, T, h, D) views
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k = ops.apply_rope(q, k, cos, sin, impl=c.ops.rope)
+        y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), impl=c.ops.attention)
+        y = y.permute(2, 0, 1, 3) if sbh else y.transpose(1, 2)            # (T, B, H, D) or (B, T, H, D)
+        h = attn.o_proj(y.flatten(-2))
+        h, residual = ops.add_rmsnorm(h, residual, block.post_attention_layernorm.weight, c.rms_norm_eps,
+                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
+        x = block.mlp(h)
+    h, _ = ops.add_rmsnorm(x, residual, model.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
+    return fused_linear_cross_entropy(h, model.lm_head.weight, targets.t() if sbh else targets)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# building a row
+
+
+def _build_ours(base_cfg, row: str, device):
+    from zero2all.model.z2all import build_model
+
+    cfg = dataclasses.replace(base_cfg, ops=_ops_for("use_all" if row in EXTRA_ROWS else row))
+    model = build_model(cfg, device=device, seed=0)
+    if row.startswith("layout_"):
+        layout = row.split("_")[1]
+        return model, (lambda tokens, targets: layout_forward(model, tokens, targets, layout))
+    fwd = torch.compile(model) if row == "use_all_compile" else model
+    return model, (lambda tokens, targets: fwd(tokens, targets)[1])
+
+
+def _build_hf(base_cfg, row: str, device, seq: int):
+    import transformers
+
+    from zero2all.model.hf import model_config_to_hf
+
+    if row == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+    hf_dict = model_config_to_hf(base_cfg)
+    hf_dict["max_position_embeddings"] = max(seq, base_cfg.max_seq_len)
+    hf_dict["use_cache"] = False
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_dict.items() if k not in ("architectures",
+                                                                                          "torch_dtype")})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    model.train()
+    fwd = torch.compile(model) if row == "hf_compile" else model
+    # labels = the inputs: HF shifts them inside, so each row predicts the next token as ours does
+    return model, (lambda tokens, targets: fwd(input_ids=tokens, labels=tokens, use_cache=False).loss)
+
+
+def _sdpa_context(backend: str):
+    if backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH],
+             "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[backend]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # torch < 2.6: no priorities, only a set of allowed backends
+        return sdpa_kernel(order)
+
+
+def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: int, warmup: int,
+            device="cuda", peak_flops: float = 989e12, sdpa_backend: str = "default", profile_dir=None,
+            log=print) -> BenchResult:
+    """Train ``iters + warmup`` optimizer steps of one row; returns its timing and memory."""
+    from zero2all.accounting import mfu
+
+    result = BenchResult(row, ROW_LABELS.get(row, row), micro_batch, seq, accum)
+    model = opt = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        if row.startswith("hf"):
+            model, loss_fn = _build_hf(base_cfg, row, device, seq)
+        else:
+            model, loss_fn = _build_ours(base_cfg, row, device)
+        fused = row != "no_adamw"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                fused=fused, foreach=None if fused else True)
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        vocab = base_cfg.padded_vocab_size
+        batches = [torch.randint(0, vocab, (micro_batch, seq + 1), generator=g).to(device) for _ in range(accum)]
+
+        def step():
+            for b in batches:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = loss_fn(b[:, :-1], b[:, 1:])
+                (loss / accum).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        with _sdpa_context(sdpa_backend):
+            times = []
+            for i in range(warmup + iters):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize(device)
+                times.append((time.perf_counter() - t0) * 1000)
+                if i == 0:
+                    log(f"  {row}: first step {times[0] / 1000:.1f} s")
+            if profile_dir is not None:
+                _profile(step, row, profile_dir, device)
+        measured = times[warmup:]
+        result.step_times_ms = [round(t, 2) for t in measured]
+        result.step_ms = statistics.median(measured)
+        result.tokens_per_s = micro_batch * seq * accum / (result.step_ms / 1000)
+        result.mfu = mfu(result.tokens_per_s, base_cfg, seq, peak_flops)
+        result.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
+    except torch.cuda.OutOfMemoryError:
+        result.error = "out of memory"
+        result.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception as e:  # a row that cannot run (missing package, backend error) is reported, not fatal
+        result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            torch._dynamo.reset()
+        except Exception:
+            pass
+    return result
+
+
+def _profile(step, row, profile_dir, device):
+    from torch.profiler import ProfilerActivity, profile
+
+    profile_dir = Path(profile_dir)
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if _has_cuda_total(prof) else "device_time_total",
+                                      row_limit=45, max_name_column_width=70)
+    _atomic_write(profile_dir / f"profile_{row}.txt", table)
+
+
+def _has_cuda_total(prof) -> bool:
+    try:
+        evt = prof.key_averages()[0]
+        return hasattr(evt, "cuda_time_total") and not hasattr(evt, "device_time_total")
+    except Exception:
+        return False
+
+
+def _atomic_write(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the table
+
+
+def format_table(results: list[BenchResult]) -> str:
+    peers = [r for r in results if r.row.startswith("hf") and r.tokens_per_s]
+    best_peer = max(peers, key=lambda r: r.tokens_per_s) if peers else None
+    head = f"{'row':<30} {'mb':>3} {'seq':>5} {'step ms':>9} {'tok/s':>9} {'MFU %':>6} {'peak GB':>8} " \
+           f"{'vs best peer':>12}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.error:
+            peak = f"{r.peak_gb:8.1f}" if r.peak_gb else f"{'':>8}"
+            lines.append(f"{r.label:<30} {r.micro_batch:>3} {r.seq:>5} {r.error[:40]:>33} {peak}")
+            continue
+        ratio = f"{r.tokens_per_s / best_peer.tokens_per_s:11.2f}x" if best_peer else f"{'':>12}"
+        lines.append(f"{r.label:<30} {r.micro_batch:>3} {r.seq:>5} {r.step_ms:9.1f} {r.tokens_per_s:9.0f} "
+                     f"{100 * r.mfu:6.1f} {r.peak_gb:8.1f} {ratio}")
+    if best_peer:
+        lines.append(f"best peer: {best_peer.label} ({best_peer.tokens_per_s:.0f} tok/s)")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    """The options of ``z2all bench train`` and ``benchmarks/train_throughput.py``."""
+    p.add_argument("--config", default="z2all-1.1b", help="preset or .toml (default z2all-1.1b)")
+    p.add_argument("--rows", default="all",
+                   help="comma-separated rows, or all / ablations / peers / extras (default all): "
+                        + ", ".join(ROW_LABELS))
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step (default 4)")
+    p.add_argument("--iters", type=int, default=5, help="timed optimizer steps per row (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    p.add_argument("--sdpa-backend", default="default", choices=["default", "cudnn", "flash"],
+                   help="SDPA backend priority for every row (default: torch's own order)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", default="", help="comma-separated rows to profile for one extra step")
+    p.add_argument("--profile-dir", default=".", help="where profile_ROW.txt tables go")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=4")
+
+
+def main_from_args(args) -> int:
+    bench_train(config=args.config, rows=args.rows, micro_batch=args.micro_batch, seq=args.seq, accum=args.accum,
+                iters=args.iters, warmup=args.warmup, sdpa_backend=args.sdpa_backend, out=args.out,
+                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides)
+    return 0
+
+
+def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int = 8, seq: int = 2048,
+                accum: int = 4, iters: int = 5, warmup: int = 2, sdpa_backend: str = "default",
+                out: str | None = None, profile: str = "", profile_dir: str | None = None,
+                overrides: list[str] | None = None, log=print) -> list[BenchResult]:
+    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given."""
+    from zero2all.config import load_config
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench train: needs a CUDA GPU")
+    names = []
+    for part in rows.split(","):
+        part = part.strip()
+        if part == "all":
+            names += ABLATION_ROWS + PEER_ROWS + EXTRA_ROWS
+        elif part == "ablations":
+            names += ABLATION_ROWS
+        elif part == "peers":
+            names += PEER_ROWS
+        elif part == "extras":
+            names += EXTRA_ROWS
+        elif part in ROW_LABELS:
+            names.append(part)
+        elif part:
+            raise ValueError(f"bench train: unknown row {part!r} (known: {', '.join(ROW_LABELS)})")
+    # Liger patches transformers' Llama classes in place: run it after the other HF rows
+    names = [n for n in names if n != "hf_liger"] + (["hf_liger"] if "hf_liger" in names else [])
+    base_cfg = load_config(config, overrides).model
+    base_cfg = dataclasses.replace(base_cfg, max_seq_len=max(base_cfg.max_seq_len, seq, 8192))
+    results = []
+    profiled = set(p for p in profile.split(",") if p)
+    for name in names:
+        mb, s = micro_batch, seq
+        if name == "mb16":
+            mb = 16
+        elif name == "seq8192":
+            s, mb = 8192, max(1, micro_batch * seq // 8192)
+        log(f"row {name}: micro-batch {mb}, seq {s}, accum {accum}")
+        r = run_row(name, base_cfg, mb, s, accum, iters, warmup, sdpa_backend=sdpa_backend,
+                    profile_dir=(profile_dir or ".") if name in profiled else None, log=log)
+        log(f"  -> {r.error or f'{r.step_ms:.1f} ms/step, {r.tokens_per_s:.0f} tok/s, {100 * r.mfu:.1f} % MFU'}"
+            + (f", peak {r.peak_gb:.1f} GB" if r.peak_gb else ""))
+        results.append(r)
+    table = format_table(results)
+    env = (f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+           f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, config {config}, accum {accum}, "
+           f"iters {iters} (median) after {warmup} warm-up, sdpa backend {sdpa_backend}")
+    log(env)
+    log(table)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, json.dumps({"env": env, "results": [dataclasses.asdict(r) for r in results],
+                                        "table": table}, indent=2))
+    return results
