@@ -201,3 +201,40 @@ def test_labels_with_a_trained_tokenizer(tmp_path):
         elif cur:
             runs, cur = runs + [cur], []
     assert [tok.decode(r) for r in runs] == ["Only answers.<|im_end|>", "def f(x): return x<|im_end|>"]
+
+
+def test_docstring_instruction_set(tmp_path):
+    from zero2all.data.instructions import build_docstring_instructions, docstring_records, write_jsonl
+
+    src = '''
+def add(a, b=2, *rest):
+    """Return the sum of a and b, plus the rest."""
+
+def _hidden():
+    """A private helper is not asked about."""
+
+class Box:
+    """A box that holds one value at a time."""
+    def put(self, value):
+        """Store value in the box, replacing the old one."""
+'''
+    recs = docstring_records(src, "demo")
+    assert recs == [
+        {"instruction": "Write the docstring of the function `add(a, b=2, *rest)` in module `demo`.",
+         "output": "Return the sum of a and b, plus the rest."},
+        {"instruction": "Write the docstring of the class `Box` in module `demo`.",
+         "output": "A box that holds one value at a time."},
+        {"instruction": "Write the docstring of the method `Box.put(self, value)` in module `demo`.",
+         "output": "Store value in the box, replacing the old one."}]
+    bad = tmp_path / "bad.py"
+    bad.write_text("def broken(:\n")
+    good = tmp_path / "good.py"
+    good.write_text(src)
+    records, stats = build_docstring_instructions([bad, good], seed=1)
+    assert stats.files == 2 and stats.unparsable == 1 and len(records) == 3
+    out = write_jsonl(records, tmp_path / "sft.jsonl")
+    samples, load_stats = load_sft_samples(out, TOK)
+    assert len(samples) == 3 and load_stats.skipped == 0
+    stdlib, stats = build_docstring_instructions(max_records=50)
+    assert len(stdlib) == 50 and stats.files > 100 and stats.records == 50
+    assert all(r["instruction"].startswith("Write the docstring of the ") and r["output"] for r in stdlib)

@@ -15,7 +15,8 @@ import torch
 from zero2all.config import ModelConfig, OpsConfig
 from zero2all.model.z2all import build_model
 
-STEPS = int(os.environ.get("Z2ALL_CONVERGENCE_STEPS", "60"))
+# CPU: few steps at 32 tokens each (the interpreter runs every Triton program in Python); the GPU test runs 200
+STEPS = int(os.environ.get("Z2ALL_CONVERGENCE_STEPS", "20"))
 LOSS_TOL = 2e-3          # |loss_fused - loss_plain| per step, float32 on CPU
 LOSS_TOL_BF16 = 5e-2     # bf16 autocast on a GPU
 
@@ -29,11 +30,11 @@ def batches(steps, B, T, V, seed=0, device="cpu"):
         yield seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
-def train(ops: OpsConfig, steps, device="cpu", dtype=None, B=4, T=32, cfg_kw=None):
+def train(ops: OpsConfig, steps, device="cpu", dtype=None, B=2, T=16, lr=3e-3, cfg_kw=None):
     cfg = ModelConfig(vocab_size=257, hidden_dim=64, intermediate_size=100, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=T, ops=ops, **(cfg_kw or {}))
     model = build_model(cfg, device=device, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for tokens, targets in batches(steps, B, T, cfg.vocab_size, device=device):
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
@@ -49,10 +50,11 @@ def train(ops: OpsConfig, steps, device="cpu", dtype=None, B=4, T=32, cfg_kw=Non
 FUSED = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa")
 
 
+@pytest.mark.slow
 def test_convergence_fused_vs_plain_cpu():
     plain = train(OpsConfig.plain(), STEPS)
     fused = train(FUSED, STEPS)
-    assert plain[-5:].mean() < plain[:5].mean() - 1.0, "the plain model did not learn"
+    assert plain[-5:].mean() < plain[:5].mean() - 0.2, "the plain model did not learn"
     diff = (plain - fused).abs()
     assert diff.max() < LOSS_TOL, f"max |loss difference| {diff.max():.2e} at step {int(diff.argmax())}"
 
@@ -60,8 +62,8 @@ def test_convergence_fused_vs_plain_cpu():
 @pytest.mark.gpu
 def test_convergence_fused_vs_plain_gpu_200_steps():
     ops_gpu = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="flex")
-    plain = train(OpsConfig.plain(), 200, device="cuda", dtype=torch.bfloat16, B=8, T=128)
-    fused = train(ops_gpu, 200, device="cuda", dtype=torch.bfloat16, B=8, T=128)
+    plain = train(OpsConfig.plain(), 200, device="cuda", dtype=torch.bfloat16, B=8, T=128, lr=3e-3)
+    fused = train(ops_gpu, 200, device="cuda", dtype=torch.bfloat16, B=8, T=128, lr=3e-3)
     assert plain[-10:].mean() < plain[:10].mean() - 1.0
     diff = (plain - fused).abs()
     print(f"200 steps bf16: loss {plain[0]:.4f} -> {plain[-1]:.4f} (plain), {fused[-1]:.4f} (fused); "

@@ -309,6 +309,9 @@ def add_arguments(p) -> None:
 
 
 def main_from_args(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench train: needs a CUDA GPU (none is visible)")
+        return 2
     bench_train(config=args.config, rows=args.rows, micro_batch=args.micro_batch, seq=args.seq, accum=args.accum,
                 iters=args.iters, warmup=args.warmup, sdpa_backend=args.sdpa_backend, out=args.out,
                 profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides)
@@ -369,3 +372,48 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
         _atomic_write(path, json.dumps({"env": env, "results": [dataclasses.asdict(r) for r in results],
                                         "table": table}, indent=2))
     return results
+
+
+def bench_attention(B: int = 8, H: int = 32, Hkv: int = 8, T: int = 2048, D: int = 64, iters: int = 20,
+                    log=print) -> dict:
+    """Causal attention forward+backward through each SDPA backend, GQA native (enable_gqa) and with K/V
+    repeated, bf16; median ms and TFLOP/s (4 * B * H * T^2 * D / 2 causal FLOPs forward, 2.5x that fwd+bwd)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    flops = 2.5 * 4 * B * H * T * T * D / 2
+    out = {}
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        for gqa in ("enable_gqa", "repeat_kv"):
+            def run():
+                kk, vv = k, v
+                kwargs = {"enable_gqa": True}
+                if gqa == "repeat_kv":
+                    kk, vv, kwargs = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1), {}
+                y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, **kwargs)
+                y.backward(grad)
+            name = f"{backend.lower()} {gqa}"
+            try:
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    for _ in range(3):
+                        run()
+                    times = []
+                    for _ in range(iters):
+                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        s.record()
+                        run()
+                        e.record()
+                        torch.cuda.synchronize()
+                        times.append(s.elapsed_time(e))
+                ms = statistics.median(times)
+                out[name] = ms
+                log(f"attention {name:34s} {ms:7.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s")
+            except Exception as e:
+                log(f"attention {name:34s} unavailable: {str(e).splitlines()[0][:100]}")
+            q.grad = k.grad = v.grad = None
+    return out

@@ -52,7 +52,8 @@ def _info(p):
 
 @command("export-hf", "write a checkpoint as an HF LlamaForCausalLM directory (config.json + safetensors)",
          "  z2all export-hf --ckpt runs/demo/final --out runs/demo/hf\n"
-         "  z2all export-hf --ckpt runs/demo/final --out hf-bf16 --dtype bfloat16")
+         "  z2all export-hf --ckpt runs/demo/final --out hf-bf16 --dtype bfloat16\n"
+         "  z2all export-hf --ckpt runs/1b/ckpt-002000 --out hf   # a sharded multi-GPU checkpoint too")
 def _export_hf(p):
     p.add_argument("--ckpt", required=True, help="our checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
@@ -68,6 +69,11 @@ def _export_hf(p):
             from zero2all.model.lora import load_merged_model
 
             model = load_merged_model(args.ckpt)
+        else:
+            from zero2all.train.distributed import is_sharded_checkpoint, load_model_from_sharded
+
+            if is_sharded_checkpoint(args.ckpt):  # written by several processes: gather the shards first
+                model = load_model_from_sharded(args.ckpt)
         out = export_hf(args.ckpt, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer, model=model)
         print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
@@ -90,6 +96,102 @@ def _import_hf(p):
 
 # ---------------------------------------------------------------------------------------------------- data
 # (train-tokenizer, prepare)
+
+
+def _data_errors(name: str, fn):
+    """Run ``fn``; report bad input / mismatches as one clear line instead of a traceback."""
+    def run(args):
+        from zero2all.data.readers import BadInputError
+
+        try:
+            return fn(args)
+        except (BadInputError, ValueError, OSError) as e:
+            print(f"z2all {name}: error: {e}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _reader_args(p: argparse.ArgumentParser):
+    p.add_argument("--text-field", default=None,
+                   help="record field holding the text (default: 'content', else 'text')")
+    p.add_argument("--txt-mode", default="file", choices=["file", "paragraph"],
+                   help=".txt files: one document per file, or per blank-line separated block")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first bad input (malformed JSON, invalid UTF-8, ...) naming file:line, "
+                        "instead of skipping and counting it")
+
+
+@command("train-tokenizer", "train a byte-level BPE (hf) or SentencePiece BPE (spm) tokenizer; writes HF files",
+         "  z2all train-tokenizer --input stdlib --vocab-size 8192 --out runs/tok\n"
+         "  z2all train-tokenizer --input 'data/**/*.jsonl.zst' --vocab-size 64000 --out tok --backend spm\n"
+         "  z2all train-tokenizer --input corpus.parquet --text-field text --vocab-size 32000 --out tok "
+         "--max-memory-gb 4")
+def _train_tokenizer(p):
+    p.add_argument("--input", nargs="+", action="extend", default=None, metavar="PATH",
+                   help="files, directories, globs, or 'stdlib' (the default); NAME=PATH also accepted")
+    p.add_argument("--vocab-size", type=int, required=True, help="total size incl. special tokens; rounded up to "
+                                                                  "a multiple of 64")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--backend", default="hf", choices=["hf", "spm"])
+    p.add_argument("--max-memory-gb", type=float, default=8.0,
+                   help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
+    p.add_argument("--seed", type=int, default=0, help="document sampling seed (when the cap applies)")
+    p.add_argument("--min-frequency", type=int, default=2, help="hf backend: least count of a merged pair")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.tokenizer.train import train_tokenizer
+
+        tok = train_tokenizer(args.input or ["stdlib"], args.vocab_size, args.out, backend=args.backend,
+                              text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
+                              max_memory_gb=args.max_memory_gb or None, seed=args.seed,
+                              min_frequency=args.min_frequency)
+        print(f"{tok!r}; load with zero2all.load_tokenizer('{args.out}') or "
+              f"transformers.AutoTokenizer.from_pretrained('{args.out}')")
+
+    return _data_errors("train-tokenizer", run)
+
+
+@command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
+         "  z2all prepare --input stdlib --tokenizer runs/tok --out runs/data\n"
+         "  z2all prepare --input zh=data/zh --input code=data/code.jsonl.zst --source zh=0.4 --source code=2 \\\n"
+         "      --tokenizer tok --out data/mix --valid-fraction 0.005 --workers 16")
+def _prepare(p):
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
+                   help="sources: files, directories, globs or 'stdlib'; NAME=PATH names a source "
+                        "(default name: the file stem)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (z2all train-tokenizer)")
+    p.add_argument("--out", required=True, help="output directory; re-running resumes an interrupted run")
+    p.add_argument("--source", action="append", default=[], metavar="NAME=WEIGHT",
+                   help="mixture weight of a source: expected copies of each of its documents (0.4 keeps a 40%% "
+                        "sample, 2 repeats it twice)")
+    p.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out")
+    p.add_argument("--seq-len", type=int, default=None, help="check the train split has at least one window")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--chunk-mb", type=float, default=1.0, help="text per work unit")
+    p.add_argument("--shard-chunks", type=int, default=256, help="work units per shard (and per resume step)")
+    p.add_argument("--overwrite", action="store_true", help="delete existing shards in --out first")
+    p.add_argument("--no-progress", action="store_true")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.data.pretokenize import prepare
+
+        weights = {}
+        for item in args.source:
+            name, sep, value = item.partition("=")
+            try:
+                weights[name] = float(value)
+            except ValueError:
+                raise ValueError(f"--source {item!r}: expected NAME=WEIGHT, e.g. zh=0.4") from None
+        prepare(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction, workers=args.workers,
+                weights=weights, text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
+                chunk_bytes=int(args.chunk_mb * (1 << 20)), shard_chunks=args.shard_chunks, seq_len=args.seq_len,
+                overwrite=args.overwrite, progress=False if args.no_progress else None,
+                command="z2all " + " ".join(sys.argv[1:]))
+
+    return _data_errors("prepare", run)
 
 # ---------------------------------------------------------------------------------------------------- training
 # (pretrain, sft, dpo, demo)

@@ -52,7 +52,7 @@ def measure_step_time(cfg, repeats: int = 2) -> float:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        float(loss.detach())
         if i:
             times.append(time.perf_counter() - t0)
     return sum(times) / len(times)

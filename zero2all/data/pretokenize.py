@@ -412,7 +412,10 @@ def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
     in chunk order."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")  # fork after the Rust thread pool ran is unsafe; spawn is portable
+    # fork: cheap, and works from any __main__ (spawn re-imports it). The workers never use the Rust thread pool
+    # (TOKENIZERS_PARALLELISM=false), which is what makes forking a process that used `tokenizers` safe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
         pending = collections.deque()
         for args in tasks:

@@ -123,9 +123,18 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def apply_rope(q, k, cos, sin, impl="auto"):
-    if cos.dim() == 2 and use_triton(impl, q):  # per-row tables (B, T, d/2) take the reference path
+    if use_triton(impl, q):
         from zero2all.kernels.rope import triton_apply_rope
 
+        if cos.dim() == 3:
+            # per-row tables (B, T, d/2): fold the rows into the token axis, (1, B*T, heads, d), so that each
+            # token gets its own angles (a view of the fused qkv output, no copy)
+            B, T = q.shape[:2]
+            cos = cos.expand(B, T, -1).reshape(B * T, -1)
+            sin = sin.expand(B, T, -1).reshape(B * T, -1)
+            q2, k2 = triton_apply_rope(q.reshape(1, B * T, *q.shape[2:]), k.reshape(1, B * T, *k.shape[2:]),
+                                       cos, sin)
+            return q2.view(q.shape), k2.view(k.shape)
         return triton_apply_rope(q, k, cos, sin)
     return apply_rope_torch(q, k, cos, sin)
 
@@ -248,8 +257,10 @@ def attention(q, k, v, impl="sdpa", dropout_p=0.0, training=False, doc_ids=None,
 def _sdpa(q, k, v, mask, dropout_p, is_causal):
     groups = q.size(1) // k.size(1)
     kwargs = {}
+    if groups > 1 and mask is not None:
+        return _sdpa_grouped_masked(q, k, v, mask, dropout_p)
     if groups > 1:
-        if _sdpa_has_gqa():
+        if _SDPA_HAS_GQA:  # a constant, so torch.compile does not trace inspect.signature
             kwargs["enable_gqa"] = True
         else:  # torch < 2.5
             k = k.repeat_interleave(groups, dim=1)
@@ -258,11 +269,36 @@ def _sdpa(q, k, v, mask, dropout_p, is_causal):
                                           **kwargs)
 
 
+def _sdpa_grouped_masked(q, k, v, mask, dropout_p):
+    """Grouped-query attention with an explicit mask, as plain multi-head attention over the KV heads.
+
+    SDPA's fused kernels take either GQA (``enable_gqa``: flash only, which takes no mask) or a mask (the
+    memory-efficient kernel, equal head counts only); both together fall back to the unfused math kernel. The
+    G = H / Hkv query heads that share a KV head see the same keys under the same mask, so they are folded into
+    the query axis: q (B, H, T, D) -> (B, Hkv, G*T, D) against k, v (B, Hkv, Tk, D), the mask repeated per head
+    of the group. Exact: each query row still meets exactly its own keys and mask row.
+    """
+    B, H, T, D = q.shape
+    Hkv, Tk = k.size(1), k.size(2)
+    G = H // Hkv
+    qf = q.reshape(B, Hkv, G * T, D)                                # head h = kv * G + g
+    if T == 1:
+        m = mask                                                    # (.., 1, Tk) broadcasts over the G rows
+    else:
+        m = mask if mask.dim() == 4 else mask[None, None]           # (mB, 1, T, Tk)
+        m = m[:, :, None].expand(m.size(0), m.size(1), G, T, Tk).reshape(m.size(0), m.size(1), G * T, Tk)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, dropout_p=dropout_p)
+    return out.reshape(B, H, T, D)
+
+
 @functools.lru_cache(maxsize=None)
 def _sdpa_has_gqa() -> bool:
     import inspect
 
     try:
         return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
-    except (TypeError, ValueError):
-        return False
+    except (TypeError, ValueError):  # a builtin without a signature (torch 2.5+): its docstring lists the argument
+        return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+_SDPA_HAS_GQA = _sdpa_has_gqa()

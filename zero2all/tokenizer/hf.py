@@ -34,6 +34,7 @@ NAMED_SPECIALS = (EOS, PAD, IM_START, IM_END)
 N_RESERVED = 12  # <|reserved_0|> ... <|reserved_11|>: 16 specials in all, room for tools/FIM markers later
 VOCAB_MULTIPLE = 64
 META_FILE = "z2all_tokenizer.json"
+SPM_ESCAPE = "\U0010FFFF"  # stands for a literal U+2581 in SentencePiece-backed pipelines (see below)
 
 # ChatML. Our apply_chat_template renders exactly this, with the specials entered as ids.
 CHAT_TEMPLATE = (
@@ -247,7 +248,8 @@ def sentencepiece_to_tokenizer_json(model_proto: bytes, specials: list[str]) -> 
     SentencePiece BPE encodes by repeatedly merging the adjacent pair whose concatenation is the vocabulary piece
     with the highest score; `tokenizers` BPE merges the pair of lowest rank. So every piece ``p`` that splits into
     two pieces ``a + b`` gives a merge ``(a, b)`` ranked by ``p``'s score. Spaces are the meta symbol U+2581;
-    characters outside the vocabulary fall back to their UTF-8 bytes ``<0xNN>``.
+    characters outside the vocabulary fall back to their UTF-8 bytes ``<0xNN>``. Texts without U+2581 get exactly
+    SentencePiece's ids; SentencePiece itself would turn a literal U+2581 into a space, this pipeline keeps it.
     Returns (tokenizer.json text, {"unk_token": ...}).
     """
     import sentencepiece as spm
@@ -275,7 +277,12 @@ def sentencepiece_to_tokenizer_json(model_proto: bytes, specials: list[str]) -> 
     bpe = models.BPE(vocab=vocab, merges=[(m[4], m[5]) for m in merges], unk_token=unk, byte_fallback=True,
                      fuse_unk=True)
     tok = _HFTokenizer(bpe)
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # A literal U+2581 in the text would read as a space. It is first mapped to the noncharacter U+10FFFF (never in
+    # the vocabulary, so it is encoded as its 4 fallback bytes) and mapped back after decoding: lossless for every
+    # string except U+10FFFF itself, which Unicode reserves for exactly such internal use.
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("\u2581", SPM_ESCAPE),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Replace(SPM_ESCAPE, "\u2581")])
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials if s in vocab])
     return tok.to_str(), {"unk_token": unk}

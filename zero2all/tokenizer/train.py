@@ -22,16 +22,17 @@ Vocabulary layout (both backends): the 16 special tokens ``<|endoftext|>`` (the 
    space then joins the next word (``"        return"`` -> ``"       "`` + ``" return"``): indentation
    widths become single tokens and keywords keep their usual ``" return"`` token;
 8. any other whitespace.
-Then every byte of a piece maps to one of 256 printable characters (GPT-2's byte-level alphabet), so any string,
-valid UTF-8 or not a single known character, encodes without an unknown token and decodes back exactly.
+Then every byte of a piece maps to one of 256 printable characters (GPT-2's byte-level alphabet), so any string
+encodes without an unknown token and decodes back exactly.
 
 **Bounded memory.** The `tokenizers` trainer holds one entry per distinct pre-token plus, per distinct pair, the
 set of words containing it; the SentencePiece trainer holds every sentence it is given. Both grow with the text
-fed, so the text fed is capped: ``max_memory_gb`` (default 8) buys ``max_memory_gb * 1e9 / MEMORY_PER_TEXT_BYTE``
-bytes of text. A first pass measures the corpus; if it is larger, documents are sampled with a fixed, seeded hash
-of their position at rate ``budget / corpus_bytes`` (and feeding stops at the budget in any case), so memory does
-not depend on corpus size. The factor was measured on high-diversity text (see BENCHMARKS.md) and includes a
-safety margin. Peak RSS is reported.
+fed, so the text fed is capped: ``max_memory_gb`` (default 8) buys
+``(max_memory_gb * 1e9 - BASE_MEMORY_BYTES) / MEMORY_PER_TEXT_BYTE[backend]`` bytes of text (~190 MB for hf,
+~450 MB for spm at 8 GB). A first pass measures the corpus; if it is larger, documents are sampled with a fixed,
+seeded hash of their position at rate ``budget / corpus_bytes`` (and feeding stops at the budget in any case), so
+memory does not depend on corpus size. The factors were measured on high-diversity text (BENCHMARKS.md) with a
+margin. Peak RSS is reported in the log and in ``z2all_tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ PRETOKENIZE_REGEX = (
 )
 
 DEFAULT_MAX_MEMORY_GB = 8.0
-# Peak trainer RSS per byte of text fed, upper bound over both backends on high-diversity text (BENCHMARKS.md:
-# "Data pipeline (CPU)"), times a 1.5x margin. Natural text has fewer distinct words per byte, so it uses less.
-MEMORY_PER_TEXT_BYTE = 6.0
-BASE_MEMORY_BYTES = 400e6  # interpreter, torch-free imports, reader buffers
+# Peak trainer RSS per byte of text fed, measured on high-diversity text (benchmarks/tokenizer_memory.py: a third
+# each of perturbed code, generated Chinese and generated English; 100 MB -> 3.5 GB peak for hf, 1.5 GB for spm),
+# plus a ~15 % margin. Every CJK run between punctuation is its own pre-token, so Chinese costs the most; natural
+# English or code has fewer distinct words per byte and stays well under the cap.
+MEMORY_PER_TEXT_BYTE = {"hf": 40.0, "spm": 17.0}
+BASE_MEMORY_BYTES = 400e6  # interpreter, imports, reader buffers
 SPM_MAX_SENTENCE_BYTES = 16384
 
 
@@ -74,14 +77,14 @@ def peak_rss_mb() -> float:
     return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
 
 
-def text_budget_bytes(max_memory_gb: float | None) -> float:
+def text_budget_bytes(max_memory_gb: float | None, backend: str = "hf") -> float:
     """Bytes of text the trainer may be fed under a memory cap (inf when uncapped)."""
     if not max_memory_gb or max_memory_gb <= 0:
         return float("inf")
     usable = max_memory_gb * 1e9 - BASE_MEMORY_BYTES
     if usable <= 0:
         raise ValueError(f"max_memory_gb={max_memory_gb}: below the ~{BASE_MEMORY_BYTES / 1e9:.1f} GB a run needs")
-    return usable / MEMORY_PER_TEXT_BYTE
+    return usable / MEMORY_PER_TEXT_BYTE[backend]
 
 
 def _keep(index: int, rate: float, seed: int) -> bool:
@@ -159,7 +162,7 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
                          f"special tokens + room to learn merges)")
     t0 = time.time()
     texts = _SampledTexts(_normalise_inputs(inputs), text_field, txt_mode, strict,
-                          text_budget_bytes(max_memory_gb), seed, log)
+                          text_budget_bytes(max_memory_gb, backend), seed, log)
     if backend == "hf":
         tokenizer_json, extra_meta, extra_files = _train_bytelevel_bpe(texts, target, specials, min_frequency)
     else:

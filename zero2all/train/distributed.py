@@ -53,7 +53,6 @@ import json
 import os
 import re
 import shutil
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -382,7 +381,7 @@ def parallelize(model: nn.Module, tc, env: DistEnv | None = None, param_dtype: t
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if tc.fsdp_reduce_fp32 else dtype)
-    offload = CPUOffloadPolicy() if tc.cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if tc.cpu_offload else OffloadPolicy()
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: never free them in between
@@ -558,19 +557,21 @@ def _zero1_load(model: nn.Module, optimizer, path: Path) -> None:
 
 
 def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                            env: DistEnv, meta: dict | None = None, rank_state: dict | None = None) -> Path:
+                            env: DistEnv, meta: dict | None = None, rank_state: dict | None = None,
+                            write_extra=None) -> Path:
     """Write a sharded checkpoint directory (a collective: every rank calls it with the same ``path``).
 
     Layout: DCP files (``__0_0.distcp``, ..., ``.metadata``) holding ``model.*`` and ``optim.*``; ``rank{r}.pt`` with
     each rank's own state (data position, RNG, PowerSGD error feedback); ``z2all.json`` with ``meta``, the model
     config and the world size, written last. The directory is assembled under a temporary name and renamed, so
-    a crash never leaves a directory that looks complete. Multi-node: ``path`` must be on a shared filesystem.
+    a crash never leaves a directory that looks complete. ``write_extra(tmp_dir)`` runs on rank 0 before the
+    rename (run config, tokenizer files). Multi-node: ``path`` must be on a shared filesystem.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".tmp-{path.name}-sharded")
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -596,6 +597,8 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         info = {"format": SHARDED_FORMAT, "world_size": env.world_size, **(meta or {})}
         if hasattr(plain, "cfg"):
             info.setdefault("model", to_dict(plain.cfg))
+        if write_extra is not None:
+            write_extra(tmp)
         save_json(info, tmp / SHARDED_META)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
@@ -655,6 +658,61 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         rank_state = torch.load(own, map_location="cpu", weights_only=False)
         load_comm_hook_state(model, rank_state.pop("comm_hook", None))
     return meta, rank_state
+
+
+def read_rank_state(path: str | Path, rank: int = 0) -> dict | None:
+    """``rank{rank}.pt`` of a sharded checkpoint (e.g. rank 0's data position when the world size changed)."""
+    f = Path(path) / f"rank{rank}.pt"
+    return torch.load(f, map_location="cpu", weights_only=False) if f.exists() else None
+
+
+def rescale_data_state(saved: dict, current: dict, old_world: int, new_world: int) -> dict:
+    """Move a data iterator's state to a different number of processes (``current``: the new iterator's state).
+
+    Synthetic data (sample ``i`` of rank ``r`` = global sample ``i * world + r``): the global position
+    ``next_sample * old_world`` is kept exactly, so the run continues the same sequence of global batches.
+    Packed data (each rank shuffles its own windows): the same fraction of the epoch is kept; the window order
+    after the change is that of the new layout (an unchanged world size resumes exactly).
+    """
+    if old_world == new_world:
+        return saved
+    out = dict(saved)
+    if "next_sample" in saved:
+        consumed = int(saved["next_sample"]) * old_world
+        if consumed % new_world:
+            raise ValueError(f"data position: {consumed} samples consumed by {old_world} processes cannot be split "
+                             f"evenly over {new_world}")
+        out["next_sample"] = consumed // new_world
+        return out
+    if "position" in saved and "num_windows" in current:
+        out["position"] = min(int(saved["position"]) * old_world // new_world, int(current["num_windows"]) - 1)
+        for key in ("world_size", "num_windows", "rank"):
+            if key in current:
+                out[key] = current[key]
+        return out
+    raise ValueError(f"data iterator state with keys {sorted(saved)}: cannot move it from {old_world} to "
+                     f"{new_world} processes")
+
+
+def gather_plain_model(model: nn.Module, env: DistEnv) -> nn.Module | None:
+    """The plain model for saving / sampling: itself unless FSDP-sharded; then every rank gathers the full
+    weights (a collective) and rank 0 gets a plain CPU copy (other ranks None)."""
+    plain = unwrap(model)
+    if not is_fsdp(plain):
+        return plain
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from zero2all.model.z2all import build_model
+
+    with collective_timeout(env, "gathering the full model"):
+        sd = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not env.is_main:
+        return None
+    copy = build_model(plain.cfg, device="meta").to_empty(device="cpu")
+    copy.load_state_dict(sd)
+    if plain.cfg.tie_word_embeddings:
+        copy.lm_head.weight = copy.embed_tokens.weight
+    return copy
 
 
 def latest_complete_checkpoint(out_dir: str | Path, prefix: str = "ckpt-") -> Path | None:

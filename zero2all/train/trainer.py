@@ -136,9 +136,11 @@ def build_datasets(cfg: Config, rank: int = 0, world_size: int = 1):
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data.path: {data_dir} is not a directory")
     meta = read_data_meta(data_dir)
-    train = PackedDataset(data_dir, seq_len, split="train", rank=rank, world_size=world_size)
+    doc_ids = cfg.data.document_mask
+    train = PackedDataset(data_dir, seq_len, split="train", rank=rank, world_size=world_size, return_doc_ids=doc_ids)
     try:
-        valid = PackedDataset(data_dir, seq_len, split="valid", rank=rank, world_size=world_size)
+        valid = PackedDataset(data_dir, seq_len, split="valid", rank=rank, world_size=world_size,
+                              return_doc_ids=doc_ids)
     except (FileNotFoundError, ValueError) as e:
         print(f"no validation split in {data_dir} ({e}); evaluation is off")
         valid = None
@@ -352,7 +354,10 @@ class Trainer:
         loaded = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self.train_iter.load_state_dict(loaded["data_state"])
+        try:
+            self.train_iter.load_state_dict(loaded["data_state"])
+        except ValueError as e:  # the data layout changed: the batch sequence would not continue
+            raise ckpt_io.CheckpointMismatch(f"checkpoint {ckpt} does not match this run's data: {e}") from None
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_total, self.elapsed_s = int(state["skipped_total"]), float(state["elapsed_s"])
         ckpt_io.restore_rng_state(state["rng"])

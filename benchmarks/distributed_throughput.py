@@ -1,0 +1,284 @@
+"""Multi-GPU training throughput: ours (DDP, FSDP2) against the peer (HF LlamaForCausalLM + torch DDP) on 1 and N
+GPUs, side by side in one invocation, at the same per-GPU batch.
+
+    python benchmarks/distributed_throughput.py                       # z2all-1.1b, micro-batch 8, accum 4, bf16
+    python benchmarks/distributed_throughput.py --gpus 1,2 --steps 6 --warmup 3
+    python benchmarks/distributed_throughput.py --smoke               # CPU, gloo, tiny preset: checks the plumbing
+
+Each variant runs as its own ``torchrun --standalone --nproc_per_node=N`` job (a fresh process group and CUDA
+context per measurement); this script collects rank 0's JSON and prints one table:
+
+    variant       GPUs  tok/s (global)  tok/s per GPU  scaling  MFU   peak mem per GPU (GiB)
+
+Variants
+    ours         1 GPU, no wrapper (the single-device trainer's step): the baseline for both scalings
+    ours-ddp     N GPUs, DDP, no_sync on all but the last micro-step
+    ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard
+    peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
+                 master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync
+Ours runs the model with ``ops = auto`` (Triton kernels on CUDA) and the same precision recipe as the trainer:
+DDP with fp32 master weights + bf16 autocast, FSDP with its bf16 mixed-precision policy.
+
+Timing: ``--warmup`` steps, then the median of ``--steps`` optimizer steps (CUDA-synchronised). tokens/s counts
+all ranks; scaling = N-GPU tokens/s / the same family's 1-GPU tokens/s; MFU per GPU by ``zero2all.accounting.mfu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+
+
+def _peer_model(cfg, device):
+    """HF Llama with our config's shapes (Liger's kernels patched in first when the package is present)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    liger = False
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        if device.type == "cuda":
+            apply_liger_kernel_to_llama()
+            liger = True
+    except ImportError:
+        pass
+    hf_cfg = LlamaConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_dim,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
+                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+                         attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg)
+    return model, liger
+
+
+def worker(args) -> None:
+    """One measurement inside torchrun: build, wrap, warm up, time; rank 0 writes the result JSON."""
+    import torch
+
+    from zero2all import accounting
+    from zero2all.config import load_config
+    from zero2all.model.z2all import build_model
+    from zero2all.train import distributed as zd
+    from zero2all.train.metrics import detect_peak_flops
+    from zero2all.train.optim import build_optimizer
+
+    overrides = list(args.override)
+    cfg = load_config(args.config, overrides)
+    tc = cfg.train
+    tc.micro_batch_size, tc.grad_accum_steps = args.micro_batch, args.accum
+    tc.activation_checkpointing = args.ac
+    tc.reshard_after_forward = args.reshard
+    family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
+    env = zd.init_distributed(device=args.device, timeout_s=tc.dist_timeout_s)
+    if env.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // env.world_size))
+    device = env.device
+    seq = args.seq_len or cfg.model.max_seq_len
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tc.precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    tc.parallel = mode if env.world_size > 1 or mode == "fsdp" else "none"
+    liger = False
+    if family == "ours":
+        model = build_model(cfg.model, device=device, seed=tc.seed)
+        model = zd.parallelize(model, tc, env, compile_blocks=args.compile)
+        optimizer = zd.shard_optimizer(build_optimizer(zd.unwrap(model), tc, device), tc, env)
+
+        def micro_loss(x, y):
+            return model(x, y)[1]
+    else:
+        model, liger = _peer_model(cfg.model, device)
+        if args.compile:
+            model = torch.compile(model)
+        if env.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                      **({"fused": True} if device.type == "cuda" else {}))
+
+        def micro_loss(x, y):
+            return model(input_ids=x, labels=x).loss  # HF shifts the labels itself
+
+    use_autocast = dtype != torch.float32  # as the trainer: autocast on top of FSDP's bf16 parameters is a no-op cast
+    g = torch.Generator(device="cpu").manual_seed(1000 + env.rank)  # each rank its own tokens
+    vocab = cfg.model.vocab_size
+    batches = [torch.randint(0, vocab, (args.micro_batch, seq + 1), generator=g).to(device)
+               for _ in range(args.accum)]
+
+    def step():
+        for a, b in enumerate(batches):
+            x, y = b[:, :-1], b[:, 1:]
+            with zd.gradient_sync(model, enabled=a == args.accum - 1), \
+                    torch.autocast(device.type, dtype=dtype, enabled=use_autocast):
+                loss = micro_loss(x, y)
+                (loss / args.accum).backward()
+        zd.clip_grad_norm(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        zd.barrier(env)
+        sync()
+        t0 = time.perf_counter()
+        last = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    # the slowest rank sets the pace: median of each rank's step times, then the max over ranks
+    median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
+    memory = zd.gather_memory_stats(env)
+    if env.is_main:
+        tokens = args.micro_batch * args.accum * seq * env.world_size
+        tok_s = tokens / median
+        peak = detect_peak_flops(device)
+        mfu = accounting.mfu(tok_s / env.world_size, cfg.model, seq, peak) if peak else None
+        key = "peak_alloc_gib" if "peak_alloc_gib" in memory[0] else "peak_rss_gib"
+        result = {"variant": args.variant, "family": family, "mode": tc.parallel, "gpus": env.world_size,
+                  "tokens_per_s": tok_s, "step_s": median, "mfu": mfu, "mem_gib": [m[key] for m in memory],
+                  "mem_kind": key, "loss": float(last), "liger": liger, "seq_len": seq,
+                  "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__}
+        Path(args.result).write_text(json.dumps(result))
+    zd.barrier(env)
+    zd.destroy_distributed()
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+
+def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
+    result = tmp / f"{variant}-{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), "--worker", "--variant", variant, "--result", str(result),
+           "--config", args.config, "--micro-batch", str(args.micro_batch), "--accum", str(args.accum),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--device", args.device, "--ac", args.ac, "--reshard", str(args.reshard).lower()]
+    cmd += ["--compile"] if args.compile else []
+    for o in args.override:
+        cmd += ["--override", o]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.setdefault("PYTHONPATH", str(REPO))
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    took = time.time() - t0
+    if proc.returncode != 0 or not result.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        print(f"[{variant} x{nproc}] FAILED (rc {proc.returncode}, {took:.0f}s):\n{tail}", flush=True)
+        return None
+    out = json.loads(result.read_text())
+    out["wall_s"] = took
+    print(f"[{variant} x{nproc}] {out['tokens_per_s']:,.0f} tok/s, step {out['step_s'] * 1e3:.0f} ms, "
+          f"mem {max(out['mem_gib']):.1f} GiB ({took:.0f}s)", flush=True)
+    return out
+
+
+def plan(args) -> list[tuple[str, int]]:
+    gpus = [int(g) for g in args.gpus.split(",")]
+    runs = []
+    for variant in args.variants.split(","):
+        for n in gpus:
+            if variant == "ours" and n == 1:
+                runs.append(("ours", 1))
+            elif variant in ("ours-ddp", "ours-fsdp") and n > 1:
+                runs.append((variant, n))
+            elif variant == "peer":
+                runs.append(("peer" if n == 1 else "peer-ddp", n))
+    return runs
+
+
+def print_table(results: list[dict]) -> None:
+    base = {r["family"]: r["tokens_per_s"] for r in results if r["gpus"] == 1}
+    peer_by_n = {r["gpus"]: r["tokens_per_s"] for r in results if r["family"] == "peer"}
+    print()
+    print(f"{'variant':12s} {'GPUs':>4s} {'tok/s':>10s} {'tok/s/GPU':>10s} {'scaling':>8s} {'vs peer':>8s} "
+          f"{'MFU':>6s}  peak memory per GPU (GiB)")
+    for r in results:
+        scaling = r["tokens_per_s"] / base[r["family"]] if r["family"] in base else float("nan")
+        vs_peer = r["tokens_per_s"] / peer_by_n[r["gpus"]] if r["gpus"] in peer_by_n else float("nan")
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        mem = " ".join(f"{m:.1f}" for m in r["mem_gib"])
+        name = r["variant"] + (" +liger" if r.get("liger") else "")
+        print(f"{name:12s} {r['gpus']:>4d} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / r['gpus']:>10,.0f} "
+              f"{scaling:>7.2f}x {vs_peer:>7.2f}x {mfu:>6s}  {mem}")
+    if results:
+        r = results[0]
+        print(f"\n{r['device_name']}, torch {r['torch']}, micro-batch {r['micro_batch']} x accum {r['accum']} x "
+              f"seq {r['seq_len']} per GPU; median of the timed steps; scaling vs the same family on 1 GPU "
+              f"(ours-ddp / ours-fsdp vs ours); 'vs peer' = against the peer on the same number of GPUs")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="z2all-1.1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=0, help="0 = the model's max_seq_len")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gpus", default="1,2", help="process counts to measure, e.g. 1,2 or 1,2,4,8")
+    p.add_argument("--variants", default="ours,ours-ddp,ours-fsdp,peer")
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--ac", default="none", help="activation checkpointing for ours: none | full | selective")
+    p.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                   help="FSDP reshard_after_forward (true = ZeRO-3-like, false = ZeRO-2-like)")
+    p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
+    p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+    p.add_argument("--json", default="", help="also write all results to this file")
+    p.add_argument("--smoke", action="store_true", help="tiny preset on CPU with gloo, 2 steps: plumbing only")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.smoke:
+        args.config, args.device, args.micro_batch, args.accum = "tiny", "cpu", 2, 2
+        args.seq_len, args.steps, args.warmup = args.seq_len or 64, 2, 1
+        args.override = args.override or ["model.n_layers=2"]
+    runs = plan(args)
+    print(f"{len(runs)} runs: {', '.join(f'{v} x{n}' for v, n in runs)}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="z2all-dist-bench-") as tmp:
+        for variant, n in runs:
+            r = run_variant(args, variant, n, Path(tmp))
+            if r is not None:
+                results.append(r)
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if len(results) == len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Datasets that turn token shards (``z2all prepare``) into training batches.
+
+PackedDataset: pretraining on packed windows
+--------------------------------------------
+The shards of a split, concatenated in order, are one token stream ``s`` of ``N`` tokens (documents separated by
+``<|endoftext|>``). Window ``w`` is ``s[w*T : w*T + T + 1]`` for ``T = seq_len``: ``input_ids = window[:-1]``,
+``labels = window[1:]``; consecutive windows overlap by one token so every token is predicted exactly once. There
+are ``W = (N - 1) // T`` windows; rank ``r`` of ``R`` owns windows ``r, r + R, r + 2R, ...`` (disjoint between
+ranks), ``W // R`` of them so every rank runs the same number of steps. Windows are read from ``np.memmap``s
+opened lazily per process: memory holds one batch, not the shards.
+
+``ds.iterator(batch_size, seed)`` is an endless stream of batches: epoch ``e`` visits this rank's windows in the
+order ``rng([seed, e]).permutation(len(ds))``; a batch that reaches the end of an epoch continues with the next
+epoch's first windows. Its whole state is ``(epoch, position)``: ``state_dict()`` / ``load_state_dict()`` make a
+resumed run draw exactly the batch the interrupted one would have drawn next.
+
+With ``return_doc_ids`` each window also has ``doc_ids`` (T,): the index of the document each input token belongs
+to, counted from 0 at the window's first token (a document ends with its ``<|endoftext|>``), for
+intra-document attention masks. Boundaries come from the shards' ``.idx.npy`` document offsets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
+
+
+class PackedDataset:
+    """Windows of ``seq_len + 1`` tokens from the shards of ``split`` for ``rank`` of ``world_size``."""
+
+    def __init__(self, data_dir, seq_len: int, split: str = "train", rank: int = 0, world_size: int = 1,
+                 return_doc_ids: bool = False, expected_tokenizer_hash: str | None = None):
+        self.data_dir = Path(data_dir)
+        self.meta = read_meta(self.data_dir)
+        if split not in self.meta["splits"]:
+            raise ValueError(f"{self.data_dir}: no split {split!r} (splits: {', '.join(self.meta['splits'])})")
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.tokenizer_hash: str = self.meta["tokenizer"]["hash"]
+        if expected_tokenizer_hash is not None and expected_tokenizer_hash != self.tokenizer_hash:
+            raise TokenizerMismatchError(
+                f"{self.data_dir}: the shards were tokenized with tokenizer {self.tokenizer_hash[:16]}, but "
+                f"{expected_tokenizer_hash[:16]} was expected; re-run `z2all prepare` with the model's tokenizer")
+        self.seq_len, self.split, self.rank, self.world_size = seq_len, split, rank, world_size
+        self.return_doc_ids = return_doc_ids
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.vocab_size: int = self.meta["tokenizer"]["vocab_size"]
+        self.eos_id: int = self.meta["tokenizer"]["eos_id"]
+        self.shards = [s for s in self.meta["splits"][split]["shards"] if s["tokens"] > 0]
+        for s in self.shards:
+            f = self.data_dir / s["bin"]
+            if not f.exists():
+                raise FileNotFoundError(f"{f}: listed in meta.json but missing")
+            if f.stat().st_size != s["tokens"] * self.dtype.itemsize:
+                raise ValueError(f"{f}: {f.stat().st_size} bytes, expected {s['tokens']} tokens of {self.dtype.name}"
+                                 f" (a truncated or foreign shard)")
+        sizes = [s["tokens"] for s in self.shards]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # global start of each shard
+        docs = [s["docs"] for s in self.shards]
+        self.shard_doc_starts = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)
+        self.num_tokens = int(self.shard_starts[-1])
+        self.num_windows_total = max(self.num_tokens - 1, 0) // seq_len
+        self.num_windows = self.num_windows_total // world_size
+        if self.num_windows == 0:
+            raise ValueError(f"{self.data_dir}: split {split!r} has {self.num_tokens:,} tokens: fewer than "
+                             f"world_size * seq_len + 1 = {world_size * seq_len + 1}; lower seq_len or add data")
+        self._maps: dict = {}
+        self._pid = None
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset({str(self.data_dir)!r}, split={self.split}, seq_len={self.seq_len}, "
+                f"windows={self.num_windows} for rank {self.rank}/{self.world_size}, tokens={self.num_tokens:,})")
+
+    # ------------------------------------------------------------------------------------------------- reading
+
+    def _shard(self, k: int, kind: str = "bin"):
+        if self._pid != os.getpid():  # memmaps are per process (DataLoader workers, forks)
+            self._maps, self._pid = {}, os.getpid()
+        key = (k, kind)
+        if key not in self._maps:
+            s = self.shards[k]
+            if kind == "bin":
+                self._maps[key] = np.memmap(self.data_dir / s["bin"], dtype=self.dtype, mode="r")
+            else:
+                self._maps[key] = np.load(self.data_dir / s["idx"], mmap_mode="r")
+        return self._maps[key]
+
+    def read_tokens(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the split's stream, across shard boundaries."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
+        out = np.empty(length, dtype=np.int64)
+        k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            local = start + done - int(self.shard_starts[k])
+            take = min(length - done, int(self.shard_starts[k + 1]) - (start + done))
+            out[done:done + take] = self._shard(k)[local:local + take]
+            done += take
+            k += 1
+        return out
+
+    def doc_ids_of(self, start: int, length: int) -> np.ndarray:
+        """Per position of ``[start, start + length)``: its document's index, relative to the first position."""
+        out = np.empty(length, dtype=np.int64)
+        k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            local = start + done - int(self.shard_starts[k])
+            take = min(length - done, int(self.shard_starts[k + 1]) - (start + done))
+            offsets = self._shard(k, "idx")  # doc starts within the shard, plus the end
+            pos = np.arange(local, local + take)
+            out[done:done + take] = np.searchsorted(offsets, pos, side="right") - 1 + self.shard_doc_starts[k]
+            done += take
+            k += 1
+        return out - out[0]
+
+    def window_start(self, i: int) -> int:
+        """Token offset of this rank's ``i``-th window."""
+        return (i * self.world_size + self.rank) * self.seq_len
+
+    def __getitem__(self, i: int) -> dict:
+        if i < 0:
+            i += self.num_windows
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} outside [0, {self.num_windows})")
+        start = self.window_start(i)
+        window = torch.from_numpy(self.read_tokens(start, self.seq_len + 1))
+        item = {"input_ids": window[:-1], "labels": window[1:]}
+        if self.return_doc_ids:
+            item["doc_ids"] = torch.from_numpy(self.doc_ids_of(start, self.seq_len))
+        return item
+
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> "PackedIterator":
+        return PackedIterator(self, batch_size, seed=seed, shuffle=shuffle)
+
+
+class PackedIterator:
+    """Endless, resumable batches of a PackedDataset (see the module docstring)."""
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.ds, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The window order of ``epoch`` (a function of seed and epoch only)."""
+        if self._order_epoch != epoch:
+            n = len(self.ds)
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                           else np.arange(n))
+            self._order_epoch = epoch
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        idx: list[int] = []
+        n = len(self.ds)
+        while len(idx) < self.batch_size:
+            order = self.order(self.epoch)
+            take = min(self.batch_size - len(idx), n - self.position)
+            idx += order[self.position:self.position + take].tolist()
+            self.position += take
+            if self.position == n:
+                self.epoch, self.position = self.epoch + 1, 0
+        return idx
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        items = [self.ds[i] for i in self.next_indices()]
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": self.shuffle, "num_windows": len(self.ds), "seq_len": self.ds.seq_len,
+                "split": self.ds.split, "rank": self.ds.rank, "world_size": self.ds.world_size,
+                "tokenizer_hash": self.ds.tokenizer_hash}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Continue where ``sd`` was taken. The data layout must be the same (else the batches would differ)."""
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "shuffle", "num_windows", "seq_len", "split", "world_size",
+                    "tokenizer_hash"):
+            if key in sd and sd[key] != mine[key]:
+                raise ValueError(f"data iterator state: {key} is {sd[key]!r} in the checkpoint but {mine[key]!r} "
+                                 f"now; resuming would not continue the same batch sequence")
+        epoch, position = int(sd["epoch"]), int(sd["position"])
+        if not 0 <= position < len(self.ds):
+            raise ValueError(f"data iterator state: position {position} outside [0, {len(self.ds)})")
+        self.epoch, self.position = epoch, position
