@@ -27,7 +27,6 @@ Variants (``--variants``; the ones needing CUDA are skipped on CPU):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -170,7 +169,10 @@ def main(argv=None) -> int:
         w_bytes = weight_bytes_per_step(model, batch)
         kv_bytes = kv_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2, dtype)
         for variant in variants:
-            run_n = make_runner(variant, model, hf_model, prompts, device, Generator, SamplingParams, plain_ops)
+            run_n = make_runner(variant, model, hf_model, prompts, device, Generator, SamplingParams, plain_ops,
+                                args.new_tokens)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             try:
                 run_n(args.new_tokens)                                     # warm-up: compile, capture
                 run_n(1)
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def make_runner(variant, model, hf_model, prompts, device, Generator, SamplingParams, ops_config):
+def make_runner(variant, model, hf_model, prompts, device, Generator, SamplingParams, ops_config,
+                max_new_tokens):
     """A function n -> generate n new tokens for every row with this variant."""
     if variant.startswith("ours"):
         ops = model.cfg.ops
@@ -215,8 +218,10 @@ def make_runner(variant, model, hf_model, prompts, device, Generator, SamplingPa
             # inductor fuses the plain-torch elementwise ops itself; hand-written kernels would split its graph
             for name in ("rmsnorm", "rope", "swiglu"):
                 setattr(ops, name, "torch")
+        # one cache length for every call of this run (1 or N new tokens): one session, one capture / compile
+        needed = prompts.size(1) + max_new_tokens
         gen = Generator(model, cuda_graph=variant != "ours-eager", compile=variant == "ours-compile-graph",
-                        max_sessions=8)
+                        max_sessions=8, length_bucket=-(-needed // 128) * 128)
         rows = prompts.tolist()
         return lambda n: gen.generate(rows, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[]))
     ids = prompts.to(device)
@@ -235,6 +240,8 @@ def print_row(r):
     extra = ""
     if "roofline_fraction" in r:
         extra = f"  roofline {100 * r['roofline_fraction']:5.1f} % (+kv {100 * r['roofline_fraction_with_kv']:5.1f} %)"
+    if "peak_memory_gb" in r:
+        extra += f"  peak {r['peak_memory_gb']:.1f} GB"
     print(f"  {r['variant']:20s} batch {r['batch']:3d}: {r['new_tok_per_s']:9.1f} new tok/s  "
           f"{r['ms_per_step']:7.2f} ms/step{extra}", flush=True)
 
@@ -242,7 +249,7 @@ def print_row(r):
 def print_table(results, bandwidth):
     if not results:
         return
-    head = f"| variant | batch | new tok/s | ms/step |" + (" roofline | roofline +kv |" if bandwidth else "")
+    head = "| variant | batch | new tok/s | ms/step |" + (" roofline | roofline +kv |" if bandwidth else "")
     print("\n" + head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in results:

@@ -97,7 +97,7 @@ def test_packed_loss_equals_unpacked_loss():
     assert len(rows) < len(samples)  # several samples share a row
     batch = collate(rows)
     with torch.no_grad():
-        _, packed = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+        _, packed = model(batch["input_ids"], batch["labels"], doc_ids=batch["doc_ids"],
                           position_ids=batch["position_ids"])
         total, count = 0.0, 0
         for s in samples:  # each sample alone, no padding at all
@@ -106,7 +106,7 @@ def test_packed_loss_equals_unpacked_loss():
             total += F.cross_entropy(logits[0].double(), y, ignore_index=IGNORE_INDEX, reduction="sum").item()
             count += int((y != IGNORE_INDEX).sum())
         padded = collate(pad_samples(samples, None, TOK.pad_id))
-        _, padded_loss = model(padded["tokens"], padded["targets"])
+        _, padded_loss = model(padded["input_ids"], padded["labels"])
     assert packed.item() == pytest.approx(total / count, rel=1e-5)
     assert padded_loss.item() == pytest.approx(total / count, rel=1e-5)
 
@@ -118,10 +118,10 @@ def test_packing_without_document_ids_differs():
     model = build_model(tiny_model_config(initializer_range=0.3), seed=1).eval()
     batch = collate(pack_samples(random_samples(7, seed=3), seq_len=96, pad_id=TOK.pad_id))
     with torch.no_grad():
-        _, right = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+        _, right = model(batch["input_ids"], batch["labels"], doc_ids=batch["doc_ids"],
                          position_ids=batch["position_ids"])
-        _, no_docs = model(batch["tokens"], batch["targets"], position_ids=batch["position_ids"])
-        _, zero_pos = model(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
+        _, no_docs = model(batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
+        _, zero_pos = model(batch["input_ids"], batch["labels"], doc_ids=batch["doc_ids"],
                             position_ids=torch.zeros_like(batch["position_ids"]))
     assert abs(right.item() - no_docs.item()) > 1e-4
     assert abs(right.item() - zero_pos.item()) > 1e-4  # the positions given are the ones used
@@ -157,8 +157,8 @@ def test_dpo_records_render_prompt_unlabelled(tmp_path):
     f.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "bb"}) + "\n")
     pairs, _ = load_dpo_samples(f, TOK)
     batch = dpo_collate(pairs, TOK.pad_id)
-    assert batch["tokens"].shape[0] == 2 and (batch["targets"][0] != -100).sum() == 2
-    assert (batch["targets"][1] != -100).sum() == 3
+    assert batch["chosen_ids"].shape == batch["rejected_ids"].shape and batch["chosen_ids"].shape[0] == 1
+    assert (batch["chosen_labels"][0] != -100).sum() == 2 and (batch["rejected_labels"][0] != -100).sum() == 3
 
 
 def test_sequence_logprobs_by_hand():
@@ -238,3 +238,21 @@ class Box:
     stdlib, stats = build_docstring_instructions(max_records=50)
     assert len(stdlib) == 50 and stats.files > 100 and stats.records == 50
     assert all(r["instruction"].startswith("Write the docstring of the ") and r["output"] for r in stdlib)
+
+
+def test_reference_logprobs_precomputed_equal_direct_and_zero_loss_at_start():
+    from zero2all.train.dpo import pair_logprobs, precompute_reference_logprobs
+
+    model = build_model(tiny_model_config(initializer_range=0.3), seed=2).eval()
+    records = [{"prompt": "q" * (i + 1), "chosen": "yes" * (i % 3 + 1), "rejected": "no"} for i in range(5)]
+    pairs = [render_dpo_record(TOK, r) for r in records]
+    ref = precompute_reference_logprobs(model, pairs, TOK.pad_id, batch_size=2)
+    for i, p in enumerate(pairs):  # each sequence alone, no padding
+        for j, s in enumerate((p.chosen, p.rejected)):
+            logits, _ = model(torch.tensor([s.input_ids[:-1]]))
+            direct = sequence_logprobs(logits, torch.tensor([s.labels[1:]]))
+            assert ref[i, j].item() == pytest.approx(direct.item(), rel=1e-5)
+    # the policy equal to the reference: rewards 0, loss log 2
+    chosen, rejected = pair_logprobs(model, dpo_collate(pairs, TOK.pad_id))
+    loss, m = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=0.5)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-5) and abs(m["rewards/margin"]) < 1e-5

@@ -115,3 +115,14 @@ def test_trainer_one_process_checkpoint_resumes_on_two_with_zero1(tmp_path):
     got = losses(out)
     assert_close_losses(got, full, range(1, 9))
     assert want[4] == got[4]
+    # FSDP2 (ZeRO-3-like) with full activation checkpointing inside the trainer; sampling and the final model
+    # gather the shards
+    fsdp = tmp_path / "fsdp"
+    proc = torchrun(tmp_path, fsdp, "train.parallel='fsdp'", "train.activation_checkpointing='full'",
+                    "train.max_steps=4", "train.num_samples=1", "train.sample_new_tokens=4")
+    assert_close_losses(losses(fsdp), full, range(1, 5))
+    assert "parallel: fsdp on 2 processes" in proc.stdout and "mem/rank r0:" in proc.stdout
+    assert "sample (step 4)" in proc.stdout
+    from zero2all.model.io import load_model
+
+    assert load_model(fsdp / "final").num_params() == load_model(out / "final").num_params()

@@ -23,8 +23,9 @@ def greedy_full_recompute(model, prompt, n):
     return seq[len(prompt):]
 
 
-def test_greedy_with_cache_equals_full_recompute(model):
-    gen = Generator(model)
+@pytest.mark.parametrize("window", [8, 256])
+def test_greedy_with_cache_equals_full_recompute(model, window):
+    gen = Generator(model, attention_window=window)
     outs = gen.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[]))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_full_recompute(model, prompt, 12)
@@ -32,15 +33,18 @@ def test_greedy_with_cache_equals_full_recompute(model):
 
 
 @torch.no_grad()
-def test_session_logits_equal_full_forward(model):
-    session = DecodeSession(model, batch_size=len(PROMPTS), max_len=64, cuda_graph=False)
+@pytest.mark.parametrize("window", [16, 256])
+def test_session_logits_equal_full_forward(model, window):
+    session = DecodeSession(model, batch_size=len(PROMPTS), max_len=64, cuda_graph=False, window=window)
+    assert session.windows == ([16, 32, 48, 64] if window == 16 else [64])
     logits = session.prefill(PROMPTS, pad_id=3)
     seqs = [list(p) for p in PROMPTS]
     P = max(len(p) for p in PROMPTS)
-    for step in range(5):
+    for step in range(20):  # slots 17..36: crosses from the 32- to the 48-slot window at step 16
         for r, seq in enumerate(seqs):
-            ref, _ = model(torch.tensor([seq]))
-            torch.testing.assert_close(logits[r], ref[0, -1], atol=1e-4, rtol=1e-4)
+            if step in (0, 1, 15, 16, 17, 19):
+                ref, _ = model(torch.tensor([seq]))
+                torch.testing.assert_close(logits[r], ref[0, -1], atol=1e-4, rtol=1e-4)
         nxt = torch.tensor([(17 * step + 31 * r) % 256 for r in range(len(seqs))])
         for r, seq in enumerate(seqs):
             seq.append(int(nxt[r]))
@@ -171,7 +175,8 @@ def test_cli_generate_streams_the_greedy_continuation(real_ckpt, capsys):
                  "--temperature", "0"]) in (0, None)
     out = capsys.readouterr()
     model, tok = load_for_inference(str(real_ckpt), device="cpu")
-    expected = Generator(model, tok).generate(["def greedy"], max_new_tokens=7, temperature=0)[0]
+    expected = Generator(model, tok).generate([[tok.eos_id] + tok.encode("def greedy")], max_new_tokens=7,
+                                              temperature=0)[0]
     assert out.out == "def greedy" + expected.text + "\n"
     assert f"{expected.num_generated} tokens in" in out.err
     assert main(["generate", "--ckpt", str(real_ckpt), "--prompt", "x", "--max-new-tokens", "500"]) == 2
@@ -255,9 +260,9 @@ def test_cuda_graph_decode_equals_eager_and_recompute(ops_kind, dtype):
     model = model.to(dtype).eval()
     params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[])
     eager = Generator(model, cuda_graph=False).generate(PROMPTS, params)
-    graphed_gen = Generator(model, cuda_graph=True)
+    graphed_gen = Generator(model, cuda_graph=True, attention_window=16)  # several windows, several graphs
     graphed = graphed_gen.generate(PROMPTS, params)
-    assert all(s.graph is not None for s in graphed_gen._sessions.values())
+    assert all(len(s.graphs) == len(s.windows) > 1 for s in graphed_gen._sessions.values())
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     if dtype == torch.float32:
         for prompt, out in zip(PROMPTS, graphed):
@@ -276,3 +281,24 @@ def test_compiled_cuda_graph_decode_matches_eager():
     eager = Generator(model, cuda_graph=False).generate(PROMPTS, params)
     compiled = Generator(model, cuda_graph=True, compile=True).generate(PROMPTS, params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+
+
+@pytest.mark.slow
+def test_decode_benchmark_runs_on_cpu(tmp_path, capsys):
+    """The decode benchmark's CPU smoke run: our generator and HF generate on the same exported weights."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    assert bench.main(["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "8",
+                       "--new-tokens", "4", "--batch-sizes", "2", "--repeats", "1",
+                       "--variants", "ours-eager,hf-dynamic", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["ours-eager", "hf-dynamic"]
+    assert all(r["new_tok_per_s"] > 0 and r["batch"] == 2 for r in rows)
+    assert "| ours-eager | 2 |" in capsys.readouterr().out

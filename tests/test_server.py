@@ -3,7 +3,6 @@ import threading
 
 import httpx
 import pytest
-import torch
 
 from standin_tokenizer import ByteTokenizer, tiny_model_config
 from zero2all.infer.server import create_server
@@ -64,6 +63,7 @@ def test_completion_batch_and_streaming_agree(server):
             "seed": 7, "top_k": 20}
     plain = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in plain["choices"]] == [0, 1]
+    assert plain["usage"]["prompt_tokens"] == len("def f(x):") + len("import") + 2  # each after a separator
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         chunks = sse_events(r)
@@ -86,6 +86,9 @@ def test_chat_streaming(server):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     plain = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
     assert text == plain["choices"][0]["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        last = sse_events(r)[-1]
+    assert last["choices"] == [] and last["usage"] == plain["usage"]
 
 
 def test_stop_string(server):
@@ -112,6 +115,7 @@ def test_stop_string(server):
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/nothing", {"model": "tiny-chat"}, 404, "no such path"),
+    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
 ])
 def test_request_errors(server, path, payload, status, needle):
     client, _ = server

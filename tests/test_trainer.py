@@ -143,7 +143,7 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "peak_mem_bytes"):
         assert key in train[0]
     evals = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [20, 40] and evals[-1]["ppl"] == pytest.approx(math.exp(evals[-1]["loss"]))
+    assert [r["step"] for r in evals] == [0, 20, 40] and evals[-1]["ppl"] == pytest.approx(math.exp(evals[-1]["loss"]))
     assert sum(r["kind"] == "sample" for r in recs) == 2
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     report = (out / "report.md").read_text()
@@ -261,3 +261,15 @@ def test_pretrain_command(tmp_path, capsys):
     assert "--resume auto" in capsys.readouterr().err
     assert main(args[:1] + ["--resume", "auto"] + args[1:] + ["train.max_steps=5"]) == 0
     assert (tmp_path / "cli" / "ckpt-000005").is_dir()
+
+
+def test_logged_mfu_matches_the_formula(tmp_path):
+    """With a configured peak (here on the CPU), MFU = tokens/s * (6N + 12 L H T) / peak, N non-embedding."""
+    cfg = tiny_cfg(tmp_path, "train.gpu_peak_flops=1e12", "train.micro_batch_size=3", "train.max_steps=2")
+    trainer = Trainer(cfg, show_progress=False)
+    rec = trainer.train_step()
+    n = sum(p.numel() for name, p in trainer.raw_model.named_parameters() if name != "embed_tokens.weight")
+    flops_per_token = 6 * n + 12 * 2 * 32 * 24
+    assert rec["tokens_per_s"] == pytest.approx(3 * 24 / rec["step_time_s"])
+    assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * flops_per_token / 1e12, rel=1e-9)
+    assert Trainer(tiny_cfg(tmp_path / "b"), show_progress=False).train_step()["mfu"] is None  # CPU: no peak

@@ -21,6 +21,7 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     seq8192            use_all at seq 8192 with micro-batch * seq kept equal to the base run's
     layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
                               (seq, batch, hidden); the two differ only in the layout
+    use_all_flash / use_all_cudnn   use_all with that SDPA backend first in the priority order
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import torch
 ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
                  "no_adamw", "use_all_compile"]
 PEER_ROWS = ["hf", "hf_compile", "hf_liger"]
-EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh"]
+EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
 ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
               "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
               "no_adamw": "w/o AdamW", "use_all_compile": "use_all + compile", "hf": "HF Llama (sdpa) eager",
               "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
               "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
-              "layout_sbh": "layout (seq, batch, hidden)"}
+              "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
+              "use_all_cudnn": "use_all, SDPA cuDNN first"}
 
 
 @dataclass
@@ -205,7 +207,8 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        with _sdpa_context(sdpa_backend):
+        backend = {"use_all_flash": "flash", "use_all_cudnn": "cudnn"}.get(row, sdpa_backend)
+        with _sdpa_context(backend):
             times = []
             for i in range(warmup + iters):
                 torch.cuda.synchronize(device)

@@ -294,13 +294,18 @@ def _generate(p):
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--system", default=None, help="system prompt (with --chat)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-document-start", action="store_true",
+                   help="do not put the end-of-text separator in front of a text prompt (by default the prompt "
+                        "starts a new document, as every document does in the pretraining data)")
 
     def run(args):
         import time
 
         generator, params = _load_generator(args)
         params.stop = tuple(args.stop)
-        prompts = args.prompt
+        tok = generator.tokenizer
+        prompts = [([] if args.no_document_start or tok.eos_id is None else [tok.eos_id]) + tok.encode(t)
+                   for t in args.prompt]
         if args.chat:
             head = [{"role": "system", "content": args.system}] if args.system else []
             prompts = [generator.tokenizer.apply_chat_template(head + [{"role": "user", "content": t}],

@@ -126,7 +126,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     print(f"train loss {summary['first_loss_mean']:.3f} (mean of the first {k} steps) -> "
           f"{summary['last_loss_mean']:.3f} (last {k} steps)")
     if "last_eval_loss" in summary:
-        print(f"validation loss {summary['first_eval_loss']:.3f} (step {cfg.train.eval_every}) -> "
+        print(f"validation loss {summary['first_eval_loss']:.3f} (before training) -> "
               f"{summary['last_eval_loss']:.3f} (perplexity {summary['last_eval_ppl']:.1f}) at step {steps}")
     print(f"demo finished in {(time.time() - t_start) / 60:.1f} minutes. Outputs in {out}/: report.md, loss.png, "
           f"metrics.jsonl, tensorboard/, final/ (model + tokenizer), ckpt-*/ (resumable), tokenizer/, data/")

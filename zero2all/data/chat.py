@@ -14,8 +14,9 @@ assistant message's header (``<|im_start|>assistant\\n``) is the generation prom
 what the model must produce after the generation prompt, i.e. the assistant's content and its ``<|im_end|>``.
 Everything else (system, user, headers, the newline after ``<|im_end|>``) gets label -100 (ignored by the loss).
 
-``labels`` are aligned with ``input_ids`` (labels[j] is input_ids[j] or -100); training shifts them per sample
-(tokens = ids[:-1], targets = labels[1:]) before packing, so no target ever crosses from one sample into the next.
+``SFTSample.labels`` are aligned with ``input_ids`` (labels[j] is input_ids[j] or -100); batching shifts them per
+sample (inputs = ids[:-1], targets = labels[1:]) before packing, so no target ever crosses from one sample into the
+next. Batches use the trainer's layout: ``input_ids`` and ``labels`` (the shifted targets).
 
 Packing puts several samples in one row of ``seq_len`` tokens with per-sample document ids (attention stays inside
 a sample: the model's ``doc_ids``) and positions restarting at 0 for each sample (the model's ``position_ids``);
@@ -283,16 +284,17 @@ def load_dpo_samples(paths, tokenizer, max_len: int | None = None, on_error: str
 
 
 def shift(sample: SFTSample) -> tuple[list[int], list[int]]:
-    """(tokens, targets) for next-token prediction: tokens = ids[:-1], targets = labels[1:]."""
+    """(inputs, targets) for next-token prediction: inputs = ids[:-1], targets = labels[1:]."""
     return sample.input_ids[:-1], sample.labels[1:]
 
 
 def pack_samples(samples: Iterable[SFTSample], seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
     """Greedy in-order packing into rows of ``seq_len`` tokens.
 
-    Each row: ``tokens``, ``targets`` (-100 where no loss), ``doc_ids`` (sample index within the row; the tail
-    padding is a document of its own) and ``position_ids`` (restarting at 0 for each sample). A sample longer than
-    seq_len + 1 tokens is an error here (truncate when loading).
+    Each row, in the trainer's batch layout: ``input_ids``, ``labels`` (the shifted targets, -100 where no loss),
+    ``doc_ids`` (sample index within the row; the tail padding is a document of its own) and ``position_ids``
+    (restarting at 0 for each sample). A sample longer than seq_len + 1 tokens is an error here (truncate when
+    loading).
     """
     rows: list[dict[str, torch.Tensor]] = []
     cur: list[tuple[list[int], list[int]]] = []
@@ -313,7 +315,7 @@ def pack_samples(samples: Iterable[SFTSample], seq_len: int, pad_id: int) -> lis
         targets += [IGNORE_INDEX] * n
         docs += [len(cur)] * n
         pos += list(range(n))
-        rows.append({"tokens": torch.tensor(tokens), "targets": torch.tensor(targets),
+        rows.append({"input_ids": torch.tensor(tokens), "labels": torch.tensor(targets),
                      "doc_ids": torch.tensor(docs), "position_ids": torch.tensor(pos)})
         cur, used = [], 0
 
@@ -338,7 +340,7 @@ def pad_samples(samples: Iterable[SFTSample], seq_len: int | None, pad_id: int) 
         if len(t) > length:
             raise ValueError(f"sample {i}: {len(t) + 1} tokens do not fit seq_len {length} + 1; truncate first")
         n = length - len(t)
-        rows.append({"tokens": torch.tensor(t + [pad_id] * n), "targets": torch.tensor(y + [IGNORE_INDEX] * n),
+        rows.append({"input_ids": torch.tensor(t + [pad_id] * n), "labels": torch.tensor(y + [IGNORE_INDEX] * n),
                      "position_ids": torch.arange(length)})
     return rows
 
@@ -349,8 +351,10 @@ def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def dpo_collate(pairs: Sequence[DPOSample], pad_id: int, seq_len: int | None = None) -> dict[str, torch.Tensor]:
-    """Chosen rows first, then rejected rows, right-padded to one length: tokens and targets of shape (2B, T)."""
-    rows = pad_samples([p.chosen for p in pairs] + [p.rejected for p in pairs],
-                       seq_len or max(max(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in pairs) - 1,
-                       pad_id)
-    return collate(rows)
+    """A preference batch, every sequence right-padded to one length T (so chosen and rejected can run as one
+    forward): ``chosen_ids``, ``chosen_labels``, ``rejected_ids``, ``rejected_labels``, each (B, T)."""
+    length = seq_len or max(max(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in pairs) - 1
+    chosen = collate(pad_samples([p.chosen for p in pairs], length, pad_id))
+    rejected = collate(pad_samples([p.rejected for p in pairs], length, pad_id))
+    return {"chosen_ids": chosen["input_ids"], "chosen_labels": chosen["labels"],
+            "rejected_ids": rejected["input_ids"], "rejected_labels": rejected["labels"]}

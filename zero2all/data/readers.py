@@ -119,6 +119,11 @@ class SourceSpec:
 def default_source_name(path: str) -> str:
     if path == "stdlib":
         return "stdlib"
+    if any(ch in path for ch in "*?["):  # a glob: name it after its directory ("data/zh/*.jsonl" -> "zh")
+        fixed = [part for part in Path(path).parts]
+        cut = next(i for i, part in enumerate(fixed) if any(ch in part for ch in "*?["))
+        if cut > 0:
+            return fixed[cut - 1].strip("/") or "data"
     p = Path(path.rstrip("/"))
     name = p.name
     for suffix in COMPRESSIONS + FORMATS:

@@ -30,10 +30,9 @@ back while it could still be the start of a stop string or ends inside a multi-b
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -172,12 +171,18 @@ def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) ->
 
 
 class DecodeSession:
-    """A static KV cache of shape (batch, max_len) plus fixed input buffers and the decode step (graph) over them.
+    """A static KV cache of shape (batch, max_len) plus fixed input buffers and the decode step (graphs) over them.
+
+    Attention windows: a step at cache slot s only needs the keys of slots < s + 1, so instead of reading the whole
+    cache every step, the step for window W reads slots [0, W) and is used while s < W; W runs over multiples of
+    ``window`` up to max_len, and on CUDA each window has its own captured graph (they share the cache and the
+    input buffers). With ``compile`` a single window (max_len) is used, to compile one shape only.
 
     Reused across calls with the same (batch, max_len): the cache is simply overwritten from slot 0.
     """
 
-    def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool, compile: bool = False):
+    def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool, compile: bool = False,
+                 window: int = 256):
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         w = model.embed_tokens.weight
@@ -187,43 +192,57 @@ class DecodeSession:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)                 # the step's cache slot
         self.pad_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # left padding per row
         self.key_slots = torch.arange(max_len, device=self.device)
-        self.graph = None
-        self.logits_out = None
+        step = max_len if compile else max(1, window)
+        self.windows = sorted({min(max_len, w) for w in range(step, max_len + step, step)})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits_out: dict[int, torch.Tensor] = {}
         self.step_fn = self._step
         if compile:
             self.step_fn = torch.compile(self._step, dynamic=False)
         if cuda_graph:
             try:
                 self._capture()
-            except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so once
+            except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so
                 warnings.warn(f"decode: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly")
-                self.graph = None
+                self.graphs, self.logits_out = {}, {}
 
-    # the decode step: one token per row at cache slot self.slot
-    def _step(self) -> torch.Tensor:
+    @property
+    def graph(self):
+        """The graph of the largest window (None when running eagerly)."""
+        return self.graphs.get(self.windows[-1])
+
+    # the decode step: one token per row at cache slot self.slot, attending to slots [0, window)
+    def _step(self, window: int) -> torch.Tensor:
+        self.cache.slots, self.cache.visible_len = self.slot, window
         positions = (self.slot - self.pad_len).clamp_min(0)[:, None]                        # (B, 1)
-        j = self.key_slots[None, :]
-        visible = (j >= self.pad_len[:, None]) & (j <= self.slot)                           # (B, L)
+        j = self.key_slots[None, :window]
+        visible = (j >= self.pad_len[:, None]) & (j <= self.slot)                           # (B, W)
         logits, _ = self.model(self.tokens, kv_cache=self.cache, position_ids=positions,
                                attn_mask=visible[:, None, None, :])
         return logits[:, -1]                                                                # (B, V)
 
-    def _use_decode_layout(self):
-        self.cache.slots = self.slot
-        self.cache.visible_len = self.max_len
+    def window_for(self, slot: int) -> int:
+        for w in self.windows:
+            if slot < w:
+                return w
+        raise ValueError(f"decode session: slot {slot} is past the cache length {self.max_len}")
 
     def _capture(self):
-        self._use_decode_layout()
         self.slot.fill_(0)  # warm-up writes land in slot 0, which every prefill overwrites
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(3):
-                self.step_fn()
+            for w in self.windows:
+                for _ in range(2):
+                    self.step_fn(w)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits_out = self.step_fn()
+        pool = None
+        for w in reversed(self.windows):  # largest first; the others reuse its memory pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                self.logits_out[w] = self.step_fn(w)
+            pool = graph.pool()
+            self.graphs[w] = graph
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -251,7 +270,6 @@ class DecodeSession:
             out, _ = self.model(tokens[:, start:end], kv_cache=self.cache, position_ids=positions,
                                 attn_mask=visible[:, None])
             logits = out[:, -1]
-        self._use_decode_layout()
         return logits.float()
 
     @torch.inference_mode()
@@ -259,10 +277,11 @@ class DecodeSession:
         """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32."""
         self.tokens.copy_(tokens[:, None])
         self.slot.fill_(slot)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.logits_out.float()
-        return self.step_fn().float()
+        window = self.window_for(slot)
+        if window in self.graphs:
+            self.graphs[window].replay()
+            return self.logits_out[window].float()
+        return self.step_fn(window).float()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -311,11 +330,13 @@ class Generator:
     """Generates from a model (and optionally a tokenizer, for text prompts, stop strings and text output).
 
     ``cuda_graph``: None = on for CUDA models. ``compile``: compile the decode step with torch.compile before
-    capturing it. Not thread-safe: one call at a time (the server serialises requests).
+    capturing it. Cache lengths are rounded up to ``length_bucket`` (so sessions are reused across calls) and
+    decode steps read the cache in windows of ``attention_window`` slots. Not thread-safe: one call at a time
+    (the server serialises requests).
     """
 
     def __init__(self, model: Z2all, tokenizer=None, cuda_graph: bool | None = None, compile: bool = False,
-                 max_sessions: int = 4, length_bucket: int = 128):
+                 max_sessions: int = 4, length_bucket: int = 128, attention_window: int = 256):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = model.embed_tokens.weight.device
@@ -327,6 +348,7 @@ class Generator:
         self.compile = compile
         self.max_sessions = max_sessions
         self.length_bucket = length_bucket
+        self.attention_window = attention_window
         self._sessions: OrderedDict[tuple[int, int], DecodeSession] = OrderedDict()
 
     # -- helpers ----------------------------------------------------------------------------------------------
@@ -358,7 +380,8 @@ class Generator:
             return self._sessions[key]
         while len(self._sessions) >= self.max_sessions:
             self._sessions.popitem(last=False)
-        s = DecodeSession(self.model, batch_size, length, cuda_graph=self.cuda_graph, compile=self.compile)
+        s = DecodeSession(self.model, batch_size, length, cuda_graph=self.cuda_graph, compile=self.compile,
+                          window=self.attention_window)
         self._sessions[key] = s
         return s
 
@@ -490,14 +513,3 @@ def load_for_inference(ckpt: str, device: str = "auto", dtype: str = "auto", tok
 
         tokenizer = load_tokenizer(Path(ckpt))
     return model, tokenizer
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """Run fn, return (result, seconds), synchronising the GPU around it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0

@@ -5,12 +5,13 @@ Endpoints::
     GET  /v1/models             {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
     POST /v1/completions        {"model", "prompt": str | [str, ...], "max_tokens", "temperature", "top_p",
                                  "stop", "stream", "seed", + extensions "top_k", "repetition_penalty"}
+                                (a prompt starts a new document: the end-of-text separator goes in front)
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", ... as above}
     GET  /health                {"status": "ok"}
 
 ``"stream": true`` answers with server-sent events: one ``data: {chunk}`` line per generated piece and a final
-``data: [DONE]``. Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON,
+``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it). Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON,
 missing or invalid fields, ``max_tokens`` above the server's limit or a prompt that does not fit the context; 404
 for an unknown model or path; 413 for a body over 1 MiB; 429 when the server is full.
 
@@ -26,7 +27,6 @@ import sys
 import threading
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -75,7 +75,8 @@ class InferenceApp:
     """Request validation and the OpenAI response shapes; the HTTP handler only moves bytes."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
-                 default_max_tokens: int = 256, max_queue: int = 8, max_batch: int = 16):
+                 default_max_tokens: int = 256, max_queue: int = 8, max_batch: int = 16,
+                 document_start: bool = True):
         if generator.tokenizer is None:
             raise ValueError("the server needs a tokenizer")
         self.generator = generator
@@ -83,6 +84,7 @@ class InferenceApp:
         self.max_tokens_limit = min(max_tokens_limit, generator.max_seq_len)
         self.default_max_tokens = min(default_max_tokens, self.max_tokens_limit)
         self.max_batch = max_batch
+        self.document_start = document_start
         self.max_queue = max_queue
         self.admission = threading.BoundedSemaphore(max_queue + 1)  # one running + max_queue waiting
         self.model_lock = _FairLock()
@@ -127,6 +129,8 @@ class InferenceApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(400, "'stream' must be true or false", "stream")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise RequestError(400, "logprobs are not supported by this server", "logprobs")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise RequestError(400, f"'seed' must be an integer, got {seed!r}", "seed")
@@ -149,10 +153,11 @@ class InferenceApp:
         if len(prompts) > self.max_batch:
             raise RequestError(400, f"at most {self.max_batch} prompts per request", "prompt")
         tok = self.generator.tokenizer
-        ids = [list(tok.encode(p)) for p in prompts]
-        if any(not p for p in ids):
+        if any(not p for p in prompts):
             raise RequestError(400, "'prompt' must not be empty", "prompt")
-        return ids
+        # a prompt starts a new document: the pretraining data has the end-of-text separator before each one
+        head = [tok.eos_id] if self.document_start and tok.eos_id is not None else []
+        return [head + list(tok.encode(p)) for p in prompts]
 
     def chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -195,7 +200,10 @@ class InferenceApp:
         self.check_fits(prompts, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return "stream", self._stream(chat, rid, prompts, params)
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise RequestError(400, "'stream_options' must be an object", "stream_options")
+            return "stream", self._stream(chat, rid, prompts, params, bool(options.get("include_usage")))
         with self.model_lock:
             outs = self.generator.generate(prompts, params)
         created = int(time.time())
@@ -212,8 +220,9 @@ class InferenceApp:
         return "json", {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": choices, "usage": usage}
 
-    def _stream(self, chat: bool, rid: str, prompts, params):
+    def _stream(self, chat: bool, rid: str, prompts, params, include_usage: bool = False):
         created = int(time.time())
+        drawn = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(index, text, finish, first=False):
@@ -230,6 +239,7 @@ class InferenceApp:
             events = self.generator.stream(prompts, params)
             try:
                 for ev in events:
+                    drawn += 1
                     if ev.text or ev.finish_reason:
                         if chat and ev.text and ev.finish_reason:
                             yield chunk(ev.index, ev.text, None)
@@ -238,6 +248,11 @@ class InferenceApp:
                             yield chunk(ev.index, ev.text, ev.finish_reason)
             finally:
                 events.close()
+        if include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
+            usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": drawn}
+            usage["total_tokens"] = usage["prompt_tokens"] + drawn
+            yield {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                   "usage": usage}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

@@ -63,6 +63,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zero2all.config import ConfigError
+
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 AC_MODES = ("none", "full", "selective")
@@ -152,7 +154,10 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
 
 
 def destroy_distributed() -> None:
+    """Leave the process group at the end of a run. The barrier first keeps one rank from tearing its
+    connections down while another still uses them (gloo aborts the process when that happens)."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -224,7 +229,7 @@ def format_memory(stats: list[dict[str, float]]) -> str:
 def resolve_parallel(mode: str, env: DistEnv) -> str:
     """``auto`` -> ddp when several processes run, else none."""
     if mode not in PARALLEL_MODES:
-        raise ValueError(f"train.parallel: {mode!r} is not one of {', '.join(PARALLEL_MODES)}")
+        raise ConfigError(f"train.parallel: {mode!r} is not one of {', '.join(PARALLEL_MODES)}")
     if mode == "auto":
         return "ddp" if env.world_size > 1 else "none"
     return mode
@@ -234,28 +239,28 @@ def validate_parallel_config(tc, env: DistEnv) -> str:
     """Check the distributed fields of a TrainConfig; return the resolved mode. Messages name the field."""
     mode = resolve_parallel(tc.parallel, env)
     if tc.comm_hook not in COMM_HOOKS:
-        raise ValueError(f"train.comm_hook: {tc.comm_hook!r} is not one of {', '.join(COMM_HOOKS)}")
+        raise ConfigError(f"train.comm_hook: {tc.comm_hook!r} is not one of {', '.join(COMM_HOOKS)}")
     if tc.activation_checkpointing not in AC_MODES:
-        raise ValueError(f"train.activation_checkpointing: {tc.activation_checkpointing!r} is not one of "
+        raise ConfigError(f"train.activation_checkpointing: {tc.activation_checkpointing!r} is not one of "
                          f"{', '.join(AC_MODES)}")
     if tc.ac_selective not in AC_SELECTIVE:
-        raise ValueError(f"train.ac_selective: {tc.ac_selective!r} is not one of {', '.join(AC_SELECTIVE)}")
+        raise ConfigError(f"train.ac_selective: {tc.ac_selective!r} is not one of {', '.join(AC_SELECTIVE)}")
     if tc.ac_every < 1:
-        raise ValueError(f"train.ac_every: must be >= 1, got {tc.ac_every}")
+        raise ConfigError(f"train.ac_every: must be >= 1, got {tc.ac_every}")
     if tc.comm_hook != "none" and mode not in ("ddp", "zero1"):
-        raise ValueError(f"train.comm_hook={tc.comm_hook!r} needs train.parallel = ddp or zero1 (got {mode!r}); "
+        raise ConfigError(f"train.comm_hook={tc.comm_hook!r} needs train.parallel = ddp or zero1 (got {mode!r}); "
                          f"FSDP reduces in its mixed-precision policy's reduce dtype instead")
     if tc.cpu_offload and mode != "fsdp":
-        raise ValueError(f"train.cpu_offload needs train.parallel = fsdp (got {mode!r})")
+        raise ConfigError(f"train.cpu_offload needs train.parallel = fsdp (got {mode!r})")
     if tc.powersgd_rank < 1:
-        raise ValueError(f"train.powersgd_rank: must be >= 1, got {tc.powersgd_rank}")
+        raise ConfigError(f"train.powersgd_rank: must be >= 1, got {tc.powersgd_rank}")
     if tc.comm_hook == "powersgd" and tc.powersgd_start_iter < 2:
-        raise ValueError("train.powersgd_start_iter: must be >= 2 (PowerSGD's error feedback needs warm-up "
+        raise ConfigError("train.powersgd_start_iter: must be >= 2 (PowerSGD's error feedback needs warm-up "
                          "steps of plain all-reduce)")
     if tc.dist_timeout_s <= 0:
-        raise ValueError(f"train.dist_timeout_s: must be positive, got {tc.dist_timeout_s}")
+        raise ConfigError(f"train.dist_timeout_s: must be positive, got {tc.dist_timeout_s}")
     if mode in ("ddp", "fsdp", "zero1") and not env.is_distributed:
-        raise ValueError(f"train.parallel={mode!r} needs a process group: launch with torchrun "
+        raise ConfigError(f"train.parallel={mode!r} needs a process group: launch with torchrun "
                          f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
     return mode
 
@@ -396,8 +401,8 @@ def _register_comm_hook(ddp: nn.Module, tc) -> None:
 
     if tc.comm_hook == "bf16":
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise ValueError("train.comm_hook=bf16: torch's bf16 all-reduce hook needs CUDA + NCCL; "
-                             "use fp16 on CPU/gloo")
+            raise ConfigError("train.comm_hook=bf16: torch's bf16 all-reduce hook needs CUDA + NCCL; "
+                              "use fp16 on CPU/gloo")
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif tc.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

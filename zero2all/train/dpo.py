@@ -48,3 +48,33 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
         "rewards/accuracy": (margin.detach() > 0).float().mean().item(),
     }
     return loss, metrics
+
+
+def pair_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs of a ``zero2all.data.chat.dpo_collate`` batch: (chosen (B,), rejected (B,)), from one
+    forward over the chosen and rejected rows stacked."""
+    ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    logits, _ = model(ids)
+    logps = sequence_logprobs(logits, labels)
+    half = batch["chosen_ids"].size(0)
+    return logps[:half], logps[half:]
+
+
+@torch.no_grad()
+def precompute_reference_logprobs(model, pairs, pad_id: int, batch_size: int = 8, device=None
+                                  ) -> torch.Tensor:
+    """(N, 2) log-probs [chosen, rejected] of every pair under a frozen reference model, computed once ahead of
+    training so that DPO needs no second model in memory."""
+    from zero2all.data.chat import dpo_collate
+
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    out = []
+    for i in range(0, len(pairs), batch_size):
+        batch = {k: v.to(device) for k, v in dpo_collate(pairs[i:i + batch_size], pad_id).items()}
+        chosen, rejected = pair_logprobs(model, batch)
+        out.append(torch.stack([chosen, rejected], dim=1).cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 2)

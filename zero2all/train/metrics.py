@@ -6,8 +6,8 @@ plus 12 * L * H * T for attention scores and values (L layers, H hidden size, T 
 
     MFU = tokens_per_s * (6 * N + 12 * L * H * T) / peak_flops
 
-Recomputation is not counted (that would be hardware FLOPs utilisation). ``zero2all.accounting.mfu`` is the
-project's one implementation; ``model_flops_per_token`` here is only used when that module is absent.
+Recomputation is not counted (that would be hardware FLOPs utilisation). The formula itself lives in one place,
+``zero2all.accounting.mfu``; this module only finds the peak and formats the numbers.
 """
 
 from __future__ import annotations
@@ -44,23 +44,13 @@ def detect_peak_flops(device: torch.device, configured: float = 0.0) -> float | 
     return None
 
 
-def model_flops_per_token(model_cfg, non_embedding_params: int, seq_len: int) -> float:
-    """6 * N + 12 * L * H * T (see the module docstring)."""
-    return 6.0 * non_embedding_params + 12.0 * model_cfg.n_layers * model_cfg.hidden_dim * seq_len
-
-
-def compute_mfu(tokens_per_s: float, model_cfg, seq_len: int, peak_flops: float | None,
-                non_embedding_params: int) -> float | None:
-    """MFU as a fraction (0.42 = 42 %), or None without a known peak."""
+def compute_mfu(tokens_per_s: float, model_cfg, seq_len: int, peak_flops: float | None) -> float | None:
+    """MFU as a fraction (0.42 = 42 %) of one device's peak, or None without a known peak."""
     if not peak_flops:
         return None
-    try:
-        from zero2all.accounting import mfu as accounting_mfu
-    except ImportError:
-        accounting_mfu = None
-    if accounting_mfu is not None:
-        return float(accounting_mfu(tokens_per_s, model_cfg, seq_len, peak_flops))
-    return tokens_per_s * model_flops_per_token(model_cfg, non_embedding_params, seq_len) / peak_flops
+    from zero2all.accounting import mfu
+
+    return float(mfu(tokens_per_s, model_cfg, seq_len, peak_flops))
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -188,7 +178,7 @@ def plot_loss_curve(records: list[dict], path: str | Path, title: str = "") -> P
     steps, losses = zip(*train)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
-    window = max(1, len(losses) // 50)
+    window = max(1, min(50, len(losses) // 20))
     if window > 1:  # trailing moving average
         smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
                   for i in range(len(losses))]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -433,8 +432,7 @@ class Trainer:
         tokens_per_s = tokens / dt  # this process; MFU is per device
         rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens_per_s * self.world_size,
-               "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops,
-                                  self.non_embedding_params),
+               "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops),
                "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(self.device),
                "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
         if self.scaler.enabled:
@@ -534,6 +532,8 @@ class Trainer:
             self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                              disable=None)
         last_eval = last_sample = last_ckpt = None
+        if self.step == 0 and t.eval_every:  # the starting point of the validation curve
+            self.evaluate()
         try:
             while self.step < t.max_steps:
                 rec = self.train_step()
