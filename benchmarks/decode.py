@@ -6,6 +6,7 @@ after a warm-up:
 
     new tok/s      batch * new tokens / wall time of the whole call (prefill included, as a user sees it)
     ms/step        decode step time: (t(N new) - t(1 new)) / (N - 1), prefill excluded
+    TB/s           bytes a decode step must read (weights + the KV cache at the mean context) / step time
     roofline       the share of the HBM roofline the decode steps reach. A step must read every weight once
                    (the input embedding only for the rows' tokens), so it takes at least weight_bytes / bandwidth;
                    roofline tok/s = batch * bandwidth / weight_bytes. "+kv" also counts the KV cache bytes read.
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
             step = (t_full - t_one) / max(1, args.new_tokens - 1)
             row = {"variant": variant, "batch": batch, "new_tok_per_s": batch * args.new_tokens / t_full,
                    "ms_per_step": step * 1e3, "seconds": t_full}
+            row["achieved_bytes_per_s"] = (w_bytes + kv_bytes) / step   # weights + mean KV read per step
             if bandwidth:
                 row["roofline_fraction"] = (w_bytes / bandwidth) / step
                 row["roofline_fraction_with_kv"] = ((w_bytes + kv_bytes) / bandwidth) / step
@@ -243,7 +245,7 @@ def print_row(r):
     if "peak_memory_gb" in r:
         extra += f"  peak {r['peak_memory_gb']:.1f} GB"
     print(f"  {r['variant']:20s} batch {r['batch']:3d}: {r['new_tok_per_s']:9.1f} new tok/s  "
-          f"{r['ms_per_step']:7.2f} ms/step{extra}", flush=True)
+          f"{r['ms_per_step']:7.2f} ms/step  {r['achieved_bytes_per_s'] / 1e12:5.2f} TB/s{extra}", flush=True)
 
 
 def print_table(results, bandwidth):

@@ -11,8 +11,9 @@ Variants, each writing uint16 token files of the whole corpus:
 * ``encode_batch``: the same with `tokenizers`' own Rust thread pool (``encode_batch`` on 256-document batches);
 * ``prepare, N workers``: ``zero2all.data.pretokenize.prepare`` with N processes (split, index, meta, shards).
 
-Each variant runs ``--repeats`` times; the fastest run counts (other processes on the machine only ever slow a
-run down). Speedups are against the plain loop of the same invocation.
+The variants run round-robin ``--repeats`` times; the fastest run of each counts (other processes on the machine
+only ever slow a run down). CPU seconds (this process and its workers) are shown too: they barely depend on load.
+Speedups are against the plain loop of the same invocation. All variants must produce the same number of tokens.
 """
 
 from __future__ import annotations
@@ -115,23 +116,37 @@ def main():
     for w in args.workers or range(1, cores + 1):
         variants.append((f"prepare, {w} worker{'s' if w > 1 else ''}",
                          lambda w=w: run_prepare(corpus, tok_dir, os.path.join(work, f"prep{w}"), w)))
-    rows = []
-    for name, fn in variants:
-        times, tokens = [], 0
-        for _ in range(args.repeats):
+    # round-robin: each repeat runs every variant once, so a burst of load elsewhere hits all of them alike
+    walls: dict = {name: [] for name, _ in variants}
+    cpus: dict = {name: [] for name, _ in variants}
+    tokens: dict = {}
+    for r in range(args.repeats):
+        for name, fn in variants:
+            c0 = _cpu_seconds()
             t0 = time.perf_counter()
-            tokens = fn()
-            times.append(time.perf_counter() - t0)
-        rows.append((name, min(times), tokens))
-        print(f"{name:28s} {min(times):7.2f} s  (runs: {', '.join(f'{t:.2f}' for t in times)})", flush=True)
-    base = rows[0][1]
-    print(f"\ncorpus {text_mb:.1f} MB of text ({stats.records:,} docs), vocab {args.vocab_size}; "
-          f"{platform.node()}, {cores} cores, python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"| variant | seconds | MB/s | M tokens/s | speedup vs plain loop |\n|---|---|---|---|---|")
-    for name, t, tokens in rows:
-        print(f"| {name} | {t:.2f} | {text_mb / t:.2f} | {tokens / t / 1e6:.3f} | {base / t:.2f}x |")
+            tokens[name] = fn()
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(_cpu_seconds() - c0)
+            print(f"repeat {r}: {name:28s} {walls[name][-1]:7.2f} s wall, {cpus[name][-1]:7.2f} s CPU", flush=True)
+    counts = set(tokens.values())
+    assert len(counts) == 1, f"variants disagree on the token count: {tokens}"
+    base = min(walls[variants[0][0]])
+    print(f"\ncorpus {text_mb:.1f} MB of text ({stats.records:,} docs, {counts.pop():,} tokens), vocab "
+          f"{args.vocab_size}; {platform.node()}, {cores} cores, python {platform.python_version()}, load average "
+          f"{os.getloadavg()[0]:.1f}; fastest of {args.repeats} round-robin repeats")
+    print("| variant | seconds (wall) | CPU seconds | MB/s | M tokens/s | speedup vs plain loop |\n|---|---|---|---|---|---|")
+    for name, _ in variants:
+        t = min(walls[name])
+        print(f"| {name} | {t:.2f} | {min(cpus[name]):.2f} | {text_mb / t:.2f} | {tokens[name] / t / 1e6:.3f} | "
+              f"{base / t:.2f}x |")
 
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the prepare workers)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 if __name__ == "__main__":
     main()

@@ -10,8 +10,8 @@ The corpus (written once to ``--corpus``, a .jsonl) mixes, by bytes, ~1/3 each o
 * generated English-like text: Zipf-distributed pseudo-words over a 300k-word vocabulary, digits, punctuation.
 
 Each configuration trains in its own subprocess (so peak RSS is that run's alone) and reports: seconds, peak RSS,
-MB of text fed, and bytes per token on a held-out sample of 8 MB generated with another seed (higher = better
-compression). The acceptance bar: capped compression within 1 % of uncapped, with peak RSS under the cap.
+MB of text fed, and bytes per token on a held-out sample: the 8 MB of documents generated right after the corpus
+(same distribution, unseen documents; higher = better compression). The acceptance bar: capped compression within 1 % of uncapped, with peak RSS under the cap.
 """
 
 from __future__ import annotations
@@ -93,13 +93,26 @@ def generate_documents(size_bytes: int, seed: int):
         yield kind, text
 
 
-def write_corpus(path: str, size_mb: float, seed: int) -> None:
+def write_corpus(path: str, size_mb: float, seed: int, heldout_mb: float = 0.0) -> None:
+    """Write ~size_mb of documents to ``path``; with ``heldout_mb``, the documents that follow them in the same
+    generated stream (same vocabularies, unseen documents) go to ``path + ".heldout.jsonl"``."""
     from zero2all.data.readers import write_jsonl
 
-    docs = ({"id": str(i), "category": kind, "content": text}
-            for i, (kind, text) in enumerate(generate_documents(int(size_mb * 1e6), seed)))
-    n = write_jsonl(docs, path)
+    stream = generate_documents(int((size_mb + heldout_mb) * 1e6), seed)
+    state = {"bytes": 0}
+
+    def take(limit):
+        for i, (kind, text) in enumerate(stream):
+            yield {"id": str(i), "category": kind, "content": text}
+            state["bytes"] += len(text.encode("utf-8"))
+            if state["bytes"] >= limit:
+                return
+
+    n = write_jsonl(take(size_mb * 1e6), path)
     print(f"wrote {path}: {n:,} documents, {os.path.getsize(path) / 1e6:,.0f} MB", flush=True)
+    if heldout_mb:
+        n = write_jsonl(take((size_mb + heldout_mb) * 1e6), path + ".heldout.jsonl")
+        print(f"wrote {path}.heldout.jsonl: {n:,} documents", flush=True)
 
 
 def run_one(args) -> dict:
@@ -113,7 +126,9 @@ def run_one(args) -> dict:
     seconds = time.time() - t0
     rss = peak_rss_mb()
     nbytes = ntok = 0
-    for _, text in generate_documents(int(8e6), seed=12345):
+    from zero2all.data.readers import iter_texts
+
+    for text in iter_texts(args.corpus + ".heldout.jsonl"):
         nbytes += len(text.encode("utf-8"))
         ntok += len(tok.encode(text))
     t = tok.meta["training"]
@@ -136,8 +151,8 @@ def main():
     if args.child:
         print(json.dumps(run_one(args)))
         return
-    if not os.path.exists(args.corpus):
-        write_corpus(args.corpus, args.size_mb, args.seed)
+    if not os.path.exists(args.corpus + ".heldout.jsonl"):
+        write_corpus(args.corpus, args.size_mb, args.seed, heldout_mb=8)
     rows = []
     for cap in [0.0] + list(args.cap_gb):
         cmd = [sys.executable, __file__, "--child", "--corpus", args.corpus, "--vocab-size", str(args.vocab_size),

@@ -136,10 +136,11 @@ def test_bad_inputs_are_counted_with_locations(tmp_path):
     _write(tmp_path / "latin1.txt", "caf\xe9 au lait\nline 2 \xff".encode("latin-1"))
     (tmp_path / "trunc.jsonl.gz").write_bytes(gzip.compress(_jsonl([{"content": "x" * 5000}]))[:40])
     _write(tmp_path / "broken.json", b'[{"content": "a"}, {"content": ')
+    _write(tmp_path / "utf.json", b'[{"content": "b"}, {"content": "bad \xff"}, {"content": "never"}]')
     stats = ReadStats(max_examples=20)
     recs = list(iter_records(str(tmp_path), stats=stats))
-    assert sorted(r["content"] for r in recs) == ["a", "ok 1", "ok 2"]
-    assert stats.bad == {"malformed_json": 3, "invalid_utf8": 2, "missing_field": 1, "non_string": 1,
+    assert sorted(r["content"] for r in recs) == ["a", "b", "ok 1", "ok 2"]
+    assert stats.bad == {"malformed_json": 3, "invalid_utf8": 3, "missing_field": 1, "non_string": 1,
                          "empty_file": 2, "unreadable": 1}
     text = "\n".join(stats.examples)
     assert f"{tmp_path / 'bad.jsonl'}:2: malformed_json" in text
@@ -149,7 +150,8 @@ def test_bad_inputs_are_counted_with_locations(tmp_path):
     assert f"{tmp_path / 'latin1.txt'}:1: invalid_utf8" in text
     assert f"{tmp_path / 'broken.json'}:#1: malformed_json" in text
     assert f"{tmp_path / 'trunc.jsonl.gz'}:0: unreadable: EOFError" in text
-    assert "skipped 10 bad inputs" in stats.report()
+    assert f"{tmp_path / 'utf.json'}:#1: invalid_utf8: lexical error: invalid bytes in UTF8 string." in text
+    assert "skipped 11 bad inputs" in stats.report()
 
 
 def test_strict_mode_names_file_and_line(tmp_path):

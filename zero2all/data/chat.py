@@ -25,6 +25,10 @@ scores depend only on position differences, so restarting positions changes litt
 the rounding, and dynamic NTK scaling, exactly as for a sample alone.)
 Padding puts one sample per row instead. Bad records raise :class:`ChatDataError` naming ``file:line`` or are
 counted and skipped (``on_error="skip"``).
+
+:class:`SFTDataset` and :class:`DPODataset` hold the rendered rows in memory (fine for instruction sets up to a few
+hundred thousand samples) and give the trainer's data contract: ``ds.iterator(batch_size, seed)`` is an endless,
+resumable batch stream (``state_dict`` / ``load_state_dict``), rows split disjointly between ranks.
 """
 
 from __future__ import annotations
@@ -358,3 +362,122 @@ def dpo_collate(pairs: Sequence[DPOSample], pad_id: int, seq_len: int | None = N
     rejected = collate(pad_samples([p.rejected for p in pairs], length, pad_id))
     return {"chosen_ids": chosen["input_ids"], "chosen_labels": chosen["labels"],
             "rejected_ids": rejected["input_ids"], "rejected_labels": rejected["labels"]}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# datasets with the trainer's iterator contract (endless, resumable; see zero2all/data/datasets.py)
+
+
+class _ItemIterator:
+    """Endless batches over ``dataset.batch(indices)``: epoch e visits the items in the order
+    ``rng([seed, e]).permutation(len)``; the state is (epoch, position), so a resumed run continues exactly."""
+
+    def __init__(self, dataset, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty (nothing survived loading, or fewer rows than ranks)")
+        self.ds, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int):
+        import numpy as np
+
+        n = len(self.ds)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        idx: list[int] = []
+        n = len(self.ds)
+        while len(idx) < self.batch_size:
+            take = min(self.batch_size - len(idx), n - self.position)
+            idx += self._order(self.epoch)[self.position:self.position + take].tolist()
+            self.position += take
+            if self.position == n:
+                self.epoch, self.position = self.epoch + 1, 0
+        return self.ds.batch(idx)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": self.shuffle, "num_items": len(self.ds)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "shuffle", "num_items"):
+            if key in sd and sd[key] != mine[key]:
+                raise ValueError(f"data iterator state: {key} is {sd[key]!r} in the checkpoint but {mine[key]!r} "
+                                 f"now; resuming would not continue the same batch sequence")
+        if not 0 <= int(sd["position"]) < len(self.ds):
+            raise ValueError(f"data iterator state: position {sd['position']} outside [0, {len(self.ds)})")
+        self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
+
+
+def _shard(items: list, rank: int, world_size: int) -> list:
+    """Items r, r + R, ... for rank r of R, the same count on every rank (so all ranks run the same steps)."""
+    per_rank = len(items) // world_size
+    return items[rank::world_size][:per_rank]
+
+
+class SFTDataset:
+    """Chat samples as fixed-length rows (``input_ids``, ``labels``, ``position_ids``, and ``doc_ids`` when packed)
+    of ``seq_len`` tokens, built in memory; ``iterator(batch_size, seed)`` follows the trainer's contract."""
+
+    def __init__(self, samples: Sequence[SFTSample], seq_len: int, pad_id: int, mode: str = "pack", rank: int = 0,
+                 world_size: int = 1):
+        if mode not in ("pack", "pad"):
+            raise ValueError(f"mode: {mode!r} is not one of pack, pad")
+        rows = pack_samples(samples, seq_len, pad_id) if mode == "pack" else pad_samples(samples, seq_len, pad_id)
+        self.rows = _shard(rows, rank, world_size)
+        self.seq_len, self.mode = seq_len, mode
+        self.stats: LoadStats | None = None
+
+    @classmethod
+    def from_files(cls, paths, tokenizer, seq_len: int, mode: str = "pack", on_error: str = "raise",
+                   rank: int = 0, world_size: int = 1) -> "SFTDataset":
+        samples, stats = load_sft_samples(paths, tokenizer, max_len=seq_len + 1, on_error=on_error)
+        ds = cls(samples, seq_len, tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id, mode,
+                 rank, world_size)
+        ds.stats = stats
+        return ds
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        return collate([self.rows[i] for i in indices])
+
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
+        return _ItemIterator(self, batch_size, seed, shuffle)
+
+
+class DPODataset:
+    """Preference pairs; a batch is :func:`dpo_collate` padded to ``seq_len`` (fixed shapes)."""
+
+    def __init__(self, pairs: Sequence[DPOSample], seq_len: int, pad_id: int, rank: int = 0, world_size: int = 1):
+        self.pairs = _shard(list(pairs), rank, world_size)
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.stats: LoadStats | None = None
+
+    @classmethod
+    def from_files(cls, paths, tokenizer, seq_len: int, on_error: str = "raise", rank: int = 0,
+                   world_size: int = 1) -> "DPODataset":
+        pairs, stats = load_dpo_samples(paths, tokenizer, max_len=seq_len + 1, on_error=on_error)
+        ds = cls(pairs, seq_len, tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id, rank,
+                 world_size)
+        ds.stats = stats
+        return ds
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        return dpo_collate([self.pairs[i] for i in indices], self.pad_id, self.seq_len)
+
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
+        return _ItemIterator(self, batch_size, seed, shuffle)

@@ -401,7 +401,8 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     if stats.bad:
         log(stats.report())
     tr, va = meta["splits"]["train"], meta["splits"]["valid"]
-    log(f"wrote {out}: train {tr['tokens']:,} tokens / {tr['docs']:,} docs in {len(tr['shards'])} shards, valid "
+    shards = f"{len(tr['shards'])} shard{'s' if len(tr['shards']) != 1 else ''}"
+    log(f"wrote {out}: train {tr['tokens']:,} tokens / {tr['docs']:,} docs in {shards}, valid "
         f"{va['tokens']:,} tokens / {va['docs']:,} docs ({dtype.name}); {meta['throughput']['mb_per_s']:.1f} MB/s, "
         f"{meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {workers} workers")
     return meta

@@ -285,7 +285,7 @@ def _read_jsonl(path: str, r: _Reader) -> Iterator[dict]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                r.bad("malformed_json", where, f"{e.msg} at column {e.colno}")
+                r.bad("malformed_json", where, f"{e.msg} (column {e.colno})")
                 continue
             rec = r.record(obj, where, default_id=f"{os.path.basename(path)}:{lineno}")
             if rec is not None:
@@ -311,10 +311,11 @@ def _read_json(path: str, r: _Reader) -> Iterator[dict]:
                 if rec is not None:
                     yield rec
         except ijson.JSONError as e:
-            msg = str(e)
+            msg = e.args[0] if e.args else str(e)
+            msg = (msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)).strip().splitlines()[0]
             kind = "invalid_utf8" if "utf" in msg.lower() or "decode" in msg.lower() else "malformed_json"
             # the rest of a broken array cannot be resynchronised; the items before it were yielded
-            r.bad(kind, f"{path}:#{index + 1}", f"{msg.strip()[:200]} (rest of the file skipped)")
+            r.bad(kind, f"{path}:#{index + 1}", f"{msg[:200]} (rest of the file skipped)")
         except UnicodeDecodeError as e:
             r.bad("invalid_utf8", f"{path}:#{index + 1}", f"{e.reason} (rest of the file skipped)")
         if index == -1 and head.lstrip()[:1] not in (b"[",):
