@@ -80,6 +80,8 @@ def test_linear_cross_entropy_no_grad_and_errors():
     assert abs(loss.item() - reference(h, w, t).item()) < 1e-5
     with pytest.raises(ValueError, match="targets shape"):
         fused_linear_cross_entropy(h, w, t[:3])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused_linear_cross_entropy(h, w, torch.tensor([1, 5, 33, 0]))
     with pytest.raises(ValueError, match="weight shape"):
         fused_linear_cross_entropy(h, torch.randn(33, 15), t)
 

@@ -169,9 +169,8 @@ def _build_hf(base_cfg, row: str, device, seq: int):
     model.train()
     if row == "hf_compile":
         _compile_blocks(model.model.layers)
-    fwd = model
     # labels = the inputs: HF shifts them inside, so each row predicts the next token as ours does
-    return model, (lambda tokens, targets: fwd(input_ids=tokens, labels=tokens, use_cache=False).loss)
+    return model, (lambda tokens, targets: model(input_ids=tokens, labels=tokens, use_cache=False).loss)
 
 
 def _sdpa_context(backend: str):
@@ -195,7 +194,7 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
     from zero2all.accounting import mfu
 
     result = BenchResult(row, ROW_LABELS.get(row, row), micro_batch, seq, accum)
-    model = opt = None
+    model = opt = loss_fn = None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -243,7 +242,7 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
     except Exception as e:  # a row that cannot run (missing package, backend error) is reported, not fatal
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     finally:
-        del model, opt
+        model = opt = loss_fn = None  # free the row's GPU memory before the next row
         gc.collect()
         torch.cuda.empty_cache()
         try:

@@ -231,6 +231,131 @@ def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+@command("prepare-sft", "render chat / instruction jsonl once into SFT token files + index (for large sets)",
+         "  z2all prepare-sft --input chats.jsonl --tokenizer runs/demo/tokenizer --out runs/sft-data\n"
+         "  z2all prepare-sft --input a.jsonl b.jsonl.gz --tokenizer tok --out sft-data --valid-fraction 0.01 "
+         "--workers 8")
+def _prepare_sft(p):
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE",
+                   help="jsonl / jsonl.gz / json files of instruction or conversation records")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (with the chat template tokens)")
+    p.add_argument("--out", required=True, help="output directory (written whole, then renamed into place)")
+    p.add_argument("--valid-fraction", type=float, default=0.0, help="share of records held out (by content)")
+    p.add_argument("--workers", type=int, default=1, help="rendering processes")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+    def run(args):
+        from zero2all.data.sft_shards import prepare_sft
+
+        prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
+                    on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
+                    command="z2all " + " ".join(sys.argv[1:]))
+
+    return _data_errors("prepare-sft", run)
+
+
+def _posttrain_args(p, stage: str):
+    p.add_argument("--init", required=True, help="pretrained checkpoint to start from (ours, HF Llama, or with a "
+                                                 "LoRA adapter)")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="jsonl / json files" + (", or one `z2all prepare-sft` directory" if stage == "sft" else ""))
+    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default runs/{stage})")
+    p.add_argument("--config", default=None, help=".toml file with train / post sections (model: ops only)")
+    p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
+                                                  "directory")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--valid", nargs="+", default=None, metavar="FILE", help="validation files")
+    p.add_argument("--valid-fraction", type=float, default=None, help="hold out this share of the data instead")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the --init checkpoint's)")
+    p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank only (0 = full)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (scaling = alpha / rank)")
+    p.add_argument("--lora-dropout", type=float, default=None)
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help="qkv_proj o_proj gate_up_proj down_proj lm_head (or the HF names q_proj k_proj v_proj ...)")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def _posttrain_overrides(args) -> list[str]:
+    import json
+
+    extra = []
+    for key, value in (("post.init", args.init), ("train.out_dir", args.out), ("train.resume", args.resume),
+                       ("train.device", args.device), ("post.tokenizer", args.tokenizer),
+                       ("post.packing", getattr(args, "packing", None)), ("post.ref", getattr(args, "ref", None))):
+        if value is not None:
+            extra.append(f"{key}={_toml_string(value)}")
+    for key, value in (("post.data", args.data), ("post.valid", args.valid), ("post.lora_targets", args.lora_targets)):
+        if value is not None:
+            extra.append(f"{key}={json.dumps(list(value))}")
+    for key, value in (("post.valid_fraction", args.valid_fraction), ("post.lora_rank", args.lora_rank),
+                       ("post.lora_alpha", args.lora_alpha), ("post.lora_dropout", args.lora_dropout),
+                       ("post.beta", getattr(args, "beta", None))):
+        if value is not None:
+            extra.append(f"{key}={float(value) if isinstance(value, float) else value!r}")
+    if args.skip_bad:
+        extra.append("post.on_error='skip'")
+    if getattr(args, "precompute_ref", False):
+        extra.append("post.precompute_ref=true")
+    return extra
+
+
+def _posttrain_run(stage: str):
+    def run(args):
+        from pathlib import Path
+
+        from zero2all.data.chat import ChatDataError
+        from zero2all.train import posttrain
+
+        # key=value overrides typed right after a list option (--data a.jsonl train.lr=1e-4) belong to overrides
+        moved = []
+        for name in ("data", "valid", "lora_targets"):
+            values = getattr(args, name)
+            if values:
+                keep = [v for v in values if "=" not in v or Path(v).exists()]
+                moved += [v for v in values if v not in keep]
+                setattr(args, name, keep or values)
+        try:
+            cfg = posttrain.posttrain_config(stage, args.config,
+                                             _posttrain_overrides(args) + moved + list(args.overrides))
+            getattr(posttrain, stage)(cfg, show_progress=not args.no_progress)
+        except ChatDataError as e:
+            print(f"z2all {stage}: error: {e}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+@command("sft", "supervised fine-tuning on chat data (loss on assistant tokens only), full or LoRA",
+         "  z2all sft --init runs/demo/final --data instructions.jsonl --out runs/sft train.lr=1e-4\n"
+         "  z2all sft --init runs/demo/final --data runs/sft-data --out runs/sft --packing pad\n"
+         "  z2all sft --init hf/llama --data chats.jsonl --out runs/lora --lora-rank 16 --lora-alpha 32 "
+         "train.lr=2e-4\n"
+         "  z2all sft --init runs/demo/final --data chats.jsonl --out runs/sft --resume auto train.max_steps=2000")
+def _sft(p):
+    _posttrain_args(p, "sft")
+    p.add_argument("--packing", default=None, choices=["pack", "pad"],
+                   help="pack: several samples per row, attention kept inside each (default); pad: one per row")
+    _overrides(p)
+    return _posttrain_run("sft")
+
+
+@command("dpo", "direct preference optimisation on {prompt|conversations, chosen, rejected} pairs",
+         "  z2all dpo --init runs/sft/final --data pairs.jsonl --out runs/dpo --beta 0.1\n"
+         "  z2all dpo --init runs/sft/final --data pairs.jsonl --out runs/dpo --precompute-ref   # one model in "
+         "memory\n"
+         "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --lora-rank 8 train.lr=5e-5")
+def _dpo(p):
+    _posttrain_args(p, "dpo")
+    p.add_argument("--beta", type=float, default=None, help="DPO beta (default 0.1)")
+    p.add_argument("--ref", default=None, help="reference model directory (default: --init)")
+    p.add_argument("--precompute-ref", action="store_true",
+                   help="compute the reference log-probs once before training instead of keeping a second model")
+    _overrides(p)
+    return _posttrain_run("dpo")
+
+
 @command("demo", "the whole pipeline offline on the embedded stdlib corpus: tokenizer, shards, a tiny model, samples",
          "  z2all demo --out runs/demo\n  z2all demo --out runs/demo --minutes 1")
 def _demo(p):

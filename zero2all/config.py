@@ -220,10 +220,32 @@ class TrainConfig:
 
 
 @dataclass
+class PostTrainConfig:
+    """Post-training (``z2all sft`` / ``z2all dpo``, ``zero2all/train/posttrain.py``): starting point, chat data,
+    LoRA and DPO settings. Unused by pretraining."""
+
+    init: str = ""                 # pretrained checkpoint to start from (ours, HF Llama, or base + LoRA adapter)
+    data: list[str] = field(default_factory=list)   # jsonl / json files, or one `z2all prepare-sft` directory
+    valid: list[str] = field(default_factory=list)  # validation files ([] = valid_fraction of the data)
+    valid_fraction: float = 0.0    # share of the samples held out for evaluation when `valid` is empty
+    tokenizer: str = ""            # tokenizer directory ("" = the one stored with `init`)
+    packing: str = "pack"          # sft: pack (several samples per row, attention kept inside each) | pad
+    on_error: str = "raise"        # malformed records: raise (naming file:line) | skip (counted and reported)
+    lora_rank: int = 0             # 0 = full fine-tuning; > 0 = train LoRA adapters only
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    beta: float = 0.1              # dpo: strength of the KL anchor to the reference model
+    ref: str = ""                  # dpo: reference model directory ("" = init)
+    precompute_ref: bool = False   # dpo: reference log-probs computed once before training (no second model)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    post: PostTrainConfig = field(default_factory=PostTrainConfig)
 
     def validate(self) -> "Config":
         self.model.validate("model")

@@ -80,11 +80,13 @@ def copies_of(weight: float, u: float) -> int:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float) -> None:
+def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float,
+                 tok=None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
-    from zero2all.tokenizer import load_tokenizer
+    if tok is None:
+        from zero2all.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_dir)
+        tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction,
                    dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id)
 
@@ -380,7 +382,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
 
     try:
         if workers == 1:
-            _init_worker(*init_args)
+            _init_worker(*init_args, tok=tok)
             for args in todo():
                 consume(tokenize_chunk(*args))
         else:

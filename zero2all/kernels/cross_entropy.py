@@ -16,8 +16,6 @@ gradients, instead of (tokens x vocab) logits in float32 plus their gradient. Th
 in float32 over chunks and cast to the weight's dtype at the end.
 """
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +31,8 @@ def _cross_entropy_rows_kernel(LOGITS, stride_row, TARGETS, LOSS, N_VALID, V, ig
     base = LOGITS + row * stride_row
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
-    safe_target = tl.where(valid, target, 0)
+    # out-of-range targets are rejected by the wrapper where that costs no device sync; never read outside the row
+    safe_target = tl.where(valid & (target >= 0) & (target < V), target, 0)
     cols = tl.arange(0, BLOCK)
     # pass 1: running max m and running sum s of exp(logit - m)
     m = tl.full([], float("-inf"), tl.float32)
@@ -155,6 +154,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"linear_cross_entropy: targets shape {tuple(targets.shape)} != hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
+    if not targets.is_cuda and not torch.compiler.is_compiling():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"linear_cross_entropy: target {int(targets[bad][0])} outside the vocabulary "
+                             f"[0, {weight.shape[0]}) (and not ignore_index={ignore_index})")
     h2 = hidden.reshape(-1, H)
     w = weight.to(hidden.dtype)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

@@ -16,7 +16,7 @@ The forward saves only r (needed anyway as the residual stream) and rstd (one fl
 is reduced in two stages: each of P persistent programs sums its rows into a float32 partial, then a (P, N) sum.
 """
 
-from __future__ import annotations
+from typing import Optional
 
 import torch
 import triton
@@ -76,14 +76,14 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else (8 if block <= 4096 else 16)
 
 
-def _residual_dtype(x: torch.Tensor, residual: torch.Tensor | None, residual_in_fp32: bool) -> torch.dtype:
+def _residual_dtype(x: torch.Tensor, residual: Optional[torch.Tensor], residual_in_fp32: bool) -> torch.dtype:
     """The new residual's dtype, by torch's promotion rules applied to ``residual + x.float()`` (or ``+ x``)."""
     added = torch.float32 if residual_in_fp32 else x.dtype
     return added if residual is None else torch.promote_types(residual.dtype, added)
 
 
 @torch.library.custom_op("z2all::add_rmsnorm_fwd", mutates_args=())
-def _add_rmsnorm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def _add_rmsnorm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                      residual_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = x.shape[-1]
     x2 = x.reshape(-1, N).contiguous()
@@ -109,7 +109,7 @@ def _(x, residual, weight, eps, residual_in_fp32):
 
 
 @torch.library.custom_op("z2all::add_rmsnorm_bwd", mutates_args=())
-def _add_rmsnorm_bwd(grad_out: torch.Tensor, grad_res: torch.Tensor | None, res_out: torch.Tensor,
+def _add_rmsnorm_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], res_out: torch.Tensor,
                      weight: torch.Tensor, rstd: torch.Tensor, x_dtype: torch.dtype,
                      want_dres: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = res_out.shape[-1]
@@ -159,7 +159,7 @@ def _backward(ctx, grad_out, grad_res, grad_rstd):
 _add_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def triton_add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                        residual_in_fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, new_residual)`` exactly as ``ops.add_rmsnorm_torch`` computes them, in one fused kernel.
 

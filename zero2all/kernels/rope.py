@@ -16,8 +16,6 @@ Hkv key heads. q and k may be strided views of the fused qkv projection's output
 reads them through their strides, so no copy is made first; it writes contiguous (B, T, heads, D) outputs.
 """
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

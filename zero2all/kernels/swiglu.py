@@ -13,8 +13,6 @@ The gradient is written into one (..., 2I) tensor laid out as the input, so the 
 consumes it as is.
 """
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

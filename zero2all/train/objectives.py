@@ -66,3 +66,70 @@ class PretrainObjective(Objective):
     def loss(self, model, batch):
         _, loss = model(batch["input_ids"], batch["labels"], doc_ids=batch.get("doc_ids"), z_loss=self.z_loss)
         return loss, {}
+
+
+class SFTObjective(Objective):
+    """Supervised fine-tuning on chat data: next-token cross-entropy on the assistant tokens only.
+
+    loss = -1/|A| * sum_{(b,t) in A} log softmax(logits[b, t])[labels[b, t]],   A = {(b, t): labels[b, t] != -100}
+
+    The labels (``zero2all/data/chat.py``) are -100 on system / user turns, template headers and padding, so A is
+    the set of assistant tokens (with their ``<|im_end|>``). Packed rows carry ``doc_ids`` (attention stays inside
+    a sample) and ``position_ids`` (RoPE positions restart at 0 per sample), so a packed row computes the same
+    loss as its samples run one by one. Logged: ``label_tokens``, the supervised tokens per micro-batch.
+    """
+
+    name = "sft"
+
+    def loss(self, model, batch):
+        _, loss = model(batch["input_ids"], batch["labels"], doc_ids=batch.get("doc_ids"),
+                        position_ids=batch.get("position_ids"))
+        return loss, {"label_tokens": (batch["labels"] != -100).sum()}
+
+
+class DPOObjective(Objective):
+    """Direct Preference Optimisation (Rafailov et al., 2023); the formula is in ``zero2all/train/dpo.py``:
+
+        loss = -log sigmoid(beta * [(log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))])
+
+    The reference log-probs come from the batch (``ref_chosen_logps`` / ``ref_rejected_logps``, computed once
+    before training: no second model in memory) or else from ``reference_model``, a frozen copy evaluated under
+    ``torch.no_grad`` in eval mode. Chosen and rejected rows run as one forward of 2B rows. Logged: mean implicit
+    rewards of chosen and rejected answers, their margin, the accuracy (share of pairs with a positive margin) and
+    the policy's mean sequence log-probs.
+    """
+
+    name = "dpo"
+
+    def __init__(self, beta: float = 0.1, reference_model: torch.nn.Module | None = None):
+        if beta <= 0:
+            raise ValueError(f"dpo beta: must be positive, got {beta}")
+        self.beta = beta
+        self.reference_model = reference_model
+        if reference_model is not None:
+            reference_model.eval()
+            reference_model.requires_grad_(False)
+
+    def reference_logprobs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        from zero2all.train.dpo import pair_logprobs
+
+        if "ref_chosen_logps" in batch:
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        if self.reference_model is None:
+            raise ValueError("DPOObjective: the batch has no precomputed reference log-probs and no reference model "
+                             "was given")
+        with torch.no_grad():
+            return pair_logprobs(self.reference_model, batch)
+
+    def loss(self, model, batch):
+        from zero2all.train.dpo import dpo_loss, pair_logprobs
+
+        chosen, rejected = pair_logprobs(model, batch)
+        ref_chosen, ref_rejected = self.reference_logprobs(batch)
+        loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta)
+        metrics["logps/chosen"] = chosen.detach().mean()
+        metrics["logps/rejected"] = rejected.detach().mean()
+        return loss, metrics
+
+    def num_tokens(self, batch) -> int:
+        return batch["chosen_ids"].numel() + batch["rejected_ids"].numel()

@@ -322,7 +322,7 @@ class Trainer:
                      f"({t.beta1}, {t.beta2}), weight decay {t.weight_decay} | schedule {t.schedule}, warmup "
                      f"{t.warmup_steps}, {t.max_steps} steps | grad clip {t.grad_clip or 'off'}")
         if self.peak_flops:
-            lines.append(f"MFU against a peak of {self.peak_flops / 1e12:.0f} TFLOP/s")
+            lines.append(f"MFU against a peak of {self.peak_flops / 1e12:g} TFLOP/s")
         return lines
 
     # -- checkpoints ------------------------------------------------------------------------------------------

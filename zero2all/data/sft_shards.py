@@ -1,0 +1,324 @@
+"""Pretokenized SFT data (``z2all prepare-sft``): chat records rendered once into token files + an index, then
+read by memory map, so large instruction sets neither sit in memory as Python lists nor get re-rendered per run.
+
+Output directory (written into a hidden temporary directory, fsynced, then renamed into place: a killed run
+leaves either the old directory or the complete new one)::
+
+    meta.json             format, tokenizer hash / directory / vocabulary, counts per split, load report, command
+    train.tokens.bin      every sample's token ids back to back (uint16 if the vocabulary fits, else uint32)
+    train.labels.bin      uint8 per token: 1 where the token is learned (an assistant token), 0 where not
+    train.index.npy       int64 sample start offsets plus the end (len = samples + 1)
+    train.first_label.npy int32 position (within its sample) of each sample's first learned token
+    valid.*               the same for the held-out split (possibly empty)
+
+Rendering is exactly ``zero2all.data.chat.render_sft_record`` (chat template, assistant-only labels). The split is
+by record content: ``u = blake2b(canonical JSON of the record)`` in [0, 1), held out when ``u < valid_fraction``;
+identical records fall on the same side and the split does not depend on order or worker count.
+
+:class:`SFTShardDataset` turns a split into the same rows as the in-memory :class:`~zero2all.data.chat.SFTDataset`
+(same truncation to ``seq_len + 1`` tokens, same dropping of samples left without assistant tokens, the same
+greedy in-order packing or one-sample-per-row padding, the same rank split), but builds each row only when a batch
+asks for it. Training refuses shards made with another tokenizer (hash check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from zero2all.data.chat import IGNORE_INDEX, ChatDataError, LoadStats, _ItemIterator, iter_jsonl, render_sft_record
+
+FORMAT = "zero2all-sft-shards"
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLITS = ("train", "valid")
+
+
+class SFTShardError(ValueError):
+    """A pretokenized SFT directory is missing, incomplete, or was made with another tokenizer."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
+
+
+def record_unit(record) -> float:
+    """A uniform in [0, 1) from the record's content (the train/valid split)."""
+    text = json.dumps(record, sort_keys=True, ensure_ascii=False)
+    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2 ** 64
+
+
+# --------------------------------------------------------------------------------------------------------------
+# writing
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    from zero2all.tokenizer import load_tokenizer
+
+    _WORKER["tok"] = load_tokenizer(tokenizer_dir)
+
+
+def _render_chunk(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """(where, record or error) -> (where, (ids, mask) or error message); runs in a worker process."""
+    tok = _WORKER["tok"]
+    out = []
+    for where, record in items:
+        try:
+            if isinstance(record, ChatDataError):
+                raise record
+            s = render_sft_record(tok, record, where)
+            out.append((where, (s.input_ids, [int(y != IGNORE_INDEX) for y in s.labels], record_unit(record))))
+        except ChatDataError as e:
+            out.append((where, str(e)))
+    return out
+
+
+def _chunks(paths, size: int):
+    buf = []
+    for path in paths:
+        for where, record in iter_jsonl(path):
+            buf.append((where, record))
+            if len(buf) == size:
+                yield buf
+                buf = []
+    if buf:
+        yield buf
+
+
+class _SplitWriter:
+    def __init__(self, root: Path, split: str, dtype: np.dtype):
+        self.split, self.dtype = split, dtype
+        self.tokens = open(root / f"{split}.tokens.bin", "wb")
+        self.labels = open(root / f"{split}.labels.bin", "wb")
+        self.offsets = [0]
+        self.first_label: list[int] = []
+        self.label_tokens = 0
+
+    def add(self, ids: list[int], mask: list[int]) -> None:
+        self.tokens.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self.labels.write(np.asarray(mask, dtype=np.uint8).tobytes())
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.first_label.append(mask.index(1) if 1 in mask else len(mask))
+        self.label_tokens += sum(mask)
+
+    def close(self, root: Path) -> dict:
+        for f in (self.tokens, self.labels):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        np.save(root / f"{self.split}.index.npy", np.asarray(self.offsets, dtype=np.int64))
+        np.save(root / f"{self.split}.first_label.npy", np.asarray(self.first_label, dtype=np.int32))
+        return {"samples": len(self.first_label), "tokens": self.offsets[-1], "label_tokens": self.label_tokens}
+
+
+def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path, *,
+                valid_fraction: float = 0.0, on_error: str = "raise", workers: int = 1, overwrite: bool = False,
+                chunk_records: int = 256, command: str = "", log=print) -> dict:
+    """Render every record of ``inputs`` (jsonl / jsonl.gz / json files) and write the directory described in the
+    module docstring; returns its meta. ``workers`` > 1 renders chunks of records in parallel (same output)."""
+    from zero2all.tokenizer import load_tokenizer
+
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error: {on_error!r} is not one of raise, skip")
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
+    out = Path(out_dir)
+    if (out / META_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{out}: already holds prepared SFT data (pass --overwrite to replace it)")
+    paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no such file")
+    tok = load_tokenizer(tokenizer_dir)
+    if getattr(tok, "im_end_id", None) is None:
+        raise ValueError(f"{tokenizer_dir}: the tokenizer has no <|im_end|> token (no chat template)")
+    dtype = token_dtype(tok.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    t0 = time.time()
+    stats = LoadStats()
+    try:
+        writers = {s: _SplitWriter(tmp, s, dtype) for s in SPLITS}
+        if workers > 1:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),))
+            results = pool.imap(_render_chunk, _chunks(paths, chunk_records))
+        else:
+            _WORKER["tok"] = tok
+            pool, results = None, map(_render_chunk, _chunks(paths, chunk_records))
+        try:
+            for chunk in results:
+                for where, result in chunk:
+                    stats.records += 1
+                    if isinstance(result, str):
+                        if on_error == "raise":
+                            raise ChatDataError(result)
+                        stats.skipped += 1
+                        if len(stats.errors) < 10:
+                            stats.errors.append(result)
+                        continue
+                    ids, mask, u = result
+                    writers["valid" if u < valid_fraction else "train"].add(ids, mask)
+        finally:
+            if pool is not None:
+                pool.terminate()
+        splits = {s: w.close(tmp) for s, w in writers.items()}
+        if splits["train"]["samples"] == 0:
+            raise ValueError(f"no usable SFT records in {', '.join(map(str, paths))}: {stats.summary()}")
+        meta = {
+            "format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name,
+            "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size},
+            "inputs": [str(p) for p in paths], "valid_fraction": valid_fraction, "splits": splits,
+            "read": {"records": stats.records, "skipped": stats.skipped, "errors": stats.errors},
+            "seconds": round(time.time() - t0, 3), "command": command or " ".join(sys.argv),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tr, va = splits["train"], splits["valid"]
+    log(f"wrote {out}: {tr['samples']:,} train samples ({tr['tokens']:,} tokens, {tr['label_tokens']:,} learned), "
+        f"{va['samples']:,} valid samples; {stats.skipped} malformed records skipped; {meta['seconds']:.1f} s")
+    return meta
+
+
+def read_sft_meta(data_dir: str | Path) -> dict:
+    f = Path(data_dir) / META_FILE
+    if not f.exists():
+        raise SFTShardError(f"{f}: no meta.json; not a finished `z2all prepare-sft` output")
+    meta = json.loads(f.read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT:
+        raise SFTShardError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def is_sft_shard_dir(path: str | Path) -> bool:
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        return False
+    try:
+        return json.loads(f.read_text(encoding="utf-8")).get("format") == FORMAT
+    except json.JSONDecodeError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def greedy_pack(lengths: np.ndarray, seq_len: int) -> list[tuple[int, int]]:
+    """Rows as [start, end) ranges of consecutive samples: a row takes samples in order while their (shifted)
+    lengths fit ``seq_len`` - the plan of ``zero2all.data.chat.pack_samples``."""
+    rows, start, used = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if used + n > seq_len and i > start:
+            rows.append((start, i))
+            start, used = i, 0
+        used += n
+    if len(lengths) > start:
+        rows.append((start, len(lengths)))
+    return rows
+
+
+class SFTShardDataset:
+    """One split of a ``prepare-sft`` directory as fixed-length rows (``input_ids``, ``labels``, ``position_ids``,
+    and ``doc_ids`` when packed); the trainer's data contract (``iterator(batch_size, seed)``)."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, pad_id: int, mode: str = "pack", split: str = "train",
+                 rank: int = 0, world_size: int = 1, tokenizer=None):
+        if mode not in ("pack", "pad"):
+            raise ValueError(f"mode: {mode!r} is not one of pack, pad")
+        if split not in SPLITS:
+            raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
+        self.dir = Path(data_dir)
+        self.meta = read_sft_meta(self.dir)
+        self.tokenizer_hash = self.meta["tokenizer"]["hash"]
+        if tokenizer is not None and tokenizer.hash != self.tokenizer_hash:
+            raise SFTShardError(f"{self.dir}: the SFT shards were made with tokenizer {self.tokenizer_hash[:16]}, "
+                                f"but this run uses {tokenizer.hash[:16]}; re-run `z2all prepare-sft` with it")
+        self.seq_len, self.mode, self.pad_id, self.split = seq_len, mode, pad_id, split
+        offsets = np.load(self.dir / f"{split}.index.npy")
+        first_label = np.load(self.dir / f"{split}.first_label.npy")
+        n_tokens = int(offsets[-1])
+        dtype = np.dtype(self.meta["dtype"])
+        if n_tokens:
+            self.tokens = np.memmap(self.dir / f"{split}.tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
+            self.labels = np.memmap(self.dir / f"{split}.labels.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
+        else:
+            self.tokens = self.labels = np.zeros(0, dtype=dtype)
+        lengths = np.diff(offsets)
+        kept_len = np.minimum(lengths, seq_len + 1)           # truncation, as chat.load_sft_samples does
+        keep = (kept_len >= 2) & (first_label < kept_len)     # a sample needs an assistant token left
+        self.stats = LoadStats(records=len(lengths), truncated=int((lengths > seq_len + 1).sum()),
+                               dropped_no_labels=int((~keep).sum()))
+        self.sample_start = offsets[:-1][keep]
+        self.sample_len = kept_len[keep]
+        shifted = self.sample_len - 1
+        if mode == "pack":
+            rows = greedy_pack(shifted, seq_len)
+        else:
+            rows = [(i, i + 1) for i in range(len(shifted))]
+        per_rank = len(rows) // world_size
+        self.rows = rows[rank::world_size][:per_rank]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def sample(self, i: int) -> tuple[list[int], list[int]]:
+        """(inputs, targets) of kept sample ``i``: ids[:-1] and labels[1:] (-100 where nothing is learned)."""
+        s, n = int(self.sample_start[i]), int(self.sample_len[i])
+        ids = torch.from_numpy(self.tokens[s:s + n].astype(np.int64))
+        mask = torch.from_numpy(self.labels[s:s + n].astype(np.bool_))
+        labels = ids.masked_fill(~mask, IGNORE_INDEX)
+        return ids[:-1], labels[1:]
+
+    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+        start, end = self.rows[r]
+        parts = [self.sample(i) for i in range(start, end)]
+        T = self.seq_len
+        used = sum(len(t) for t, _ in parts)
+        n = T - used
+        ids = torch.cat([t for t, _ in parts] + [torch.full((n,), self.pad_id, dtype=torch.long)])
+        labels = torch.cat([y for _, y in parts] + [torch.full((n,), IGNORE_INDEX, dtype=torch.long)])
+        if self.mode == "pad":
+            return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(T)}
+        docs = torch.cat([torch.full((len(t),), d, dtype=torch.long) for d, (t, _) in enumerate(parts)]
+                         + [torch.full((n,), len(parts), dtype=torch.long)])
+        pos = torch.cat([torch.arange(len(t)) for t, _ in parts] + [torch.arange(n)])
+        return {"input_ids": ids, "labels": labels, "doc_ids": docs, "position_ids": pos}
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        rows = [self[i] for i in indices]
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
+        return _ItemIterator(self, batch_size, seed, shuffle)
