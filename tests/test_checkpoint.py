@@ -182,10 +182,11 @@ def test_mismatched_tokenizer_is_refused_and_changes_are_reported(tmp_path, caps
     trainer.tokenizer_hash = "bbbb2222"
     with pytest.raises(CheckpointMismatch, match="tokenizer: hash 'aaaa1111' in the checkpoint, 'bbbb2222'"):
         trainer.fit()
-    ok = Trainer(tiny_cfg(tmp_path, "train.max_steps=2", "train.resume='auto'", "train.lr=1e-3"),
-                 show_progress=False)
+    ok = Trainer(tiny_cfg(tmp_path, "train.max_steps=2", "train.resume='auto'", "train.lr=1e-3",
+                          "train.weight_decay=0.05"), show_progress=False)
     ok.tokenizer_hash = "aaaa1111"
     ok.fit()
+    assert [g["weight_decay"] for g in ok.optimizer.param_groups] == [0.05, 0.0]  # the new value is used
     out = capsys.readouterr().out
     assert "resumed from" in out and "train.lr: 0.003 -> 0.001" in out and "train.max_steps: 1 -> 2" in out
 
@@ -225,3 +226,16 @@ def test_rng_state_round_trip():
     ckpt_io.restore_rng_state(state)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path):
+    cfg = ["train.max_steps=3", "train.eval_every=3", "train.eval_batches=1", "train.num_samples=1",
+           "train.sample_new_tokens=2"]
+    Trainer(tiny_cfg(tmp_path, *cfg), show_progress=False).fit()
+    before = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = Trainer(tiny_cfg(tmp_path, "train.resume='auto'", *cfg), show_progress=False)
+    again.fit()
+    after = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["kind"] for line in after[len(before):]]
+    assert again.step == 3 and kinds == ["info"]  # no second eval or sample of the same step
+    assert "Prompt:" in (tmp_path / "report.md").read_text()

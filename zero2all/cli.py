@@ -200,7 +200,7 @@ def _prepare(p):
 @command("pretrain", "pretrain a model on token shards (or synthetic tokens) with the shared trainer",
          "  z2all pretrain --config tiny --data runs/demo/data --out runs/tiny\n"
          "  z2all pretrain --config tiny --data runs/demo/data --out runs/tiny --resume auto train.max_steps=900\n"
-         "  z2all pretrain --config z2all-1.1b --out runs/1b-synthetic train.max_steps=50   # random-data run")
+         "  z2all pretrain --config z2all-1.1b --out runs/1b-synthetic train.max_steps=50   # synthetic data")
 def _pretrain(p):
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path; "
@@ -361,7 +361,8 @@ def _dpo(p):
 def _demo(p):
     p.add_argument("--out", default="runs/demo", help="output folder")
     p.add_argument("--minutes", type=float, default=None,
-                   help="approximate training time budget (default: 4 on a CPU; a GPU runs the same steps)")
+                   help="training time budget (default 4): one update is timed and as many as fit are run "
+                        "(at most 3,000)")
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides --minutes)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")

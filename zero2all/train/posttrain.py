@@ -91,6 +91,8 @@ def posttrain_config(stage: str, config_file: str | Path | None = None, override
     defaults = {"model": init_model, "train": SFT_TRAIN_DEFAULTS if stage == "sft" else DPO_TRAIN_DEFAULTS}
     cfg = from_dict(Config, _merge(defaults, user)).validate()
     p = cfg.post
+    if not cfg.data.path:  # for the run's description and report only: the trainer is given the datasets
+        cfg.data.path = ", ".join(p.data)
     if not p.data:
         raise ConfigError("post.data: no training data (--data FILE...)")
     if p.packing not in ("pack", "pad"):

@@ -351,7 +351,10 @@ class Trainer:
                                            state.get("world_size", 1), state.get("tokenizer_hash"),
                                            self.tokenizer_hash)
         loaded = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)
+        configured = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, values in zip(self.optimizer.param_groups, configured):
+            group.update(values)  # hyperparameters come from this run's config (a changed one is printed below)
         self.scaler.load_state_dict(state["scaler"])
         try:
             self.train_iter.load_state_dict(loaded["data_state"])
@@ -525,6 +528,7 @@ class Trainer:
                              "params": self.raw_model.num_params(), "non_embedding_params":
                              self.non_embedding_params})
         reset_peak_memory(self.device)
+        start_step = self.step
         self._bar = None
         if self.is_main and self.show_progress:
             from tqdm.auto import tqdm
@@ -557,6 +561,8 @@ class Trainer:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+        if self.resumed_from is not None and last_ckpt is None and self.step == start_step:
+            last_eval = last_sample = self.step  # resumed a finished run: its final eval and samples are logged
         if last_eval != self.step:
             self.evaluate()
         if last_sample != self.step:
@@ -587,8 +593,11 @@ class Trainer:
             "resumed from": str(self.resumed_from) if self.resumed_from else "-",
             "training time": f"{self.elapsed_s:.1f} s",
         }
-        report = write_run_report(self.out_dir / "report.md", header, records, self.last_samples,
-                                  png.name if png else None)
+        samples = self.last_samples
+        if not samples:  # e.g. a resumed run that was already finished: the samples it logged before
+            logged = [r for r in records if r.get("kind") == "sample"]
+            samples = [r for r in logged if r["step"] == logged[-1]["step"]] if logged else []
+        report = write_run_report(self.out_dir / "report.md", header, records, samples, png.name if png else None)
         summary = summarize(records)
         summary.update({"final": str(final), "report": str(report), "loss_png": str(png) if png else None})
         self._print(f"wrote {final}, {report}" + (f", {png}" if png else ""))
