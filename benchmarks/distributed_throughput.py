@@ -10,14 +10,15 @@ context per measurement); this script collects rank 0's JSON and prints one tabl
 
     variant       GPUs  tok/s (global)  tok/s per GPU  scaling  MFU   peak mem per GPU (GiB)
 
-Variants
-    ours         1 GPU, no wrapper (the single-device trainer's step): the baseline for both scalings
+Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on synthetic tokens: exactly what
+``z2all pretrain`` runs per update, logging collectives included)
+    ours         1 GPU, no wrapper: the baseline for both scalings
     ours-ddp     N GPUs, DDP, no_sync on all but the last micro-step
     ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
                  master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync
-Ours runs the model with ``ops = auto`` (Triton kernels on CUDA) and the same precision recipe as the trainer:
-DDP with fp32 master weights + bf16 autocast, FSDP with its bf16 mixed-precision policy.
+Ours runs the model with ``ops = auto`` (Triton kernels on CUDA): DDP with fp32 master weights + bf16 autocast,
+FSDP with its bf16 mixed-precision policy (fp32 sharded master weights).
 
 Timing: ``--warmup`` steps, then the median of ``--steps`` optimizer steps (CUDA-synchronised). tokens/s counts
 all ranks; scaling = N-GPU tokens/s / the same family's 1-GPU tokens/s; MFU per GPU by ``zero2all.accounting.mfu``.
@@ -73,34 +74,35 @@ def worker(args) -> None:
 
     from zero2all import accounting
     from zero2all.config import load_config
-    from zero2all.model.z2all import build_model
     from zero2all.train import distributed as zd
     from zero2all.train.metrics import detect_peak_flops
-    from zero2all.train.optim import build_optimizer
 
-    overrides = list(args.override)
-    cfg = load_config(args.config, overrides)
-    tc = cfg.train
-    tc.micro_batch_size, tc.grad_accum_steps = args.micro_batch, args.accum
-    tc.activation_checkpointing = args.ac
-    tc.reshard_after_forward = args.reshard
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
-    env = zd.init_distributed(device=args.device, timeout_s=tc.dist_timeout_s)
+    env = zd.init_distributed(device=args.device)
     if env.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // env.world_size))
     device = env.device
-    seq = args.seq_len or cfg.model.max_seq_len
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tc.precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    tc.parallel = mode if env.world_size > 1 or mode == "fsdp" else "none"
+    overrides = list(args.override) + [
+        f"train.micro_batch_size={args.micro_batch}", f"train.grad_accum_steps={args.accum}",
+        f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'", f"train.parallel='{mode}'",
+        f"train.activation_checkpointing='{args.ac}'", f"train.reshard_after_forward={str(args.reshard).lower()}",
+        f"train.compile={str(args.compile).lower()}", f"train.out_dir='{Path(args.result).parent / args.variant}'",
+        f"train.device='{device}'", "train.tensorboard=false", "train.eval_every=0", "train.num_samples=0",
+        "train.warmup_steps=1"]
+    if args.seq_len:
+        overrides.append(f"data.seq_len={args.seq_len}")
+    cfg = load_config(args.config, overrides)
+    seq = args.seq_len or cfg.model.max_seq_len
     liger = False
     if family == "ours":
-        model = build_model(cfg.model, device=device, seed=tc.seed)
-        model = zd.parallelize(model, tc, env, compile_blocks=args.compile)
-        optimizer = zd.shard_optimizer(build_optimizer(zd.unwrap(model), tc, device), tc, env)
+        # the trainer itself (synthetic data): parallelize + no_sync + clipping + AdamW + logging collectives
+        from zero2all.train.trainer import Trainer
 
-        def micro_loss(x, y):
-            return model(x, y)[1]
+        trainer = Trainer(cfg, show_progress=False)
+
+        def step():
+            return trainer.train_step()["loss"]
     else:
         model, liger = _peer_model(cfg.model, device)
         if args.compile:
@@ -112,27 +114,20 @@ def worker(args) -> None:
                         gradient_as_bucket_view=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                       **({"fused": True} if device.type == "cuda" else {}))
+        g = torch.Generator(device="cpu").manual_seed(1000 + env.rank)  # each rank its own tokens
+        batches = [torch.randint(0, cfg.model.vocab_size, (args.micro_batch, seq), generator=g).to(device)
+                   for _ in range(args.accum)]
 
-        def micro_loss(x, y):
-            return model(input_ids=x, labels=x).loss  # HF shifts the labels itself
-
-    use_autocast = dtype != torch.float32  # as the trainer: autocast on top of FSDP's bf16 parameters is a no-op cast
-    g = torch.Generator(device="cpu").manual_seed(1000 + env.rank)  # each rank its own tokens
-    vocab = cfg.model.vocab_size
-    batches = [torch.randint(0, vocab, (args.micro_batch, seq + 1), generator=g).to(device)
-               for _ in range(args.accum)]
-
-    def step():
-        for a, b in enumerate(batches):
-            x, y = b[:, :-1], b[:, 1:]
-            with zd.gradient_sync(model, enabled=a == args.accum - 1), \
-                    torch.autocast(device.type, dtype=dtype, enabled=use_autocast):
-                loss = micro_loss(x, y)
-                (loss / args.accum).backward()
-        zd.clip_grad_norm(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        def step():
+            for a, x in enumerate(batches):
+                with zd.gradient_sync(model, enabled=a == args.accum - 1), \
+                        torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
+                    (loss / args.accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
 
     def sync():
         if device.type == "cuda":
@@ -160,7 +155,7 @@ def worker(args) -> None:
         peak = detect_peak_flops(device)
         mfu = accounting.mfu(tok_s / env.world_size, cfg.model, seq, peak) if peak else None
         key = "peak_alloc_gib" if "peak_alloc_gib" in memory[0] else "peak_rss_gib"
-        result = {"variant": args.variant, "family": family, "mode": tc.parallel, "gpus": env.world_size,
+        result = {"variant": args.variant, "family": family, "mode": mode, "gpus": env.world_size,
                   "tokens_per_s": tok_s, "step_s": median, "mfu": mfu, "mem_gib": [m[key] for m in memory],
                   "mem_kind": key, "loss": float(last), "liger": liger, "seq_len": seq,
                   "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),

@@ -134,7 +134,8 @@ def main():
     print(f"\ncorpus {text_mb:.1f} MB of text ({stats.records:,} docs, {counts.pop():,} tokens), vocab "
           f"{args.vocab_size}; {platform.node()}, {cores} cores, python {platform.python_version()}, load average "
           f"{os.getloadavg()[0]:.1f}; fastest of {args.repeats} round-robin repeats")
-    print("| variant | seconds (wall) | CPU seconds | MB/s | M tokens/s | speedup vs plain loop |\n|---|---|---|---|---|---|")
+    print("| variant | seconds (wall) | CPU seconds | MB/s | M tokens/s | speedup vs plain loop |")
+    print("|---|---|---|---|---|---|")
     for name, _ in variants:
         t = min(walls[name])
         print(f"| {name} | {t:.2f} | {min(cpus[name]):.2f} | {text_mb / t:.2f} | {tokens[name] / t / 1e6:.3f} | "

@@ -11,7 +11,8 @@ The corpus (written once to ``--corpus``, a .jsonl) mixes, by bytes, ~1/3 each o
 
 Each configuration trains in its own subprocess (so peak RSS is that run's alone) and reports: seconds, peak RSS,
 MB of text fed, and bytes per token on a held-out sample: the 8 MB of documents generated right after the corpus
-(same distribution, unseen documents; higher = better compression). The acceptance bar: capped compression within 1 % of uncapped, with peak RSS under the cap.
+(same distribution, unseen documents; higher = better compression). The acceptance bar: capped compression
+within 1 % of uncapped, with peak RSS under the cap.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def run_one(args) -> dict:
         ntok += len(tok.encode(text))
     t = tok.meta["training"]
     return {"cap_gb": cap, "seconds": round(seconds, 1), "peak_rss_mb": round(rss, 0),
-            "fed_mb": round(t["fed_bytes"] / 1e6, 1), "corpus_mb": round((t["corpus_bytes"] or t["fed_bytes"]) / 1e6, 1),
+            "fed_mb": round(t["fed_bytes"] / 1e6, 1),
+            "corpus_mb": round((t["corpus_bytes"] or t["fed_bytes"]) / 1e6, 1),
             "sampling_rate": t["sampling_rate"], "vocab": tok.vocab_size,
             "heldout_bytes_per_token": round(nbytes / ntok, 4)}
 
@@ -166,7 +168,8 @@ def main():
     base = rows[0]["heldout_bytes_per_token"]  # the uncapped run, else the first capped one
     print(f"\nmachine: {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, "
           f"load {os.getloadavg()[0]:.1f}; backend {args.backend}, vocab {args.vocab_size}")
-    print(f"{'cap':>8} {'fed MB':>8} {'rate':>6} {'time s':>7} {'peak RSS MB':>12} {'bytes/token':>12} {'vs first row':>12}")
+    print(f"{'cap':>8} {'fed MB':>8} {'rate':>6} {'time s':>7} {'peak RSS MB':>12} {'bytes/token':>12} "
+          f"{'vs first row':>12}")
     for r in rows:
         cap = f"{r['cap_gb']:.2f} GB" if r["cap_gb"] else "none"
         print(f"{cap:>8} {r['fed_mb']:>8.0f} {r['sampling_rate']:>6.3f} {r['seconds']:>7.1f} {r['peak_rss_mb']:>12.0f} "

@@ -299,3 +299,18 @@ def test_data_state_moves_between_world_sizes():
     assert zd.rescale_data_state(packed, {}, 2, 2) is packed
     with pytest.raises(ValueError, match="cannot move"):
         zd.rescale_data_state({"cursor": 1}, {}, 2, 1)
+
+
+def test_resume_with_another_world_size_needs_the_same_global_batch():
+    from zero2all.config import load_config
+    from zero2all.train.checkpoint import CheckpointMismatch, check_compatible
+    from zero2all.config import to_dict
+
+    saved = to_dict(load_config("tiny", ["train.micro_batch_size=2", "train.grad_accum_steps=2"]))
+    same_batch = load_config("tiny", ["train.micro_batch_size=4", "train.grad_accum_steps=2"])
+    check_compatible("ckpt", saved, same_batch, 256, world_size=1, saved_world_size=2,
+                     saved_tokenizer_hash=None, tokenizer_hash=None)  # 2 x 2 x 2 == 4 x 2 x 1
+    other_batch = load_config("tiny", ["train.micro_batch_size=2", "train.grad_accum_steps=2"])
+    with pytest.raises(CheckpointMismatch, match=r"global batch: 8 sequences per update .* 4 now"):
+        check_compatible("ckpt", saved, other_batch, 256, world_size=1, saved_world_size=2,
+                         saved_tokenizer_hash=None, tokenizer_hash=None)

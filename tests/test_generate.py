@@ -217,10 +217,12 @@ def test_per_row_rope_positions(impl):
 
     g = torch.Generator().manual_seed(0)
     B, T, H, Hkv, D = 3, 5, 4, 2, 6
-    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    # the Triton path runs on the GPU when there is one, else on CPU under TRITON_INTERPRET=1
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(device)
     q = qkv[..., :H * D].view(B, T, H, D)                       # strided views, as in the model
     k = qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D)
-    positions = torch.randint(0, 50, (B, T), generator=g)
+    positions = torch.randint(0, 50, (B, T), generator=g).to(device)
     cos, sin = ops.rope_frequencies(D, 10000.0, positions.reshape(-1))
     q_out, k_out = ops.apply_rope(q, k, cos.view(B, T, -1), sin.view(B, T, -1), impl=impl)
     for b in range(B):

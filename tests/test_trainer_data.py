@@ -102,17 +102,20 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
     """`z2all demo` on the real stdlib corpus, with a 1-layer model and 3 steps to stay quick."""
     from zero2all.cli import main
 
-    args = ["demo", "--out", str(tmp_path / "demo"), "--steps", "3", "--threads", "2", "model.n_layers=1",
+    args = ["demo", "--out", str(tmp_path / "demo"), "--steps", "3", "--sft-steps", "3", "--threads", "2",
+            "model.n_layers=1",
             "model.hidden_dim=32", "model.intermediate_size=64", "model.n_heads=2", "model.n_kv_heads=1",
             "data.seq_len=64", "train.eval_batches=1", "train.sample_new_tokens=4", "train.tensorboard=false"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for step in ("1/5 corpus", "2/5 tokenizer", "3/5 shards", "4/5 pretraining", "5/5 samples"):
+    for step in ("1/7 corpus", "2/7 tokenizer", "3/7 shards", "4/7 pretraining", "5/7 samples", "6/7 SFT",
+                 "7/7 chat"):
         assert step in out
-    assert "--- prompt 'def '" in out and "validation loss" in out
+    assert "--- prompt 'def '" in out and "validation loss" in out and "--- assistant:" in out
     demo = tmp_path / "demo"
     for name in ("report.md", "loss.png", "metrics.jsonl", "final/model.safetensors", "final/tokenizer.json",
-                 "ckpt-000003/trainer_state.pt", "tokenizer/tokenizer.json", "data/meta.json"):
+                 "ckpt-000003/trainer_state.pt", "tokenizer/tokenizer.json", "data/meta.json",
+                 "sft/final/model.safetensors", "sft-data/train.jsonl"):
         assert (demo / name).exists(), name
     assert main(args) == 0  # a second run reuses everything and resumes at the end
     assert "reusing" in capsys.readouterr().out

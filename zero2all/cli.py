@@ -366,13 +366,17 @@ def _demo(p):
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides --minutes)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
+    p.add_argument("--sft-minutes", type=float, default=1.5,
+                   help="time budget of the SFT stage on docstring instructions (0 = skip it)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes)")
     _overrides(p)
 
     def run(args):
         from zero2all.demo import run_demo
 
         run_demo(args.out, minutes=args.minutes, steps=args.steps, vocab_size=args.vocab_size,
-                 threads=args.threads, overrides=list(args.overrides))
+                 threads=args.threads, overrides=list(args.overrides), sft_minutes=args.sft_minutes,
+                 sft_steps=args.sft_steps)
 
     return run
 

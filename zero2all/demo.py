@@ -6,6 +6,9 @@
     4. pretrain   the ``tiny`` preset (~7M parameters) for a few minutes on the CPU (a GPU when there is one)
                                                                     -> OUT/ckpt-*/, OUT/final/, metrics, report
     5. samples    Python code generated from a few prompts
+    6. sft        a short supervised fine-tuning of that model on "write the docstring of X" instructions built
+                  from the same stdlib (``zero2all/data/instructions.py``)   -> OUT/sft/ (final/, metrics, report)
+    7. chat       the fine-tuned model answers instructions it did not train on
 
 Each step is also a command of its own (README, "demo" section). Re-running the demo reuses finished steps
 (the tokenizer, the shards) and continues an interrupted training run from its last checkpoint.
@@ -25,6 +28,13 @@ DEMO_PROMPTS = ["def ", "class ", "import ", "    def __init__(self", "for i in 
 DEMO_TRAIN = ["train.micro_batch_size=8", "train.warmup_steps=20", "train.eval_every=50", "train.eval_batches=8",
               "train.ckpt_every=50", "train.keep_last=2", "train.num_samples=3", "train.sample_new_tokens=48",
               "train.log_every=10"]
+
+
+# the SFT stage: the same batch shape as pretraining, a smaller peak learning rate, no weight decay
+DEMO_SFT_RECORDS = 2000          # instructions built from the stdlib; the last 50 are held out (48 valid, 2 chat)
+DEMO_SFT_TRAIN = ["train.micro_batch_size=8", "train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=5",
+                  "train.weight_decay=0.0", "train.eval_batches=2", "train.keep_last=1", "train.log_every=5",
+                  "train.num_samples=0"]
 
 
 def _say(msg: str) -> None:
@@ -58,8 +68,54 @@ def measure_step_time(cfg, repeats: int = 2) -> float:
     return sum(times) / len(times)
 
 
+def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, steps: int | None = None) -> dict:
+    """Steps 6 and 7: SFT of ``pretrained`` on stdlib docstring instructions for ``steps`` updates, or about
+    ``minutes`` (``step_s``: seconds per update measured in pretraining, same batch shape), then replies to two
+    held-out instructions."""
+    from zero2all.data.instructions import build_docstring_instructions, write_jsonl
+    from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
+    from zero2all.train import checkpoint as ckpt_io
+    from zero2all.train.posttrain import posttrain_config, sft
+
+    data_dir, sft_dir = out / "sft-data", out / "sft"
+    files = {name: data_dir / f"{name}.jsonl" for name in ("train", "valid", "chat")}
+    if not all(f.exists() for f in files.values()):
+        records, stats = build_docstring_instructions(max_records=DEMO_SFT_RECORDS, max_chars=400)
+        for name, part in (("train", records[:-50]), ("valid", records[-50:-2]), ("chat", records[-2:])):
+            write_jsonl(part, files[name])
+        print(f"{stats.records:,} instructions from {stats.files:,} stdlib files -> {data_dir}")
+    previous = ckpt_io.latest_checkpoint(sft_dir)
+    if steps is None and previous is not None:  # continue an interrupted run with the length it was given
+        steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
+    if steps is None:
+        steps = max(10, min(300, int(60 * minutes / step_s)))
+    _say(f"6/7 SFT: {steps} steps on stdlib docstring instructions  (z2all sft --init {pretrained} --data "
+         f"{files['train']} --valid {files['valid']} --out {sft_dir} train.max_steps={steps} train.lr=1e-3 ...)")
+    cfg = posttrain_config("sft", None, [f"post.init={json.dumps(str(pretrained))}",
+                                         f"post.data=[{json.dumps(str(files['train']))}]",
+                                         f"post.valid=[{json.dumps(str(files['valid']))}]",
+                                         f"train.out_dir={json.dumps(str(sft_dir))}", "train.resume='auto'",
+                                         f"train.max_steps={steps}", f"train.eval_every={steps}",
+                                         f"train.ckpt_every={max(1, steps // 2)}"] + DEMO_SFT_TRAIN)
+    summary = sft(cfg)
+
+    _say("7/7 chat: the fine-tuned model answers instructions it was not trained on (temperature 0.7, top-k 50)")
+    model, tok = load_for_inference(summary["final"])
+    generator = Generator(model, tok)
+    params = SamplingParams(max_new_tokens=80, temperature=0.7, top_k=50, seed=0)
+    for line in files["chat"].read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        prompt = tok.apply_chat_template([{"role": "user", "content": record["instruction"]}],
+                                         add_generation_prompt=True)
+        reply = generator.generate([prompt], params)[0]
+        print(f"--- user: {record['instruction']}\n--- assistant: {reply.text.strip()}\n"
+              f"    ({reply.finish_reason}; the stdlib's docstring: {record['output'].splitlines()[0]!r})\n")
+    return summary
+
+
 def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps: int | None = None,
-             vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None) -> dict:
+             vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None,
+             sft_minutes: float = 1.5, sft_steps: int | None = None) -> dict:
     from zero2all.config import load_config
     from zero2all.data.pretokenize import prepare
     from zero2all.data.readers import stdlib_files
@@ -76,21 +132,21 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
 
     files = stdlib_files()
     size = sum(f.stat().st_size for f in files)
-    _say(f"1/5 corpus: the Python standard library, {len(files):,} .py files, {size / 1e6:.1f} MB "
+    _say(f"1/7 corpus: the Python standard library, {len(files):,} .py files, {size / 1e6:.1f} MB "
          f"({Path(files[0]).parent if files else '?'})")
 
     tok_dir = out / "tokenizer"
     if (tok_dir / "tokenizer.json").exists():
-        _say(f"2/5 tokenizer: reusing {tok_dir}")
+        _say(f"2/7 tokenizer: reusing {tok_dir}")
         tok = load_tokenizer(tok_dir)
     else:
-        _say(f"2/5 tokenizer: training a {vocab_size}-token byte-level BPE  "
+        _say(f"2/7 tokenizer: training a {vocab_size}-token byte-level BPE  "
              f"(z2all train-tokenizer --input stdlib --vocab-size {vocab_size} --out {tok_dir})")
         tok = train_tokenizer("stdlib", vocab_size, out_dir=tok_dir)
     print(f"vocabulary {tok.vocab_size}, hash {tok.hash[:16]}")
 
     data_dir = out / "data"
-    _say(f"3/5 shards: tokenizing the corpus  (z2all prepare --input stdlib --tokenizer {tok_dir} --out {data_dir})")
+    _say(f"3/7 shards: tokenizing the corpus  (z2all prepare --input stdlib --tokenizer {tok_dir} --out {data_dir})")
     meta = prepare("stdlib", tok_dir, data_dir, seq_len=256)
     train_tokens = meta["splits"]["train"]["tokens"]
     print(f"{train_tokens:,} training tokens, {meta['splits']['valid']['tokens']:,} validation tokens, "
@@ -110,12 +166,12 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
         print(f"measured {step_s:.2f} s per update on {pick_device(cfg.train.device)}: "
               f"{steps} updates fit {budget_s / 60:.1f} minutes")
     cfg = load_config("tiny", base + [f"train.max_steps={steps}"])
-    _say(f"4/5 pretraining the tiny preset for {steps} steps  (z2all pretrain --config tiny --data {data_dir} "
+    _say(f"4/7 pretraining the tiny preset for {steps} steps  (z2all pretrain --config tiny --data {data_dir} "
          f"--out {out} train.max_steps={steps} ...)")
     trainer = Trainer(cfg)
     summary = trainer.fit()
 
-    _say("5/5 samples: Python code generated by the trained model (temperature 0.8, top-k 50)")
+    _say("5/7 samples: Python code generated by the trained model (temperature 0.8, top-k 50)")
     model = trainer.raw_model.eval()
     gen = torch.Generator().manual_seed(0)
     for prompt in DEMO_PROMPTS:
@@ -128,6 +184,14 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     if "last_eval_loss" in summary:
         print(f"validation loss {summary['first_eval_loss']:.3f} (before training) -> "
               f"{summary['last_eval_loss']:.3f} (perplexity {summary['last_eval_ppl']:.1f}) at step {steps}")
+    if sft_minutes > 0 or sft_steps:
+        sft_summary = run_sft_stage(out, out / "final", summary.get("median_step_time_s") or 1.0, sft_minutes,
+                                    sft_steps)
+        if "last_eval_loss" in sft_summary:
+            print(f"SFT validation loss (assistant tokens of held-out instructions) "
+                  f"{sft_summary['first_eval_loss']:.3f} -> {sft_summary['last_eval_loss']:.3f}")
     print(f"demo finished in {(time.time() - t_start) / 60:.1f} minutes. Outputs in {out}/: report.md, loss.png, "
-          f"metrics.jsonl, tensorboard/, final/ (model + tokenizer), ckpt-*/ (resumable), tokenizer/, data/")
+          f"metrics.jsonl, tensorboard/, final/ (model + tokenizer), ckpt-*/ (resumable), tokenizer/, data/"
+          + (", sft/ (the fine-tuned model: z2all chat --ckpt " + str(out / "sft" / "final") + "), sft-data/"
+             if sft_minutes > 0 or sft_steps else ""))
     return summary

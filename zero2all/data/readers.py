@@ -78,7 +78,8 @@ class ReadStats:
         return sum(self.bad.values())
 
     def report(self) -> str:
-        head = f"read {self.records:,} records ({self.bytes / 1e6:,.1f} MB of text) from {self.files:,} files"
+        head = (f"read {self.records:,} records ({self.bytes / 1e6:,.1f} MB of text) from {self.files:,} "
+                f"file{'s' if self.files != 1 else ''}")
         if not self.bad:
             return head + "; no bad input"
         kinds = ", ".join(f"{k}={v}" for k, v in sorted(self.bad.items()))

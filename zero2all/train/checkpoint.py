@@ -62,9 +62,16 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in out_dir.iterdir():
         m = CKPT_PATTERN.match(p.name)
-        if m and p.is_dir() and all((p / f).exists() for f in REQUIRED_FILES):
+        if m and p.is_dir() and (all((p / f).exists() for f in REQUIRED_FILES) or _is_sharded(p)):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def _is_sharded(path: Path) -> bool:
+    """A complete multi-process checkpoint (torch.distributed.checkpoint shards, see train/distributed.py)."""
+    from zero2all.train.distributed import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(path) and (path / RUN_CONFIG).exists()
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -232,15 +239,24 @@ def check_compatible(ckpt: str | Path, saved: dict, current: Config, seq_len: in
         new = cur["model"].get(key)
         if old != new:
             problems.append(f"model.{key}: {old!r} in the checkpoint, {new!r} now")
+    resized = saved_world_size != world_size
     for key in MUST_MATCH_TRAIN:
+        if resized and key in ("micro_batch_size", "grad_accum_steps"):
+            continue  # another number of processes: the global batch must match instead (below)
         old, new = saved.get("train", {}).get(key), cur["train"][key]
         if old != new:
             problems.append(f"train.{key}: {old!r} in the checkpoint, {new!r} now")
     saved_seq = saved.get("data", {}).get("seq_len") or saved.get("model", {}).get("max_seq_len")
     if saved_seq != seq_len:
         problems.append(f"data.seq_len: {saved_seq!r} in the checkpoint, {seq_len!r} now")
-    if saved_world_size != world_size:
-        problems.append(f"world size: {saved_world_size} processes in the checkpoint, {world_size} now")
+    if resized:
+        old_t, new_t = saved.get("train", {}), cur["train"]
+        old_batch = old_t.get("micro_batch_size", 0) * old_t.get("grad_accum_steps", 0) * saved_world_size
+        new_batch = new_t["micro_batch_size"] * new_t["grad_accum_steps"] * world_size
+        if old_batch != new_batch:
+            problems.append(f"global batch: {old_batch} sequences per update in the checkpoint ({saved_world_size} "
+                            f"processes), {new_batch} now ({world_size}); keep micro_batch_size x grad_accum_steps "
+                            f"x processes the same")
     if saved_tokenizer_hash != tokenizer_hash:
         problems.append(f"tokenizer: hash {saved_tokenizer_hash!r} in the checkpoint, {tokenizer_hash!r} for this "
                         f"run's data ({current.data.path or 'synthetic'})")

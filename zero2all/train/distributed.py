@@ -135,7 +135,11 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     single-process environment and creates no process group. Calling it again returns the current group.
     """
     if not launched_by_torchrun() and not (dist.is_available() and dist.is_initialized()):
-        return DistEnv(device=_resolve_device(device, 0), timeout_s=timeout_s)
+        try:
+            single = _resolve_device(device, 0)
+        except RuntimeError:  # an unknown device name: the trainer's own check reports it
+            single = torch.device("cpu")
+        return DistEnv(device=single, timeout_s=timeout_s)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)

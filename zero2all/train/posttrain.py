@@ -36,8 +36,9 @@ import torch
 
 from zero2all.config import Config, ConfigError, from_dict, load_config_dict, to_dict
 from zero2all.train import checkpoint as ckpt_io
+from zero2all.train import distributed as zd
 from zero2all.train.objectives import DPOObjective, SFTObjective
-from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, pick_device, resolve_precision
+from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, resolve_precision
 
 # train-section defaults of the two stages (a --config file and key=value overrides come on top)
 SFT_TRAIN_DEFAULTS = {"out_dir": "runs/sft", "lr": 2e-5, "min_lr": 2e-6, "warmup_steps": 20, "weight_decay": 0.0,
@@ -189,7 +190,7 @@ def base_weights_model(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def load_run_tokenizer(cfg: Config, out_dir: Path):
+def load_run_tokenizer(cfg: Config, out_dir: Path, env: zd.DistEnv | None = None):
     """The run's tokenizer (``post.tokenizer``, else the init checkpoint's), copied to ``OUT/tokenizer`` (the
     trainer copies it into every checkpoint from there); returns (tokenizer, that directory)."""
     from zero2all.model.io import copy_tokenizer_files
@@ -206,9 +207,12 @@ def load_run_tokenizer(cfg: Config, out_dir: Path):
         raise ConfigError(f"post.tokenizer: {src} has {tok.vocab_size} tokens but the model {cfg.post.init} only "
                           f"{cfg.model.padded_vocab_size}")
     tok_dir = out_dir / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    if not copy_tokenizer_files(src, tok_dir):
-        raise ConfigError(f"post.tokenizer: {src} holds no tokenizer files")
+    if env is None or env.is_main:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        if not copy_tokenizer_files(src, tok_dir):
+            raise ConfigError(f"post.tokenizer: {src} holds no tokenizer files")
+    if env is not None:
+        zd.barrier(env)
     return tok, tok_dir
 
 
@@ -230,7 +234,9 @@ def _split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
-def _report(what: str, stats) -> None:
+def _report(what: str, stats, rank: int = 0) -> None:
+    if rank != 0:
+        return
     print(f"{what}: {stats.summary()}")
     for msg in stats.errors[:3]:
         print(f"  skipped: {msg}")
@@ -246,16 +252,16 @@ def build_sft_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
         if not is_sft_shard_dir(p.data[0]):
             raise ConfigError(f"post.data: {p.data[0]} is a directory but not a `z2all prepare-sft` output")
         train = SFTShardDataset(p.data[0], seq_len, pad, p.packing, "train", rank, world_size, tokenizer=tok)
-        _report(f"{p.data[0]} (train)", train.stats)
+        _report(f"{p.data[0]} (train)", train.stats, rank)
         valid = SFTShardDataset(p.data[0], seq_len, pad, p.packing, "valid", rank, world_size, tokenizer=tok)
         valid = valid if len(valid) else None
     else:
         samples, stats = load_sft_samples(p.data, tok, max_len=seq_len + 1, on_error=p.on_error)
-        _report(", ".join(p.data), stats)
+        _report(", ".join(p.data), stats, rank)
         valid_samples = []
         if p.valid:
             valid_samples, vstats = load_sft_samples(p.valid, tok, max_len=seq_len + 1, on_error=p.on_error)
-            _report(", ".join(p.valid), vstats)
+            _report(", ".join(p.valid), vstats, rank)
         else:
             samples, valid_samples = _split_holdout(samples, p.valid_fraction, cfg.train.seed)
         if not samples:
@@ -268,9 +274,10 @@ def build_sft_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
         if ds is not None:
             ds.tokenizer_hash = tok.hash
     n_label = sum(int((train[i]["labels"] != -100).sum()) for i in range(min(len(train), 64)))
-    print(f"SFT data: {len(train):,} {'packed' if p.packing == 'pack' else 'padded'} rows of {seq_len} tokens"
-          + (f", {len(valid):,} validation rows" if valid is not None else ", no validation split")
-          + f"; {n_label / max(1, min(len(train), 64) * seq_len):.0%} of the tokens are learned")
+    if rank == 0:
+        print(f"SFT data: {len(train):,} {'packed' if p.packing == 'pack' else 'padded'} rows of {seq_len} tokens"
+              + (f", {len(valid):,} validation rows" if valid is not None else ", no validation split")
+              + f"; {n_label / max(1, min(len(train), 64) * seq_len):.0%} of the tokens are learned")
     return train, valid
 
 
@@ -306,10 +313,10 @@ def build_dpo_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
 
     p, seq_len, pad = cfg.post, data_seq_len(cfg), _pad_id(tok)
     pairs, stats = load_dpo_samples(p.data, tok, max_len=seq_len + 1, on_error=p.on_error)
-    _report(", ".join(p.data), stats)
+    _report(", ".join(p.data), stats, rank)
     if p.valid:
         valid_pairs, vstats = load_dpo_samples(p.valid, tok, max_len=seq_len + 1, on_error=p.on_error)
-        _report(", ".join(p.valid), vstats)
+        _report(", ".join(p.valid), vstats, rank)
     else:
         pairs, valid_pairs = _split_holdout(pairs, p.valid_fraction, cfg.train.seed)
     if not pairs:
@@ -321,7 +328,8 @@ def build_dpo_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
     for ds in (train, valid):
         if ds is not None:
             ds.tokenizer_hash = tok.hash
-    print(f"DPO data: {len(train):,} pairs" + (f", {len(valid):,} validation pairs" if valid else ""))
+    if rank == 0:
+        print(f"DPO data: {len(train):,} pairs" + (f", {len(valid):,} validation pairs" if valid else ""))
     return train, valid
 
 
@@ -375,6 +383,9 @@ class PostTrainer(Trainer):
     def __init__(self, cfg: Config, objective, *, init_dir: str | Path, **kwargs):
         self.init_dir = Path(init_dir)
         super().__init__(cfg, objective, **kwargs)
+        if self.uses_lora and self.parallel == "fsdp":
+            raise ConfigError("post.lora_rank: LoRA runs use train.parallel=ddp (or none), not fsdp: the adapters are "
+                              "a small share of the memory")
 
     @property
     def uses_lora(self) -> bool:
@@ -396,7 +407,7 @@ class PostTrainer(Trainer):
 
     def save_checkpoint(self):
         path = super().save_checkpoint()
-        if path is not None and self.uses_lora:
+        if path is not None and self.is_main and self.uses_lora:
             self.write_adapter(path / "adapter")
         return path
 
@@ -428,34 +439,40 @@ class PostTrainer(Trainer):
 
 
 def _prepare(cfg: Config, stage: str):
+    """Check resume settings, join the process group (under torchrun), load tokenizer and model (+ LoRA)."""
     check_resume_compatible(cfg, stage)
-    out_dir = Path(cfg.train.out_dir)
-    device = pick_device(cfg.train.device)
+    env = zd.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    device, out_dir = env.device, Path(cfg.train.out_dir)
     precision = resolve_precision(cfg.train.precision, device)
-    tok, tok_dir = load_run_tokenizer(cfg, out_dir)
-    print(f"{stage}: starting from {cfg.post.init}; tokenizer {tok.vocab_size} tokens ({tok.hash[:12]})")
+    tok, tok_dir = load_run_tokenizer(cfg, out_dir, env)
+    say = print if env.is_main else (lambda *a, **k: None)
+    say(f"{stage}: starting from {cfg.post.init}; tokenizer {tok.vocab_size} tokens ({tok.hash[:12]})")
     model = load_pretrained(cfg.post.init, cfg.model, device)
     if cfg.post.lora_rank > 0:
         trainable, total = apply_lora_from_config(model, cfg)
-        print(f"LoRA rank {cfg.post.lora_rank}, alpha {cfg.post.lora_alpha:g} on {', '.join(cfg.post.lora_targets)}:"
-              f" {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
-    return out_dir, device, precision, tok, tok_dir, model
+        say(f"LoRA rank {cfg.post.lora_rank}, alpha {cfg.post.lora_alpha:g} on {', '.join(cfg.post.lora_targets)}: "
+            f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
+    return env, out_dir, precision, tok, tok_dir, model
 
 
 def sft(cfg: Config, show_progress: bool = True) -> dict:
     """``z2all sft``: supervised fine-tuning of ``post.init`` on chat data (loss on assistant tokens only)."""
-    out_dir, device, precision, tok, tok_dir, model = _prepare(cfg, "sft")
-    train, valid = build_sft_data(cfg, tok)
+    env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "sft")
+    train, valid = build_sft_data(cfg, tok, env.rank, env.world_size)
     trainer = PostTrainer(cfg, SFTObjective(), init_dir=cfg.post.init, model=model, train_data=train,
                           eval_data=valid, tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress)
-    return trainer.fit()
+    summary = trainer.fit()
+    zd.destroy_distributed()
+    return summary
 
 
 def dpo(cfg: Config, show_progress: bool = True) -> dict:
     """``z2all dpo``: preference optimisation of ``post.init`` against a frozen reference (``post.ref``, default
     the initial model) or its precomputed log-probs (``post.precompute_ref``)."""
-    out_dir, device, precision, tok, tok_dir, model = _prepare(cfg, "dpo")
-    train, valid = build_dpo_data(cfg, tok)
+    env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "dpo")
+    device = env.device
+    train, valid = build_dpo_data(cfg, tok, env.rank, env.world_size)
+    cache = out_dir / (REFERENCE_CACHE if env.world_size == 1 else f"reference_logprobs.rank{env.rank}.pt")
     p = cfg.post
     if p.ref:
         reference = load_pretrained(p.ref, cfg.model, device)
@@ -463,9 +480,9 @@ def dpo(cfg: Config, show_progress: bool = True) -> dict:
         reference = copy.deepcopy(model) if p.lora_rank == 0 else base_weights_model(model)
     reference.eval().requires_grad_(False)
     if p.precompute_ref:
-        print(f"reference log-probs: computing them for {len(train):,} pairs (the reference then leaves memory)")
-        train = ReferenceLogprobDataset(train, reference_logprobs(reference, train, cfg, device, precision,
-                                                                  out_dir / REFERENCE_CACHE))
+        if env.is_main:
+            print(f"reference log-probs: computing them for {len(train):,} pairs (the reference then leaves memory)")
+        train = ReferenceLogprobDataset(train, reference_logprobs(reference, train, cfg, device, precision, cache))
         if valid is not None:
             valid = ReferenceLogprobDataset(valid, reference_logprobs(reference, valid, cfg, device, precision,
                                                                       None))
@@ -476,4 +493,6 @@ def dpo(cfg: Config, show_progress: bool = True) -> dict:
     objective = DPOObjective(beta=p.beta, reference_model=reference)
     trainer = PostTrainer(cfg, objective, init_dir=p.init, model=model, train_data=train, eval_data=valid,
                           tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress)
-    return trainer.fit()
+    summary = trainer.fit()
+    zd.destroy_distributed()
+    return summary

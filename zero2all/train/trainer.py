@@ -16,9 +16,12 @@ Determinism: every random source is seeded (Python, NumPy, torch CPU and CUDA); 
 schedule are functions of the seed and the step; evaluation and sampling draw from their own generators. A
 checkpoint stores all of that, so on CPU a resumed run reproduces the uninterrupted run exactly (tested).
 
-Extending to several processes: the trainer has ``rank`` / ``world_size`` (0 / 1 here), builds its data iterator
-for that rank, logs and checkpoints on rank 0 only, and keeps the plain model in ``raw_model`` next to the
-training ``model`` (a wrapper such as DDP/FSDP may replace ``model``; checkpoints and sampling use ``raw_model``).
+Several processes (``torchrun ... -m zero2all.cli pretrain``): the trainer joins the process group, takes
+``rank`` / ``world_size`` and its GPU from torchrun, builds its data iterator for that rank, and lets
+``train/distributed.py`` wrap the plain ``raw_model`` into the training ``model`` (DDP, FSDP2, ZeRO-1, activation
+checkpointing; ``no_sync`` on all but the last micro-batch). It logs on rank 0 only (global loss and tokens/s,
+every rank's memory) and writes sharded checkpoints with torch.distributed.checkpoint from every rank, which
+resume with any number of processes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from zero2all.config import Config, ConfigError, save_json, to_dict
 from zero2all.model.z2all import build_model
 from zero2all.train import checkpoint as ckpt_io
+from zero2all.train import distributed as zd
 from zero2all.train.metrics import (MetricsLogger, compute_mfu, detect_peak_flops, format_count, format_step_line,
                                     peak_memory_bytes, plot_loss_curve, read_metrics, reset_peak_memory,
                                     summarize, write_run_report)
@@ -214,11 +218,15 @@ class Trainer:
                  train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
                  rank: int = 0, world_size: int = 1, show_progress: bool = True):
         self.cfg, self.tcfg = cfg, cfg.train
+        # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
+        self.dist = zd.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+        if self.dist.is_distributed:
+            rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
-        self.device = pick_device(self.tcfg.device)
+        self.device = self.dist.device if self.dist.is_distributed else pick_device(self.tcfg.device)
         self.precision = resolve_precision(self.tcfg.precision, self.device)
         self.out_dir = Path(self.tcfg.out_dir)
         self.seq_len = data_seq_len(cfg)
@@ -239,8 +247,15 @@ class Trainer:
         if model is None:
             model = build_model(cfg.model, device=self.device, seed=self.tcfg.seed)
         self.raw_model = model.to(self.device)
-        self.model = torch.compile(self.raw_model) if self.tcfg.compile else self.raw_model
-        self.optimizer = build_optimizer(self.raw_model, self.tcfg, self.device)
+        # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (train/distributed.py). FSDP
+        # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
+        self.parallel = zd.validate_parallel_config(self.tcfg, self.dist)
+        self.sharded_checkpoints = self.dist.is_distributed
+        fsdp = self.parallel == "fsdp"
+        wrapped = zd.parallelize(self.raw_model, self.tcfg, self.dist, compile_blocks=self.tcfg.compile and fsdp)
+        self.model = torch.compile(wrapped) if self.tcfg.compile and not fsdp else wrapped
+        self.optimizer = zd.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device), self.tcfg,
+                                            self.dist)
         self.schedule = LRSchedule.from_config(self.tcfg)
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.autocast = lambda: autocast_context(self.precision, self.device)
@@ -316,6 +331,9 @@ class Trainer:
             f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.world_size} processes * "
             f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
         ]
+        if self.dist.is_distributed:
+            lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
+                         f"activation checkpointing: {t.activation_checkpointing} | sharded checkpoints")
         lines += describe_groups(self.optimizer.param_groups)
         fused = bool(self.optimizer.defaults.get("fused"))
         lines.append(f"optimizer: AdamW{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
@@ -326,14 +344,36 @@ class Trainer:
         return lines
 
     # -- checkpoints ------------------------------------------------------------------------------------------
-    def trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
-                "elapsed_s": self.elapsed_s, "world_size": self.world_size, "objective": self.objective.name,
-                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "schedule": self.schedule.state_dict(), "rng": ckpt_io.capture_rng_state(),
-                "tokenizer_hash": self.tokenizer_hash}
+    def trainer_state(self, optimizer_and_rng: bool = True) -> dict:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
+                 "elapsed_s": self.elapsed_s, "world_size": self.world_size, "objective": self.objective.name,
+                 "scaler": self.scaler.state_dict(), "schedule": self.schedule.state_dict(),
+                 "tokenizer_hash": self.tokenizer_hash}
+        if optimizer_and_rng:
+            state.update(optimizer=self.optimizer.state_dict(), rng=ckpt_io.capture_rng_state())
+        return state
+
+    def save_sharded_checkpoint(self) -> Path:
+        """Every rank: model and optimizer shards with torch.distributed.checkpoint; each rank's data position and
+        RNG states in its own file; counters, run config and tokenizer files alongside (train/distributed.py)."""
+        def write_extra(tmp: Path) -> None:
+            save_json(to_dict(self.cfg), tmp / ckpt_io.RUN_CONFIG)
+            if self.tokenizer_dir is not None:
+                ckpt_io.copy_tokenizer_dir(self.tokenizer_dir, tmp)
+
+        path = zd.save_sharded_checkpoint(
+            self.out_dir / ckpt_io.checkpoint_name(self.step), self.model, self.optimizer, self.dist,
+            meta={"step": self.step, "trainer": self.trainer_state(optimizer_and_rng=False)},
+            rank_state={"data_state": self.train_iter.state_dict(), "rng": ckpt_io.capture_rng_state()},
+            write_extra=write_extra)
+        if self.is_main:
+            ckpt_io.prune_checkpoints(self.out_dir, self.tcfg.keep_last)
+        self._print(f"saved checkpoint {path} (sharded over {self.world_size} processes)")
+        return path
 
     def save_checkpoint(self) -> Path | None:
+        if self.sharded_checkpoints:
+            return self.save_sharded_checkpoint()
         if not self.is_main:
             return None
         path = ckpt_io.save_checkpoint(self.out_dir, self.step, self.raw_model, self.trainer_state(), self.cfg,
@@ -346,18 +386,28 @@ class Trainer:
         """Restore model, optimizer, scaler, data position, RNG states and counters from ``ckpt``."""
         ckpt = Path(ckpt)
         saved_cfg = ckpt_io.read_run_config(ckpt)
-        state = ckpt_io.read_trainer_state(ckpt)
+        sharded = zd.is_sharded_checkpoint(ckpt)
+        state = zd.read_checkpoint_meta(ckpt)["trainer"] if sharded else ckpt_io.read_trainer_state(ckpt)
         changed = ckpt_io.check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size,
                                            state.get("world_size", 1), state.get("tokenizer_hash"),
                                            self.tokenizer_hash)
-        loaded = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)
         configured = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
+        if sharded:  # any number of processes wrote it; this rank reads the pieces it needs
+            _, own = zd.load_sharded_checkpoint(ckpt, self.model, self.optimizer, self.dist)
+            own = own or zd.read_rank_state(ckpt, 0)  # another world size: rank 0's position and RNG
+            data_state, state["rng"] = own["data_state"], own["rng"]
+        else:
+            if self.parallel == "fsdp":
+                raise ConfigError(f"{ckpt}: a single-process checkpoint cannot be loaded into FSDP-sharded weights; "
+                                  f"resume it with train.parallel=ddp or zero1 (later checkpoints are sharded)")
+            data_state = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)["data_state"]
+            self.optimizer.load_state_dict(state["optimizer"])
         for group, values in zip(self.optimizer.param_groups, configured):
             group.update(values)  # hyperparameters come from this run's config (a changed one is printed below)
         self.scaler.load_state_dict(state["scaler"])
         try:
-            self.train_iter.load_state_dict(loaded["data_state"])
+            self.train_iter.load_state_dict(zd.rescale_data_state(data_state, self.train_iter.state_dict(),
+                                                                  int(state.get("world_size", 1)), self.world_size))
         except ValueError as e:  # the data layout changed: the batch sequence would not continue
             raise ckpt_io.CheckpointMismatch(f"checkpoint {ckpt} does not match this run's data: {e}") from None
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -409,9 +459,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor | float] = {}
         tokens = 0
-        for _ in range(accum):
+        for micro in range(accum):
             batch = self._to_device(next(self.train_iter))
-            loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
+            with zd.gradient_sync(self.model, enabled=micro == accum - 1):  # DDP: one all-reduce per update
+                loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
             loss_sum += loss.float()
             tokens += self.objective.num_tokens(batch)
             for k, v in metrics.items():
@@ -419,7 +470,8 @@ class Trainer:
                 metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler.unscale_(params)
-        grad_norm = float(grad_norm_and_clip(params, t.grad_clip))  # one host sync per update
+        norm = grad_norm_and_clip(params, t.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # one host sync per update
         found_inf = not math.isfinite(grad_norm)
         applied = self.scaler.update(found_inf)
         if applied:
@@ -428,6 +480,8 @@ class Trainer:
             self.skipped_total += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
+        if self.dist.is_distributed:
+            loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
         dt = time.perf_counter() - t0
         self.step += 1
         self.tokens_seen += tokens * self.world_size
@@ -440,6 +494,9 @@ class Trainer:
                "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
         if self.scaler.enabled:
             rec["loss_scale"] = self.scaler.scale
+        if self.dist.is_distributed:
+            per_rank = zd.gather_memory_stats(self.dist)
+            rec["mem_per_rank"] = zd.format_memory(per_rank)
         for k, v in metric_sums.items():
             rec[f"train_{k}"] = float(v) / accum
         return rec
@@ -465,6 +522,8 @@ class Trainer:
         if not losses:
             return None
         mean = float(torch.stack(losses).mean())
+        if self.dist.is_distributed:
+            mean = zd.all_reduce_mean(mean, self.dist)
         rec = {"kind": "eval", "step": self.step, "loss": mean, "ppl": math.exp(min(mean, 50.0)),
                "batches": len(losses)}
         self.logger.log(rec)
@@ -488,9 +547,12 @@ class Trainer:
     def sample(self) -> list[dict]:
         """A few sampled continuations, logged and printed (a fixed generator: same samples for the same model)."""
         t = self.tcfg
-        if not self.is_main or t.num_samples == 0 or t.sample_new_tokens == 0:
+        if t.num_samples == 0 or t.sample_new_tokens == 0:
             return []
-        model = self.raw_model
+        # FSDP: every rank takes part in gathering the weights; rank 0 samples from a plain CPU copy
+        model = zd.gather_plain_model(self.raw_model, self.dist) if self.parallel == "fsdp" else self.raw_model
+        if not self.is_main:
+            return []
         was_training = model.training
         model.eval()
         gen = torch.Generator().manual_seed(t.seed)
@@ -540,11 +602,13 @@ class Trainer:
             self.evaluate()
         try:
             while self.step < t.max_steps:
-                rec = self.train_step()
+                with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
+                    rec = self.train_step()  # a hung collective fails after train.dist_timeout_s, saying so
                 if self.is_main:
                     self.logger.log(rec)
                     if rec["skipped"] or (t.log_every and self.step % t.log_every == 0):
-                        self._print(format_step_line(rec))
+                        self._print(format_step_line(rec)
+                                    + (f" | mem/rank {rec['mem_per_rank']}" if "mem_per_rank" in rec else ""))
                     if self._bar is not None:
                         self._bar.update(1)
                         self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
@@ -574,11 +638,12 @@ class Trainer:
     def finish(self) -> dict:
         """Final model directory, loss curve, run report; returns the summary numbers."""
         self.logger.close()
+        plain = zd.gather_plain_model(self.raw_model, self.dist)  # FSDP: all ranks gather, rank 0 gets the copy
         if not self.is_main:
             return {}
         from zero2all.model.io import save_model
 
-        final = save_model(self.raw_model, self.out_dir / "final",
+        final = save_model(plain, self.out_dir / "final",
                            extra={"step": self.step, "tokenizer_hash": self.tokenizer_hash})
         if self.tokenizer_dir is not None:
             ckpt_io.copy_tokenizer_dir(self.tokenizer_dir, final)
@@ -606,4 +671,6 @@ class Trainer:
 
 def pretrain(cfg: Config, show_progress: bool = True) -> dict:
     """``z2all pretrain``: the shared trainer with the next-token objective."""
-    return Trainer(cfg, PretrainObjective(z_loss=cfg.train.z_loss), show_progress=show_progress).fit()
+    summary = Trainer(cfg, PretrainObjective(z_loss=cfg.train.z_loss), show_progress=show_progress).fit()
+    zd.destroy_distributed()  # after a failure torchrun ends the processes (and restarts them with --max-restarts)
+    return summary
