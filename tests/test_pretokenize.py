@@ -150,8 +150,12 @@ def test_tokenizer_hash_mismatch_is_refused(sources, tok_dir, tmp_path):
     check_tokenizer(out, load_tokenizer(tok_dir))
     with pytest.raises(ValueError, match="other settings.*valid_fraction"):
         prepare(_inputs(sources, ("zh",)), tok_dir, out, workers=1, valid_fraction=0.2, log=lambda *a: None)
+    (out / "train_notes.txt").write_text("not ours")
+    stale = out / "train_00042.bin"
+    stale.write_bytes(b"\0\0")
     meta = prepare(_inputs(sources, ("zh",)), other, out, workers=1, overwrite=True, log=lambda *a: None)
     assert meta["tokenizer"]["hash"] == load_tokenizer(other).hash
+    assert (out / "train_notes.txt").exists() and not stale.exists()  # --overwrite removes only our outputs
 
 
 def test_uint32_shards_for_large_vocabularies(sources, tok_dir, tmp_path):

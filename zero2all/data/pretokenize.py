@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -195,15 +196,15 @@ def _fingerprint(specs, tokenizer_hash, valid_fraction, chunk_bytes, shard_chunk
 
 def _check_existing(out: Path, fingerprint: dict, overwrite: bool) -> dict | None:
     """Refuse to mix with shards of another tokenizer or other settings; returns a complete meta if there is one."""
+    if overwrite:
+        _remove_outputs(out)
+        return None
     for name in (META_FILE, STATE_FILE):
         f = out / name
         if not f.exists():
             continue
         old = json.loads(f.read_text(encoding="utf-8"))
         old_fp = old.get("fingerprint", {})
-        if overwrite:
-            _remove_outputs(out)
-            return None
         if old_fp.get("tokenizer_hash") != fingerprint["tokenizer_hash"]:
             raise TokenizerMismatchError(
                 f"{f}: these shards were made with tokenizer {str(old_fp.get('tokenizer_hash'))[:16]}, not "
@@ -217,10 +218,13 @@ def _check_existing(out: Path, fingerprint: dict, overwrite: bool) -> dict | Non
     return None
 
 
+_OUTPUT_NAME = re.compile(r"^(\.?(train|valid)_\d{5}\.(bin|bin\.tmp|idx\.npy)|shard_\d{5}\.json)$")
+
+
 def _remove_outputs(out: Path) -> None:
+    """Delete what `prepare` writes (and only that: other files in the directory stay)."""
     for f in out.iterdir():
-        if f.name in (META_FILE, STATE_FILE) or f.name.startswith(("train_", "valid_", "shard_", ".train_",
-                                                                  ".valid_")):
+        if f.is_file() and (f.name in (META_FILE, STATE_FILE) or _OUTPUT_NAME.match(f.name)):
             f.unlink()
 
 

@@ -21,10 +21,10 @@ Every record has the same schema (the original project's)::
 
 The text comes from ``text_field`` (default: the first of ``content``, ``text`` that the record has).
 
-Bad input never stops a run half-way: a malformed JSON line, invalid UTF-8, an empty file, a missing text field
-or a non-string text is skipped and counted per kind in :class:`ReadStats`, which keeps the first examples with
-``file:line`` and prints a report at the end. ``strict=True`` raises :class:`BadInputError` naming ``file:line``
-at the first one instead.
+Bad input never stops a run half-way: a malformed JSON line, invalid UTF-8, an empty file, a missing text field,
+a non-string text or an unreadable file (a truncated ``.gz``) is skipped and counted per kind in
+:class:`ReadStats`, which keeps the first examples with ``file:line`` and prints a report at the end.
+``strict=True`` raises :class:`BadInputError` naming ``file:line`` at the first one instead.
 """
 
 from __future__ import annotations
