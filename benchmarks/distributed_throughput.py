@@ -92,6 +92,8 @@ def worker(args) -> None:
         "train.warmup_steps=1"]
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
+    if mode == "fsdp" and args.fsdp_no_sync:
+        overrides.append("train.fsdp_accum_no_sync=true")
     cfg = load_config(args.config, overrides)
     seq = args.seq_len or cfg.model.max_seq_len
     liger = False
@@ -177,6 +179,7 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device, "--ac", args.ac, "--reshard", str(args.reshard).lower()]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--fsdp-no-sync"] if args.fsdp_no_sync else []
     for o in args.override:
         cmd += ["--override", o]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -245,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--ac", default="none", help="activation checkpointing for ours: none | full | selective")
     p.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="FSDP reshard_after_forward (true = ZeRO-3-like, false = ZeRO-2-like)")
+    p.add_argument("--fsdp-no-sync", action="store_true",
+                   help="ours-fsdp: train.fsdp_accum_no_sync (one reduce-scatter per update, not per micro-step)")
     p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
     p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per variant")

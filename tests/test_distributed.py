@@ -116,14 +116,25 @@ def spawn(scenario: str, out: Path, **kwargs) -> dict:
 
 def scenario_modes(env, out, modes: list[dict]):
     """Train STEPS steps once per config in ``modes``; return each loss sequence."""
-    results = []
+    results, reduce_scatters = [], []
+    original = torch.distributed.reduce_scatter_single
+    calls = [0]
+
+    def counting(*args, **kwargs):  # FSDP2 reduce-scatters gradients through this function
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counting
     for fields in modes:
         model, opt = make_run(TrainConfig(**fields), env)
+        calls[0] = 0
         results.append(train_steps(model, opt, global_batches(STEPS), env, range(STEPS), WORLD))
+        reduce_scatters.append(calls[0])
         if fields.get("parallel") == "fsdp":  # parameters really are sharded across the two ranks
             w = zd.unwrap(model).layers[0].mlp.down_proj.weight
             assert type(w).__name__ == "DTensor" and w.to_local().shape[0] * env.world_size == w.shape[0]
-    return {"losses": results}
+    torch.distributed.reduce_scatter_single = original
+    return {"losses": results, "reduce_scatters": reduce_scatters}
 
 
 def scenario_save(env, out, jobs: list[dict]):
@@ -194,13 +205,21 @@ def test_parallel_modes_match_single_process(tmp_path):
              dict(parallel="ddp", activation_checkpointing="full"),
              dict(parallel="fsdp", activation_checkpointing="selective", ac_selective="attention"),
              dict(parallel="fsdp", cpu_offload=True),
+             dict(parallel="fsdp", fsdp_accum_no_sync=True),
+             dict(parallel="fsdp", reshard_after_forward=False, fsdp_accum_no_sync=True),
              dict(parallel="ddp", comm_hook="fp16"),
              dict(parallel="ddp", comm_hook="powersgd", powersgd_start_iter=2, powersgd_rank=1),
              dict(parallel="fsdp", precision="bf16", fsdp_reduce_fp32=True)]
-    got = spawn("modes", tmp_path, modes=modes)["losses"]
-    for fields, losses in zip(modes[:7], got[:7]):
+    out = spawn("modes", tmp_path, modes=modes)
+    got, reduce_scatters = out["losses"], out["reduce_scatters"]
+    # FSDP reduce-scatters once per block group (3 blocks + root) per micro-step; with fsdp_accum_no_sync once
+    # per update
+    groups = 3 + 1
+    assert reduce_scatters[1] == groups * ACCUM * STEPS and reduce_scatters[0] == 0  # fsdp / ddp
+    assert reduce_scatters[7] == reduce_scatters[8] == groups * STEPS                  # fsdp_accum_no_sync
+    for fields, losses in zip(modes[:9], got[:9]):
         assert_same_losses(losses, want, msg=str(fields))
-    fp16, powersgd, bf16 = got[7], got[8], got[9]
+    fp16, powersgd, bf16 = got[9], got[10], got[11]
     # FSDP's bf16 mixed-precision policy (bf16 compute, fp32 gradient reduction): within bf16 rounding
     assert_same_losses(bf16, want, rtol=1e-3)
     assert bf16 != want

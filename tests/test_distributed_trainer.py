@@ -77,7 +77,11 @@ def torchrun(tmp: Path, out: Path, *extra: str, kill_at: int = 0, restarts: int 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--max-restarts={restarts}", str(script), *BASE, f"train.micro_batch_size={MICRO}",
            f"train.out_dir='{out}'", *extra]
-    env = dict(os.environ, KILL_AT=str(kill_at), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each restart gets a fresh store for init_process_group; with the
+    # store shared with torchrun's rendezvous a restarted worker can read a peer address of the previous attempt
+    # (pytorch/pytorch#135712) and fail to connect (seen here as gloo "connectFullMesh ... Connection refused")
+    env = dict(os.environ, KILL_AT=str(kill_at), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from zero2all.cli import main
@@ -101,8 +100,20 @@ def train_losses(out):
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_sft_loss_falls_and_final_model_loads(world, tmp_path, packing):
     out = tmp_path / "run"
-    summary = sft(sft_cfg(world, out, "train.max_steps=30", "train.lr=1e-2", f"post.packing='{packing}'"),
+    ask = "Write the docstring of the function `parse_size(text)` in module `toolbox`."
+    summary = sft(sft_cfg(world, out, "train.max_steps=30", "train.lr=1e-2", f"post.packing='{packing}'",
+                          "train.num_samples=1", f"train.sample_prompts=['{ask}']", "train.sample_new_tokens=6"),
                   show_progress=False)
+    samples = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "sample"]
+    assert [s["prompt"] for s in samples] == [ask]
+    from types import SimpleNamespace
+
+    from zero2all.train.posttrain import PostTrainer
+
+    cfg = sft_cfg(world, out, "train.num_samples=1", f"train.sample_prompts=['{ask}']")
+    [(text, ids)] = PostTrainer._sample_prompts(SimpleNamespace(tcfg=cfg.train, tokenizer=world["tok"]))
+    assert ids == world["tok"].apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
     losses = [r["loss"] for r in train_losses(out)]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
@@ -198,6 +209,26 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
         assert not torch.allclose(merged(x)[0], load_model(world["init"])(x)[0])
         torch.testing.assert_close(merged(x)[0], alone(x)[0], rtol=0, atol=0)
     assert tok.hash == world["tok"].hash
+    # a LoRA run's final/ as the starting point of the next stage: base + adapter, merged
+    from zero2all.train.posttrain import load_weights
+
+    start = load_weights(out / "final", merged.cfg)
+    assert all(torch.equal(start[k], v) for k, v in merged.state_dict().items())
+
+
+def test_init_from_an_hf_directory(world, tmp_path):
+    from zero2all.model.io import export_hf, read_model_config
+    from zero2all.train.posttrain import load_weights
+
+    hf = export_hf(world["init"], tmp_path / "hf")
+    ours = load_file(str(world["init"] / "model.safetensors"))
+    theirs = load_weights(hf, read_model_config(hf))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    out = tmp_path / "run"
+    cfg = posttrain_config("sft", None, [f"post.init='{hf}'", f"post.data=['{world['sft']}']",
+                                         *run_overrides(out, "train.max_steps=2")])
+    sft(cfg, show_progress=False)
+    assert load_tokenizer(out / "final").hash == world["tok"].hash  # the tokenizer came along from the HF dir
 
 
 # ------------------------------------------------------------------------------------------ pretokenized SFT
@@ -246,6 +277,10 @@ def test_sft_from_prepared_shards_via_cli(world, tmp_path, capsys):
     meta = json.loads((shards / "meta.json").read_text())
     assert meta["splits"]["valid"]["samples"] > 0
     assert meta["splits"]["train"]["samples"] + meta["splits"]["valid"]["samples"] == 10
+    one = prepare_sft([world["sft"]], world["root"] / "tok", tmp_path / "one", valid_fraction=0.3, log=lambda *a: None)
+    assert one["splits"] == meta["splits"]
+    for name in ("train.tokens.bin", "train.labels.bin", "valid.tokens.bin", "valid.labels.bin"):
+        assert (shards / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name  # any worker count
     out = tmp_path / "run"
     args = ["sft", "--init", str(world["init"]), "--data", str(shards), "--out", str(out), "--device", "cpu",
             "--no-progress", *run_overrides(out, "train.max_steps=3", "train.eval_every=3", "train.eval_batches=2")]

@@ -209,6 +209,9 @@ class TrainConfig:
     parallel: str = "auto"         # auto (ddp when launched with >1 process, else none) | none | ddp | fsdp | zero1
     reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
     fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
+    # fsdp with grad_accum_steps > 1: reduce-scatter once per update and keep the gathered parameters between
+    # micro-steps (less communication; unsharded gradients and parameters cost memory)
+    fsdp_accum_no_sync: bool = False
     cpu_offload: bool = False      # fsdp: keep sharded parameters, gradients and optimizer state in CPU memory
     comm_hook: str = "none"        # ddp/zero1 gradient compression: none | bf16 (NCCL) | fp16 | powersgd
     powersgd_rank: int = 2         # powersgd: rank of the low-rank approximation

@@ -27,8 +27,9 @@ Modes (``TrainConfig.parallel``):
            until the backward (ZeRO-2-like, one all-gather per step less). With bf16 the mixed-precision policy
            casts parameters to bf16 for compute and reduce-scatters gradients in fp32 (``fsdp_reduce_fp32``).
            ``cpu_offload`` keeps the shards and the optimizer step on the CPU (FSDP2's CPUOffloadPolicy).
-           FSDP reduces gradients every micro-step (sharded gradients are the point of ZeRO-2/3; skipping the
-           reduce-scatter would hold a full unsharded gradient per rank).
+           FSDP reduces gradients every micro-step (sharded gradients are the point of ZeRO-2/3);
+           ``fsdp_accum_no_sync`` instead accumulates unsharded gradients and keeps the gathered parameters
+           until the last micro-step: one reduce-scatter and one all-gather per update, DDP-like memory for them.
 
 Memory per GPU for P parameters, N ranks, fp32 master weights + AdamW (bytes): ddp 16P; zero1 8P + 8P/N;
 fsdp 16P/N + one or two gathered blocks in bf16.
@@ -397,6 +398,7 @@ def parallelize(model: nn.Module, tc, env: DistEnv | None = None, param_dtype: t
         reshard = tc.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=tc.reshard_after_forward)
+    model.z2all_fsdp_accum_no_sync = tc.fsdp_accum_no_sync  # read by gradient_sync
     return model
 
 
@@ -462,8 +464,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, tc, env: DistEnv) -> torch
 
 def gradient_sync(model: nn.Module, enabled: bool):
     """Context for one micro-step: DDP skips its all-reduce (``no_sync``) unless ``enabled`` (the last
-    micro-step of an accumulation). FSDP and single-process models: no-op."""
-    if not enabled and hasattr(model, "no_sync") and not is_fsdp(model):
+    micro-step of an accumulation). FSDP reduce-scatters every micro-step, unless ``fsdp_accum_no_sync``: then
+    gradients accumulate unsharded and parameters stay gathered until the last micro-step (FSDP2's
+    ``set_requires_gradient_sync`` / ``set_reshard_after_backward``). Single-process models: no-op."""
+    plain = unwrap(model)
+    if is_fsdp(plain):
+        if getattr(plain, "z2all_fsdp_accum_no_sync", False):
+            plain.set_requires_gradient_sync(enabled)
+            plain.set_reshard_after_backward(enabled)
+        return nullcontext()
+    if not enabled and hasattr(model, "no_sync"):
         return model.no_sync()
     return nullcontext()
 
