@@ -304,3 +304,17 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, capsys):
     assert [r["variant"] for r in rows] == ["ours-eager", "hf-dynamic"]
     assert all(r["new_tok_per_s"] > 0 and r["batch"] == 2 for r in rows)
     assert "| ours-eager | 2 |" in capsys.readouterr().out
+
+
+def test_cli_generate_chat_renders_the_template(real_ckpt, capsys):
+    from zero2all.cli import main
+    from zero2all.infer.generate import load_for_inference
+
+    assert main(["generate", "--ckpt", str(real_ckpt), "--chat", "--system", "Be brief.", "--prompt", "hello",
+                 "--max-new-tokens", "5", "--temperature", "0"]) in (0, None)
+    out = capsys.readouterr()
+    model, tok = load_for_inference(str(real_ckpt), device="cpu")
+    ids = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+                                  add_generation_prompt=True)
+    expected = Generator(model, tok).generate([ids], max_new_tokens=5, temperature=0)[0]
+    assert out.out == expected.text + "\n"

@@ -416,7 +416,7 @@ def _load_generator(args):
 
 @command("generate", "continue a prompt (streamed to the terminal); several --prompt run as one batch",
          "  z2all generate --ckpt runs/demo/final --prompt 'def parse_args(' --max-new-tokens 64\n"
-         "  z2all generate --ckpt runs/demo/sft --chat --prompt 'Write the docstring of os.path.join'\n"
+         "  z2all generate --ckpt runs/demo/sft/final --chat --prompt 'Write the docstring of os.path.join'\n"
          "  z2all generate --ckpt runs/demo/final --prompt 'import ' --temperature 0.8 --top-p 0.95 --seed 1")
 def _generate(p):
     _sampling_args(p, max_new_tokens=128, temperature=0.8)
@@ -434,12 +434,13 @@ def _generate(p):
         generator, params = _load_generator(args)
         params.stop = tuple(args.stop)
         tok = generator.tokenizer
-        prompts = [([] if args.no_document_start or tok.eos_id is None else [tok.eos_id]) + tok.encode(t)
-                   for t in args.prompt]
         if args.chat:
             head = [{"role": "system", "content": args.system}] if args.system else []
-            prompts = [generator.tokenizer.apply_chat_template(head + [{"role": "user", "content": t}],
-                                                               add_generation_prompt=True) for t in prompts]
+            prompts = [tok.apply_chat_template(head + [{"role": "user", "content": t}], add_generation_prompt=True)
+                       for t in args.prompt]
+        else:
+            start = [] if args.no_document_start or tok.eos_id is None else [tok.eos_id]
+            prompts = [start + tok.encode(t) for t in args.prompt]
         t0 = time.perf_counter()
         try:
             if len(prompts) == 1:
@@ -464,8 +465,8 @@ def _generate(p):
 
 
 @command("chat", "chat with a model in the terminal (history, system prompt, streamed replies)",
-         "  z2all chat --ckpt runs/demo/sft\n"
-         "  z2all chat --ckpt runs/demo/sft --system 'You answer with Python code.' --temperature 0.3\n"
+         "  z2all chat --ckpt runs/demo/sft/final\n"
+         "  z2all chat --ckpt runs/demo/sft/final --system 'You answer with Python code.' --temperature 0.3\n"
          "  (at the prompt: /reset clears the history, /system TEXT sets a system prompt, /exit leaves)")
 def _chat(p):
     _sampling_args(p, max_new_tokens=256, temperature=0.7)
@@ -481,7 +482,7 @@ def _chat(p):
 
 
 @command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions",
-         "  z2all serve --ckpt runs/demo/sft --port 8000\n"
+         "  z2all serve --ckpt runs/demo/sft/final --port 8000 --model-name sft\n"
          "  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
          "       -d '{\"model\": \"sft\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
 def _serve(p):
