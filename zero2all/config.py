@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -402,15 +401,4 @@ def load_model_config(name_or_path: str | Path, overrides: list[str] | None = No
     return load_config(name_or_path, overrides).model
 
 
-def save_json(obj: Any, path: str | Path) -> None:
-    """Write JSON atomically (temporary file, fsync, rename)."""
-    import os
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(to_dict(obj), f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from zero2all.fileio import save_json  # noqa: E402,F401  (re-exported: used across the package)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from zero2all.data.chat import IGNORE_INDEX, ChatDataError, LoadStats, _ItemIterator, iter_jsonl, render_sft_record
+from zero2all.fileio import replace_dir, save_json
 
 FORMAT = "zero2all-sft-shards"
 FORMAT_VERSION = 1
@@ -189,19 +190,8 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
             "seconds": round(time.time() - t0, 3), "command": command or " ".join(sys.argv),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        save_json(meta, tmp / META_FILE)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

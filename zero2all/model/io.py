@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from zero2all.config import ConfigError, ModelConfig, from_dict, save_json, to_dict
+from zero2all.config import ConfigError, ModelConfig, from_dict, to_dict
+from zero2all.fileio import replace_dir, save_json
 from zero2all.model import hf as hfmap
 from zero2all.model.z2all import Z2all, build_model
 
@@ -77,14 +78,7 @@ def save_model(model: Z2all, path: str | Path, extra: dict | None = None, tokeni
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, path)
     if atomic:
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-            os.replace(path, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(path, target)
+        replace_dir(path, target)
     return target
 
 

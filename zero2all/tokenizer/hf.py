@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from zero2all.fileio import replace_dir
+
 EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 NAMED_SPECIALS = (EOS, PAD, IM_START, IM_END)
 N_RESERVED = 12  # <|reserved_0|> ... <|reserved_11|>: 16 specials in all, room for tools/FIM markers later
@@ -191,14 +193,7 @@ class Tokenizer:
             meta.update({"format": "zero2all-tokenizer", "backend": self.backend, "vocab_size": self.vocab_size,
                          "special_ids": self.special_ids, "hash": self.hash})
             _write_json(tmp / META_FILE, meta)
-            if out_dir.exists():
-                old = out_dir.with_name(f".{out_dir.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(out_dir, old)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
+            replace_dir(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

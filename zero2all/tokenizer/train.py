@@ -43,7 +43,7 @@ import os
 import resource
 import sys
 import time
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from zero2all.data.readers import ReadStats, SourceSpec, iter_records
 from zero2all.tokenizer.hf import (N_RESERVED, VOCAB_MULTIPLE, Tokenizer, reserved_token, round_up,

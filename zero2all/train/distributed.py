@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero2all.config import ConfigError
+from zero2all.fileio import replace_dir
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -619,14 +620,7 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         if write_extra is not None:
             write_extra(tmp)
         save_json(info, tmp / SHARDED_META)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        replace_dir(tmp, path)
     barrier(env)
     return path
 
