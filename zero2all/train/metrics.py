@@ -22,14 +22,6 @@ from pathlib import Path
 
 import torch
 
-# dense bf16/fp16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name()
-GPU_PEAK_FLOPS_BF16 = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
-    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
-}
-
-
 def detect_peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
     """The device's dense bf16 peak (FLOP/s): ``configured`` when > 0, else looked up by GPU name; None on CPU or
     an unknown GPU (MFU is then not reported)."""
@@ -37,11 +29,9 @@ def detect_peak_flops(device: torch.device, configured: float = 0.0) -> float | 
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(GPU_PEAK_FLOPS_BF16, key=len, reverse=True):
-        if key in name:
-            return GPU_PEAK_FLOPS_BF16[key]
-    return None
+    from zero2all.accounting import peak_flops_for_device_name  # the one GPU table
+
+    return peak_flops_for_device_name(torch.cuda.get_device_name(device))
 
 
 def compute_mfu(tokens_per_s: float, model_cfg, seq_len: int, peak_flops: float | None) -> float | None:

@@ -70,10 +70,12 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
 def describe_groups(groups: list[dict]) -> list[str]:
     """Lines like ``decayed parameter tensors: 29, with 7,077,888 parameters``."""
     lines = []
-    for g in groups:
-        kind = "decayed" if g["weight_decay"] > 0 else "non-decayed"
+    for i, g in enumerate(groups):
+        # param_groups() puts the decay group first; with train.weight_decay = 0 it is still that group
+        kind = "decayed" if g["weight_decay"] > 0 or (i == 0 and len(groups) == 2) else "non-decayed"
+        off = " (weight decay 0: off)" if kind == "decayed" and g["weight_decay"] == 0 else ""
         lines.append(f"{kind} parameter tensors: {len(g['params'])}, with "
-                     f"{sum(p.numel() for p in g['params']):,} parameters")
+                     f"{sum(p.numel() for p in g['params']):,} parameters{off}")
     return lines
 
 
