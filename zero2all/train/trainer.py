@@ -497,8 +497,9 @@ class Trainer:
         if self.dist.is_distributed:
             per_rank = zd.gather_memory_stats(self.dist)
             rec["mem_per_rank"] = zd.format_memory(per_rank)
-        for k, v in metric_sums.items():
-            rec[f"train_{k}"] = float(v) / accum
+        for k in sorted(metric_sums):  # the objective's extra metrics (e.g. DPO margins), global like the loss
+            value = float(metric_sums[k]) / accum
+            rec[f"train_{k}"] = zd.all_reduce_mean(value, self.dist) if self.dist.is_distributed else value
         return rec
 
     # -- evaluation and samples -------------------------------------------------------------------------------
