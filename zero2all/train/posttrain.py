@@ -256,14 +256,7 @@ def build_sft_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
         valid = SFTShardDataset(p.data[0], seq_len, pad, p.packing, "valid", rank, world_size, tokenizer=tok)
         valid = valid if len(valid) else None
     else:
-        samples, stats = load_sft_samples(p.data, tok, max_len=seq_len + 1, on_error=p.on_error)
-        _report(", ".join(p.data), stats, rank)
-        valid_samples = []
-        if p.valid:
-            valid_samples, vstats = load_sft_samples(p.valid, tok, max_len=seq_len + 1, on_error=p.on_error)
-            _report(", ".join(p.valid), vstats, rank)
-        else:
-            samples, valid_samples = _split_holdout(samples, p.valid_fraction, cfg.train.seed)
+        samples, valid_samples, stats = _load_with_holdout(load_sft_samples, cfg, tok, seq_len, rank)
         if not samples:
             raise ConfigError(f"post.data: no usable SFT samples in {', '.join(p.data)} ({stats.summary()})")
         train = SFTDataset(samples, seq_len, pad, p.packing, rank, world_size)
@@ -307,18 +300,26 @@ class ReferenceLogprobDataset:
         return _ItemIterator(self, batch_size, seed, shuffle)
 
 
+def _load_with_holdout(load, cfg: Config, tok, seq_len: int, rank: int):
+    """(train items, valid items, train stats): ``post.valid`` files when given, else a seeded holdout of
+    ``post.valid_fraction`` of ``post.data``. ``load`` is load_sft_samples or load_dpo_samples."""
+    p = cfg.post
+    items, stats = load(p.data, tok, max_len=seq_len + 1, on_error=p.on_error)
+    _report(", ".join(p.data), stats, rank)
+    if p.valid:
+        valid, vstats = load(p.valid, tok, max_len=seq_len + 1, on_error=p.on_error)
+        _report(", ".join(p.valid), vstats, rank)
+    else:
+        items, valid = _split_holdout(items, p.valid_fraction, cfg.train.seed)
+    return items, valid, stats
+
+
 def build_dpo_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
     """(train, valid or None) DPO pair datasets for ``cfg.post``."""
     from zero2all.data.chat import DPODataset, load_dpo_samples
 
     p, seq_len, pad = cfg.post, data_seq_len(cfg), _pad_id(tok)
-    pairs, stats = load_dpo_samples(p.data, tok, max_len=seq_len + 1, on_error=p.on_error)
-    _report(", ".join(p.data), stats, rank)
-    if p.valid:
-        valid_pairs, vstats = load_dpo_samples(p.valid, tok, max_len=seq_len + 1, on_error=p.on_error)
-        _report(", ".join(p.valid), vstats, rank)
-    else:
-        pairs, valid_pairs = _split_holdout(pairs, p.valid_fraction, cfg.train.seed)
+    pairs, valid_pairs, stats = _load_with_holdout(load_dpo_samples, cfg, tok, seq_len, rank)
     if not pairs:
         raise ConfigError(f"post.data: no usable preference pairs in {', '.join(p.data)} ({stats.summary()})")
     train = DPODataset(pairs, seq_len, pad, rank, world_size)
