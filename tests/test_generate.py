@@ -207,6 +207,18 @@ def test_chat_loop_keeps_history_and_handles_commands(model):
         s2.reply("x" * 20)
     ids, dropped = s2.prompt_ids("last")
     assert dropped > 0 and len(ids) <= 124
+    # a reply budget as large as the context (the CLI's 256 on a small model) still leaves room for the prompt,
+    # and the reply is cut to what the prompt leaves free
+    ctx = model.cfg.max_seq_len
+    s3 = ChatSession(Generator(model, ByteTokenizer()), params=SamplingParams(max_new_tokens=2 * ctx, temperature=0,
+                                                                            stop_token_ids=[]))
+    budgets, stream = [], s3.generator.stream
+    s3.generator.stream = lambda ids, params: (budgets.append(params.max_new_tokens), stream(ids, params))[1]
+    answer, _ = s3.reply("hello")
+    prompt = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    assert answer and budgets == [ctx - len(prompt)]
+    with pytest.raises(ValueError, match="reply budget of"):
+        s3.reply("y" * ctx)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

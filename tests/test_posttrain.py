@@ -358,11 +358,14 @@ def test_dpo_learns_the_preference_with_lora_and_cli(world, tmp_path, capsys):
     out = tmp_path / "dpo"
     args = ["dpo", "--init", str(world["init"]), "--data", str(world["dpo"]), "--out", str(out), "--beta", "0.5",
             "--precompute-ref", "--lora-rank", "4", "--no-progress",
-            *run_overrides(out, "train.max_steps=12", "train.lr=1e-2", "train.micro_batch_size=3")]
+            *run_overrides(out, "train.max_steps=12", "train.lr=1e-2", "train.micro_batch_size=3",
+                           "train.log_every=6")]
     assert main(args) == 0
     recs = train_losses(out)
     assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # LoRA starts at the reference exactly
     assert recs[0]["train_rewards/margin"] == pytest.approx(0.0, abs=1e-6)
     late = recs[-4:]
     assert sum(r["train_rewards/margin"] for r in late) > 0 and sum(r["loss"] for r in late) / 4 < math.log(2)
+    step_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert step_lines and all("rewards/margin" in line and "rewards/accuracy" in line for line in step_lines)
     assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()

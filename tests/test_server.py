@@ -102,6 +102,18 @@ def test_stop_string(server):
     assert out["text"] == free[:free.find(stop)] and out["finish_reason"] == "stop"
 
 
+def test_omitted_max_tokens_fits_the_context(server):
+    """Without max_tokens the default budget is cut to what the prompt leaves of the context (here 96 tokens, a
+    limit of 32): a 80-token prompt still gets an answer; an explicit max_tokens that does not fit is refused."""
+    client, _ = server
+    body = {"model": "tiny-chat", "prompt": "x" * 79, "temperature": 0}   # + the end-of-text separator = 80
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 96 - 80
+    r = client.post("/v1/completions", json={**body, "max_tokens": 32})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path, payload, status, needle", [
     ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
@@ -126,6 +138,8 @@ def test_request_errors(server, path, payload, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+    if isinstance(payload, bytes) or path == "/v1/nothing":  # the server closes the connection: say so
+        assert r.headers.get("connection") == "close"
 
 
 def test_busy_server_answers_429(server):

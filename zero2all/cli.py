@@ -345,7 +345,8 @@ def _sft(p):
          "  z2all dpo --init runs/sft/final --data pairs.jsonl --out runs/dpo --beta 0.1\n"
          "  z2all dpo --init runs/sft/final --data pairs.jsonl --out runs/dpo --precompute-ref   # one model in "
          "memory\n"
-         "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --lora-rank 8 train.lr=5e-5")
+         "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --out runs/dpo-lora \\\n"
+         "      --lora-rank 8 train.lr=5e-5")
 def _dpo(p):
     _posttrain_args(p, "dpo")
     p.add_argument("--beta", type=float, default=None, help="DPO beta (default 0.1)")

@@ -40,11 +40,17 @@ class ChatSession:
         if not keep_system:
             self.system = system
 
+    def reply_reserve(self) -> int:
+        """Context positions kept free for the reply: ``max_new_tokens``, but at most half the context, so that a
+        reply budget as large as the context (256 new tokens on a 256-token model) still leaves room for a prompt;
+        the reply may then use whatever the prompt leaves (``reply``)."""
+        return min(self.params.max_new_tokens, self.generator.max_seq_len // 2)
+
     def prompt_ids(self, user_text: str) -> tuple[list[int], int]:
         """Template ids for the history + the new user message; drops the oldest turns while they do not fit.
         Returns (ids, number of turns dropped)."""
         tok = self.generator.tokenizer
-        budget = self.generator.max_seq_len - self.params.max_new_tokens
+        budget = self.generator.max_seq_len - self.reply_reserve()
         turns = self.turns + [{"role": "user", "content": user_text}]
         dropped = 0
         while True:
@@ -55,7 +61,7 @@ class ChatSession:
             dropped += 2
         if len(ids) > budget:
             raise ValueError(f"the message alone is {len(ids)} tokens; at most {budget} fit with a reply budget "
-                             f"of {self.params.max_new_tokens}")
+                             f"of {self.reply_reserve()}")
         self.turns = turns[:-1]
         return ids, dropped
 
@@ -63,8 +69,12 @@ class ChatSession:
         """Generate the assistant's answer (streamed to ``on_text``), add both to the history.
         Returns (answer, turns dropped to fit)."""
         ids, dropped = self.prompt_ids(user_text)
+        room = self.generator.max_seq_len - len(ids)
+        params = self.params
+        if params.max_new_tokens > room:
+            params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
         answer = []
-        for ev in self.generator.stream([ids], self.params):
+        for ev in self.generator.stream([ids], params):
             if ev.text:
                 answer.append(ev.text)
                 if on_text:

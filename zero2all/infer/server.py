@@ -197,6 +197,12 @@ class InferenceApp:
         chat = kind == "chat"
         params, stream = self.parse_common(body, chat)
         prompts = [self.chat_prompt(body)] if chat else self.completion_prompts(body)
+        if "max_tokens" not in body and not (chat and "max_completion_tokens" in body):
+            # no budget asked for: the default, cut to what the longest prompt leaves of the context (a small
+            # model's context may be no longer than the default); an explicit max_tokens is never shortened
+            room = self.generator.max_seq_len - max(len(p) for p in prompts)
+            if 1 <= room < params.max_new_tokens:
+                params.max_new_tokens = room
         self.check_fits(prompts, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
@@ -318,8 +324,8 @@ def make_handler(app: InferenceApp, quiet: bool = False):
                 if kind is None:
                     raise RequestError(404, f"no such path {self.path}", kind="not_found_error")
             except RequestError as e:
-                self.close_connection = True  # the body may be unread: do not reuse the connection
-                return self._error(e)
+                self.close_connection = True  # the body may be unread: do not reuse the connection,
+                return self._error(e, {"Connection": "close"})  # and say so, or a client may send on it again
             if not app.admission.acquire(blocking=False):
                 return self._error(RequestError(429, f"server busy: {app.max_queue + 1} requests in flight; "
                                                      "retry later", kind="rate_limit_error"), {"Retry-After": "1"})

@@ -74,6 +74,8 @@ def format_step_line(rec: dict) -> str:
         parts.append(f"SKIPPED (non-finite gradients; {rec['skipped_total']} so far)")
     if "loss_scale" in rec:
         parts.append(f"scale {rec['loss_scale']:.0f}")
+    for key in sorted(k for k in rec if k.startswith("train_")):  # the objective's own metrics (DPO rewards, ...)
+        parts.append(f"{key[len('train_'):]} {rec[key]:.4g}")
     return " | ".join(parts)
 
 
