@@ -169,3 +169,24 @@ def test_load_merged_model_and_export(exported, tmp_path):
     torch.testing.assert_close(hf_logits(hf, x), expected, atol=2e-5, rtol=1e-4)
     with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
         load_merged_model(exported / "base")
+
+
+def test_public_load_model_merges_an_attached_adapter(exported, tmp_path):
+    """zero2all.load_model on a directory with a LoRA adapter returns base + adapter, never the bare base."""
+    import zero2all
+
+    ours = load_model(exported / "base")
+    apply_lora(ours, LoRAConfig(rank=2, alpha=4))
+    randomize_lora(ours, seed=7)
+    x = tokens(5)
+    with torch.no_grad():
+        expected, _ = ours.eval()(x)
+        base_out, _ = load_model(exported / "base")(x)
+    save_model(load_model(exported / "base"), tmp_path / "ckpt")
+    save_adapter(ours, tmp_path / "ckpt" / "adapter")
+    loaded = zero2all.load_model(tmp_path / "ckpt", ops={"attention": "naive"})
+    assert loaded.cfg.ops.attention == "naive" and not loaded.training
+    with torch.no_grad():
+        got, _ = loaded(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, base_out, atol=1e-4)
