@@ -95,34 +95,34 @@ class PackedDataset:
                 self._maps[key] = np.load(self.data_dir / s["idx"], mmap_mode="r")
         return self._maps[key]
 
-    def read_tokens(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the split's stream, across shard boundaries."""
+    def _pieces(self, start: int, length: int):
+        """Split ``[start, start + length)`` of the split's stream at shard boundaries: yields
+        (shard k, offset in the shard, offset in the output, count)."""
         if start < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
-        out = np.empty(length, dtype=np.int64)
         k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
         done = 0
         while done < length:
             local = start + done - int(self.shard_starts[k])
             take = min(length - done, int(self.shard_starts[k + 1]) - (start + done))
-            out[done:done + take] = self._shard(k)[local:local + take]
+            yield k, local, done, take
             done += take
             k += 1
+
+    def read_tokens(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the split's stream, across shard boundaries."""
+        out = np.empty(length, dtype=np.int64)
+        for k, local, done, take in self._pieces(start, length):
+            out[done:done + take] = self._shard(k)[local:local + take]
         return out
 
     def doc_ids_of(self, start: int, length: int) -> np.ndarray:
         """Per position of ``[start, start + length)``: its document's index, relative to the first position."""
         out = np.empty(length, dtype=np.int64)
-        k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
-        done = 0
-        while done < length:
-            local = start + done - int(self.shard_starts[k])
-            take = min(length - done, int(self.shard_starts[k + 1]) - (start + done))
+        for k, local, done, take in self._pieces(start, length):
             offsets = self._shard(k, "idx")  # doc starts within the shard, plus the end
             pos = np.arange(local, local + take)
             out[done:done + take] = np.searchsorted(offsets, pos, side="right") - 1 + self.shard_doc_starts[k]
-            done += take
-            k += 1
         return out - out[0]
 
     def window_start(self, i: int) -> int:
