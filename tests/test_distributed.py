@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,13 +106,8 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: di
         done = True
     finally:
         zd.destroy_distributed()
-    if done:
-        # On a loaded machine the interpreter's teardown of gloo's C++ threads can abort the process after all
-        # the work is done ("terminate called without an active exception"). The results are written and both
-        # ranks passed the barrier, so leave without that teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if done:  # results written, both ranks past the barrier: leave without gloo's teardown (see finish_process)
+        zd.finish_process(0)
 
 
 def spawn(scenario: str, out: Path, **kwargs) -> dict:

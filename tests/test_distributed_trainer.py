@@ -51,6 +51,7 @@ WORKER = textwrap.dedent("""
     T.Trainer.train_step = train_step
     cfg = load_config("tiny", sys.argv[1:])
     T.pretrain(cfg, show_progress=False)
+    T.zd.finish_process(0)  # as `z2all` does at the end of a torchrun worker
 """)
 
 

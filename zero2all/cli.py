@@ -620,7 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return int(result or 0)
+    code = int(result or 0)
+    dist_module = sys.modules.get("zero2all.train.distributed")
+    if dist_module is not None:  # a torchrun worker leaves without gloo's teardown (see finish_process)
+        code = dist_module.finish_process(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -156,7 +157,27 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                             **kwargs)
+    global _PROCESS_GROUP_USED
+    _PROCESS_GROUP_USED = True
     return DistEnv(rank, world, local_rank, local_world, dev, backend, timeout_s)
+
+
+_PROCESS_GROUP_USED = False  # set once init_distributed has created a process group in this process
+
+
+def finish_process(code: int = 0) -> int:
+    """End a worker process that used a process group, skipping the interpreter's teardown.
+
+    After a completed run (everything written, the group destroyed), the C++ teardown of gloo's threads at
+    interpreter exit sometimes aborts the process ("terminate called without an active exception", SIGABRT),
+    which torchrun then reports as a failed worker although the work is done. ``os._exit`` leaves without that
+    teardown. A process that never created a group just gets ``code`` back.
+    """
+    if not _PROCESS_GROUP_USED:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def destroy_distributed() -> None:
