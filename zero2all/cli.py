@@ -401,15 +401,20 @@ def _sampling_args(p, max_new_tokens: int, temperature: float):
                    help="CUDA: compile the decode step with torch.compile before capturing it (slow first call)")
 
 
+def _tokenizer_override(args):
+    """The tokenizer named by ``--tokenizer``, or None (then the checkpoint's own is used)."""
+    if not args.tokenizer:
+        return None
+    from zero2all.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer)
+
+
 def _load_generator(args):
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
 
-    tokenizer = None
-    if args.tokenizer:
-        from zero2all.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.tokenizer)
-    model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype, tokenizer=tokenizer)
+    model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype,
+                                          tokenizer=_tokenizer_override(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     return Generator(model, tokenizer, compile=args.compile), params
@@ -502,12 +507,7 @@ def _serve(p):
     def run(args):
         from zero2all.infer.server import serve
 
-        tokenizer = None
-        if args.tokenizer:
-            from zero2all.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(args.tokenizer)
-        serve(args.ckpt, host=args.host, port=args.port, tokenizer=tokenizer, model_name=args.model_name,
+        serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args), model_name=args.model_name,
               device=args.device, dtype=args.dtype, max_tokens_limit=args.max_tokens_limit,
               max_queue=args.max_queue, compile=args.compile)
 
