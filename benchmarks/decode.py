@@ -14,8 +14,13 @@ after a warm-up:
 Variants (``--variants``; the ones needing CUDA are skipped on CPU):
 
     ours-eager           our static KV cache, decode step run eagerly
-    ours-graph           the decode step captured once as a CUDA graph and replayed (the default on CUDA)
+    ours-graph           the generic decode step (the model's forward) captured as CUDA graphs and replayed
+    ours-fused-graph     the fused decode step (zero2all/infer/fused_decode.py: five Triton kernels per layer),
+                         one CUDA graph for every slot (the default on CUDA)
     ours-compile-graph   the step compiled by torch.compile (plain-torch ops, fused by inductor), then captured
+    ours-cdt-graph       ours-compile-graph with inductor's coordinate-descent tuning of its Triton kernels
+    ours-autotune-graph  the step compiled with mode="max-autotune-no-cudagraphs" (inductor benchmarks Triton GEMM
+                         templates against cuBLAS for every matmul shape), then captured
     hf-dynamic           transformers LlamaForCausalLM.generate, dynamic cache (its default)
     hf-static            generate with cache_implementation="static" (on CUDA transformers compiles the forward
                          itself with mode="reduce-overhead": CUDA graphs)
@@ -41,7 +46,9 @@ import torch
 HBM_BANDWIDTH = [("h100 pcie", 2.0e12), ("h100", 3.35e12), ("gh200", 4.9e12), ("h200", 4.8e12),
                  ("b200", 8.0e12), ("a100-sxm4-40gb", 1.555e12), ("a100", 2.039e12), ("l40s", 0.864e12),
                  ("4090", 1.008e12), ("a10g", 0.6e12), ("l4", 0.3e12)]
-ALL_VARIANTS = ("ours-eager", "ours-graph", "ours-compile-graph", "hf-dynamic", "hf-static")
+ALL_VARIANTS = ("ours-eager", "ours-graph", "ours-fused-graph", "ours-compile-graph", "ours-cdt-graph", "ours-autotune-graph",
+                "hf-dynamic", "hf-static")
+GRAPH_VARIANTS = ("ours-graph", "ours-fused-graph", "ours-compile-graph", "ours-cdt-graph", "ours-autotune-graph")
 
 
 def spec_bandwidth(device: torch.device) -> tuple[float | None, str]:
@@ -118,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-bandwidth", type=float, default=None, help="bytes/s (default: from the GPU's name)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="", help="comma-separated variants to profile (torch profiler, CUDA "
+                    "kernels of --profile-tokens decode steps at the first batch size): prints a kernel table")
+    ap.add_argument("--profile-tokens", type=int, default=32)
     args = ap.parse_args(argv)
 
     import transformers
@@ -138,7 +148,7 @@ def main(argv=None) -> int:
         if v not in ALL_VARIANTS:
             ap.error(f"--variants: unknown {v!r} (known: {', '.join(ALL_VARIANTS)})")
     if device.type != "cuda":
-        skipped = [v for v in variants if v in ("ours-graph", "ours-compile-graph")]
+        skipped = [v for v in variants if v in GRAPH_VARIANTS]
         if skipped:
             print(f"(skipping {', '.join(skipped)}: they need CUDA)")
         variants = [v for v in variants if v not in skipped]
@@ -182,6 +192,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - report and go on with the other variants
                 print(f"  {variant} batch {batch}: failed: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
+            if variant in args.profile.split(",") and device.type == "cuda":
+                profile_kernels(variant, batch, run_n, args.profile_tokens)
             step = (t_full - t_one) / max(1, args.new_tokens - 1)
             row = {"variant": variant, "batch": batch, "new_tok_per_s": batch * args.new_tokens / t_full,
                    "ms_per_step": step * 1e3, "seconds": t_full}
@@ -213,16 +225,22 @@ def make_runner(variant, model, hf_model, prompts, device, Generator, SamplingPa
                 max_new_tokens):
     """A function n -> generate n new tokens for every row with this variant."""
     if variant.startswith("ours"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = variant == "ours-cdt-graph"
         ops = model.cfg.ops
         for name, value in ops_config.items():  # the config's ops, unless changed below
             setattr(ops, name, value)
-        if variant == "ours-compile-graph":
+        compiled = variant in ("ours-compile-graph", "ours-cdt-graph", "ours-autotune-graph")
+        if compiled:
             # inductor fuses the plain-torch elementwise ops itself; hand-written kernels would split its graph
-            for name in ("rmsnorm", "rope", "swiglu"):
+            for name in ("rmsnorm", "rope", "swiglu", "fused_linear"):
                 setattr(ops, name, "torch")
         # one cache length for every call of this run (1 or N new tokens): one session, one capture / compile
         needed = prompts.size(1) + max_new_tokens
-        gen = Generator(model, cuda_graph=variant != "ours-eager", compile=variant == "ours-compile-graph",
+        mode = "max-autotune-no-cudagraphs" if variant == "ours-autotune-graph" else True
+        gen = Generator(model, cuda_graph=variant != "ours-eager", compile=mode if compiled else False,
+                        fused=variant == "ours-fused-graph",
                         max_sessions=8, length_bucket=-(-needed // 128) * 128)
         rows = prompts.tolist()
         return lambda n: gen.generate(rows, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=[]))
@@ -236,6 +254,28 @@ def make_runner(variant, model, hf_model, prompts, device, Generator, SamplingPa
                                      do_sample=False, **extra)
 
     return run
+
+
+def profile_kernels(variant, batch, run_n, n_tokens, top=30):
+    """GPU kernels of a generate call of ``n_tokens`` new tokens (prefill + decode steps), grouped by name:
+    total and per-step microseconds, calls per step. Kernels replayed inside CUDA graphs are included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_n(n_tokens)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in kernels.values())
+    print(f"  profile {variant} batch {batch}: {n_tokens} new tokens, {sum(len(v) for v in kernels.values())} "
+          f"kernels, {total / 1e3:.2f} ms of GPU time ({total / n_tokens:.1f} us per token)")
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, times in rows:
+        print(f"    {sum(times) / n_tokens:8.1f} us/step  {len(times) / n_tokens:6.1f} calls/step  "
+              f"{sum(times) / len(times):7.2f} us/call  {name[:110]}")
 
 
 def print_row(r):

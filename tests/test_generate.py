@@ -274,7 +274,7 @@ def test_cuda_graph_decode_equals_eager_and_recompute(ops_kind, dtype):
     model = model.to(dtype).eval()
     params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[])
     eager = Generator(model, cuda_graph=False, attention_window=16).generate(PROMPTS, params)
-    graphed_gen = Generator(model, cuda_graph=True, attention_window=16)  # several windows, several graphs
+    graphed_gen = Generator(model, cuda_graph=True, attention_window=16, fused=False)  # several windows, graphs
     graphed = graphed_gen.generate(PROMPTS, params)
     assert all(len(s.graphs) == len(s.windows) > 1 for s in graphed_gen._sessions.values())
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
@@ -285,6 +285,27 @@ def test_cuda_graph_decode_equals_eager_and_recompute(ops_kind, dtype):
     a = graphed_gen.generate(PROMPTS, params, temperature=1.0, seed=3)
     b = graphed_gen.generate(PROMPTS, params, temperature=1.0, seed=3)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cuda_graph_decode(dtype):
+    """On CUDA the Generator decodes with the fused kernels by default, one graph for every slot: greedy tokens
+    equal full recomputation (float32) and the same fused step run eagerly (both dtypes)."""
+    model = build_model(tiny_model_config(initializer_range=0.3), device="cuda", seed=0).to(dtype).eval()
+    params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[])
+    gen = Generator(model)
+    graphed = gen.generate(PROMPTS, params)
+    session = next(iter(gen._sessions.values()))
+    assert session.fused is not None and len(session.graphs) == 1
+    eager = Generator(model, cuda_graph=False, fused=True).generate(PROMPTS, params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    if dtype == torch.float32:
+        for prompt, out in zip(PROMPTS, graphed):
+            assert out.token_ids == greedy_full_recompute(model, prompt, 20)
+    assert Generator(model, fused=False).use_fused(4) is False
+    with pytest.raises(ValueError, match="batch 17"):
+        Generator(model, fused=True).use_fused(17)
 
 
 @pytest.mark.gpu
@@ -330,3 +351,15 @@ def test_cli_generate_chat_renders_the_template(real_ckpt, capsys):
                                   add_generation_prompt=True)
     expected = Generator(model, tok).generate([ids], max_new_tokens=5, temperature=0)[0]
     assert out.out == expected.text + "\n"
+
+
+def test_two_pass_argmax_equals_argmax_including_ties():
+    from zero2all.infer.generate import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for V in (64320, 16384, 300):
+        x = torch.randn(5, V, generator=g).bfloat16().float()   # bf16 values: many exact ties
+        x[1, 7] = x[1, V - 3] = 50.0                              # a tie across slices: the first one wins
+        x[2] = 0.0                                                # all equal: index 0
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        assert argmax_rows(x)[1] == 7 and argmax_rows(x)[2] == 0

@@ -121,6 +121,18 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0)
     return logits
 
 
+def argmax_rows(logits: torch.Tensor, blocks: int = 64) -> torch.Tensor:
+    """``logits.argmax(-1)`` for (B, V), in two passes when V is large: the max of each of ``blocks`` slices, then
+    the best slice. A one-row argmax over 64k entries is a single-block reduction (~16 us on an H200, a tenth of
+    a decode step); two passes keep the GPU busy. Ties resolve to the first index, as in ``argmax``."""
+    B, V = logits.shape
+    if V < 8192 or V % blocks:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(B, blocks, V // blocks).max(dim=-1)      # (B, blocks): first max within each slice
+    best = vals.argmax(dim=-1)                                       # first slice holding the overall max
+    return best * (V // blocks) + idx.gather(1, best[:, None])[:, 0]
+
+
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """logits (B, V) -> next token ids (B,) by the rules in the module docstring."""
@@ -128,7 +140,7 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -181,8 +193,8 @@ class DecodeSession:
     Reused across calls with the same (batch, max_len): the cache is simply overwritten from slot 0.
     """
 
-    def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool, compile: bool = False,
-                 window: int = 256):
+    def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool,
+                 compile: bool | str = False, window: int = 256, fused: bool = False):
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         w = model.embed_tokens.weight
@@ -192,13 +204,21 @@ class DecodeSession:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)                 # the step's cache slot
         self.pad_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # left padding per row
         self.key_slots = torch.arange(max_len, device=self.device)
-        step = max_len if compile else max(1, window)
+        # the fused step reads the slot on the device and attends only to the keys it needs: one window
+        step = max_len if (compile or fused) else max(1, window)
         self.windows = sorted({min(max_len, w) for w in range(step, max_len + step, step)})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits_out: dict[int, torch.Tensor] = {}
         self.step_fn = self._step
-        if compile:
-            self.step_fn = torch.compile(self._step, dynamic=False)
+        self.fused = None
+        if fused:
+            from zero2all.infer.fused_decode import FusedDecodeStep
+
+            self.fused = FusedDecodeStep(model, self.cache.k, self.cache.v, batch_size, max_len)
+            self.step_fn = self._fused_step
+        elif compile:
+            mode = compile if isinstance(compile, str) else None  # e.g. "max-autotune-no-cudagraphs"
+            self.step_fn = torch.compile(self._step, dynamic=False, mode=mode)
         if cuda_graph:
             try:
                 self._capture()
@@ -220,6 +240,9 @@ class DecodeSession:
         logits, _ = self.model(self.tokens, kv_cache=self.cache, position_ids=positions,
                                attn_mask=visible[:, None, None, :])
         return logits[:, -1]                                                                # (B, V)
+
+    def _fused_step(self, window: int) -> torch.Tensor:
+        return self.fused(self.tokens, self.slot, self.pad_len)                            # (B, V)
 
     def window_for(self, slot: int) -> int:
         for w in self.windows:
@@ -329,14 +352,18 @@ class _RowText:
 class Generator:
     """Generates from a model (and optionally a tokenizer, for text prompts, stop strings and text output).
 
-    ``cuda_graph``: None = on for CUDA models. ``compile``: compile the decode step with torch.compile before
-    capturing it. Cache lengths are rounded up to ``length_bucket`` (so sessions are reused across calls) and
-    decode steps read the cache in windows of ``attention_window`` slots. Not thread-safe: one call at a time
-    (the server serialises requests).
+    ``cuda_graph``: None = on for CUDA models. ``fused``: decode with the fused kernels of
+    ``infer/fused_decode.py`` (None = on CUDA when the model and batch allow it, see ``fused_decode.supported``).
+    ``compile``: compile the generic decode step with torch.compile before capturing it (a string is passed as
+    torch.compile's ``mode``, e.g. ``"max-autotune-no-cudagraphs"``); it replaces the automatic fused step. Cache
+    lengths are rounded up to ``length_bucket`` (so sessions are reused across calls) and generic decode steps
+    read the cache in windows of ``attention_window`` slots. Not thread-safe: one call at a time (the server
+    serialises requests).
     """
 
-    def __init__(self, model: Z2all, tokenizer=None, cuda_graph: bool | None = None, compile: bool = False,
-                 max_sessions: int = 4, length_bucket: int = 128, attention_window: int = 256):
+    def __init__(self, model: Z2all, tokenizer=None, cuda_graph: bool | None = None, compile: bool | str = False,
+                 max_sessions: int = 4, length_bucket: int = 128, attention_window: int = 256,
+                 fused: bool | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = model.embed_tokens.weight.device
@@ -346,6 +373,7 @@ class Generator:
             graph_ok = False  # dynamic NTK reads the sequence length on the host every step
         self.cuda_graph = graph_ok if cuda_graph is None else (cuda_graph and graph_ok)
         self.compile = compile
+        self.fused = fused
         self.max_sessions = max_sessions
         self.length_bucket = length_bucket
         self.attention_window = attention_window
@@ -370,6 +398,17 @@ class Generator:
             ids = [self.model.cfg.eos_token_id]
         return [i for i in ids if i is not None]
 
+    def use_fused(self, batch_size: int) -> bool:
+        """Whether sessions of this batch size decode with the fused kernels (``fused_decode``)."""
+        from zero2all.infer.fused_decode import supported
+
+        reason = supported(self.model, batch_size)
+        if self.fused and reason:
+            raise ValueError(f"fused decoding was asked for but cannot run: {reason}")
+        if self.fused is None:  # auto: on CUDA, unless the step is compiled instead
+            return reason is None and self.device.type == "cuda" and not self.compile
+        return bool(self.fused)
+
     def session(self, batch_size: int, needed_len: int) -> DecodeSession:
         """A cached decode session whose cache length is ``needed_len`` rounded up to the length bucket."""
         b = self.length_bucket
@@ -381,7 +420,7 @@ class Generator:
         while len(self._sessions) >= self.max_sessions:
             self._sessions.popitem(last=False)
         s = DecodeSession(self.model, batch_size, length, cuda_graph=self.cuda_graph, compile=self.compile,
-                          window=self.attention_window)
+                          window=self.attention_window, fused=self.use_fused(batch_size))
         self._sessions[key] = s
         return s
 

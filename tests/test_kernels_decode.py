@@ -1,0 +1,179 @@
+"""Decode-step kernels (zero2all/kernels/decode.py) and the fused decode step against the plain PyTorch paths.
+
+On CPU these run through the Triton interpreter (TRITON_INTERPRET=1, as CI does); on a GPU at real shapes.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from standin_tokenizer import tiny_model_config
+from zero2all.model import ops
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# the same casts give the same bits on a GPU; the CPU interpreter rounds float32 -> bfloat16 its own way (1 ulp)
+EXACT_BF16 = dict(atol=0, rtol=0) if DEVICE == "cuda" else dict(atol=1e-2, rtol=8e-3)
+
+
+def _kernels():
+    from zero2all.kernels import decode
+
+    return decode
+
+
+def _reference_gemv(x, w, bias, prologue, residual, norm_w, eps, res_dtype):
+    """What the model's plain path computes: (normed | swiglu | x) @ w.T (+ bias), and the new residual."""
+    new_res = None
+    if prologue == 1:
+        normed, new_res = ops.add_rmsnorm_torch(x, residual, norm_w, eps, residual_in_fp32=res_dtype ==
+                                                torch.float32)
+        inp = normed
+    elif prologue == 2:
+        inp = ops.swiglu_torch(x)
+    else:
+        inp = x
+    return F.linear(inp, w, bias), new_res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 96), (3, 100, 100), (16, 64, 200), (5, 257, 33)])
+@pytest.mark.parametrize("prologue", [0, 1, 2])
+def test_fused_gemv_matches_reference(dtype, M, N, K, prologue):
+    K_ = _kernels()
+    g = torch.Generator().manual_seed(M * 1000 + N + K + prologue)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    w = rnd(N, K).to(dtype) * 0.1
+    x = rnd(M, 2 * K if prologue == 2 else K).to(dtype)
+    bias = rnd(N).to(dtype) if N % 2 else None
+    for residual_given in ([False, True] if prologue == 1 else [False]):
+        res_dtype = torch.float32
+        residual = rnd(M, K).to(res_dtype) if residual_given else None
+        norm_w = (1 + 0.1 * rnd(K)).to(dtype)
+        out = torch.empty(M, N, dtype=dtype, device=DEVICE)
+        res_out = torch.empty(M, K, dtype=res_dtype, device=DEVICE) if prologue == 1 else None
+        K_.fused_gemv(x, w, out, bias=bias, prologue=prologue, residual=residual, norm_weight=norm_w,
+                      residual_out=res_out, eps=1e-5)
+        ref, ref_res = _reference_gemv(x, w, bias, prologue, residual, norm_w, 1e-5, res_dtype)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+        if prologue == 1:
+            torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+
+
+def test_fused_gemv_bf16_residual_stream_and_errors():
+    K_ = _kernels()
+    x = torch.randn(2, 48, device=DEVICE).bfloat16()
+    residual = torch.randn(2, 48, device=DEVICE).bfloat16()
+    w = (torch.randn(40, 48, device=DEVICE) * 0.1).bfloat16()
+    norm_w = torch.rand(48, device=DEVICE).bfloat16()
+    out = torch.empty(2, 40, device=DEVICE, dtype=torch.bfloat16)
+    res_out = torch.empty_like(residual)
+    K_.fused_gemv(x, w, out, prologue=1, residual=residual, norm_weight=norm_w, residual_out=res_out, eps=1e-6)
+    normed, new_res = ops.add_rmsnorm_torch(x, residual, norm_w, 1e-6, residual_in_fp32=False)
+    torch.testing.assert_close(res_out, new_res, **EXACT_BF16)
+    torch.testing.assert_close(out.float(), F.linear(normed, w).float(), **TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="must not be the residual"):
+        K_.fused_gemv(x, w, out, prologue=1, residual=residual, norm_weight=norm_w, residual_out=residual)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        K_.fused_gemv(torch.zeros(17, 48, device=DEVICE), w, torch.zeros(17, 40, device=DEVICE))
+    with pytest.raises(ValueError, match="do not fit"):
+        K_.fused_gemv(x, w, torch.empty(2, 41, device=DEVICE, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cache_write_matches_reference(dtype):
+    K_ = _kernels()
+    B, H, Hkv, D, L = 3, 4, 2, 16, 24
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, device=DEVICE).to(dtype)
+    cos, sin = ops.rope_frequencies(D, 10000.0, torch.arange(L, device=DEVICE))
+    pad = torch.tensor([0, 2, 5], device=DEVICE)
+    slot = torch.tensor([7], device=DEVICE)
+    q_out = torch.empty(B, H, D, device=DEVICE, dtype=dtype)
+    kc = torch.zeros(B, Hkv, L, D, device=DEVICE, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    K_.rope_cache_write(qkv, cos, sin, pad, slot, q_out, kc, vc)
+    q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
+    pos = (slot - pad).clamp_min(0)
+    rq, rk = ops.apply_rope_torch(q, k, cos[pos][:, None], sin[pos][:, None])
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else EXACT_BF16
+    torch.testing.assert_close(q_out, rq[:, 0], **tol)
+    torch.testing.assert_close(kc[:, :, 7], rk[:, 0], **tol)
+    torch.testing.assert_close(vc[:, :, 7], v[:, 0], atol=0, rtol=0)
+    assert kc[:, :, :7].abs().sum() == 0 and kc[:, :, 8:].abs().sum() == 0  # no other slot written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,L,slot", [(1, 4, 1, 200, 150), (2, 6, 2, 64, 63), (3, 4, 4, 40, 5)])
+def test_decode_attention_matches_naive(dtype, B, H, Hkv, L, slot):
+    K_ = _kernels()
+    D = 16
+    g = torch.Generator().manual_seed(B + L + slot)
+    q = torch.randn(B, H, D, generator=g).to(DEVICE, dtype)
+    kc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
+    pad = torch.tensor([(3 * b) % (slot + 1) for b in range(B)], device=DEVICE)
+    splits, _ = K_.attention_splits(B, Hkv, L)
+    part_acc = torch.empty(B * H * splits, D, device=DEVICE)
+    part_ml = torch.empty(B * H * splits, 2, device=DEVICE)
+    out = torch.empty(B, H, D, device=DEVICE, dtype=dtype)
+    K_.decode_attention(q, kc, vc, pad, torch.tensor([slot], device=DEVICE), out, part_acc, part_ml)
+    j = torch.arange(L, device=DEVICE)
+    mask = ((j[None, :] >= pad[:, None]) & (j[None, :] <= slot))[:, None, None, :]   # (B, 1, 1, L)
+    ref = ops.attention_naive(q[:, :, None], kc, vc, mask)[:, :, 0]
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    if B == 1 and L == 200:
+        assert splits > 1  # the split-and-combine path is covered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_step_equals_generic_step(dtype):
+    """Same prompts, same cache slots: the fused step's logits equal the model's generic decode step's (float32),
+    and in bfloat16 both stay as close to a float32 computation with the same weights."""
+    from zero2all.infer.generate import DecodeSession
+    from zero2all.model.z2all import build_model
+
+    cfg = tiny_model_config(initializer_range=0.3, attention_bias=True, hidden_dim=64, intermediate_size=100)
+    model = build_model(cfg, device=DEVICE, seed=0).to(dtype).eval()
+    prompts = [[5, 9, 200], list(range(30, 41)), [7]]
+    generic = DecodeSession(model, 3, 32, cuda_graph=False)
+    fused = DecodeSession(model, 3, 32, cuda_graph=False, fused=True)
+    reference = DecodeSession(build_model(cfg, device=DEVICE, seed=0).to(dtype).float().eval(), 3, 32,
+                              cuda_graph=False)
+    sessions = (generic, fused, reference)
+    for s in sessions:
+        s.prefill(prompts, 0)
+    P = 11
+    # the CPU interpreter rounds float32 -> bfloat16 toward zero, a bias that builds up over steps: fewer steps
+    steps = 5 if dtype == torch.float32 or DEVICE == "cuda" else 2
+    for step in range(steps):
+        nxt = torch.tensor([(17 * step + 31 * r) % 256 for r in range(3)], device=DEVICE)
+        a, b, ref = (s.decode(nxt, P + step) for s in sessions)
+        if dtype == torch.float32:
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+        else:
+            err_generic, err_fused = (a - ref).abs().max(), (b - ref).abs().max()
+            assert err_fused <= 2 * err_generic + 0.01 * ref.abs().max(), (step, err_fused, err_generic)
+    if dtype == torch.float32:
+        for layer in range(cfg.n_layers):  # the fused step wrote the same keys and values
+            torch.testing.assert_close(fused.cache.k[layer], generic.cache.k[layer], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused.cache.v[layer], generic.cache.v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_decode_support_reasons():
+    from zero2all.infer.fused_decode import supported
+    from zero2all.model.lora import LoRAConfig, apply_lora
+    from zero2all.model.z2all import build_model
+
+    model = build_model(tiny_model_config(), device=DEVICE, seed=0).eval()
+    assert supported(model, 4) is None
+    assert "batch 17" in supported(model, 17)
+    assert "head_dim" in supported(build_model(tiny_model_config(hidden_dim=48, n_heads=4, n_kv_heads=2)), 1)
+    apply_lora(model, LoRAConfig(rank=2))
+    assert "LoRA" in supported(model, 1)

@@ -1,0 +1,126 @@
+"""The decode step of a Z2all model as five fused kernels per layer (``zero2all/kernels/decode.py``).
+
+``FusedDecodeStep(model, cache, batch, max_len)(tokens, slot, pad_len)`` computes the same next-token logits as
+``model(tokens, kv_cache=cache, position_ids=slot - pad_len, attn_mask=visible)`` (the generic step in
+``generate.DecodeSession``) for one token per row, and writes that token's keys and values into the static cache::
+
+    x = embed(tokens)                                           residual r = none
+    per layer:  qkv  = norm_gemv(x, r)          (r <- r + x, normed by input_layernorm, @ qkv_proj^T)
+                rope_cache(qkv)                 (q rotated; k rotated and v written at the cache slot)
+                attn = decode_attention(q, cache)
+                o    = gemv(attn)               (@ o_proj^T)
+                gu   = norm_gemv(o, r)          (r <- r + o, normed by post_attention_layernorm, @ gate_up^T)
+                x    = swiglu_gemv(gu)          (silu(gate) * up @ down_proj^T)
+    logits = norm_gemv(x, r)                    (final norm, @ lm_head^T)
+
+All buffers are allocated once, so the step can be captured as one CUDA graph that serves every cache slot (the
+kernels read the slot and the rows' padding from device tensors). The residual stream alternates between two
+buffers so that no kernel overwrites the residual it is reading.
+
+Used by ``Generator`` on CUDA when ``supported(model, batch)`` is None; otherwise the generic step runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MAX_ROWS = 16
+
+
+def supported(model, batch_size: int) -> str | None:
+    """None when the fused step can run this model at this batch size, else the reason it cannot."""
+    from zero2all.model.ops import triton_available
+
+    cfg = model.cfg
+    w = model.embed_tokens.weight
+    if w.device.type != "cuda" and not _interpreting():
+        return "not on CUDA"
+    if not triton_available():
+        return "Triton is not importable"
+    if batch_size > MAX_ROWS:
+        return f"batch {batch_size} > {MAX_ROWS}"
+    d = cfg.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    scaling = cfg.rope_scaling
+    if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
+        return "dynamic NTK RoPE"
+    for layer in model.layers:
+        mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(type(m) is not nn.Linear for m in mods):
+            return "a projection is not a plain nn.Linear (a LoRA adapter: merge it first)"
+    if type(model.lm_head) is not nn.Linear:
+        return "the LM head is not a plain nn.Linear"
+    return None
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class FusedDecodeStep:
+    def __init__(self, model, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], batch_size: int,
+                 max_len: int):
+        from zero2all.kernels import decode as K
+
+        reason = supported(model, batch_size)
+        if reason:
+            raise ValueError(f"fused decode step: {reason}")
+        self.K = K
+        cfg = model.cfg
+        self.cfg = cfg
+        w = model.embed_tokens.weight
+        device, dtype = w.device, w.dtype
+        self.embed = w
+        self.layers = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight, a.qkv_proj.weight.contiguous(), a.qkv_proj.bias,
+                                a.o_proj.weight.contiguous(), a.o_proj.bias, layer.post_attention_layernorm.weight,
+                                m.gate_up_proj.weight.contiguous(), m.down_proj.weight.contiguous()))
+        self.final_norm = model.norm.weight
+        self.lm_head = model.lm_head.weight.contiguous()
+        self.eps = cfg.rms_norm_eps
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.cos, self.sin = (t.contiguous() for t in model.rope_tables(0, max_len, device))
+        B, H, D, Hkv = batch_size, cfg.n_heads, cfg.head_dim, cfg.n_kv_heads
+        res_dtype = torch.float32 if cfg.residual_in_fp32 else dtype
+        empty = lambda *shape, dt=dtype: torch.empty(shape, device=device, dtype=dt)  # noqa: E731
+        self.residual = (empty(B, cfg.hidden_dim, dt=res_dtype), empty(B, cfg.hidden_dim, dt=res_dtype))
+        self.qkv = empty(B, (H + 2 * Hkv) * D)
+        self.q = empty(B, H, D)
+        self.attn = empty(B, H * D)
+        self.o = empty(B, cfg.hidden_dim)
+        self.gate_up = empty(B, 2 * cfg.intermediate_size)
+        self.down = empty(B, cfg.hidden_dim)
+        self.logits = empty(B, model.lm_head.weight.size(0), dt=torch.float32)  # sampling reads float32 anyway
+        splits, _ = K.attention_splits(B, Hkv, max_len)
+        self.part_acc = torch.empty(B * H * splits, D, device=device, dtype=torch.float32)
+        self.part_ml = torch.empty(B * H * splits, 2, device=device, dtype=torch.float32)
+
+    def __call__(self, tokens: torch.Tensor, slot: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
+        """tokens (B, 1) at cache slot ``slot`` (1-element long tensor) -> logits (B, V), float32."""
+        K = self.K
+        x = F.embedding(tokens[:, 0], self.embed)                                        # (B, hidden)
+        residual = None
+        for i, (ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down) in enumerate(self.layers):
+            r1 = self.residual[0]
+            K.fused_gemv(x, w_qkv, self.qkv, bias=b_qkv, prologue=K.PROLOGUE_NORM, residual=residual,
+                         norm_weight=ln1, residual_out=r1, eps=self.eps)
+            K.rope_cache_write(self.qkv, self.cos, self.sin, pad_len, slot, self.q, self.k_cache[i],
+                               self.v_cache[i])
+            K.decode_attention(self.q, self.k_cache[i], self.v_cache[i], pad_len, slot,
+                               self.attn.view(self.q.shape), self.part_acc, self.part_ml)
+            K.fused_gemv(self.attn, w_o, self.o, bias=b_o)
+            r2 = self.residual[1]
+            K.fused_gemv(self.o, w_gu, self.gate_up, prologue=K.PROLOGUE_NORM, residual=r1, norm_weight=ln2,
+                         residual_out=r2, eps=self.eps)
+            K.fused_gemv(self.gate_up, w_down, self.down, prologue=K.PROLOGUE_SWIGLU)
+            x, residual = self.down, r2
+        K.fused_gemv(x, self.lm_head, self.logits, prologue=K.PROLOGUE_NORM, residual=residual,
+                     norm_weight=self.final_norm, residual_out=self.residual[0], eps=self.eps)
+        return self.logits

@@ -1,0 +1,335 @@
+"""Decode-step kernels: a few fused, bandwidth-bound kernels per layer for generating one token per row.
+
+A decode step of a small batch is a chain of matrix-vector products: every weight is read once and used for a few
+rows, so the step's floor is (weight bytes / HBM bandwidth). Library GEMMs are tuned for large matrices; at one
+row they reach 1.5-3.5 TB/s on an H200 and the elementwise ops between them add a kernel each. Here each layer is
+five kernels, each reading its weight once:
+
+    norm_gemv(x, residual) -> q|k|v          r = residual + x;  out = (w_norm * r * rstd(r)) @ W_qkv^T
+    rope_cache(q|k|v)                         rotate q and k at the row's position, write k and v into the cache
+    decode_attention(q, cache)                softmax(q K^T / sqrt(d)) V over the row's visible cache slots
+    gemv(attn) -> o                           attn @ W_o^T
+    norm_gemv(o, r) -> gate|up                r' = r + o;  out = (w_norm * r' * rstd(r')) @ W_gate_up^T
+    swiglu_gemv(gate|up) -> down              (silu(gate) * up) @ W_down^T
+
+The matrix-vector kernel (``_gemv_kernel``): each program owns BLOCK_N output features and walks the whole input
+dimension K in BLOCK_K steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous along K, so coalesced) and the
+matching slice of every row's input. Its prologue builds that input slice on the fly: the RMSNorm of
+``residual + x`` (the row's 1/rms is computed first, in a pass over the row, which costs K * (2 + 4) bytes per
+program against BLOCK_N * K * 2 bytes of weight) or SwiGLU of the fused [gate | up] vector. With one row the
+products are summed on the CUDA cores (no tensor-core padding); with 2..16 rows it uses ``tl.dot`` on a 16-row
+tile. Tile sizes are autotuned per (N, K, rows) on the first call.
+
+Numerics match the model's plain PyTorch path (``ops.add_rmsnorm_torch``, ``ops.swiglu_torch``, ``F.linear``,
+SDPA): the same float32 statistics and the same casts to the weight dtype; the sums run in float32 in a different
+order than cuBLAS, so results agree to the dtype's rounding, not bit for bit.
+
+The new residual (float32 when ``residual_in_fp32``) is written by the first program alone, into a buffer that is
+not the one being read (the caller alternates two buffers), so no program reads a half-updated residual.
+
+Everything reads the cache slot and the rows' left padding from device tensors, so one captured CUDA graph serves
+every step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
+
+
+def _gemv_configs():
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in ((8, 512, 4, 1), (16, 256, 4, 2), (16, 512, 4, 1), (16, 512, 8, 2),
+                                 (32, 256, 8, 2), (32, 512, 8, 1), (64, 128, 4, 3), (8, 1024, 8, 1))]
+
+
+# the CPU interpreter's tl.dot mishandles bfloat16 inputs, so there the products are taken in float32
+_DOT_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b with float32 accumulation; float32 inputs in full precision (no TF32)."""
+    if UPCAST or a.dtype == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res, write_res,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) slice of the GEMV's input rows, in the weight dtype (see the module docstring)."""
+    msk = m_mask[:, None] & k_mask[None, :]
+    if PROLOGUE == 2:  # swiglu: X rows are [gate | up] of width 2K
+        g = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        u = tl.load(X + rm[:, None] * stride_x + K + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(OUT_DTYPE).to(tl.float32)   # F.silu rounds to the input dtype
+        return (s * u).to(OUT_DTYPE)
+    x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0)
+    if PROLOGUE == 1:  # residual add + RMSNorm
+        r = x.to(tl.float32)
+        if HAS_RES:
+            r += tl.load(RES + rm[:, None] * stride_res + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        r = r.to(RES_OUT.dtype.element_ty)  # the stream as stored (float32 or the compute dtype)
+        tl.store(RES_OUT + rm[:, None] * stride_res + kk[None, :], r, mask=write_res[:, None] & k_mask[None, :])
+        nw = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32)
+        y = (r.to(tl.float32) * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
+        return (nw[None, :] * y).to(OUT_DTYPE)
+    return x.to(OUT_DTYPE)
+
+
+def _prune_gemv_configs(configs, named_args, **kwargs):
+    """tl.dot (several rows) needs tiles of at least 16 output features."""
+    rows = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
+    kept = [c for c in configs if rows == 1 or c.kwargs["BLOCK_N"] >= 16]
+    return kept or configs[:1]
+
+
+# each launch only reads its inputs and writes OUT / RES_OUT from them, so the tuner may rerun it freely
+@triton.autotune(configs=_gemv_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE"],
+                 prune_configs_by={"early_config_prune": _prune_gemv_configs})
+@triton.jit
+def _gemv_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, eps, stride_x, stride_res, stride_out,
+                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
+    write_res = rm < tl.where(pid == 0, M, 0)                # rows whose residual this program writes
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:  # 1 / rms of each row of r = x + residual, in a first pass over the row
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            msk = m_mask[:, None] & (kk < K)[None, :]
+            r = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            if HAS_RES:
+                r += tl.load(RES + rm[:, None] * stride_res + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            r = r.to(RES_OUT.dtype.element_ty).to(tl.float32)
+            sq += tl.sum(r * r, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+    out_dtype = W.dtype.element_ty
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_mask = kk < K
+            x = _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res,
+                            write_res, PROLOGUE, HAS_RES, out_dtype)
+            xv = tl.sum(x.to(tl.float32), axis=0)                                   # (BLOCK_K,)
+            w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(OUT + rn, acc.to(OUT.dtype.element_ty), mask=n_mask)
+    else:
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_mask = kk < K
+            x = _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res,
+                            write_res, PROLOGUE, HAS_RES, out_dtype)
+            w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 = _dot(x, tl.trans(w), acc2, DOT_UPCAST)
+        if HAS_BIAS:
+            acc2 += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rm[:, None] * stride_out + rn[None, :], acc2.to(OUT.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+               prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight (N, K) contiguous.
+
+    ``prologue``: PROLOGUE_NONE (input = x, (M, K)); PROLOGUE_NORM (input = RMSNorm(x + residual) with
+    ``norm_weight``, the sum written to ``residual_out``, which must not alias ``residual`` or ``x``);
+    PROLOGUE_SWIGLU (x is (M, 2K) = [gate | up], input = silu(gate) * up).
+    """
+    M = x.shape[0]
+    N, K = weight.shape
+    if M > 16:
+        raise ValueError(f"fused_gemv: at most 16 rows, got {M}")
+    if not weight.is_contiguous() or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("fused_gemv: weight must be contiguous and x, out contiguous along their last dimension")
+    width = 2 * K if prologue == PROLOGUE_SWIGLU else K
+    if x.shape[1] != width or out.shape != (M, N):
+        raise ValueError(f"fused_gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} "
+                         f"do not fit (prologue {prologue})")
+    if prologue == PROLOGUE_NORM:
+        if norm_weight is None or residual_out is None:
+            raise ValueError("fused_gemv: the norm prologue needs norm_weight and residual_out")
+        if residual is not None and residual.data_ptr() == residual_out.data_ptr():
+            raise ValueError("fused_gemv: residual_out must not be the residual being read")
+    res = residual if residual is not None else x
+    res_out = residual_out if residual_out is not None else out
+    stride_res = res_out.stride(0) if prologue == PROLOGUE_NORM else 0
+    if residual is not None and residual.stride(0) != stride_res:
+        raise ValueError("fused_gemv: residual and residual_out must have the same row stride")
+    block_m = 1 if M == 1 else 16
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _gemv_kernel[grid](x, res, norm_weight if norm_weight is not None else weight,
+                       weight, bias if bias is not None else weight, out, res_out, M, N, K, float(eps),
+                       x.stride(0), stride_res, out.stride(0), PROLOGUE=prologue, HAS_RES=residual is not None,
+                       HAS_BIAS=bias is not None, BLOCK_M=block_m, DOT_UPCAST=_DOT_UPCAST)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE + KV-cache write
+
+
+@triton.jit
+def _rope_cache_kernel(QKV, COS, SIN, PAD, SLOT, QOUT, KC, VC, stride_qkv, n_heads, n_kv, max_len,
+                       HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(SLOT).to(tl.int64)
+    pos = tl.maximum(slot - tl.load(PAD + b), 0)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    src = QKV + b * stride_qkv + h * (2 * HALF) + d
+    x1 = tl.load(src, mask=dm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=dm, other=0.0).to(tl.float32)
+    cos = tl.load(COS + pos * HALF + d, mask=dm, other=0.0)
+    sin = tl.load(SIN + pos * HALF + d, mask=dm, other=0.0)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if h < n_heads:                                  # a query head -> QOUT (B, H, D)
+        dst = QOUT + (b * n_heads + h) * (2 * HALF) + d
+        tl.store(dst, o1.to(QOUT.dtype.element_ty), mask=dm)
+        tl.store(dst + HALF, o2.to(QOUT.dtype.element_ty), mask=dm)
+    elif h < n_heads + n_kv:                         # a key head, rotated -> cache (B, Hkv, L, D) at the slot
+        dst = KC + ((b * n_kv + (h - n_heads)) * max_len + slot) * (2 * HALF) + d
+        tl.store(dst, o1.to(KC.dtype.element_ty), mask=dm)
+        tl.store(dst + HALF, o2.to(KC.dtype.element_ty), mask=dm)
+    else:                                            # a value head, as is
+        dst = VC + ((b * n_kv + (h - n_heads - n_kv)) * max_len + slot) * (2 * HALF) + d
+        tl.store(dst, x1.to(VC.dtype.element_ty), mask=dm)
+        tl.store(dst + HALF, x2.to(VC.dtype.element_ty), mask=dm)
+
+
+def rope_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pad_len: torch.Tensor,
+                     slot: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """qkv (B, (H + 2 Hkv) D) of one token per row -> rotated q into q_out (B, H, D); rotated k and v into the
+    caches (B, Hkv, L, D) at ``slot`` (a 1-element device tensor). Row b's position is max(slot - pad_len[b], 0);
+    cos/sin (positions, D/2) float32 tables."""
+    B, H, D = q_out.shape
+    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and q_out.is_contiguous()):
+        raise ValueError("rope_cache_write: q_out and the caches must be contiguous")
+    _rope_cache_kernel[(B, H + 2 * n_kv)](qkv, cos, sin, pad_len, slot, q_out, k_cache, v_cache, qkv.stride(0),
+                                          H, n_kv, max_len, HALF=D // 2,
+                                          BLOCK_D=triton.next_power_of_2(D // 2), num_warps=1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# attention of one query per row over the cache (split over the keys, then combined)
+
+
+@triton.jit
+def _decode_attn_kernel(Q, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, n_heads, n_kv, max_len, chunk, scale,
+                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                        SPLITS: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)               # b * n_kv + kv head
+    split = tl.program_id(1)
+    b = bh // n_kv
+    hk = bh % n_kv
+    slot = tl.load(SLOT).to(tl.int64)
+    pad = tl.load(PAD + b)
+    lo = (split * chunk).to(tl.int64)
+    hi = tl.minimum(lo + chunk, slot + 1)
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, D)
+    rn = tl.arange(0, BLOCK_N)
+    g_mask = rg < G
+    q = tl.load(Q + ((b * n_heads + hk * G + rg[:, None]) * D + rd[None, :]), mask=g_mask[:, None], other=0.0)
+    base = bh * max_len * D
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + rn
+        in_range = j < hi
+        k = tl.load(KC + base + j[:, None] * D + rd[None, :], mask=in_range[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32), DOT_UPCAST) * scale
+        s = tl.where((in_range & (j >= pad))[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                       # a fully masked block
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + base + j[:, None] * D + rd[None, :], mask=in_range[:, None], other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_UPCAST)
+        m = m_new
+    heads = b * n_heads + hk * G + rg
+    if SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(OUT + heads[:, None] * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        part = heads * SPLITS + split
+        tl.store(PART_ACC + part[:, None] * D + rd[None, :], acc, mask=g_mask[:, None])
+        tl.store(PART_ML + part * 2, m, mask=g_mask)
+        tl.store(PART_ML + part * 2 + 1, l, mask=g_mask)
+
+
+@triton.jit
+def _decode_attn_combine_kernel(PART_ACC, PART_ML, OUT, D: tl.constexpr, SPLITS: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)             # b * n_heads + h
+    rs = tl.arange(0, SPLITS)
+    rd = tl.arange(0, D)
+    m = tl.load(PART_ML + (head * SPLITS + rs) * 2)
+    l = tl.load(PART_ML + (head * SPLITS + rs) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(PART_ACC + (head * SPLITS + rs[:, None]) * D + rd[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + head * D + rd, out.to(OUT.dtype.element_ty))
+
+
+def attention_splits(batch: int, n_kv: int, max_len: int, block_n: int = 32) -> tuple[int, int]:
+    """(splits, keys per split): enough programs to occupy the GPU at batch 1, one split when the batch does."""
+    want = max(1, 128 // max(1, batch * n_kv))
+    splits = 1
+    while splits * 2 <= want and splits * 2 * block_n <= max_len:
+        splits *= 2
+    chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    return splits, chunk
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad_len: torch.Tensor,
+                     slot: torch.Tensor, out: torch.Tensor, partial_acc: torch.Tensor | None = None,
+                     partial_ml: torch.Tensor | None = None, block_n: int = 32) -> torch.Tensor:
+    """out (B, H, D) = softmax(q k^T / sqrt(D)) v for one query per row, keys at cache slots pad_len[b] .. slot.
+
+    q (B, H, D); caches (B, Hkv, L, D), contiguous. ``partial_*``: float32 scratch of
+    (B * H * splits, D) and (B * H * splits, 2), needed when the keys are split (see ``attention_splits``).
+    """
+    B, H, D = q.shape
+    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"decode_attention: head_dim {D} must be a power of two >= 16")
+    G = H // n_kv
+    splits, chunk = attention_splits(B, n_kv, max_len, block_n)
+    if splits > 1 and (partial_acc is None or partial_ml is None or partial_acc.shape[0] < B * H * splits):
+        raise ValueError(f"decode_attention: {splits} splits need partial buffers of {B * H * splits} rows")
+    scratch_acc = partial_acc if splits > 1 else out
+    scratch_ml = partial_ml if splits > 1 else out
+    _decode_attn_kernel[(B * n_kv, splits)](q, k_cache, v_cache, pad_len, slot, out, scratch_acc, scratch_ml, H,
+                                            n_kv, max_len, chunk, 1.0 / D ** 0.5, G=G,
+                                            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, D=D,
+                                            SPLITS=splits, DOT_UPCAST=_DOT_UPCAST, num_warps=4)
+    if splits > 1:
+        _decode_attn_combine_kernel[(B * H,)](partial_acc, partial_ml, out, D=D, SPLITS=splits, num_warps=1)
+    return out
