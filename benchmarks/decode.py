@@ -272,6 +272,11 @@ def profile_kernels(variant, batch, run_n, n_tokens, top=30):
     total = sum(sum(v) for v in kernels.values())
     print(f"  profile {variant} batch {batch}: {n_tokens} new tokens, {sum(len(v) for v in kernels.values())} "
           f"kernels, {total / 1e3:.2f} ms of GPU time ({total / n_tokens:.1f} us per token)")
+    if variant == "ours-fused-graph":
+        from zero2all.kernels.decode import tuned_configs
+
+        for key, cfg in tuned_configs().items():
+            print(f"    tuned {key}: {cfg}")
     rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
     for name, times in rows:
         print(f"    {sum(times) / n_tokens:8.1f} us/step  {len(times) / n_tokens:6.1f} calls/step  "

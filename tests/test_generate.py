@@ -273,7 +273,7 @@ def test_cuda_graph_decode_equals_eager_and_recompute(ops_kind, dtype):
     model = build_model(tiny_model_config(initializer_range=0.3, ops=ops_cfg), device="cuda", seed=0)
     model = model.to(dtype).eval()
     params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[])
-    eager = Generator(model, cuda_graph=False, attention_window=16).generate(PROMPTS, params)
+    eager = Generator(model, cuda_graph=False, attention_window=16, fused=False).generate(PROMPTS, params)
     graphed_gen = Generator(model, cuda_graph=True, attention_window=16, fused=False)  # several windows, graphs
     graphed = graphed_gen.generate(PROMPTS, params)
     assert all(len(s.graphs) == len(s.windows) > 1 for s in graphed_gen._sessions.values())

@@ -3,7 +3,7 @@
 A decode step of a small batch is a chain of matrix-vector products: every weight is read once and used for a few
 rows, so the step's floor is (weight bytes / HBM bandwidth). Library GEMMs are tuned for large matrices; at one
 row they reach 1.5-3.5 TB/s on an H200 and the elementwise ops between them add a kernel each. Here each layer is
-five kernels, each reading its weight once:
+five kernels at batch 1, each reading its weight once:
 
     norm_gemv(x, residual) -> q|k|v          r = residual + x;  out = (w_norm * r * rstd(r)) @ W_qkv^T
     rope_cache(q|k|v)                         rotate q and k at the row's position, write k and v into the cache
@@ -12,23 +12,29 @@ five kernels, each reading its weight once:
     norm_gemv(o, r) -> gate|up                r' = r + o;  out = (w_norm * r' * rstd(r')) @ W_gate_up^T
     swiglu_gemv(gate|up) -> down              (silu(gate) * up) @ W_down^T
 
-The matrix-vector kernel (``_gemv_kernel``): each program owns BLOCK_N output features and walks the whole input
-dimension K in BLOCK_K steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous along K, so coalesced) and the
-matching slice of every row's input. Its prologue builds that input slice on the fly: the RMSNorm of
-``residual + x`` (the row's 1/rms is computed first, in a pass over the row, which costs K * (2 + 4) bytes per
-program against BLOCK_N * K * 2 bytes of weight) or SwiGLU of the fused [gate | up] vector. With one row the
-products are summed on the CUDA cores (no tensor-core padding); with 2..16 rows it uses ``tl.dot`` on a 16-row
-tile. Tile sizes are autotuned per (N, K, rows) on the first call.
+One row (``_gemv_row_kernel``): each program owns BLOCK_N output features and walks the whole input dimension K
+in BLOCK_K steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous along K, so coalesced) and summing the
+products on the CUDA cores. The prologue builds the input slice on the fly, in the same single pass:
 
-Numerics match the model's plain PyTorch path (``ops.add_rmsnorm_torch``, ``ops.swiglu_torch``, ``F.linear``,
-SDPA): the same float32 statistics and the same casts to the weight dtype; the sums run in float32 in a different
-order than cuBLAS, so results agree to the dtype's rounding, not bit for bit.
+    norm:    the program sees all of r = residual + x while it walks K, so it sums r^2 as it goes and applies
+             1/rms at the end:  out[n] = rstd * sum_k W[n, k] * (w_norm[k] * r[k])   (rstd is a per-row scalar)
+    swiglu:  input[k] = silu(gate[k]) * up[k], from the fused [gate | up] vector
+
+Several rows (2..16, ``_gemv_rows_kernel``): the prologue runs first as its own kernel (the fused add+RMSNorm or
+SwiGLU kernel of ``zero2all/kernels``), then a tensor-core kernel with a 16-row tile and pipelined weight loads:
+a fused prologue would be recomputed by every program for every row, and at 16 rows that re-reading costs more
+than the two small kernels.
+
+Numerics: float32 statistics and sums, as the model's plain path (``ops.add_rmsnorm_torch``, ``ops.swiglu_torch``,
+``F.linear``, SDPA). With one row, the normed input is not rounded to the weight dtype before the product (the
+1/rms factor is applied after the sum): the result is as close to the exact value as the rounded path or closer,
+but not bit for bit the same; sums run in another order than cuBLAS. Results agree to the dtype's rounding.
 
 The new residual (float32 when ``residual_in_fp32``) is written by the first program alone, into a buffer that is
 not the one being read (the caller alternates two buffers), so no program reads a half-updated residual.
 
 Everything reads the cache slot and the rows' left padding from device tensors, so one captured CUDA graph serves
-every step.
+every step. Tile sizes are autotuned per (N, K) on the first call (a few seconds per shape, before capture).
 """
 
 from __future__ import annotations
@@ -40,18 +46,25 @@ import triton
 import triton.language as tl
 
 PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
-
-
-def _gemv_configs():
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: one small config, no tuning
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in ((8, 512, 4, 1), (16, 256, 4, 2), (16, 512, 4, 1), (16, 512, 8, 2),
-                                 (32, 256, 8, 2), (32, 512, 8, 1), (64, 128, 4, 3), (8, 1024, 8, 1))]
-
-
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the CPU interpreter's tl.dot mishandles bfloat16 inputs, so there the products are taken in float32
-_DOT_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+_DOT_UPCAST = _INTERPRET
+
+
+def _row_configs():
+    if _INTERPRET:  # the CPU interpreter: one small config, no tuning
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+            for bn, bk, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
+                              (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))]
+
+
+def _rows_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
+                                  (32, 256, 4, 4), (128, 64, 4, 5))]
 
 
 @triton.jit
@@ -62,89 +75,69 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
-def _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res, write_res,
-                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) slice of the GEMV's input rows, in the weight dtype (see the module docstring)."""
-    msk = m_mask[:, None] & k_mask[None, :]
-    if PROLOGUE == 2:  # swiglu: X rows are [gate | up] of width 2K
-        g = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-        u = tl.load(X + rm[:, None] * stride_x + K + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(OUT_DTYPE).to(tl.float32)   # F.silu rounds to the input dtype
-        return (s * u).to(OUT_DTYPE)
-    x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0)
-    if PROLOGUE == 1:  # residual add + RMSNorm
-        r = x.to(tl.float32)
-        if HAS_RES:
-            r += tl.load(RES + rm[:, None] * stride_res + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-        r = r.to(RES_OUT.dtype.element_ty)  # the stream as stored (float32 or the compute dtype)
-        tl.store(RES_OUT + rm[:, None] * stride_res + kk[None, :], r, mask=write_res[:, None] & k_mask[None, :])
-        nw = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32)
-        y = (r.to(tl.float32) * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
-        return (nw[None, :] * y).to(OUT_DTYPE)
-    return x.to(OUT_DTYPE)
-
-
-def _prune_gemv_configs(configs, named_args, **kwargs):
-    """tl.dot (several rows) needs tiles of at least 16 output features."""
-    rows = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
-    kept = [c for c in configs if rows == 1 or c.kwargs["BLOCK_N"] >= 16]
-    return kept or configs[:1]
-
-
 # each launch only reads its inputs and writes OUT / RES_OUT from them, so the tuner may rerun it freely
-@triton.autotune(configs=_gemv_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE"],
-                 prune_configs_by={"early_config_prune": _prune_gemv_configs})
+@triton.autotune(configs=_row_configs(), key=["N", "K", "PROLOGUE"])
 @triton.jit
-def _gemv_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, eps, stride_x, stride_res, stride_out,
-                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_row_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
+                     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    writes_res = rk < tl.where(pid == 0, BLOCK_K, 0)         # only the first program writes the residual
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        if PROLOGUE == 2:  # swiglu: X is [gate | up] of width 2K
+            g = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
+            u = tl.load(X + K + kk, mask=k_mask, other=0.0).to(tl.float32)
+            s = (g * tl.sigmoid(g)).to(W.dtype.element_ty).to(tl.float32)  # F.silu rounds to the input dtype
+            x = (s * u).to(W.dtype.element_ty).to(tl.float32)
+        elif PROLOGUE == 1:  # residual add; the norm's weight now, its 1/rms after the sum
+            r = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                r += tl.load(RES + kk, mask=k_mask, other=0.0).to(tl.float32)
+            r = r.to(RES_OUT.dtype.element_ty)                    # the stream as stored
+            tl.store(RES_OUT + kk, r, mask=k_mask & writes_res)
+            r = r.to(tl.float32)
+            sq += r * r
+            x = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32) * r
+        else:
+            x = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if PROLOGUE == 1:
+        acc = acc / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rn, acc.to(OUT.dtype.element_ty), mask=n_mask)
+
+
+@triton.autotune(configs=_rows_configs(), key=["N", "K"])
+@triton.jit
+def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
+                      HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     m_mask = rm < M
-    write_res = rm < tl.where(pid == 0, M, 0)                # rows whose residual this program writes
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:  # 1 / rms of each row of r = x + residual, in a first pass over the row
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            msk = m_mask[:, None] & (kk < K)[None, :]
-            r = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-            if HAS_RES:
-                r += tl.load(RES + rm[:, None] * stride_res + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-            r = r.to(RES_OUT.dtype.element_ty).to(tl.float32)
-            sq += tl.sum(r * r, axis=1)
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
-    out_dtype = W.dtype.element_ty
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            k_mask = kk < K
-            x = _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res,
-                            write_res, PROLOGUE, HAS_RES, out_dtype)
-            xv = tl.sum(x.to(tl.float32), axis=0)                                   # (BLOCK_K,)
-            w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(OUT + rn, acc.to(OUT.dtype.element_ty), mask=n_mask)
-    else:
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            k_mask = kk < K
-            x = _input_tile(X, RES, NORM_W, RES_OUT, rm, kk, m_mask, k_mask, rstd, K, stride_x, stride_res,
-                            write_res, PROLOGUE, HAS_RES, out_dtype)
-            w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc2 = _dot(x, tl.trans(w), acc2, DOT_UPCAST)
-        if HAS_BIAS:
-            acc2 += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(OUT + rm[:, None] * stride_out + rn[None, :], acc2.to(OUT.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _dot(x.to(W.dtype.element_ty), tl.trans(w), acc, DOT_UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rm[:, None] * stride_out + rn[None, :], acc.to(OUT.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -154,15 +147,15 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
     """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight (N, K) contiguous.
 
     ``prologue``: PROLOGUE_NONE (input = x, (M, K)); PROLOGUE_NORM (input = RMSNorm(x + residual) with
-    ``norm_weight``, the sum written to ``residual_out``, which must not alias ``residual`` or ``x``);
-    PROLOGUE_SWIGLU (x is (M, 2K) = [gate | up], input = silu(gate) * up).
+    ``norm_weight``, the sum written to ``residual_out``, which must not alias ``residual`` or ``x``; its dtype
+    is the residual stream's); PROLOGUE_SWIGLU (x is (M, 2K) = [gate | up], input = silu(gate) * up).
     """
     M = x.shape[0]
     N, K = weight.shape
     if M > 16:
         raise ValueError(f"fused_gemv: at most 16 rows, got {M}")
-    if not weight.is_contiguous() or x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("fused_gemv: weight must be contiguous and x, out contiguous along their last dimension")
+    if not weight.is_contiguous() or not x.is_contiguous() or not out.is_contiguous():
+        raise ValueError("fused_gemv: weight, x and out must be contiguous")
     width = 2 * K if prologue == PROLOGUE_SWIGLU else K
     if x.shape[1] != width or out.shape != (M, N):
         raise ValueError(f"fused_gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} "
@@ -172,18 +165,40 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError("fused_gemv: the norm prologue needs norm_weight and residual_out")
         if residual is not None and residual.data_ptr() == residual_out.data_ptr():
             raise ValueError("fused_gemv: residual_out must not be the residual being read")
-    res = residual if residual is not None else x
-    res_out = residual_out if residual_out is not None else out
-    stride_res = res_out.stride(0) if prologue == PROLOGUE_NORM else 0
-    if residual is not None and residual.stride(0) != stride_res:
-        raise ValueError("fused_gemv: residual and residual_out must have the same row stride")
-    block_m = 1 if M == 1 else 16
+        if residual_out.shape != x.shape or not residual_out.is_contiguous():
+            raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
+    if M == 1:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv_row_kernel[grid](x, residual if residual is not None else x,
+                               norm_weight if norm_weight is not None else weight, weight,
+                               bias if bias is not None else weight, out,
+                               residual_out if residual_out is not None else out, N, K, float(eps),
+                               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None)
+        return out
+    if prologue == PROLOGUE_NORM:
+        from zero2all.kernels.rmsnorm import triton_add_rmsnorm
+
+        normed, new_residual = triton_add_rmsnorm(x, residual, norm_weight, eps,
+                                                  residual_out.dtype == torch.float32)
+        residual_out.copy_(new_residual)
+        x = normed
+    elif prologue == PROLOGUE_SWIGLU:
+        from zero2all.kernels.swiglu import triton_swiglu
+
+        x = triton_swiglu(x)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_kernel[grid](x, res, norm_weight if norm_weight is not None else weight,
-                       weight, bias if bias is not None else weight, out, res_out, M, N, K, float(eps),
-                       x.stride(0), stride_res, out.stride(0), PROLOGUE=prologue, HAS_RES=residual is not None,
-                       HAS_BIAS=bias is not None, BLOCK_M=block_m, DOT_UPCAST=_DOT_UPCAST)
+    _gemv_rows_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
+                            out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST)
     return out
+
+
+def tuned_configs() -> dict[str, str]:
+    """The tile sizes the autotuner chose so far, per kernel and key (for benchmark reports)."""
+    found = {}
+    for name, kernel in (("row", _gemv_row_kernel), ("rows", _gemv_rows_kernel)):
+        for key, cfg in getattr(kernel, "cache", {}).items():
+            found[f"{name} {key[:3]}"] = str(cfg)
+    return found
 
 
 # --------------------------------------------------------------------------------------------------------------
