@@ -63,8 +63,11 @@ def run_check(config: str = "tiny", device: str = "cpu", micro_batch: int | None
             setattr(mcfg.ops, name, "torch")
     if not have.get("cross_entropy"):
         mcfg.ops.cross_entropy = "torch"
+    if not (have.get("rmsnorm") and have.get("swiglu")):  # the lean fused linears are built on both kernels
+        mcfg.ops.fused_linear = "torch"
     fused_kernels = mcfg.ops.rmsnorm != "torch" and mcfg.ops.swiglu != "torch"
     fused_ce = mcfg.ops.cross_entropy != "torch"
+    fused_linear = mcfg.ops.fused_linear != "torch"
     B = micro_batch or cfg.train.micro_batch_size
     T = seq_len or cfg.data.seq_len or mcfg.max_seq_len
     if T > mcfg.max_seq_len:
@@ -133,10 +136,12 @@ def run_check(config: str = "tiny", device: str = "cpu", micro_batch: int | None
 
     # --- predictions -------------------------------------------------------------------------------------------------
     layout = dict(n_gpus=1, precision=precision, zero=0, tp=1, pp=1, grad_accum_steps=1, recompute="none",
-                  sequence_parallel=False, fused_kernels=fused_kernels, fused_cross_entropy=fused_ce)
+                  sequence_parallel=False, fused_kernels=fused_kernels, fused_cross_entropy=fused_ce,
+                  fused_linear=fused_linear)
     predicted = acc.peak_memory_bytes(mcfg, B, T, **layout)  # model states, weight copies, logits
     # CPU SDPA repeats K/V heads for grouped-query attention (CUDA kernels read them in place)
     per_layer = acc.activation_bytes_per_token_per_layer(mcfg, precision, fused_kernels=fused_kernels,
+                                                         fused_linear=fused_linear,
                                                          kv_repeated=dev.type == "cpu")["total"]
     head = acc.head_activation_bytes_per_token(mcfg, precision, fused_ce, fused_kernels)["total"]
     activations_pred = B * T * (mcfg.n_layers * per_layer + head)
@@ -148,7 +153,7 @@ def run_check(config: str = "tiny", device: str = "cpu", micro_batch: int | None
         "config": config, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__, "micro_batch": B, "seq_len": T, "params": n_params, "precision": precision,
-        "ops": {"fused_kernels": fused_kernels, "fused_cross_entropy": fused_ce,
+        "ops": {"fused_kernels": fused_kernels, "fused_cross_entropy": fused_ce, "fused_linear": fused_linear,
                 "attention": mcfg.ops.attention},
         "predicted": {
             "model_states": predicted["model_states"],

@@ -198,6 +198,17 @@ def test_activation_bytes_per_layer_1_1b_by_hand():
     assert acc.activation_bytes_per_token_per_layer(cfg, recompute="selective")["total"] == 73_864 - 128
     assert acc.activation_bytes_per_token_per_layer(cfg, fused_kernels=False)["total"] == 73_864 + 8 * 2048 + 2 * 5632
     assert acc.activation_bytes_per_token_per_layer(cfg, kv_repeated=True)["total"] == 73_864 - qkv + 2 * 3 * 2048
+    # lean fused linears: per norm round_c(y) 2h + 1/rms 4 (no fp32 residual, no separate projection input), no
+    # down input (rebuilt from gate|up in backward)
+    lean = acc.activation_bytes_per_token_per_layer(cfg, fused_linear=True)
+    assert lean["total"] == 2 * (2 * 2048 + 4) + qkv + 2 * 2048 + 128 + 4 * 5632 == 46_216
+    assert lean["projection inputs"] == lean["down input"] == 0
+    assert acc.activation_bytes_per_token_per_layer(cfg, tp=2, sequence_parallel=True,
+                                                    fused_linear=True)["total"] == 46_216 / 2
+    m = acc.peak_memory_bytes(cfg, 8, 2048, fused_linear=True)
+    assert m["weight_copies"] == 0  # block weights cast again in backward; the fused loss takes the head's as is
+    assert m["activations"] == 8 * 2048 * (22 * 46_216 + 8 + 4 * 2048 + 4 + 2 * 2048)
+    assert acc.autocast_weight_copy_bytes(cfg, fused_linear=True) == 2 * 64320 * 2048
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16-amp", torch.bfloat16), ("fp32", None)])
@@ -335,7 +346,9 @@ def test_estimate_cli_table_and_json(capsys):
     est = json.loads(capsys.readouterr().out)
     assert est["gpu"]["peak_bf16_flops"] == 312e12
     assert est["layout"]["sequence_parallel"] is True
-    assert est["memory_per_gpu"]["activation_per_token_per_layer"]["total"] == 73_864 / 2
+    # the preset's ops are "auto": the estimate assumes the GPU path, lean fused linears included
+    assert est["layout"]["fused_linear"] is True
+    assert est["memory_per_gpu"]["activation_per_token_per_layer"]["total"] == 46_216 / 2
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,6 +1,6 @@
 import pytest
 
-from zero2all.config import ConfigError, ModelConfig, load_config, list_presets
+from zero2all.config import ConfigError, ModelConfig, OpsConfig, load_config, list_presets
 
 
 def test_presets_load_and_validate():
@@ -21,8 +21,11 @@ def test_reference_config_values():
 
 def test_dotted_overrides_types():
     cfg = load_config("tiny", ["model.n_layers=3", "train.lr=1e-3", "model.ops.rmsnorm=torch",
-                               "model.rope_scaling={type='linear', factor=2.0}", "train.out_dir=runs/x"])
+                               "model.rope_scaling={type='linear', factor=2.0}", "train.out_dir=runs/x",
+                               "model.ops.fused_linear=triton"])
     assert cfg.model.n_layers == 3 and cfg.train.lr == 1e-3 and cfg.model.ops.rmsnorm == "torch"
+    assert cfg.model.ops.fused_linear == "triton" and OpsConfig().fused_linear == "auto"
+    assert OpsConfig.plain().fused_linear == "torch"
     assert cfg.model.rope_scaling == {"type": "linear", "factor": 2.0}
     assert cfg.train.out_dir == "runs/x"
 
@@ -35,6 +38,7 @@ def test_dotted_overrides_types():
     ("model.n_kv_heads=3", "not divisible by model.n_kv_heads=3"),
     ("model.hidden_dim=250", "hidden_dim: 250 is not divisible by model.n_heads=8"),
     ("model.ops.attention=fast", "model.ops.attention: 'fast' is not one of"),
+    ("model.ops.fused_linear=fused", "model.ops.fused_linear: 'fused' is not one of torch, triton, auto"),
     ("model.rope_scaling={type='yarn', factor=2.0}", "rope_scaling.type"),
 ])
 def test_bad_configs_name_the_key(override, message):

@@ -47,7 +47,8 @@ def train(ops: OpsConfig, steps, device="cpu", dtype=None, B=2, T=16, lr=3e-3, c
     return torch.tensor(losses)
 
 
-FUSED = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa")
+FUSED = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa",
+                  fused_linear="triton")
 
 
 @pytest.mark.slow
@@ -61,7 +62,8 @@ def test_convergence_fused_vs_plain_cpu():
 
 @pytest.mark.gpu
 def test_convergence_fused_vs_plain_gpu_200_steps():
-    ops_gpu = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="flex")
+    ops_gpu = OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="flex",
+                        fused_linear="triton")
     plain = train(OpsConfig.plain(), 200, device="cuda", dtype=torch.bfloat16, B=8, T=128, lr=3e-3)
     fused = train(ops_gpu, 200, device="cuda", dtype=torch.bfloat16, B=8, T=128, lr=3e-3)
     assert plain[-10:].mean() < plain[:10].mean() - 1.0

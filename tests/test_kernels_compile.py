@@ -5,6 +5,7 @@ import torch
 
 from zero2all.config import ModelConfig, OpsConfig
 from zero2all.kernels.cross_entropy import _linear_cross_entropy
+from zero2all.kernels.fused_linear import _lean_linear_fwd, _norm_linear_fwd, _swiglu_linear_fwd
 from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd
 from zero2all.kernels.rope import _rope
 from zero2all.kernels.swiglu import _swiglu_fwd
@@ -28,21 +29,33 @@ def test_opcheck_custom_ops():
     h, W = torch.randn(6, 16, requires_grad=True), torch.randn(33, 16, requires_grad=True)
     t = torch.tensor([1, 2, -100, 4, 5, 32])
     opcheck(_linear_cross_entropy, (h, W, t, -100, 0.0, True), test_utils=("test_schema", "test_faketensor"))
+    Wq, b = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
+    opcheck(_norm_linear_fwd, (x, r, w, 1e-5, True, Wq, b, torch.float32), test_utils=tests)
+    opcheck(_norm_linear_fwd, (x, None, w, 1e-5, False, Wq, None, torch.float32), test_utils=tests)
+    Wd = torch.randn(16, 15, requires_grad=True)
+    opcheck(_swiglu_linear_fwd, (torch.randn(4, 30, requires_grad=True), Wd, None, torch.float32), test_utils=tests)
+    opcheck(_lean_linear_fwd, (x, Wq, b, torch.float32), test_utils=tests)
 
 
-def test_model_compiles_fullgraph_with_all_kernels():
-    """fullgraph=True fails on any graph break; the compiled loss and gradients equal eager ones."""
+@pytest.mark.parametrize("fused_linear,amp", [("torch", False), ("triton", False), ("triton", True)])
+def test_model_compiles_fullgraph_with_all_kernels(fused_linear, amp):
+    """fullgraph=True fails on any graph break; the compiled loss and gradients equal eager ones (with the lean
+    fused linears also under bf16 autocast, where they pick the compute dtype themselves)."""
     cfg = ModelConfig(vocab_size=97, hidden_dim=32, intermediate_size=40, n_layers=1, n_heads=4, n_kv_heads=2,
                       max_seq_len=8, ops=OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton",
-                                                   cross_entropy="fused", attention="sdpa"))
+                                                   cross_entropy="fused", attention="sdpa",
+                                                   fused_linear=fused_linear))
     model = build_model(cfg, seed=0)
     tokens = torch.randint(0, 97, (2, 8))
-    _, loss = model(tokens, tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        _, loss = model(tokens, tokens)
     loss.backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    _, closs = compiled(tokens, tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        _, closs = compiled(tokens, tokens)
     closs.backward()
     assert torch.allclose(closs, loss, atol=1e-6)
     for n, p in model.named_parameters():
@@ -53,7 +66,7 @@ def test_model_compiles_fullgraph_with_all_kernels():
 def test_model_compiles_with_inductor_gpu():
     cfg = ModelConfig(vocab_size=1000, hidden_dim=256, intermediate_size=688, n_layers=2, n_heads=8, n_kv_heads=4,
                       max_seq_len=128, ops=OpsConfig(rmsnorm="triton", rope="triton", swiglu="triton",
-                                                     cross_entropy="fused", attention="sdpa"))
+                                                     cross_entropy="fused", attention="sdpa", fused_linear="triton"))
     model = build_model(cfg, device="cuda", seed=0)
     tokens = torch.randint(0, 1000, (4, 128), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

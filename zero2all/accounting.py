@@ -311,7 +311,8 @@ def korthikanti_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidde
 
 def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf16-amp", tp: int = 1,
                                          sequence_parallel: bool = False, recompute: str = "none",
-                                         fused_kernels: bool = True, kv_repeated: bool = False) -> dict:
+                                         fused_kernels: bool = True, kv_repeated: bool = False,
+                                         fused_linear: bool = False) -> dict:
     """Bytes autograd keeps per token for one Z2all block, by tensor (the Korthikanti et al. method applied to
     this model: RMSNorm, RoPE, SwiGLU, GQA, a flash-type attention kernel that stores no s x s matrix).
 
@@ -330,6 +331,13 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf1
         gate|up          2*e*I          SwiGLU's input (the fused kernel recomputes silu in backward)
         down input       e*I            silu(gate)*up             (torch path also keeps silu(gate): + e*I)
         dropout masks    h per dropout  (1 byte, only when dropout1/dropout2 > 0)
+
+    With ``fused_linear`` (the lean norm_linear / swiglu_linear / lean_linear of ``kernels/fused_linear.py``) each
+    norm keeps only its normalised value in the compute dtype and 1/rms, which also stand in for the projection
+    input; the down projection's input is recomputed from gate|up in backward:
+
+        norms            e*h + 4 each   (instead of r*h + 4 + the projection input e*h)
+        projection inputs, down input   0
 
     Tensor parallelism shards everything between the two projections of each sub-block (q, k, v, attention out,
     gate|up, down input) by t; sequence parallelism shards the rest (norm inputs, projection inputs) by t as
@@ -363,6 +371,8 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf1
         "gate|up": 2 * e * I / t,
         "down input": (e * I + (0 if fused_kernels else e * I)) / t,
     }
+    if fused_linear:  # round_c(y) + 1/rms per norm; the down input is rebuilt from gate|up in backward
+        parts.update({"norms": 2 * (e * h + 4) / sp, "projection inputs": 0, "down input": 0})
     masks = (h if cfg.dropout1 else 0) + (h if cfg.dropout2 else 0)
     if masks:
         parts["dropout masks"] = masks / sp
@@ -388,14 +398,17 @@ def head_activation_bytes_per_token(cfg: ModelConfig, precision: str = "bf16-amp
 
 
 def autocast_weight_copy_bytes(cfg: ModelConfig, precision: str = "bf16-amp", tp: int = 1, pp: int = 1,
-                               zero: int = 0, fused_cross_entropy: bool = False) -> float:
+                               zero: int = 0, fused_cross_entropy: bool = False, fused_linear: bool = False) -> float:
     """bf16 copies of the matmul weights that autocast makes in forward and autograd keeps until backward:
     2 bytes per matmul parameter of this GPU's shard (under ZeRO-3 only the ~2 layers being gathered). The fused
-    linear-cross-entropy takes the LM head's weight as it is, so its copy is left out then."""
+    linear-cross-entropy takes the LM head's weight as it is, so its copy is left out then; the lean fused
+    linears (``fused_linear``) cast the block weights again in backward, so theirs are left out as well."""
     if not get_precision(precision).autocast_weight_copies:
         return 0.0
     pc = param_counts(cfg)
     layer_matmul = (pc.attention_q + pc.attention_k + pc.attention_v + pc.attention_o + pc.mlp) / cfg.n_layers
+    if fused_linear:
+        layer_matmul = 0
     if zero >= 3:
         return 2.0 * 2 * layer_matmul / tp
     layers = math.ceil(cfg.n_layers / pp)
@@ -426,7 +439,7 @@ def params_per_gpu(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> float:
 def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: int = 1, precision: str = "bf16-amp",
                       zero: int = 0, tp: int = 1, pp: int = 1, grad_accum_steps: int = 1, recompute: str = "none",
                       sequence_parallel: bool | None = None, fused_kernels: bool = True,
-                      fused_cross_entropy: bool = True) -> dict:
+                      fused_cross_entropy: bool = True, fused_linear: bool = False) -> dict:
     """Predicted peak memory of one GPU during a training step, by part:
 
         model states      :func:`model_state_bytes` of :func:`params_per_gpu` over dp = n_gpus / (tp*pp)
@@ -448,17 +461,18 @@ def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: 
     dp = n_gpus // (tp * pp)
     p = get_precision(precision)
     states = model_state_bytes(params_per_gpu(cfg, tp, pp), precision, zero, dp)
-    copies = autocast_weight_copy_bytes(cfg, precision, tp, pp, zero, fused_cross_entropy)
+    copies = autocast_weight_copy_bytes(cfg, precision, tp, pp, zero, fused_cross_entropy, fused_linear)
     tokens = micro_batch * seq_len
     layers = math.ceil(cfg.n_layers / pp)
     per_layer = activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, recompute,
-                                                     fused_kernels)["total"]
+                                                     fused_kernels, fused_linear=fused_linear)["total"]
     head = head_activation_bytes_per_token(cfg, precision, fused_cross_entropy, fused_kernels)["total"]
     in_flight = min(pp, grad_accum_steps) if pp > 1 else 1
     activations = in_flight * tokens * (layers * per_layer + head / (tp if sequence_parallel else 1))
     if recompute == "full":
         activations += tokens * activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, "none",
-                                                                     fused_kernels)["total"]
+                                                                     fused_kernels,
+                                                                     fused_linear=fused_linear)["total"]
     logits = 0.0 if fused_cross_entropy else tokens * cfg.padded_vocab_size * (p.activation_bytes + 8) / tp
     grads_at_peak = states["gradients"] if grad_accum_steps > 1 else 0.0
     at_backward_start = states["weights"] + states["optimizer"] + grads_at_peak + copies + activations + logits
@@ -614,6 +628,7 @@ class Layout:
     sequence_parallel: bool | None = None
     fused_kernels: bool = True
     fused_cross_entropy: bool = True
+    fused_linear: bool = False
 
     def validate(self) -> None:
         for name in ("gpus", "tp", "pp", "micro_batch", "seq_len", "grad_accum_steps"):
@@ -647,9 +662,11 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
     mem_kw = dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
                   grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
-                  fused_kernels=L.fused_kernels, fused_cross_entropy=L.fused_cross_entropy)
+                  fused_kernels=L.fused_kernels, fused_cross_entropy=L.fused_cross_entropy,
+                  fused_linear=L.fused_linear)
     memory = peak_memory_bytes(cfg, L.micro_batch, L.seq_len, **mem_kw)
-    per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels)
+    per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels,
+                                                     fused_linear=L.fused_linear)
     shard = params_per_gpu(cfg, L.tp, L.pp)
     comm = {
         "data_parallel": data_parallel_comm_bytes(shard, dp, L.zero, L.precision, L.grad_accum_steps),

@@ -13,7 +13,10 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     naive              plain PyTorch ops, naive (explicit softmax) attention
     use_all            every fused kernel, SDPA attention, fused AdamW
     no_flash           use_all with naive attention                      ("w/o flash-attn")
-    no_rope / no_cross_entropy / no_rmsnorm / no_swiglu   use_all with that one op on its PyTorch path
+    no_rope / no_cross_entropy / no_rmsnorm / no_swiglu   use_all with that one op on its PyTorch path (without
+                       the rmsnorm or swiglu kernel the blocks' fused linears are off too: they are built on them)
+    no_fused_linear    use_all with the blocks' projections as plain nn.Linear under autocast (no lean fused
+                       norm+linear / SwiGLU+linear / o projection): the memory those save
     no_adamw           use_all with the for-each (unfused) AdamW          ("w/o AdamW")
     use_all_compile    use_all with each decoder block under torch.compile (regional compilation)
     hf / hf_compile / hf_liger   transformers' LlamaForCausalLM (sdpa), eager / decoder layers compiled the same
@@ -40,11 +43,12 @@ from pathlib import Path
 import torch
 
 ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
-                 "no_adamw", "use_all_compile"]
+                 "no_fused_linear", "no_adamw", "use_all_compile"]
 PEER_ROWS = ["hf", "hf_compile", "hf_liger"]
 EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
 ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
               "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
+              "no_fused_linear": "w/o fused_linear",
               "no_adamw": "w/o AdamW", "use_all_compile": "use_all + compile", "hf": "HF Llama (sdpa) eager",
               "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
               "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
@@ -70,14 +74,18 @@ class BenchResult:
 def _ops_for(row: str):
     from zero2all.config import OpsConfig
 
-    fused = dict(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa")
+    fused = dict(rmsnorm="triton", rope="triton", swiglu="triton", cross_entropy="fused", attention="sdpa",
+                 fused_linear="triton")
     if row == "naive":
-        return OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="naive")
+        return OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="naive",
+                         fused_linear="torch")
     if row == "no_flash":
         fused["attention"] = "naive"
-    for op in ("rope", "rmsnorm", "swiglu"):
+    for op in ("rope", "rmsnorm", "swiglu", "fused_linear"):
         if row == f"no_{op}":
             fused[op] = "torch"
+    if row in ("no_rmsnorm", "no_swiglu"):  # the fused linears carry those kernels inside the blocks
+        fused["fused_linear"] = "torch"
     if row == "no_cross_entropy":
         fused["cross_entropy"] = "torch"
     return OpsConfig(**fused)

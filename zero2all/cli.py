@@ -559,7 +559,8 @@ def _estimate(p):
                         grad_accum_steps=args.grad_accum or cfg.train.grad_accum_steps,
                         recompute=args.recompute, precision=args.precision,
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
-                        fused_cross_entropy=ops.cross_entropy != "torch")
+                        fused_cross_entropy=ops.cross_entropy != "torch",
+                        fused_linear=ops.fused_linear != "torch")
         est = estimate(cfg.model, layout)
         if args.json:
             print(json.dumps(est, indent=2))

@@ -47,6 +47,10 @@ class OpsConfig:
     Attention: ``naive`` (explicit softmax, the reference), ``sdpa`` (torch scaled_dot_product_attention, flash /
     cuDNN backends on GPU), ``flex`` (FlexAttention; needed for document masks).
     Cross-entropy: ``torch`` materialises logits; ``fused`` computes the loss from hidden states in chunks.
+    Fused linear: ``triton`` runs each block's projections as lean fused functions (norm + qkv / gate|up,
+    SwiGLU + down, o) that keep far less for backward; they carry their own RMSNorm and SwiGLU kernels, so inside
+    the blocks they take the place of ``rmsnorm`` / ``swiglu``. Used only where the projections are plain
+    ``nn.Linear`` (not under LoRA).
     """
 
     rmsnorm: str = "auto"
@@ -54,6 +58,7 @@ class OpsConfig:
     swiglu: str = "auto"
     cross_entropy: str = "auto"
     attention: str = "sdpa"
+    fused_linear: str = "auto"
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -61,6 +66,7 @@ class OpsConfig:
         "swiglu": ("torch", "triton", "auto"),
         "cross_entropy": ("torch", "fused", "auto"),
         "attention": ("naive", "sdpa", "flex"),
+        "fused_linear": ("torch", "triton", "auto"),
     }
 
     def validate(self, prefix: str = "model.ops") -> None:
@@ -72,7 +78,8 @@ class OpsConfig:
     @classmethod
     def plain(cls) -> "OpsConfig":
         """Every op on its plain PyTorch path, attention through SDPA."""
-        return cls(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa")
+        return cls(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
+                   fused_linear="torch")
 
 
 @dataclass

@@ -8,6 +8,8 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
     rmsnorm.py        residual add + RMSNorm          triton_add_rmsnorm
     rope.py           rotary embedding of q and k     triton_apply_rope
     swiglu.py         silu(gate) * up                 triton_swiglu
+    fused_linear.py   lean block projections          triton_norm_linear, triton_swiglu_linear, lean_linear
+                      (norm + linear, SwiGLU + linear, linear; keep far less for backward)
     cross_entropy.py  LM head + cross-entropy         fused_linear_cross_entropy
     attention.py      FlexAttention, document masks   flex_causal_attention
 """

@@ -55,8 +55,8 @@ def _row_configs():
     if _INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
-                              (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))]
+            for bn, bk, w in ((2, 1024, 4), (4, 256, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
+                              (8, 512, 8), (8, 1024, 8), (16, 256, 4), (16, 256, 8), (16, 512, 8))]
 
 
 def _rows_configs():
@@ -85,8 +85,8 @@ def _gemv_row_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop: no per-step
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)             # cross-warp reduction between the weight loads
     writes_res = rk < tl.where(pid == 0, BLOCK_K, 0)         # only the first program writes the residual
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -108,12 +108,13 @@ def _gemv_row_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
         else:
             x = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1)
     if PROLOGUE == 1:
-        acc = acc / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        out = out / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
     if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rn, acc.to(OUT.dtype.element_ty), mask=n_mask)
+        out += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
 
 
 @triton.autotune(configs=_rows_configs(), key=["N", "K"])

@@ -14,6 +14,10 @@ Backward, with y = r * rstd, g = d normed and gr = d r (from the residual stream
 
 The forward saves only r (needed anyway as the residual stream) and rstd (one float per row). The weight gradient
 is reduced in two stages: each of P persistent programs sums its rows into a float32 partial, then a (P, N) sum.
+
+The same kernels serve the lean ``norm_linear`` of ``fused_linear.py``: the forward can also write y (rounded to
+the projection's compute dtype) and the backward can start from that saved y instead of r (and write
+weight * y again, the projection's input, for its weight gradient).
 """
 
 from typing import Optional
@@ -26,8 +30,8 @@ from zero2all.kernels import grid_programs
 
 
 @triton.jit
-def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, N, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, Y, N, eps,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -42,13 +46,18 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, N, eps,
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / N + eps)
     tl.store(RSTD + row, rstd)
     y = (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+    if WRITE_Y:  # the lean norm_linear keeps y (in Y's dtype) for its backward instead of r
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * N + cols, (w * y).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _add_rmsnorm_bwd_kernel(G, GRES, R, W, RSTD, DX, DRES, DW_PARTIAL, n_rows, N,
-                            HAS_GRES: tl.constexpr, WRITE_DRES: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_bwd_kernel(G, GRES, R, W, RSTD, DX, DRES, DW_PARTIAL, NORMED, n_rows, N,
+                            HAS_GRES: tl.constexpr, WRITE_DRES: tl.constexpr, BLOCK: tl.constexpr,
+                            FROM_Y: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False):
+    # FROM_Y: R holds the saved normalised y = r * rstd (lean norm_linear) instead of r.
+    # WRITE_NORMED: also write weight * y (in NORMED's dtype), the recomputed input of the following projection.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -58,9 +67,13 @@ def _add_rmsnorm_bwd_kernel(G, GRES, R, W, RSTD, DX, DRES, DW_PARTIAL, n_rows, N
     for row in range(pid, n_rows, n_prog):
         base = tl.cast(row, tl.int64) * N
         g = tl.load(G + base + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R + base + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
-        y = r * rstd
+        if FROM_Y:
+            y = tl.load(R + base + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            y = tl.load(R + base + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+        if WRITE_NORMED:
+            tl.store(NORMED + base + cols, (w * y).to(NORMED.dtype.element_ty), mask=mask)
         dw += g * y
         dy = g * w
         dr = rstd * (dy - y * (tl.sum(dy * y, axis=0) / N))
@@ -94,7 +107,7 @@ def _add_rmsnorm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: 
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(N)
-        _add_rmsnorm_fwd_kernel[(x2.shape[0],)](x2, res2, weight.contiguous(), out, res_out, rstd, N, eps,
+        _add_rmsnorm_fwd_kernel[(x2.shape[0],)](x2, res2, weight.contiguous(), out, res_out, rstd, out, N, eps,
                                                 HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                 num_warps=_warps(block))
     return out.view(x.shape), res_out.view(x.shape), rstd
@@ -124,7 +137,8 @@ def _add_rmsnorm_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], r
     if n_rows:
         gres = grad_res.reshape(-1, N).contiguous() if grad_res is not None else g2
         block = triton.next_power_of_2(N)
-        _add_rmsnorm_bwd_kernel[(n_prog,)](g2, gres, r2, weight.contiguous(), rstd, dx, dres, partial, n_rows, N,
+        _add_rmsnorm_bwd_kernel[(n_prog,)](g2, gres, r2, weight.contiguous(), rstd, dx, dres, partial, dx,
+                                          n_rows, N,
                                           HAS_GRES=grad_res is not None, WRITE_DRES=write_dres, BLOCK=block,
                                           num_warps=_warps(block))
     dw = partial.sum(0).to(weight.dtype)

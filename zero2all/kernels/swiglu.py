@@ -10,7 +10,8 @@ Backward, recomputing s from the saved input instead of storing silu(gate) (one 
     d gate = g * up * s * (1 + gate * (1 - s))          (d/dx silu(x) = s + x s (1 - s))
 
 The gradient is written into one (..., 2I) tensor laid out as the input, so the gate|up projection's backward
-consumes it as is.
+consumes it as is. The backward kernel can also write the recomputed ``out`` (``swiglu_linear`` in
+``fused_linear.py`` uses it so that the down projection's input need not be kept from the forward).
 """
 
 import torch
@@ -30,7 +31,9 @@ def _swiglu_fwd_kernel(GU, OUT, I, stride_row, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_kernel(G, GU, DGU, I, stride_row, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(G, GU, DGU, A, I, stride_row, BLOCK: tl.constexpr, WRITE_A: tl.constexpr = False):
+    # WRITE_A: also write the recomputed forward output a = silu(gate) * up (in A's dtype, rows of I), for the
+    # weight gradient of the projection that consumed it (swiglu_linear); it costs only this write.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -42,6 +45,8 @@ def _swiglu_bwd_kernel(G, GU, DGU, I, stride_row, BLOCK: tl.constexpr):
     d_gate = g * up * s * (1.0 + gate * (1.0 - s))
     tl.store(DGU + row * (2 * I) + cols, d_gate.to(DGU.dtype.element_ty), mask=mask)
     tl.store(DGU + row * (2 * I) + I + cols, d_up.to(DGU.dtype.element_ty), mask=mask)
+    if WRITE_A:
+        tl.store(A + row * I + cols, (gate * s * up).to(A.dtype.element_ty), mask=mask)
 
 
 _BLOCK = 1024
@@ -77,7 +82,7 @@ def _swiglu_bwd(grad_out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     dgu = torch.empty((gu.shape[0], 2 * I), dtype=gate_up.dtype, device=gate_up.device)
     if gu.shape[0] and I:
         block = min(_BLOCK, triton.next_power_of_2(I))
-        _swiglu_bwd_kernel[(gu.shape[0], triton.cdiv(I, block))](g, gu, dgu, I, gu.stride(0), BLOCK=block,
+        _swiglu_bwd_kernel[(gu.shape[0], triton.cdiv(I, block))](g, gu, dgu, dgu, I, gu.stride(0), BLOCK=block,
                                                                   num_warps=4)
     return dgu.view(gate_up.shape)
 

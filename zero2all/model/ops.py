@@ -158,6 +158,51 @@ def swiglu(gate_up, impl="auto"):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Lean projections (norm + linear, SwiGLU + linear, linear): zero2all/kernels/fused_linear.py
+#
+# The references are the block's plain path: add_rmsnorm then F.linear, swiglu then F.linear, F.linear (under
+# autocast the linears cast their weights and keep the copies). The fused versions compute the same values and
+# keep far less for backward; see the kernel module's docstring.
+
+
+def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None):
+    normed, residual = add_rmsnorm_torch(x, residual, norm_weight, eps, residual_in_fp32)
+    return F.linear(normed, weight, bias), residual
+
+
+def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, impl="auto"):
+    """``(F.linear(normed, weight, bias), new_residual)`` with ``normed, new_residual = add_rmsnorm(...)``."""
+    if use_triton(impl, x):
+        from zero2all.kernels.fused_linear import triton_norm_linear
+
+        return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
+    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
+
+
+def swiglu_linear_torch(gate_up, weight, bias=None):
+    return F.linear(swiglu_torch(gate_up), weight, bias)
+
+
+def swiglu_linear(gate_up, weight, bias=None, impl="auto"):
+    """``F.linear(silu(gate) * up, weight, bias)``."""
+    if use_triton(impl, gate_up):
+        from zero2all.kernels.fused_linear import triton_swiglu_linear
+
+        return triton_swiglu_linear(gate_up, weight, bias)
+    return swiglu_linear_torch(gate_up, weight, bias)
+
+
+def lean_linear(x, weight, bias=None, impl="auto"):
+    """``F.linear(x, weight, bias)``; the fused version casts the weight again in backward instead of keeping
+    autocast's copy."""
+    if use_triton(impl, x):
+        from zero2all.kernels.fused_linear import lean_linear as triton_lean_linear
+
+        return triton_lean_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # LM head + cross-entropy
 
 

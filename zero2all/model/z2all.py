@@ -70,8 +70,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
                 attn_mask=None):
-        B, T, _ = x.shape                                                    # x: (B, T, hidden)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # x: (B, T, hidden)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv_cache, start_pos, doc_ids, attn_mask))
+
+    def attend(self, qkv, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
+               attn_mask=None):
+        """The attention core between the two projections: qkv (B, T, q_size + 2 kv_size) -> (B, T, q_size)."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                     # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -82,8 +88,7 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)
         y = ops.attention(q, k, v, impl=self.cfg.ops.attention, dropout_p=self.cfg.attention_dropout,
                           training=self.training, doc_ids=doc_ids, mask=attn_mask)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.q_size)
-        return self.o_proj(y)
+        return y.transpose(1, 2).reshape(B, T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -98,7 +103,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """residual += x; h = attn(norm(residual)); residual += h; out = mlp(norm(residual)). Returns (out, residual)."""
+    """residual += x; h = attn(norm(residual)); residual += h; out = mlp(norm(residual)). Returns (out, residual).
+
+    With ``ops.fused_linear`` the same math runs through the lean fused projections (``kernels/fused_linear.py``:
+    norm + qkv, o, norm + gate|up, SwiGLU + down), which keep far less for backward; parameters are unchanged."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -108,8 +116,29 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def uses_fused_linear(self, x) -> bool:
+        """The lean fused projections (``ops.fused_linear``) apply when selected and the projections are plain
+        ``nn.Linear`` (a LoRA-wrapped projection keeps the plain path)."""
+        attn, mlp = self.self_attn, self.mlp
+        return ops.use_triton(self.cfg.ops.fused_linear, x) and all(
+            isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
+        if self.uses_fused_linear(x):
+            # the same math; norm + qkv, o, norm + gate|up and SwiGLU + down as lean fused functions
+            attn, mlp, impl = self.self_attn, self.mlp, c.ops.fused_linear
+            qkv, residual = ops.norm_linear(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
+                                            c.residual_in_fp32, attn.qkv_proj.weight, attn.qkv_proj.bias, impl)
+            y = attn.attend(qkv, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
+            h = ops.lean_linear(y, attn.o_proj.weight, attn.o_proj.bias, impl)
+            h = F.dropout(h, c.dropout1, self.training) if c.dropout1 else h
+            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm.weight, c.rms_norm_eps,
+                                                c.residual_in_fp32, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                                impl)
+            h = ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, impl)
+            h = F.dropout(h, c.dropout2, self.training) if c.dropout2 else h
+            return h, residual
         h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
                                       c.residual_in_fp32, impl=c.ops.rmsnorm)
         h = self.self_attn(h, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)

@@ -1,0 +1,359 @@
+"""Lean projections: the block's linears fused with their neighbours so that autograd keeps far less.
+
+Per token and layer, a block on the plain path keeps for backward: the residual stream twice (the new residual r
+of each add+RMSNorm, float32 with ``residual_in_fp32``), both normed outputs (the inputs of the qkv and gate|up
+projections), the SwiGLU output (the down projection's input), and under autocast a bf16 copy of every weight
+until backward. The three functions below keep only what their backward cannot cheaply rebuild.
+
+``norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias) -> (out, new_residual)``::
+
+    r      = residual + x                  float32 when residual_in_fp32; r = x when residual is None
+    rstd   = 1 / sqrt(mean(r^2) + eps)
+    y      = round_r(r * rstd)             round_r / round_c: cast to r's dtype / the compute dtype c
+    normed = round_c(norm_weight * y)      exactly ``ops.add_rmsnorm_torch``'s value (then cast to c)
+    out    = normed @ W_c^T (+ b_c)        W_c, b_c: the parameters cast to c (not kept)
+
+It saves yhat = round_c(y) (2 bytes per element in bf16, instead of r in float32 plus normed in bf16), rstd (one
+float per row) and the parameters themselves. Backward, with g = d out and gr = d new_residual::
+
+    d normed      = g @ W_c                                  (W cast again)
+    dy            = d normed * norm_weight
+    dr            = rstd * (dy - yhat * mean(dy * yhat)) + gr    -> d x = round_x(dr), d residual = dr
+    d norm_weight = sum over rows of d normed * yhat
+    normed'       = round_c(norm_weight * yhat)              written by the same kernel (costs one write)
+    d W           = g^T normed',  d b = sum over rows of g
+
+The backward's normed' rounds y twice (to c, then the product) where the forward rounded once: it only enters
+d W, and in float32 it is exact.
+
+``swiglu_linear(gate_up, weight, bias) -> out``::
+
+    a = silu(gate) * up ;  out = a @ W_c^T (+ b_c)
+
+saves gate_up (which SwiGLU's own backward needs anyway) and the parameter, not a. Backward: d a = g @ W_c; one
+kernel reads gate_up and d a and writes d gate_up and the recomputed a; then d W = g^T a. The recompute costs
+only the write of a.
+
+``lean_linear(x, weight, bias) -> out``: out = x @ W_c^T (+ b_c), saving x and the parameter; W is cast again in
+backward instead of keeping autocast's copy.
+
+Compute dtype c: ``torch.get_autocast_dtype`` when autocast is on for the tensor's device type, else the weight's
+dtype. The functions turn autocast off inside and cast themselves, in forward and again in backward, so no cast
+copy of a weight outlives its matmul (autocast would keep one per weight until backward: 2 bytes per parameter).
+Gradients of the parameters come back in the parameters' dtypes. Each function is a torch custom op pair
+(``z2all::*_fwd`` / ``z2all::*_bwd``, fake implementations, registered autograd): under torch.compile they stay
+opaque, so what is saved is exactly what is listed above.
+
+For z2all-1.1b in bf16 a block then keeps 46,216 instead of 73,864 bytes per token, and none of the 1.98 GB of
+weight copies (``accounting.activation_bytes_per_token_per_layer(..., fused_linear=True)``).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+
+from zero2all.kernels import grid_programs
+from zero2all.kernels.rmsnorm import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel, _residual_dtype, _warps
+from zero2all.kernels.swiglu import _BLOCK as _SWIGLU_BLOCK
+from zero2all.kernels.swiglu import _rows, _swiglu_bwd_kernel, _swiglu_fwd_kernel
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when it is on for x's device type, else the weight's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(a.device.type, enabled=False):
+        return a @ b
+
+
+def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+            lead_shape) -> torch.Tensor:
+    """a (..., K) @ W^T + b in ``dtype`` as a new (*lead_shape, M) tensor, the parameters cast here (the copies
+    die with this call). The result is written into its own buffer (not a view of a flattened GEMM output), so
+    that autograd, and FSDP's hooks on a block's outputs, see a plain tensor."""
+    M = weight.shape[0]
+    out = torch.empty((*lead_shape, M), dtype=dtype, device=a.device)
+    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), weight.to(dtype).t()
+    with torch.autocast(a.device.type, enabled=False):
+        if bias is None:
+            torch.mm(a2, w_t, out=out.view(-1, M))
+        else:
+            torch.addmm(bias.to(dtype), a2, w_t, out=out.view(-1, M))
+    return out
+
+
+def _param_grads(g2: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, want_dweight: bool, want_dbias: bool):
+    """d W = g^T inp (compute dtype, returned in W's dtype) and d b = sum over rows of g (float32 accumulation)."""
+    dw = _matmul(g2.t(), inp).to(weight.dtype) if want_dweight else weight.new_empty((0,))
+    db = g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
+    return dw, db
+
+
+def _fake_param_grads(weight, want_dweight, want_dbias):
+    dw = torch.empty_like(weight) if want_dweight else weight.new_empty((0,))
+    db = weight.new_empty((weight.shape[0],)) if want_dbias else weight.new_empty((0,))
+    return dw, db
+
+
+def _out_grad(grad_out, shape, dtype, device):
+    # outputs that were not used downstream come back as None (grads are not materialised)
+    return grad_out if grad_out is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# norm_linear: residual add + RMSNorm + projection
+
+
+@torch.library.custom_op("z2all::norm_linear_fwd", mutates_args=())
+def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                     residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N).contiguous()
+    rows = x2.shape[0]
+    res2 = residual.reshape(-1, N).contiguous() if residual is not None else x2
+    # outputs allocated in x's shape (contiguous: the kernel addresses row * N + col)
+    normed = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
+    yhat = torch.empty_like(normed)
+    res_out = torch.empty(x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32), device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(N)
+        _add_rmsnorm_fwd_kernel[(rows,)](x2, res2, norm_weight.contiguous(), normed, res_out, rstd, yhat, N, eps,
+                                         HAS_RESIDUAL=residual is not None, BLOCK=block, WRITE_Y=True,
+                                         num_warps=_warps(block))
+    out = _linear(normed, weight, bias, compute_dtype, x.shape[:-1])       # normed dies here
+    return out, res_out, yhat, rstd
+
+
+@_norm_linear_fwd.register_fake
+def _(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, compute_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype),
+            x.new_empty(x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32)),
+            x.new_empty(x.shape, dtype=compute_dtype), x.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("z2all::norm_linear_bwd", mutates_args=())
+def _norm_linear_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], yhat: torch.Tensor,
+                     rstd: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype,
+                     residual_dtype: torch.dtype, want_dres: bool, want_dweight: bool, want_dbias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = yhat.shape[-1]
+    y2 = yhat.reshape(-1, N)
+    rows, cdt = y2.shape[0], yhat.dtype
+    g2 = grad_out.reshape(rows, -1).to(cdt)
+    grad_normed = _matmul(g2, weight.to(cdt))                               # (rows, N), the cast dies here
+    dx = torch.empty(yhat.shape, dtype=x_dtype, device=y2.device)
+    dres = torch.empty(yhat.shape, dtype=residual_dtype, device=y2.device) if want_dres else dx.new_empty((0,))
+    normed = torch.empty((rows, N), dtype=cdt, device=y2.device) if want_dweight else grad_normed
+    n_prog = grid_programs(y2.device, max(rows, 1))
+    partial = torch.zeros((n_prog, N), dtype=torch.float32, device=y2.device)
+    if rows:
+        gres = grad_res.reshape(-1, N).contiguous() if grad_res is not None else grad_normed
+        block = triton.next_power_of_2(N)
+        _add_rmsnorm_bwd_kernel[(n_prog,)](grad_normed, gres, y2.contiguous(), norm_weight.contiguous(), rstd, dx,
+                                          dres if want_dres else dx, partial, normed, rows, N,
+                                          HAS_GRES=grad_res is not None, WRITE_DRES=want_dres, BLOCK=block,
+                                          FROM_Y=True, WRITE_NORMED=want_dweight, num_warps=_warps(block))
+    dnorm_w = partial.sum(0).to(norm_weight.dtype)
+    dw, db = _param_grads(g2, normed, weight, want_dweight, want_dbias)
+    return dx, dres, dnorm_w, dw, db
+
+
+@_norm_linear_bwd.register_fake
+def _(grad_out, grad_res, yhat, rstd, norm_weight, weight, x_dtype, residual_dtype, want_dres, want_dweight,
+      want_dbias):
+    dx = yhat.new_empty(yhat.shape, dtype=x_dtype)
+    dres = yhat.new_empty(yhat.shape, dtype=residual_dtype) if want_dres else dx.new_empty((0,))
+    return (dx, dres, torch.empty_like(norm_weight), *_fake_param_grads(weight, want_dweight, want_dbias))
+
+
+def _norm_linear_setup(ctx, inputs, output):
+    x, residual, norm_weight, _, _, weight, bias, _ = inputs
+    _, _, yhat, rstd = output
+    ctx.save_for_backward(yhat, rstd, norm_weight, weight)
+    ctx.mark_non_differentiable(yhat, rstd)
+    ctx.set_materialize_grads(False)
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.has_bias = bias is not None
+
+
+def _norm_linear_backward(ctx, grad_out, grad_res, _grad_yhat, _grad_rstd):
+    yhat, rstd, norm_weight, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad       # x, residual, norm_weight, eps, residual_in_fp32, weight, bias, dtype
+    grad_out = _out_grad(grad_out, (*yhat.shape[:-1], weight.shape[0]), yhat.dtype, yhat.device)
+    has_res = ctx.residual_dtype is not None
+    dx, dres, dnorm_w, dw, db = _norm_linear_bwd(
+        grad_out, grad_res, yhat, rstd, norm_weight, weight, ctx.x_dtype,
+        ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6])
+    return (dx, dres if has_res else None, dnorm_w, None, None, dw if need[5] else None,
+            db if ctx.has_bias and need[6] else None, None)
+
+
+_norm_linear_fwd.register_autograd(_norm_linear_backward, setup_context=_norm_linear_setup)
+
+
+def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                       residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, new_residual)``: ``ops.add_rmsnorm_torch`` followed by ``F.linear(normed, weight, bias)``, keeping
+    only round_c(y), rstd and the parameters for backward (see the module docstring).
+
+    x (..., N); residual (..., N) or None; norm_weight (N,); weight (M, N); bias (M,) or None. ``out`` is
+    (..., M) in the compute dtype; the new residual as in ``triton_add_rmsnorm``.
+    """
+    N = x.shape[-1]
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"norm_linear: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if norm_weight.shape != (N,):
+        raise ValueError(f"norm_linear: norm weight shape {tuple(norm_weight.shape)} != ({N},)")
+    if weight.dim() != 2 or weight.shape[1] != N:
+        raise ValueError(f"norm_linear: weight shape {tuple(weight.shape)} does not take inputs of width {N}")
+    out, res_out, _, _ = _norm_linear_fwd(x, residual, norm_weight, float(eps), bool(residual_in_fp32), weight,
+                                          bias, compute_dtype(x, weight))
+    return out, res_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# swiglu_linear: silu(gate) * up + the down projection
+
+
+@torch.library.custom_op("z2all::swiglu_linear_fwd", mutates_args=())
+def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       compute_dtype: torch.dtype) -> torch.Tensor:
+    I = gate_up.shape[-1] // 2
+    gu = _rows(gate_up)
+    a = torch.empty((gu.shape[0], I), dtype=compute_dtype, device=gate_up.device)
+    if gu.shape[0] and I:
+        block = min(_SWIGLU_BLOCK, triton.next_power_of_2(I))
+        _swiglu_fwd_kernel[(gu.shape[0], triton.cdiv(I, block))](gu, a, I, gu.stride(0), BLOCK=block, num_warps=4)
+    return _linear(a, weight, bias, compute_dtype, gate_up.shape[:-1])      # a dies here
+
+
+@_swiglu_linear_fwd.register_fake
+def _(gate_up, weight, bias, compute_dtype):
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]), dtype=compute_dtype)
+
+
+@torch.library.custom_op("z2all::swiglu_linear_bwd", mutates_args=())
+def _swiglu_linear_bwd(grad_out: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
+                       compute_dtype: torch.dtype, want_dweight: bool, want_dbias: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    I = gate_up.shape[-1] // 2
+    gu = _rows(gate_up)
+    rows = gu.shape[0]
+    g2 = grad_out.reshape(rows, -1).to(compute_dtype)
+    grad_a = _matmul(g2, weight.to(compute_dtype)).contiguous()             # (rows, I)
+    dgu = torch.empty((rows, 2 * I), dtype=gate_up.dtype, device=gate_up.device)
+    a = torch.empty((rows, I), dtype=compute_dtype, device=gate_up.device) if want_dweight else grad_a
+    if rows and I:
+        block = min(_SWIGLU_BLOCK, triton.next_power_of_2(I))
+        _swiglu_bwd_kernel[(rows, triton.cdiv(I, block))](grad_a, gu, dgu, a, I, gu.stride(0), BLOCK=block,
+                                                          WRITE_A=want_dweight, num_warps=4)
+    dw, db = _param_grads(g2, a, weight, want_dweight, want_dbias)
+    return dgu.view(gate_up.shape), dw, db
+
+
+@_swiglu_linear_bwd.register_fake
+def _(grad_out, gate_up, weight, compute_dtype, want_dweight, want_dbias):
+    return (gate_up.new_empty(gate_up.shape), *_fake_param_grads(weight, want_dweight, want_dbias))
+
+
+def _swiglu_linear_setup(ctx, inputs, output):
+    gate_up, weight, bias, cdt = inputs
+    ctx.save_for_backward(gate_up, weight)
+    ctx.set_materialize_grads(False)
+    ctx.compute_dtype = cdt
+    ctx.has_bias = bias is not None
+
+
+def _swiglu_linear_backward(ctx, grad_out):
+    gate_up, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad                                             # gate_up, weight, bias, dtype
+    want_db = ctx.has_bias and need[2]
+    dgu, dw, db = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db)
+    return dgu, (dw if need[1] else None), (db if want_db else None), None
+
+
+_swiglu_linear_fwd.register_autograd(_swiglu_linear_backward, setup_context=_swiglu_linear_setup)
+
+
+def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up`` (..., 2 I) laid out as [gate | up], weight
+    (M, I); keeps only gate_up and the parameters for backward. Returns (..., M) in the compute dtype."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_linear: last dimension {gate_up.shape[-1]} must be even ([gate | up])")
+    if weight.dim() != 2 or weight.shape[1] != gate_up.shape[-1] // 2:
+        raise ValueError(f"swiglu_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
+                         f"{gate_up.shape[-1] // 2}")
+    return _swiglu_linear_fwd(gate_up, weight, bias, compute_dtype(gate_up, weight))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# lean_linear: a linear that casts its weight again in backward
+
+
+@torch.library.custom_op("z2all::lean_linear_fwd", mutates_args=())
+def _lean_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     compute_dtype: torch.dtype) -> torch.Tensor:
+    return _linear(x, weight, bias, compute_dtype, x.shape[:-1])
+
+
+@_lean_linear_fwd.register_fake
+def _(x, weight, bias, compute_dtype):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype)
+
+
+@torch.library.custom_op("z2all::lean_linear_bwd", mutates_args=())
+def _lean_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
+                     want_dx: bool, want_dweight: bool, want_dbias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g2 = grad_out.reshape(-1, weight.shape[0]).to(compute_dtype)
+    if want_dx:
+        dx = _matmul(g2, weight.to(compute_dtype)).to(x.dtype).view(x.shape)
+    else:
+        dx = x.new_empty((0,))
+    dw, db = _param_grads(g2, x.reshape(-1, x.shape[-1]).to(compute_dtype), weight, want_dweight, want_dbias)
+    return dx, dw, db
+
+
+@_lean_linear_bwd.register_fake
+def _(grad_out, x, weight, compute_dtype, want_dx, want_dweight, want_dbias):
+    dx = x.new_empty(x.shape) if want_dx else x.new_empty((0,))
+    return (dx, *_fake_param_grads(weight, want_dweight, want_dbias))
+
+
+def _lean_linear_setup(ctx, inputs, output):
+    x, weight, bias, cdt = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.set_materialize_grads(False)
+    ctx.compute_dtype = cdt
+    ctx.has_bias = bias is not None
+
+
+def _lean_linear_backward(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad                                             # x, weight, bias, dtype
+    want_db = ctx.has_bias and need[2]
+    dx, dw, db = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db)
+    return (dx if need[0] else None), (dw if need[1] else None), (db if want_db else None), None
+
+
+_lean_linear_fwd.register_autograd(_lean_linear_backward, setup_context=_lean_linear_setup)
+
+
+def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in the compute dtype, keeping x and the parameters (not a cast copy)."""
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"lean_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
+                         f"{x.shape[-1]}")
+    return _lean_linear_fwd(x, weight, bias, compute_dtype(x, weight))
