@@ -220,13 +220,14 @@ def print_table(results: list[dict]) -> None:
     print(f"{'variant':12s} {'GPUs':>4s} {'tok/s':>10s} {'tok/s/GPU':>10s} {'scaling':>8s} {'vs peer':>8s} "
           f"{'MFU':>6s}  peak memory per GPU (GiB)")
     for r in results:
-        scaling = r["tokens_per_s"] / base[r["family"]] if r["family"] in base else float("nan")
-        vs_peer = r["tokens_per_s"] / peer_by_n[r["gpus"]] if r["gpus"] in peer_by_n else float("nan")
+        # a ratio needs its baseline in the same invocation; without it the column says "-"
+        scaling = f"{r['tokens_per_s'] / base[r['family']]:.2f}x" if r["family"] in base else "-"
+        vs_peer = f"{r['tokens_per_s'] / peer_by_n[r['gpus']]:.2f}x" if r["gpus"] in peer_by_n else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         mem = " ".join(f"{m:.1f}" for m in r["mem_gib"])
         name = r["variant"] + (" +liger" if r.get("liger") else "")
         print(f"{name:12s} {r['gpus']:>4d} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / r['gpus']:>10,.0f} "
-              f"{scaling:>7.2f}x {vs_peer:>7.2f}x {mfu:>6s}  {mem}")
+              f"{scaling:>8s} {vs_peer:>8s} {mfu:>6s}  {mem}")
     if results:
         r = results[0]
         print(f"\n{r['device_name']}, torch {r['torch']}, micro-batch {r['micro_batch']} x accum {r['accum']} x "

@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
         if os.environ.get("TRITON_INTERPRET") != "1":
             cpu_only = pytest.mark.skip(reason="CPU kernel test: needs TRITON_INTERPRET=1")
             for item in items:
-                if item.fspath.basename.startswith("test_kernels_") and "gpu" not in item.keywords:
+                if item.fspath.basename.startswith("test_kernels_") and "gpu" not in item.keywords \
+                        and "any_device" not in item.keywords:
                     item.add_marker(cpu_only)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

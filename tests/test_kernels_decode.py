@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from standin_tokenizer import tiny_model_config
 from zero2all.model import ops
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.any_device, pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs a GPU or TRITON_INTERPRET=1")
+    reason="needs a GPU or TRITON_INTERPRET=1")]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
