@@ -292,7 +292,8 @@ def test_cuda_graph_decode_equals_eager_and_recompute(ops_kind, dtype):
 def test_fused_cuda_graph_decode(dtype):
     """On CUDA the Generator decodes with the fused kernels by default, one graph for every slot: greedy tokens
     equal full recomputation (float32) and the same fused step run eagerly (both dtypes)."""
-    model = build_model(tiny_model_config(initializer_range=0.3), device="cuda", seed=0).to(dtype).eval()
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128)   # head_dim 32: the fused step's smallest
+    model = build_model(cfg, device="cuda", seed=0).to(dtype).eval()
     params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[])
     gen = Generator(model)
     graphed = gen.generate(PROMPTS, params)
@@ -300,6 +301,9 @@ def test_fused_cuda_graph_decode(dtype):
     assert session.fused is not None and len(session.graphs) == 1
     eager = Generator(model, cuda_graph=False, fused=True).generate(PROMPTS, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    if dtype == torch.float32:  # batch 1 (the embedding row read inside the first product) as well
+        one = Generator(model).generate(PROMPTS[1:2], params)
+        assert one[0].token_ids == greedy_full_recompute(model, PROMPTS[1], 20)
     if dtype == torch.float32:
         for prompt, out in zip(PROMPTS, graphed):
             assert out.token_ids == greedy_full_recompute(model, prompt, 20)

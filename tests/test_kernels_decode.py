@@ -87,49 +87,41 @@ def test_fused_gemv_bf16_residual_stream_and_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_cache_write_matches_reference(dtype):
+@pytest.mark.parametrize("B,H,Hkv,L,slot", [(1, 4, 1, 200, 150), (2, 6, 2, 64, 63), (3, 4, 4, 40, 5),
+                                             (1, 8, 2, 300, 0)])
+def test_decode_attention_matches_reference(dtype, B, H, Hkv, L, slot):
+    """RoPE of q and k at each row's position, the cache write at the slot, and attention over the visible slots
+    (left padding hidden), against apply_rope_torch + a manual cache write + attention_naive."""
     K_ = _kernels()
-    B, H, Hkv, D, L = 3, 4, 2, 16, 24
-    qkv = torch.randn(B, (H + 2 * Hkv) * D, device=DEVICE).to(dtype)
+    D = 32
+    g = torch.Generator().manual_seed(B + L + slot)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(DEVICE, dtype)
+    kc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
+    kc_before, vc_before = kc.clone(), vc.clone()
+    pad = torch.tensor([(3 * b) % (slot + 1) for b in range(B)], device=DEVICE)
     cos, sin = ops.rope_frequencies(D, 10000.0, torch.arange(L, device=DEVICE))
-    pad = torch.tensor([0, 2, 5], device=DEVICE)
-    slot = torch.tensor([7], device=DEVICE)
-    q_out = torch.empty(B, H, D, device=DEVICE, dtype=dtype)
-    kc = torch.zeros(B, Hkv, L, D, device=DEVICE, dtype=dtype)
-    vc = torch.zeros_like(kc)
-    K_.rope_cache_write(qkv, cos, sin, pad, slot, q_out, kc, vc)
+    scratch = K_.AttentionScratch(B, H, Hkv, D, L, DEVICE)
+    out = torch.empty(B, H, D, device=DEVICE, dtype=dtype)
+    for _ in range(2):  # the arrival counters re-arm themselves: a second call gives the same result
+        K_.decode_attention(qkv, cos, sin, kc, vc, pad, torch.tensor([slot], device=DEVICE), out, scratch)
+        assert scratch.counter.abs().sum() == 0
     q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
     pos = (slot - pad).clamp_min(0)
     rq, rk = ops.apply_rope_torch(q, k, cos[pos][:, None], sin[pos][:, None])
-    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else EXACT_BF16
-    torch.testing.assert_close(q_out, rq[:, 0], **tol)
-    torch.testing.assert_close(kc[:, :, 7], rk[:, 0], **tol)
-    torch.testing.assert_close(vc[:, :, 7], v[:, 0], atol=0, rtol=0)
-    assert kc[:, :, :7].abs().sum() == 0 and kc[:, :, 8:].abs().sum() == 0  # no other slot written
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,H,Hkv,L,slot", [(1, 4, 1, 200, 150), (2, 6, 2, 64, 63), (3, 4, 4, 40, 5)])
-def test_decode_attention_matches_naive(dtype, B, H, Hkv, L, slot):
-    K_ = _kernels()
-    D = 16
-    g = torch.Generator().manual_seed(B + L + slot)
-    q = torch.randn(B, H, D, generator=g).to(DEVICE, dtype)
-    kc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
-    vc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype)
-    pad = torch.tensor([(3 * b) % (slot + 1) for b in range(B)], device=DEVICE)
-    splits, _ = K_.attention_splits(B, Hkv, L)
-    part_acc = torch.empty(B * H * splits, D, device=DEVICE)
-    part_ml = torch.empty(B * H * splits, 2, device=DEVICE)
-    out = torch.empty(B, H, D, device=DEVICE, dtype=dtype)
-    K_.decode_attention(q, kc, vc, pad, torch.tensor([slot], device=DEVICE), out, part_acc, part_ml)
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else EXACT_BF16
+    torch.testing.assert_close(kc[:, :, slot], rk[:, 0], **exact)
+    torch.testing.assert_close(vc[:, :, slot], v[:, 0], atol=0, rtol=0)
+    others = torch.arange(L, device=DEVICE) != slot
+    assert torch.equal(kc[:, :, others], kc_before[:, :, others]) and torch.equal(vc[:, :, others],
+                                                                                   vc_before[:, :, others])
     j = torch.arange(L, device=DEVICE)
     mask = ((j[None, :] >= pad[:, None]) & (j[None, :] <= slot))[:, None, None, :]   # (B, 1, 1, L)
-    ref = ops.attention_naive(q[:, :, None], kc, vc, mask)[:, :, 0]
+    ref = ops.attention_naive(rq.transpose(1, 2), kc, vc, mask)[:, :, 0]
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    if B == 1 and L == 200:
-        assert splits > 1  # the split-and-combine path is covered
+    if B == 1 and L >= 200:
+        assert scratch.splits > 1  # the split-and-combine path is covered
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,9 +131,18 @@ def test_fused_decode_step_equals_generic_step(dtype):
     from zero2all.infer.generate import DecodeSession
     from zero2all.model.z2all import build_model
 
-    cfg = tiny_model_config(initializer_range=0.3, attention_bias=True, hidden_dim=64, intermediate_size=100)
+    cfg = tiny_model_config(initializer_range=0.3, attention_bias=True, hidden_dim=128, intermediate_size=100)
     model = build_model(cfg, device=DEVICE, seed=0).to(dtype).eval()
     prompts = [[5, 9, 200], list(range(30, 41)), [7]]
+    one = DecodeSession(model, 1, 32, cuda_graph=False, fused=True)   # batch 1: the embedding read in the product
+    one_generic = DecodeSession(model, 1, 32, cuda_graph=False)
+    for s in (one, one_generic):
+        s.prefill(prompts[1:2], 0)
+    for step in range(3):
+        nxt = torch.tensor([(7 * step + 3) % 256], device=DEVICE)
+        a1, b1 = one_generic.decode(nxt, 11 + step), one.decode(nxt, 11 + step)
+        if dtype == torch.float32:
+            torch.testing.assert_close(b1, a1, atol=2e-4, rtol=2e-4)
     generic = DecodeSession(model, 3, 32, cuda_graph=False)
     fused = DecodeSession(model, 3, 32, cuda_graph=False, fused=True)
     reference = DecodeSession(build_model(cfg, device=DEVICE, seed=0).to(dtype).float().eval(), 3, 32,
@@ -162,8 +163,8 @@ def test_fused_decode_step_equals_generic_step(dtype):
             assert err_fused <= 2 * err_generic + 0.01 * ref.abs().max(), (step, err_fused, err_generic)
     if dtype == torch.float32:
         for layer in range(cfg.n_layers):  # the fused step wrote the same keys and values
-            torch.testing.assert_close(fused.cache.k[layer], generic.cache.k[layer], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(fused.cache.v[layer], generic.cache.v[layer], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused.cache.k[layer], generic.cache.k[layer], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(fused.cache.v[layer], generic.cache.v[layer], atol=1e-4, rtol=1e-4)
 
 
 def test_fused_decode_support_reasons():
@@ -171,9 +172,9 @@ def test_fused_decode_support_reasons():
     from zero2all.model.lora import LoRAConfig, apply_lora
     from zero2all.model.z2all import build_model
 
-    model = build_model(tiny_model_config(), device=DEVICE, seed=0).eval()
+    model = build_model(tiny_model_config(hidden_dim=128), device=DEVICE, seed=0).eval()
     assert supported(model, 4) is None
     assert "batch 17" in supported(model, 17)
-    assert "head_dim" in supported(build_model(tiny_model_config(hidden_dim=48, n_heads=4, n_kv_heads=2)), 1)
+    assert "head_dim" in supported(build_model(tiny_model_config(hidden_dim=64, n_heads=4, n_kv_heads=2)), 1)
     apply_lora(model, LoRAConfig(rank=2))
     assert "LoRA" in supported(model, 1)

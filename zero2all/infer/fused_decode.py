@@ -1,13 +1,14 @@
-"""The decode step of a Z2all model as five fused kernels per layer (``zero2all/kernels/decode.py``).
+"""The decode step of a Z2all model as four fused kernels per layer (``zero2all/kernels/decode.py``).
 
 ``FusedDecodeStep(model, cache, batch, max_len)(tokens, slot, pad_len)`` computes the same next-token logits as
 ``model(tokens, kv_cache=cache, position_ids=slot - pad_len, attn_mask=visible)`` (the generic step in
 ``generate.DecodeSession``) for one token per row, and writes that token's keys and values into the static cache::
 
-    x = embed(tokens)                                           residual r = none
-    per layer:  qkv  = norm_gemv(x, r)          (r <- r + x, normed by input_layernorm, @ qkv_proj^T)
-                rope_cache(qkv)                 (q rotated; k rotated and v written at the cache slot)
-                attn = decode_attention(q, cache)
+    x = embed(tokens)                           (batch 1: read inside the first product instead)
+    per layer:  qkv  = norm_gemv(x, r)          (r <- r + x, normed by input_layernorm, @ qkv_proj^T; r = none
+                                                 before the first layer)
+                attn = decode_attention(qkv)    (q, k rotated; k, v written at the cache slot; softmax over the
+                                                 row's visible slots)
                 o    = gemv(attn)               (@ o_proj^T)
                 gu   = norm_gemv(o, r)          (r <- r + o, normed by post_attention_layernorm, @ gate_up^T)
                 x    = swiglu_gemv(gu)          (silu(gate) * up @ down_proj^T)
@@ -42,8 +43,8 @@ def supported(model, batch_size: int) -> str | None:
     if batch_size > MAX_ROWS:
         return f"batch {batch_size} > {MAX_ROWS}"
     d = cfg.head_dim
-    if d < 16 or d & (d - 1):
-        return f"head_dim {d} is not a power of two >= 16"
+    if d < 32 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 32"
     scaling = cfg.rope_scaling
     if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
         return "dynamic NTK RoPE"
@@ -92,29 +93,28 @@ class FusedDecodeStep:
         empty = lambda *shape, dt=dtype: torch.empty(shape, device=device, dtype=dt)  # noqa: E731
         self.residual = (empty(B, cfg.hidden_dim, dt=res_dtype), empty(B, cfg.hidden_dim, dt=res_dtype))
         self.qkv = empty(B, (H + 2 * Hkv) * D)
-        self.q = empty(B, H, D)
         self.attn = empty(B, H * D)
         self.o = empty(B, cfg.hidden_dim)
         self.gate_up = empty(B, 2 * cfg.intermediate_size)
         self.down = empty(B, cfg.hidden_dim)
         self.logits = empty(B, model.lm_head.weight.size(0), dt=torch.float32)  # sampling reads float32 anyway
-        splits, _ = K.attention_splits(B, Hkv, max_len)
-        self.part_acc = torch.empty(B * H * splits, D, device=device, dtype=torch.float32)
-        self.part_ml = torch.empty(B * H * splits, 2, device=device, dtype=torch.float32)
+        self.scratch = K.AttentionScratch(B, H, Hkv, D, max_len, device)
+        self.shape = (B, H, D)
 
     def __call__(self, tokens: torch.Tensor, slot: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
         """tokens (B, 1) at cache slot ``slot`` (1-element long tensor) -> logits (B, V), float32."""
         K = self.K
-        x = F.embedding(tokens[:, 0], self.embed)                                        # (B, hidden)
+        if tokens.size(0) == 1:  # the first product reads the embedding row itself
+            x, token = self.embed, tokens.view(1)
+        else:
+            x, token = F.embedding(tokens[:, 0], self.embed), None                      # (B, hidden)
         residual = None
         for i, (ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down) in enumerate(self.layers):
             r1 = self.residual[0]
             K.fused_gemv(x, w_qkv, self.qkv, bias=b_qkv, prologue=K.PROLOGUE_NORM, residual=residual,
-                         norm_weight=ln1, residual_out=r1, eps=self.eps)
-            K.rope_cache_write(self.qkv, self.cos, self.sin, pad_len, slot, self.q, self.k_cache[i],
-                               self.v_cache[i])
-            K.decode_attention(self.q, self.k_cache[i], self.v_cache[i], pad_len, slot,
-                               self.attn.view(self.q.shape), self.part_acc, self.part_ml)
+                         norm_weight=ln1, residual_out=r1, eps=self.eps, token=token if i == 0 else None)
+            K.decode_attention(self.qkv, self.cos, self.sin, self.k_cache[i], self.v_cache[i], pad_len, slot,
+                               self.attn.view(self.shape), self.scratch)
             K.fused_gemv(self.attn, w_o, self.o, bias=b_o)
             r2 = self.residual[1]
             K.fused_gemv(self.o, w_gu, self.gate_up, prologue=K.PROLOGUE_NORM, residual=r1, norm_weight=ln2,

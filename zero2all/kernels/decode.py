@@ -3,11 +3,11 @@
 A decode step of a small batch is a chain of matrix-vector products: every weight is read once and used for a few
 rows, so the step's floor is (weight bytes / HBM bandwidth). Library GEMMs are tuned for large matrices; at one
 row they reach 1.5-3.5 TB/s on an H200 and the elementwise ops between them add a kernel each. Here each layer is
-five kernels at batch 1, each reading its weight once:
+four kernels at batch 1, each reading its weight once:
 
     norm_gemv(x, residual) -> q|k|v          r = residual + x;  out = (w_norm * r * rstd(r)) @ W_qkv^T
-    rope_cache(q|k|v)                         rotate q and k at the row's position, write k and v into the cache
-    decode_attention(q, cache)                softmax(q K^T / sqrt(d)) V over the row's visible cache slots
+    decode_attention(q|k|v, cache)            rotate q and k at the row's position, write k and v into the cache,
+                                              softmax(q K^T / sqrt(d)) V over the row's visible cache slots
     gemv(attn) -> o                           attn @ W_o^T
     norm_gemv(o, r) -> gate|up                r' = r + o;  out = (w_norm * r' * rstd(r')) @ W_gate_up^T
     swiglu_gemv(gate|up) -> down              (silu(gate) * up) @ W_down^T
@@ -55,8 +55,8 @@ def _row_configs():
     if _INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in ((2, 1024, 4), (4, 256, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
-                              (8, 512, 8), (8, 1024, 8), (16, 256, 4), (16, 256, 8), (16, 512, 8))]
+            for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
+                              (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
 
 
 def _rows_configs():
@@ -78,10 +78,12 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 # each launch only reads its inputs and writes OUT / RES_OUT from them, so the tuner may rerun it freely
 @triton.autotune(configs=_row_configs(), key=["N", "K", "PROLOGUE"])
 @triton.jit
-def _gemv_row_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
-                     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
+                     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
+    if GATHER:  # X is an embedding table: the input row is the token's
+        X = X + tl.load(TOK).to(tl.int64) * K
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -144,21 +146,28 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
 def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
                prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-               eps: float = 1e-5) -> torch.Tensor:
+               eps: float = 1e-5, token: torch.Tensor | None = None) -> torch.Tensor:
     """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight (N, K) contiguous.
+
+    ``token`` (one element, on the device): x is an embedding table (V, K) and the input row is x[token] (the
+    first layer of a batch-1 step reads its embedding row inside the product, no gather kernel).
 
     ``prologue``: PROLOGUE_NONE (input = x, (M, K)); PROLOGUE_NORM (input = RMSNorm(x + residual) with
     ``norm_weight``, the sum written to ``residual_out``, which must not alias ``residual`` or ``x``; its dtype
     is the residual stream's); PROLOGUE_SWIGLU (x is (M, 2K) = [gate | up], input = silu(gate) * up).
     """
-    M = x.shape[0]
+    M = x.shape[0] if token is None else token.numel()
     N, K = weight.shape
+    if token is not None and M != 1:
+        raise ValueError(f"fused_gemv: an embedding gather takes one token, got {M}")
     if M > 16:
         raise ValueError(f"fused_gemv: at most 16 rows, got {M}")
     if not weight.is_contiguous() or not x.is_contiguous() or not out.is_contiguous():
         raise ValueError("fused_gemv: weight, x and out must be contiguous")
+    if token is not None and prologue != PROLOGUE_NORM:
+        raise ValueError("fused_gemv: the embedding gather is for the first norm prologue")
     width = 2 * K if prologue == PROLOGUE_SWIGLU else K
-    if x.shape[1] != width or out.shape != (M, N):
+    if x.shape[-1] != width or out.shape != (M, N) or (token is None and x.dim() != 2):
         raise ValueError(f"fused_gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} "
                          f"do not fit (prologue {prologue})")
     if prologue == PROLOGUE_NORM:
@@ -166,15 +175,18 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError("fused_gemv: the norm prologue needs norm_weight and residual_out")
         if residual is not None and residual.data_ptr() == residual_out.data_ptr():
             raise ValueError("fused_gemv: residual_out must not be the residual being read")
-        if residual_out.shape != x.shape or not residual_out.is_contiguous():
+        if residual_out.shape != (M, K) or not residual_out.is_contiguous():
             raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
+    if token is None and not x.is_contiguous():
+        raise ValueError("fused_gemv: x must be contiguous")
     if M == 1:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_row_kernel[grid](x, residual if residual is not None else x,
+        _gemv_row_kernel[grid](x, token if token is not None else x, residual if residual is not None else x,
                                norm_weight if norm_weight is not None else weight, weight,
                                bias if bias is not None else weight, out,
                                residual_out if residual_out is not None else out, N, K, float(eps),
-                               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None)
+                               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                               GATHER=token is not None)
         return out
     if prologue == PROLOGUE_NORM:
         from zero2all.kernels.rmsnorm import triton_add_rmsnorm
@@ -203,83 +215,66 @@ def tuned_configs() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# RoPE + KV-cache write
+# attention of one new token per row: RoPE, the KV-cache write, split keys and their combination in one kernel
 
 
 @triton.jit
-def _rope_cache_kernel(QKV, COS, SIN, PAD, SLOT, QOUT, KC, VC, stride_qkv, n_heads, n_kv, max_len,
-                       HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    slot = tl.load(SLOT).to(tl.int64)
-    pos = tl.maximum(slot - tl.load(PAD + b), 0)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HALF
-    src = QKV + b * stride_qkv + h * (2 * HALF) + d
-    x1 = tl.load(src, mask=dm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=dm, other=0.0).to(tl.float32)
-    cos = tl.load(COS + pos * HALF + d, mask=dm, other=0.0)
-    sin = tl.load(SIN + pos * HALF + d, mask=dm, other=0.0)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if h < n_heads:                                  # a query head -> QOUT (B, H, D)
-        dst = QOUT + (b * n_heads + h) * (2 * HALF) + d
-        tl.store(dst, o1.to(QOUT.dtype.element_ty), mask=dm)
-        tl.store(dst + HALF, o2.to(QOUT.dtype.element_ty), mask=dm)
-    elif h < n_heads + n_kv:                         # a key head, rotated -> cache (B, Hkv, L, D) at the slot
-        dst = KC + ((b * n_kv + (h - n_heads)) * max_len + slot) * (2 * HALF) + d
-        tl.store(dst, o1.to(KC.dtype.element_ty), mask=dm)
-        tl.store(dst + HALF, o2.to(KC.dtype.element_ty), mask=dm)
-    else:                                            # a value head, as is
-        dst = VC + ((b * n_kv + (h - n_heads - n_kv)) * max_len + slot) * (2 * HALF) + d
-        tl.store(dst, x1.to(VC.dtype.element_ty), mask=dm)
-        tl.store(dst + HALF, x2.to(VC.dtype.element_ty), mask=dm)
-
-
-def rope_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pad_len: torch.Tensor,
-                     slot: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """qkv (B, (H + 2 Hkv) D) of one token per row -> rotated q into q_out (B, H, D); rotated k and v into the
-    caches (B, Hkv, L, D) at ``slot`` (a 1-element device tensor). Row b's position is max(slot - pad_len[b], 0);
-    cos/sin (positions, D/2) float32 tables."""
-    B, H, D = q_out.shape
-    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and q_out.is_contiguous()):
-        raise ValueError("rope_cache_write: q_out and the caches must be contiguous")
-    _rope_cache_kernel[(B, H + 2 * n_kv)](qkv, cos, sin, pad_len, slot, q_out, k_cache, v_cache, qkv.stride(0),
-                                          H, n_kv, max_len, HALF=D // 2,
-                                          BLOCK_D=triton.next_power_of_2(D // 2), num_warps=1)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# attention of one query per row over the cache (split over the keys, then combined)
+def _rotate(X, cos, sin, HALF: tl.constexpr, rows, row_mask, d):
+    """Rotated halves (o1, o2), float32, of the head vectors at X + rows * 2 HALF (the "rotate half" layout)."""
+    x1 = tl.load(X + rows[:, None] * (2 * HALF) + d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(X + rows[:, None] * (2 * HALF) + HALF + d[None, :], mask=row_mask[:, None],
+                 other=0.0).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
 
 
 @triton.jit
-def _decode_attn_kernel(Q, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, n_heads, n_kv, max_len, chunk, scale,
-                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                        SPLITS: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, COUNTER, stride_qkv, n_heads,
+                        n_kv, max_len, chunk, scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
+                        DOT_UPCAST: tl.constexpr):
+    D: tl.constexpr = 2 * HALF
     bh = tl.program_id(0).to(tl.int64)               # b * n_kv + kv head
     split = tl.program_id(1)
     b = bh // n_kv
     hk = bh % n_kv
     slot = tl.load(SLOT).to(tl.int64)
     pad = tl.load(PAD + b)
-    lo = (split * chunk).to(tl.int64)
-    hi = tl.minimum(lo + chunk, slot + 1)
+    pos = tl.maximum(slot - pad, 0)
     rg = tl.arange(0, BLOCK_G)
+    rh = tl.arange(0, HALF)
     rd = tl.arange(0, D)
     rn = tl.arange(0, BLOCK_N)
     g_mask = rg < G
-    q = tl.load(Q + ((b * n_heads + hk * G + rg[:, None]) * D + rd[None, :]), mask=g_mask[:, None], other=0.0)
+    cos = tl.load(COS + pos * HALF + rh)
+    sin = tl.load(SIN + pos * HALF + rh)
+    row = QKV + b * stride_qkv
+    # the G query heads of this KV head and the new key, rotated at the row's position, rounded as stored
+    q1, q2 = _rotate(row, cos, sin, HALF, hk * G + rg, g_mask, rh)
+    dt = KC.dtype.element_ty
+    q1, q2 = q1.to(dt), q2.to(dt)
+    one = tl.arange(0, 1)
+    k1, k2 = _rotate(row, cos, sin, HALF, n_heads + hk + one, one < 1, rh)           # (1, HALF)
+    k1, k2 = k1.to(dt), k2.to(dt)
+    v_new = tl.load(row + (n_heads + n_kv + hk) * D + rd)                           # (D,)
     base = bh * max_len * D
+    if split == 0:                                   # the new key and value go into the cache at the slot
+        tl.store(KC + base + slot * D + one[:, None] * 0 + rh[None, :], k1)
+        tl.store(KC + base + slot * D + HALF + one[:, None] * 0 + rh[None, :], k2)
+        tl.store(VC + base + slot * D + rd, v_new)
+    # cached keys of this split: slots [lo, min(lo + chunk, slot)), visible from the row's padding on
+    lo = (split * chunk).to(tl.int64)
+    hi = tl.minimum(lo + chunk, slot)
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         j = start + rn
         in_range = j < hi
-        k = tl.load(KC + base + j[:, None] * D + rd[None, :], mask=in_range[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32), DOT_UPCAST) * scale
+        kp = KC + base + j[:, None] * D + rh[None, :]
+        c1 = tl.load(kp, mask=in_range[:, None], other=0.0)
+        c2 = tl.load(kp + HALF, mask=in_range[:, None], other=0.0)
+        s = _dot(q1, tl.trans(c1), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+        s = _dot(q2, tl.trans(c2), s, DOT_UPCAST) * scale                          # (BLOCK_G, BLOCK_N)
         s = tl.where((in_range & (j >= pad))[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                       # a fully masked block
@@ -289,6 +284,17 @@ def _decode_attn_kernel(Q, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, n_heads, n
         v = tl.load(VC + base + j[:, None] * D + rd[None, :], mask=in_range[:, None], other=0.0)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_UPCAST)
         m = m_new
+    # the new key itself (slot >= pad always: a row sees its own token), counted by split 0 only
+    s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+             + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale
+    s_new = tl.where(split == 0, s_new, float("-inf"))
+    m_new = tl.maximum(m, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p_new = tl.exp(s_new - m_safe)
+    l = l * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+    m = m_new
     heads = b * n_heads + hk * G + rg
     if SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -298,20 +304,27 @@ def _decode_attn_kernel(Q, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, n_heads, n
         tl.store(PART_ACC + part[:, None] * D + rd[None, :], acc, mask=g_mask[:, None])
         tl.store(PART_ML + part * 2, m, mask=g_mask)
         tl.store(PART_ML + part * 2 + 1, l, mask=g_mask)
-
-
-@triton.jit
-def _decode_attn_combine_kernel(PART_ACC, PART_ML, OUT, D: tl.constexpr, SPLITS: tl.constexpr):
-    head = tl.program_id(0).to(tl.int64)             # b * n_heads + h
-    rs = tl.arange(0, SPLITS)
-    rd = tl.arange(0, D)
-    m = tl.load(PART_ML + (head * SPLITS + rs) * 2)
-    l = tl.load(PART_ML + (head * SPLITS + rs) * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-    acc = tl.load(PART_ACC + (head * SPLITS + rs[:, None]) * D + rd[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + head * D + rd, out.to(OUT.dtype.element_ty))
+        # the last split of this (row, KV head) to finish combines all of them (the atomic is acq_rel: the
+        # others' partial results are visible to it), then re-arms the counter for the next layer and step
+        done = tl.atomic_add(COUNTER + bh, 1)
+        if done == SPLITS - 1:
+            m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                m_all = tl.maximum(m_all, tl.load(PART_ML + (heads * SPLITS + i) * 2, mask=g_mask,
+                                                  other=float("-inf"), cache_modifier=".cg"))
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            num = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+            den = tl.zeros([BLOCK_G], dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                part_i = heads * SPLITS + i
+                w = tl.exp(tl.load(PART_ML + part_i * 2, mask=g_mask, other=float("-inf"),
+                                   cache_modifier=".cg") - m_all)
+                den += w * tl.load(PART_ML + part_i * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+                num += w[:, None] * tl.load(PART_ACC + part_i[:, None] * D + rd[None, :], mask=g_mask[:, None],
+                                            other=0.0, cache_modifier=".cg")
+            out = num / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(OUT + heads[:, None] * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=g_mask[:, None])
+            tl.atomic_xchg(COUNTER + bh, 0)
 
 
 def attention_splits(batch: int, n_kv: int, max_len: int, block_n: int = 32) -> tuple[int, int]:
@@ -324,28 +337,40 @@ def attention_splits(batch: int, n_kv: int, max_len: int, block_n: int = 32) -> 
     return splits, chunk
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pad_len: torch.Tensor,
-                     slot: torch.Tensor, out: torch.Tensor, partial_acc: torch.Tensor | None = None,
-                     partial_ml: torch.Tensor | None = None, block_n: int = 32) -> torch.Tensor:
-    """out (B, H, D) = softmax(q k^T / sqrt(D)) v for one query per row, keys at cache slots pad_len[b] .. slot.
+class AttentionScratch:
+    """Float32 partial results and the per-(row, KV head) arrival counters of ``decode_attention``."""
 
-    q (B, H, D); caches (B, Hkv, L, D), contiguous. ``partial_*``: float32 scratch of
-    (B * H * splits, D) and (B * H * splits, 2), needed when the keys are split (see ``attention_splits``).
+    def __init__(self, batch: int, n_heads: int, n_kv: int, head_dim: int, max_len: int, device):
+        self.splits, self.chunk = attention_splits(batch, n_kv, max_len)
+        rows = batch * n_heads * self.splits
+        self.acc = torch.empty(rows, head_dim, device=device, dtype=torch.float32)
+        self.ml = torch.empty(rows, 2, device=device, dtype=torch.float32)
+        self.counter = torch.zeros(batch * n_kv, device=device, dtype=torch.int32)
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, pad_len: torch.Tensor, slot: torch.Tensor, out: torch.Tensor,
+                     scratch: AttentionScratch, block_n: int = 32) -> torch.Tensor:
+    """Attention of one new token per row, RoPE and the KV-cache write included.
+
+    qkv (B, (H + 2 Hkv) D): the qkv projection of the new tokens. Row b's position is max(slot - pad_len[b], 0);
+    its q and k are rotated there (cos/sin: (positions, D/2) float32 tables), k and v are written into the caches
+    (B, Hkv, L, D) at ``slot`` (a 1-element device tensor), and out (B, H, D) = softmax(q k^T / sqrt(D)) v over
+    the keys at slots pad_len[b] .. slot. The cached keys are split over ``scratch.splits`` programs per
+    (row, KV head); the last one to finish combines the partial softmaxes.
     """
-    B, H, D = q.shape
+    B, H, D = out.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"decode_attention: head_dim {D} must be a power of two >= 16")
+    if D & (D - 1) or D < 32:
+        raise ValueError(f"decode_attention: head_dim {D} must be a power of two >= 32")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous() and qkv.stride(-1) == 1):
+        raise ValueError("decode_attention: the caches and out must be contiguous, qkv along its last dimension")
+    if qkv.shape != (B, (H + 2 * n_kv) * D):
+        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not ({B}, {(H + 2 * n_kv) * D})")
     G = H // n_kv
-    splits, chunk = attention_splits(B, n_kv, max_len, block_n)
-    if splits > 1 and (partial_acc is None or partial_ml is None or partial_acc.shape[0] < B * H * splits):
-        raise ValueError(f"decode_attention: {splits} splits need partial buffers of {B * H * splits} rows")
-    scratch_acc = partial_acc if splits > 1 else out
-    scratch_ml = partial_ml if splits > 1 else out
-    _decode_attn_kernel[(B * n_kv, splits)](q, k_cache, v_cache, pad_len, slot, out, scratch_acc, scratch_ml, H,
-                                            n_kv, max_len, chunk, 1.0 / D ** 0.5, G=G,
-                                            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, D=D,
-                                            SPLITS=splits, DOT_UPCAST=_DOT_UPCAST, num_warps=4)
-    if splits > 1:
-        _decode_attn_combine_kernel[(B * H,)](partial_acc, partial_ml, out, D=D, SPLITS=splits, num_warps=1)
+    _decode_attn_kernel[(B * n_kv, scratch.splits)](
+        qkv, cos, sin, k_cache, v_cache, pad_len, slot, out, scratch.acc, scratch.ml, scratch.counter,
+        qkv.stride(0), H, n_kv, max_len, scratch.chunk, 1.0 / D ** 0.5, G=G,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HALF=D // 2, SPLITS=scratch.splits,
+        DOT_UPCAST=_DOT_UPCAST, num_warps=4)
     return out
