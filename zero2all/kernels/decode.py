@@ -51,9 +51,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_UPCAST = _INTERPRET
 
 
+# Z2ALL_DECODE_AUTOTUNE=0: one fixed config per kernel instead of tuning (quick tests on a GPU)
+_TUNE = os.environ.get("Z2ALL_DECODE_AUTOTUNE", "1") != "0"
+
+
 def _row_configs():
     if _INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
+    if not _TUNE:
+        return [triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=8)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
                               (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
@@ -62,6 +68,8 @@ def _row_configs():
 def _rows_configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
+    if not _TUNE:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn, bk, w, st in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
                                   (32, 256, 4, 4), (128, 64, 4, 5))]
@@ -327,7 +335,10 @@ def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML
             tl.atomic_xchg(COUNTER + bh, 0)
 
 
-def attention_splits(batch: int, n_kv: int, max_len: int, block_n: int = 32) -> tuple[int, int]:
+ATTN_BLOCK_N = 64  # cached keys per step of the attention loop (the splits' lengths are multiples of it)
+
+
+def attention_splits(batch: int, n_kv: int, max_len: int, block_n: int = ATTN_BLOCK_N) -> tuple[int, int]:
     """(splits, keys per split): enough programs to occupy the GPU at batch 1, one split when the batch does."""
     want = max(1, 128 // max(1, batch * n_kv))
     splits = 1
@@ -350,7 +361,7 @@ class AttentionScratch:
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pad_len: torch.Tensor, slot: torch.Tensor, out: torch.Tensor,
-                     scratch: AttentionScratch, block_n: int = 32) -> torch.Tensor:
+                     scratch: AttentionScratch, block_n: int = ATTN_BLOCK_N) -> torch.Tensor:
     """Attention of one new token per row, RoPE and the KV-cache write included.
 
     qkv (B, (H + 2 Hkv) D): the qkv projection of the new tokens. Row b's position is max(slot - pad_len[b], 0);
