@@ -175,6 +175,7 @@ def test_fused_decode_support_reasons():
     model = build_model(tiny_model_config(hidden_dim=128), device=DEVICE, seed=0).eval()
     assert supported(model, 4) is None
     assert "batch 17" in supported(model, 17)
-    assert "head_dim" in supported(build_model(tiny_model_config(hidden_dim=64, n_heads=4, n_kv_heads=2)), 1)
+    small_heads = build_model(tiny_model_config(hidden_dim=64, n_heads=4, n_kv_heads=2), device=DEVICE)
+    assert "head_dim" in supported(small_heads, 1)
     apply_lora(model, LoRAConfig(rank=2))
     assert "LoRA" in supported(model, 1)
