@@ -34,7 +34,9 @@ The new residual (float32 when ``residual_in_fp32``) is written by the first pro
 not the one being read (the caller alternates two buffers), so no program reads a half-updated residual.
 
 Everything reads the cache slot and the rows' left padding from device tensors, so one captured CUDA graph serves
-every step. Tile sizes are autotuned per (N, K) on the first call (a few seconds per shape, before capture).
+every step. On Hopper and later GPUs the kernels use programmatic dependent launch: a kernel is launched while the
+previous one drains, issues the load of its first weight tile, and only then waits for the previous kernel's
+results (``gdc_wait``), so launches and ramp-ups overlap the previous kernel's tail. Tile sizes are autotuned per (N, K) on the first call (a few seconds per shape, before capture).
 """
 
 from __future__ import annotations
@@ -49,6 +51,48 @@ PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the CPU interpreter's tl.dot mishandles bfloat16 inputs, so there the products are taken in float32
 _DOT_UPCAST = _INTERPRET
+
+
+
+
+def _pdl_supported() -> bool:
+    """Programmatic dependent launch (Hopper+): each kernel is launched while the previous one drains, loads its
+    first weight tile, then waits (``gdc_wait``) for the previous kernel's results. Z2ALL_DECODE_PDL=0 turns it
+    off; this Triton must know the launch option and the instructions."""
+    if _INTERPRET or os.environ.get("Z2ALL_DECODE_PDL", "1") == "0":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+    except Exception:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl_cuda, "gdc_wait")
+
+
+_PDL_SUPPORTED = _pdl_supported()
+_PDL_BY_DEVICE: dict = {}
+
+
+def _use_pdl(t: torch.Tensor) -> bool:
+    if not (_PDL_SUPPORTED and t.is_cuda):
+        return False
+    if t.device not in _PDL_BY_DEVICE:
+        _PDL_BY_DEVICE[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _PDL_BY_DEVICE[t.device]
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Let the next kernel launch as this one's programs finish."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel has finished and its writes are visible (before reading its outputs)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 # Z2ALL_DECODE_AUTOTUNE=0: one fixed config per kernel instead of tuning (quick tests on a GPU)
@@ -88,19 +132,27 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _pdl_start(PDL)
     pid = tl.program_id(0)
-    if GATHER:  # X is an embedding table: the input row is the token's
-        X = X + tl.load(TOK).to(tl.int64) * K
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
+    # weight tiles are double-buffered: the next tile's load is in flight while this one is used; the first is
+    # loaded before waiting for the previous kernel (weights never depend on it)
+    w_next = tl.load(W + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    _pdl_wait(PDL)
+    if GATHER:  # X is an embedding table: the input row is the token's
+        X = X + tl.load(TOK).to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop: no per-step
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)             # cross-warp reduction between the weight loads
     writes_res = rk < tl.where(pid == 0, BLOCK_K, 0)         # only the first program writes the residual
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_mask = kk < K
+        w = w_next
+        nk = kk + BLOCK_K
+        w_next = tl.load(W + rn[:, None] * K + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
         if PROLOGUE == 2:  # swiglu: X is [gate | up] of width 2K
             g = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
             u = tl.load(X + K + kk, mask=k_mask, other=0.0).to(tl.float32)
@@ -117,7 +169,6 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
             x = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32) * r
         else:
             x = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if PROLOGUE == 1:
@@ -130,8 +181,10 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
 @triton.autotune(configs=_rows_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
-                      HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
+    _pdl_start(PDL)
+    _pdl_wait(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -187,6 +240,8 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
     if token is None and not x.is_contiguous():
         raise ValueError("fused_gemv: x must be contiguous")
+    pdl = _use_pdl(weight)
+    launch = {"launch_pdl": True} if pdl else {}
     if M == 1:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         _gemv_row_kernel[grid](x, token if token is not None else x, residual if residual is not None else x,
@@ -194,7 +249,7 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
                                bias if bias is not None else weight, out,
                                residual_out if residual_out is not None else out, N, K, float(eps),
                                PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                               GATHER=token is not None)
+                               GATHER=token is not None, PDL=pdl, **launch)
         return out
     if prologue == PROLOGUE_NORM:
         from zero2all.kernels.rmsnorm import triton_add_rmsnorm
@@ -209,7 +264,7 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
         x = triton_swiglu(x)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_rows_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
-                            out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST)
+                            out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST, PDL=pdl, **launch)
     return out
 
 
@@ -239,7 +294,9 @@ def _rotate(X, cos, sin, HALF: tl.constexpr, rows, row_mask, d):
 def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, COUNTER, stride_qkv, n_heads,
                         n_kv, max_len, chunk, scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_N: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
-                        DOT_UPCAST: tl.constexpr):
+                        DOT_UPCAST: tl.constexpr, PDL: tl.constexpr):
+    _pdl_start(PDL)
+    _pdl_wait(PDL)
     D: tl.constexpr = 2 * HALF
     bh = tl.program_id(0).to(tl.int64)               # b * n_kv + kv head
     split = tl.program_id(1)
@@ -383,5 +440,5 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
         qkv, cos, sin, k_cache, v_cache, pad_len, slot, out, scratch.acc, scratch.ml, scratch.counter,
         qkv.stride(0), H, n_kv, max_len, scratch.chunk, 1.0 / D ** 0.5, G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HALF=D // 2, SPLITS=scratch.splits,
-        DOT_UPCAST=_DOT_UPCAST, num_warps=4)
+        DOT_UPCAST=_DOT_UPCAST, PDL=_use_pdl(qkv), num_warps=4, **({"launch_pdl": True} if _use_pdl(qkv) else {}))
     return out
