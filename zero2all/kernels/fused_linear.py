@@ -267,9 +267,10 @@ def _(grad_out, gate_up, weight, compute_dtype, want_dweight, want_dbias):
     return (gate_up.new_empty(gate_up.shape), *_fake_param_grads(weight, want_dweight, want_dbias))
 
 
-def _swiglu_linear_setup(ctx, inputs, output):
-    gate_up, weight, bias, cdt = inputs
-    ctx.save_for_backward(gate_up, weight)
+def _save_input_and_weight(ctx, inputs, output):
+    """setup_context of swiglu_linear and lean_linear: both keep their input (gate_up / x) and the weight."""
+    x, weight, bias, cdt = inputs
+    ctx.save_for_backward(x, weight)
     ctx.set_materialize_grads(False)
     ctx.compute_dtype = cdt
     ctx.has_bias = bias is not None
@@ -283,7 +284,7 @@ def _swiglu_linear_backward(ctx, grad_out):
     return dgu, (dw if need[1] else None), (db if want_db else None), None
 
 
-_swiglu_linear_fwd.register_autograd(_swiglu_linear_backward, setup_context=_swiglu_linear_setup)
+_swiglu_linear_fwd.register_autograd(_swiglu_linear_backward, setup_context=_save_input_and_weight)
 
 
 def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -332,14 +333,6 @@ def _(grad_out, x, weight, compute_dtype, want_dx, want_dweight, want_dbias):
     return (dx, *_fake_param_grads(weight, want_dweight, want_dbias))
 
 
-def _lean_linear_setup(ctx, inputs, output):
-    x, weight, bias, cdt = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.set_materialize_grads(False)
-    ctx.compute_dtype = cdt
-    ctx.has_bias = bias is not None
-
-
 def _lean_linear_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     need = ctx.needs_input_grad                                             # x, weight, bias, dtype
@@ -348,7 +341,7 @@ def _lean_linear_backward(ctx, grad_out):
     return (dx if need[0] else None), (dw if need[1] else None), (db if want_db else None), None
 
 
-_lean_linear_fwd.register_autograd(_lean_linear_backward, setup_context=_lean_linear_setup)
+_lean_linear_fwd.register_autograd(_lean_linear_backward, setup_context=_save_input_and_weight)
 
 
 def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
