@@ -209,6 +209,15 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
         assert not torch.allclose(merged(x)[0], load_model(world["init"])(x)[0])
         torch.testing.assert_close(merged(x)[0], alone(x)[0], rtol=0, atol=0)
     assert tok.hash == world["tok"].hash
+    # the training checkpoint itself (base + adapter tensors, and adapter/): merged on load, the same model
+    import zero2all
+    from zero2all.config import ConfigError
+
+    from_ckpt = zero2all.load_model(str(out / "ckpt-000008"))
+    with torch.no_grad():
+        torch.testing.assert_close(from_ckpt(x)[0], merged(x)[0], rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="LoRA adapter tensors"):   # the plain loader says what to do
+        load_model(out / "ckpt-000008")
     # a LoRA run's final/ as the starting point of the next stage: base + adapter, merged
     from zero2all.train.posttrain import load_weights
 

@@ -98,16 +98,27 @@ def load_state(model: Z2all, sd: dict[str, torch.Tensor], source: str) -> None:
         sd.setdefault("lm_head.weight", sd.get("embed_tokens.weight"))
     result = model.load_state_dict(sd, strict=False)
     missing = [k for k in result.missing_keys]
+    if not missing and result.unexpected_keys and all(_is_lora_key(k) for k in result.unexpected_keys):
+        raise ConfigError(f"{source}: the weights carry LoRA adapter tensors ({result.unexpected_keys[0]}, ...): "
+                          f"load the checkpoint with zero2all.load_model or model.lora.load_merged_model, which "
+                          f"merge its adapter/")
     if missing or result.unexpected_keys:
         raise ConfigError(f"{source}: weights do not match the config: missing {missing[:6]}, "
                           f"unexpected {result.unexpected_keys[:6]}")
 
 
+def _is_lora_key(key: str) -> bool:
+    return key.endswith((".lora_A", ".lora_B"))
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               ops: dict | None = None) -> Z2all:
+               ops: dict | None = None, drop_lora_tensors: bool = False) -> Z2all:
     """Load our checkpoint directory or an HF Llama directory; returns the model in eval mode.
 
-    ``ops`` overrides the op switchboard, e.g. ``{"attention": "naive"}``.
+    ``ops`` overrides the op switchboard, e.g. ``{"attention": "naive"}``. ``drop_lora_tensors``: a LoRA run's
+    training checkpoint (``ckpt-XXXXXX/``) stores the adapter tensors beside the base weights (for exact resume)
+    and the same adapter in ``adapter/``; with this flag the base loads alone (``load_merged_model`` then merges
+    the adapter).
     """
     from safetensors.torch import load_file
 
@@ -122,6 +133,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         if not wfile.exists():
             raise FileNotFoundError(f"{path}: {WEIGHTS} is missing")
         sd = load_file(str(wfile))
+        if drop_lora_tensors:
+            sd = {k: v for k, v in sd.items() if not _is_lora_key(k)}
     else:
         sd = hfmap.state_dict_from_hf(hfmap.read_hf_weights(path), cfg, str(path))
     model = model.to_empty(device=device)

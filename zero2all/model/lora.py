@@ -368,7 +368,7 @@ def load_merged_model(ckpt: str | Path, device="cpu", dtype: torch.dtype | None 
         if not str(base) or not (is_our_dir(base) or is_hf_dir(base)):
             raise FileNotFoundError(f"{adapter / ADAPTER_CONFIG}: base_model_name_or_path {str(base)!r} is not a "
                                     f"model directory (and {ckpt} holds no base weights)")
-    model = load_model(base, device=device)
+    model = load_model(base, device=device, drop_lora_tensors=True)  # a training checkpoint keeps them too
     load_adapter(model, adapter)
     merge_lora(model)
     if dtype is not None:
