@@ -43,7 +43,8 @@ def _reference_gemv(x, w, bias, prologue, residual, norm_w, eps, res_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,N,K", [(1, 37, 96), (3, 100, 100), (16, 64, 200), (5, 257, 33)])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 96), (1, 50, 33), (1, 19, 200), (3, 100, 100), (16, 64, 200),
+                                   (5, 257, 33)])
 @pytest.mark.parametrize("prologue", [0, 1, 2])
 def test_fused_gemv_matches_reference(dtype, M, N, K, prologue):
     K_ = _kernels()
