@@ -26,6 +26,8 @@ from zero2all.train import distributed as zd
 WORLD = 2
 MICRO, ACCUM, SEQ, STEPS = 2, 2, 16, 4
 LOSS_RTOL = 1e-5
+LEAN_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
+                     fused_linear="triton")
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -130,7 +132,9 @@ def scenario_modes(env, out, modes: list[dict]):
 
     torch.distributed.reduce_scatter_single = counting
     for fields in modes:
-        model, opt = make_run(TrainConfig(**fields), env)
+        fields = dict(fields)
+        model_kw = fields.pop("model", None)
+        model, opt = make_run(TrainConfig(**fields), env, model_kw)
         calls[0] = 0
         results.append(train_steps(model, opt, global_batches(STEPS), env, range(STEPS), WORLD))
         reduce_scatters.append(calls[0])
@@ -213,7 +217,11 @@ def test_parallel_modes_match_single_process(tmp_path):
              dict(parallel="fsdp", reshard_after_forward=False, fsdp_accum_no_sync=True),
              dict(parallel="ddp", comm_hook="fp16"),
              dict(parallel="ddp", comm_hook="powersgd", powersgd_start_iter=2, powersgd_rank=1),
-             dict(parallel="fsdp", precision="bf16", fsdp_reduce_fp32=True)]
+             dict(parallel="fsdp", precision="bf16", fsdp_reduce_fp32=True),
+             # the lean fused projections (Triton custom ops; the interpreter on CPU) under DDP and FSDP2
+             dict(parallel="ddp", model=dict(ops=LEAN_OPS)),
+             dict(parallel="fsdp", activation_checkpointing="selective", ac_selective="attention",
+                  model=dict(ops=LEAN_OPS))]
     out = spawn("modes", tmp_path, modes=modes)
     got, reduce_scatters = out["losses"], out["reduce_scatters"]
     # FSDP reduce-scatters once per block group (3 blocks + root) per micro-step; with fsdp_accum_no_sync once
@@ -233,6 +241,9 @@ def test_parallel_modes_match_single_process(tmp_path):
     # PowerSGD: exact for the first powersgd_start_iter steps (plain all-reduce), an approximation after
     assert_same_losses(powersgd[:2], want[:2])
     assert powersgd[2:] != want[2:] and abs(powersgd[-1] - want[-1]) < 0.05 * want[-1]
+    # fused_linear computes the same float32 math as the plain ops, summed in another order
+    for fields, losses in zip(modes[12:], got[12:]):
+        assert_same_losses(losses, want, rtol=1e-4, msg=str(fields))
 
 
 def test_sharded_checkpoint_2_to_1_and_export(tmp_path):
