@@ -211,7 +211,6 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
     assert tok.hash == world["tok"].hash
     # the training checkpoint itself (base + adapter tensors, and adapter/): merged on load, the same model
     import zero2all
-    from zero2all.config import ConfigError
 
     from_ckpt = zero2all.load_model(str(out / "ckpt-000008"))
     with torch.no_grad():
@@ -361,6 +360,46 @@ def test_dpo_reference_modes_agree_and_match_the_formula(world, tmp_path):
     for key in ("train_rewards/margin", "train_rewards/accuracy", "train_rewards/chosen", "train_rewards/rejected"):
         assert key in a[0] and key in b[0]
     assert (pre / "reference_logprobs.pt").exists()
+
+
+def test_prepared_dpo_pairs_equal_in_memory_and_train_the_same(world, tmp_path, capsys):
+    """`z2all prepare-dpo` shards give the same batches as the jsonl path (truncation, dropping and the rank split
+    included), the DPO run from the directory logs the same losses as from the jsonl, and the kinds are checked."""
+    from zero2all.data.chat import DPODataset
+    from zero2all.data.sft_shards import DPOShardDataset
+
+    tok, shards = world["tok"], tmp_path / "dpo-shards"
+    assert main(["prepare-dpo", "--input", str(world["dpo"]), "--tokenizer", str(world["root"] / "tok"),
+                 "--out", str(shards)]) == 0
+    meta = json.loads((shards / "meta.json").read_text())
+    assert meta["kind"] == "dpo" and meta["splits"]["train"]["pairs"] * 2 == meta["splits"]["train"]["samples"]
+    for seq_len, rank, world_size in ((96, 0, 1), (50, 0, 1), (96, 1, 2)):  # 50: pairs truncated or dropped
+        mem = DPODataset.from_files([world["dpo"]], tok, seq_len, rank=rank, world_size=world_size)
+        disk = DPOShardDataset(shards, seq_len, mem.pad_id, rank=rank, world_size=world_size, tokenizer=tok)
+        assert len(disk) == len(mem) > 0, seq_len
+        if world_size == 1:
+            assert (disk.stats.truncated, disk.stats.dropped_no_labels) == (mem.stats.truncated,
+                                                                           mem.stats.dropped_no_labels)
+            assert seq_len == 96 or (mem.stats.truncated and mem.stats.dropped_no_labels)  # the edge is covered
+        a, b = mem.batch(range(len(mem))), disk.batch(range(len(disk)))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert [p.chosen.input_ids for p in disk.pairs[1:3]] == [p.chosen.input_ids for p in mem.pairs[1:3]]
+    extra = ["train.max_steps=2", "train.micro_batch_size=3", "post.precompute_ref=true"]
+    dpo(dpo_cfg(world, tmp_path / "jsonl", *extra), show_progress=False)
+    dpo(posttrain_config("dpo", None, [f"post.init='{world['init']}'", f"post.data=['{shards}']",
+                                       *run_overrides(tmp_path / "shards", *extra)]), show_progress=False)
+    a, b = train_losses(tmp_path / "jsonl"), train_losses(tmp_path / "shards")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    # an SFT directory is not DPO data, and the other way round
+    sft_dir = tmp_path / "sft-shards"
+    prepare_sft([world["sft"]], world["root"] / "tok", sft_dir, log=lambda *x: None)
+    with pytest.raises(SFTShardError, match="needs DPO data"):
+        DPOShardDataset(sft_dir, 64, 0)
+    with pytest.raises(SFTShardError, match="needs SFT data"):
+        SFTShardDataset(shards, 64, 0)
+    with pytest.raises(ConfigError, match="not a `z2all prepare-dpo` output"):
+        dpo(posttrain_config("dpo", None, [f"post.init='{world['init']}'", f"post.data=['{sft_dir}']",
+                                           *run_overrides(tmp_path / "x", *extra)]), show_progress=False)
 
 
 def test_dpo_learns_the_preference_with_lora_and_cli(world, tmp_path, capsys):

@@ -255,11 +255,34 @@ def _prepare_sft(p):
     return _data_errors("prepare-sft", run)
 
 
+@command("prepare-dpo", "render preference-pair jsonl once into DPO token files + index (for large sets)",
+         "  z2all prepare-dpo --input pairs.jsonl --tokenizer runs/demo/tokenizer --out runs/dpo-data\n"
+         "  z2all dpo --init runs/sft/final --data runs/dpo-data          # then train from the directory")
+def _prepare_dpo(p):
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE",
+                   help='jsonl / jsonl.gz / json files of {"prompt" | "conversations", "chosen", "rejected"}')
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (with the chat template tokens)")
+    p.add_argument("--out", required=True, help="output directory (written whole, then renamed into place)")
+    p.add_argument("--valid-fraction", type=float, default=0.0, help="share of pairs held out (by content)")
+    p.add_argument("--workers", type=int, default=1, help="rendering processes")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+    def run(args):
+        from zero2all.data.sft_shards import prepare_sft
+
+        prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
+                    on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
+                    command="z2all " + " ".join(sys.argv[1:]), kind="dpo")
+
+    return _data_errors("prepare-dpo", run)
+
+
 def _posttrain_args(p, stage: str):
     p.add_argument("--init", required=True, help="pretrained checkpoint to start from (ours, HF Llama, or with a "
                                                  "LoRA adapter)")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help="jsonl / json files" + (", or one `z2all prepare-sft` directory" if stage == "sft" else ""))
+                   help=f"jsonl / json files, or one `z2all prepare-{stage}` directory")
     p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default runs/{stage})")
     p.add_argument("--config", default=None, help=".toml file with train / post sections (model: ops only)")
     p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "

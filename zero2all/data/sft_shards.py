@@ -1,5 +1,6 @@
-"""Pretokenized SFT data (``z2all prepare-sft``): chat records rendered once into token files + an index, then
-read by memory map, so large instruction sets neither sit in memory as Python lists nor get re-rendered per run.
+"""Pretokenized SFT and DPO data (``z2all prepare-sft``, ``z2all prepare-dpo``): chat records rendered once into
+token files + an index, then read by memory map, so large instruction or preference sets neither sit in memory as
+Python lists nor get re-rendered per run.
 
 Output directory (written into a hidden temporary directory, fsynced, then renamed into place: a killed run
 leaves either the old directory or the complete new one)::
@@ -11,14 +12,18 @@ leaves either the old directory or the complete new one)::
     train.first_label.npy int32 position (within its sample) of each sample's first learned token
     valid.*               the same for the held-out split (possibly empty)
 
-Rendering is exactly ``zero2all.data.chat.render_sft_record`` (chat template, assistant-only labels). The split is
+A DPO directory (``meta.json`` kind "dpo") stores each preference pair as two consecutive samples, chosen then
+rejected, rendered exactly by ``zero2all.data.chat.render_dpo_record`` (labels on the answer only); an SFT
+directory (kind "sft") renders with ``render_sft_record`` (chat template, assistant-only labels). The split is
 by record content: ``u = blake2b(canonical JSON of the record)`` in [0, 1), held out when ``u < valid_fraction``;
 identical records fall on the same side and the split does not depend on order or worker count.
 
 :class:`SFTShardDataset` turns a split into the same rows as the in-memory :class:`~zero2all.data.chat.SFTDataset`
 (same truncation to ``seq_len + 1`` tokens, same dropping of samples left without assistant tokens, the same
 greedy in-order packing or one-sample-per-row padding, the same rank split), but builds each row only when a batch
-asks for it. Training refuses shards made with another tokenizer (hash check).
+asks for it. :class:`DPOShardDataset` gives the pairs of :class:`~zero2all.data.chat.DPODataset` (the same
+truncation and dropping per side, the same rank split) from the memory map. Training refuses shards made with
+another tokenizer (hash check) or of the other kind.
 """
 
 from __future__ import annotations
@@ -31,18 +36,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence as SequenceABC
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from zero2all.data.chat import IGNORE_INDEX, ChatDataError, LoadStats, _ItemIterator, iter_jsonl, render_sft_record
+from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, DPODataset, DPOSample, LoadStats, SFTSample, _ItemIterator,
+                                 iter_jsonl, render_dpo_record, render_sft_record)
 from zero2all.fileio import replace_dir, save_json
 
 FORMAT = "zero2all-sft-shards"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "valid")
+KINDS = ("sft", "dpo")
 
 
 class SFTShardError(ValueError):
@@ -67,22 +75,29 @@ def record_unit(record) -> float:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_dir: str) -> None:
+def _init_worker(tokenizer_dir: str, kind: str = "sft") -> None:
     from zero2all.tokenizer import load_tokenizer
 
     _WORKER["tok"] = load_tokenizer(tokenizer_dir)
+    _WORKER["kind"] = kind
 
 
 def _render_chunk(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
-    """(where, record or error) -> (where, (ids, mask) or error message); runs in a worker process."""
-    tok = _WORKER["tok"]
+    """(where, record or error) -> (where, ([(ids, mask) per sample], unit) or error message); runs in a worker
+    process. An SFT record is one sample, a preference record two (chosen, rejected)."""
+    tok, kind = _WORKER["tok"], _WORKER.get("kind", "sft")
     out = []
     for where, record in items:
         try:
             if isinstance(record, ChatDataError):
                 raise record
-            s = render_sft_record(tok, record, where)
-            out.append((where, (s.input_ids, [int(y != IGNORE_INDEX) for y in s.labels], record_unit(record))))
+            if kind == "dpo":
+                pair = render_dpo_record(tok, record, where)
+                samples = [pair.chosen, pair.rejected]
+            else:
+                samples = [render_sft_record(tok, record, where)]
+            encoded = [(s.input_ids, [int(y != IGNORE_INDEX) for y in s.labels]) for s in samples]
+            out.append((where, (encoded, record_unit(record))))
         except ChatDataError as e:
             out.append((where, str(e)))
     return out
@@ -128,18 +143,21 @@ class _SplitWriter:
 
 def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path, *,
                 valid_fraction: float = 0.0, on_error: str = "raise", workers: int = 1, overwrite: bool = False,
-                chunk_records: int = 256, command: str = "", log=print) -> dict:
+                chunk_records: int = 256, command: str = "", log=print, kind: str = "sft") -> dict:
     """Render every record of ``inputs`` (jsonl / jsonl.gz / json files) and write the directory described in the
-    module docstring; returns its meta. ``workers`` > 1 renders chunks of records in parallel (same output)."""
+    module docstring; returns its meta. ``workers`` > 1 renders chunks of records in parallel (same output).
+    ``kind``: "sft" (instruction / conversation records) or "dpo" (preference pairs, two samples each)."""
     from zero2all.tokenizer import load_tokenizer
 
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error: {on_error!r} is not one of raise, skip")
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
     out = Path(out_dir)
     if (out / META_FILE).exists() and not overwrite:
-        raise FileExistsError(f"{out}: already holds prepared SFT data (pass --overwrite to replace it)")
+        raise FileExistsError(f"{out}: already holds prepared data (pass --overwrite to replace it)")
     paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     for p in paths:
         if not p.is_file():
@@ -158,10 +176,10 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),))
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir), kind))
             results = pool.imap(_render_chunk, _chunks(paths, chunk_records))
         else:
-            _WORKER["tok"] = tok
+            _WORKER["tok"], _WORKER["kind"] = tok, kind
             pool, results = None, map(_render_chunk, _chunks(paths, chunk_records))
         try:
             for chunk in results:
@@ -174,16 +192,20 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
                         if len(stats.errors) < 10:
                             stats.errors.append(result)
                         continue
-                    ids, mask, u = result
-                    writers["valid" if u < valid_fraction else "train"].add(ids, mask)
+                    encoded, u = result
+                    for ids, mask in encoded:
+                        writers["valid" if u < valid_fraction else "train"].add(ids, mask)
         finally:
             if pool is not None:
                 pool.terminate()
         splits = {s: w.close(tmp) for s, w in writers.items()}
         if splits["train"]["samples"] == 0:
-            raise ValueError(f"no usable SFT records in {', '.join(map(str, paths))}: {stats.summary()}")
+            raise ValueError(f"no usable {kind.upper()} records in {', '.join(map(str, paths))}: {stats.summary()}")
+        if kind == "dpo":
+            for split in splits.values():
+                split["pairs"] = split["samples"] // 2
         meta = {
-            "format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name,
+            "format": FORMAT, "version": FORMAT_VERSION, "kind": kind, "dtype": dtype.name,
             "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size},
             "inputs": [str(p) for p in paths], "valid_fraction": valid_fraction, "splits": splits,
             "read": {"records": stats.records, "skipped": stats.skipped, "errors": stats.errors},
@@ -196,33 +218,63 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tr, va = splits["train"], splits["valid"]
-    log(f"wrote {out}: {tr['samples']:,} train samples ({tr['tokens']:,} tokens, {tr['label_tokens']:,} learned), "
-        f"{va['samples']:,} valid samples; {stats.skipped} malformed records skipped; {meta['seconds']:.1f} s")
+    unit = "pairs" if kind == "dpo" else "samples"
+    log(f"wrote {out}: {tr[unit]:,} train {unit} ({tr['tokens']:,} tokens, {tr['label_tokens']:,} learned), "
+        f"{va[unit]:,} valid {unit}; {stats.skipped} malformed records skipped; {meta['seconds']:.1f} s")
     return meta
 
 
-def read_sft_meta(data_dir: str | Path) -> dict:
+def read_sft_meta(data_dir: str | Path, kind: str | None = None) -> dict:
+    """The meta of a prepared directory; with ``kind``, refuses one of the other kind ("sft" / "dpo")."""
     f = Path(data_dir) / META_FILE
     if not f.exists():
-        raise SFTShardError(f"{f}: no meta.json; not a finished `z2all prepare-sft` output")
+        raise SFTShardError(f"{f}: no meta.json; not a finished `z2all prepare-sft` / `prepare-dpo` output")
     meta = json.loads(f.read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:
         raise SFTShardError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
+    found = meta.get("kind", "sft")
+    if kind is not None and found != kind:
+        raise SFTShardError(f"{f}: prepared {found.upper()} data, but this run needs {kind.upper()} data "
+                            f"(`z2all prepare-{kind}`)")
     return meta
 
 
-def is_sft_shard_dir(path: str | Path) -> bool:
+def is_sft_shard_dir(path: str | Path, kind: str | None = None) -> bool:
+    """Whether ``path`` is a prepared directory (of ``kind``, when given)."""
     f = Path(path) / META_FILE
     if not f.is_file():
         return False
     try:
-        return json.loads(f.read_text(encoding="utf-8")).get("format") == FORMAT
+        meta = json.loads(f.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
+    return meta.get("format") == FORMAT and (kind is None or meta.get("kind", "sft") == kind)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # reading
+
+
+def _open_split(data_dir: Path, split: str, kind: str, tokenizer):
+    """(meta, tokens memmap, labels memmap, offsets, first_label) of one split, after the kind and tokenizer
+    checks."""
+    if split not in SPLITS:
+        raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
+    meta = read_sft_meta(data_dir, kind)
+    found = meta["tokenizer"]["hash"]
+    if tokenizer is not None and tokenizer.hash != found:
+        raise SFTShardError(f"{data_dir}: the shards were made with tokenizer {found[:16]}, but this run uses "
+                            f"{tokenizer.hash[:16]}; re-run `z2all prepare-{kind}` with it")
+    offsets = np.load(data_dir / f"{split}.index.npy")
+    first_label = np.load(data_dir / f"{split}.first_label.npy")
+    n_tokens = int(offsets[-1])
+    dtype = np.dtype(meta["dtype"])
+    if n_tokens:
+        tokens = np.memmap(data_dir / f"{split}.tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
+        labels = np.memmap(data_dir / f"{split}.labels.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
+    else:
+        tokens = labels = np.zeros(0, dtype=dtype)
+    return meta, tokens, labels, offsets, first_label
 
 
 def greedy_pack(lengths: np.ndarray, seq_len: int) -> list[tuple[int, int]]:
@@ -250,21 +302,9 @@ class SFTShardDataset:
         if split not in SPLITS:
             raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
         self.dir = Path(data_dir)
-        self.meta = read_sft_meta(self.dir)
+        self.meta, self.tokens, self.labels, offsets, first_label = _open_split(self.dir, split, "sft", tokenizer)
         self.tokenizer_hash = self.meta["tokenizer"]["hash"]
-        if tokenizer is not None and tokenizer.hash != self.tokenizer_hash:
-            raise SFTShardError(f"{self.dir}: the SFT shards were made with tokenizer {self.tokenizer_hash[:16]}, "
-                                f"but this run uses {tokenizer.hash[:16]}; re-run `z2all prepare-sft` with it")
         self.seq_len, self.mode, self.pad_id, self.split = seq_len, mode, pad_id, split
-        offsets = np.load(self.dir / f"{split}.index.npy")
-        first_label = np.load(self.dir / f"{split}.first_label.npy")
-        n_tokens = int(offsets[-1])
-        dtype = np.dtype(self.meta["dtype"])
-        if n_tokens:
-            self.tokens = np.memmap(self.dir / f"{split}.tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
-            self.labels = np.memmap(self.dir / f"{split}.labels.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
-        else:
-            self.tokens = self.labels = np.zeros(0, dtype=dtype)
         lengths = np.diff(offsets)
         kept_len = np.minimum(lengths, seq_len + 1)           # truncation, as chat.load_sft_samples does
         keep = (kept_len >= 2) & (first_label < kept_len)     # a sample needs an assistant token left
@@ -312,3 +352,54 @@ class SFTShardDataset:
 
     def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
         return _ItemIterator(self, batch_size, seed, shuffle)
+
+
+class _ShardPairs(SequenceABC):
+    """The kept pairs of a DPO split as :class:`DPOSample` objects, built from the memory map on access (a
+    sequence: ``len``, indexing and slicing, as the in-memory list of pairs)."""
+
+    def __init__(self, tokens, labels, starts: np.ndarray, lengths: np.ndarray):
+        self.tokens, self.labels = tokens, labels
+        self.starts, self.lengths = starts, lengths      # (pairs, 2): chosen, rejected (after truncation)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def _sample(self, s: int, n: int) -> SFTSample:
+        ids = self.tokens[s:s + n].astype(np.int64)
+        labels = np.where(self.labels[s:s + n].astype(np.bool_), ids, IGNORE_INDEX)
+        return SFTSample(ids.tolist(), labels.tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"pair {i} of {len(self)}")
+        (sc, sr), (nc, nr) = self.starts[i], self.lengths[i]
+        return DPOSample(self._sample(int(sc), int(nc)), self._sample(int(sr), int(nr)))
+
+
+class DPOShardDataset(DPODataset):
+    """One split of a ``prepare-dpo`` directory as preference pairs: the batches of
+    :class:`~zero2all.data.chat.DPODataset` (pairs whose chosen or rejected side keeps no answer token after
+    truncation to ``seq_len + 1`` are dropped, as ``load_dpo_samples`` does; the same rank split)."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, pad_id: int, split: str = "train", rank: int = 0,
+                 world_size: int = 1, tokenizer=None):
+        self.dir = Path(data_dir)
+        self.meta, tokens, labels, offsets, first_label = _open_split(self.dir, split, "dpo", tokenizer)
+        self.tokenizer_hash = self.meta["tokenizer"]["hash"]
+        self.seq_len, self.pad_id, self.split = seq_len, pad_id, split
+        lengths = np.diff(offsets)
+        if len(lengths) % 2:
+            raise SFTShardError(f"{self.dir}: {split} holds {len(lengths)} samples, not chosen/rejected pairs")
+        kept_len = np.minimum(lengths, seq_len + 1)
+        keep = (kept_len >= 2) & (first_label < kept_len)
+        pair_keep = keep[0::2] & keep[1::2]
+        starts = np.stack([offsets[:-1][0::2], offsets[:-1][1::2]], axis=1)[pair_keep]
+        kept = np.stack([kept_len[0::2], kept_len[1::2]], axis=1)[pair_keep]
+        self.stats = LoadStats(records=len(lengths) // 2, truncated=int((lengths > seq_len + 1).sum()),
+                               dropped_no_labels=int((~keep).sum()))
+        per_rank = len(starts) // world_size
+        self.pairs = _ShardPairs(tokens, labels, starts[rank::world_size][:per_rank],
+                                 kept[rank::world_size][:per_rank])

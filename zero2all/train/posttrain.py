@@ -317,13 +317,23 @@ def _load_with_holdout(load, cfg: Config, tok, seq_len: int, rank: int):
 def build_dpo_data(cfg: Config, tok, rank: int = 0, world_size: int = 1):
     """(train, valid or None) DPO pair datasets for ``cfg.post``."""
     from zero2all.data.chat import DPODataset, load_dpo_samples
+    from zero2all.data.sft_shards import DPOShardDataset, is_sft_shard_dir
 
     p, seq_len, pad = cfg.post, data_seq_len(cfg), _pad_id(tok)
-    pairs, valid_pairs, stats = _load_with_holdout(load_dpo_samples, cfg, tok, seq_len, rank)
-    if not pairs:
-        raise ConfigError(f"post.data: no usable preference pairs in {', '.join(p.data)} ({stats.summary()})")
-    train = DPODataset(pairs, seq_len, pad, rank, world_size)
-    valid = DPODataset(valid_pairs, seq_len, pad, rank, world_size) if valid_pairs else None
+    if len(p.data) == 1 and Path(p.data[0]).is_dir():
+        if not is_sft_shard_dir(p.data[0], "dpo"):
+            raise ConfigError(f"post.data: {p.data[0]} is a directory but not a `z2all prepare-dpo` output")
+        train = DPOShardDataset(p.data[0], seq_len, pad, "train", rank, world_size, tokenizer=tok)
+        _report(f"{p.data[0]} (train)", train.stats, rank)
+        if not len(train):
+            raise ConfigError(f"post.data: no usable preference pairs in {p.data[0]} ({train.stats.summary()})")
+        valid = DPOShardDataset(p.data[0], seq_len, pad, "valid", rank, world_size, tokenizer=tok)
+    else:
+        pairs, valid_pairs, stats = _load_with_holdout(load_dpo_samples, cfg, tok, seq_len, rank)
+        if not pairs:
+            raise ConfigError(f"post.data: no usable preference pairs in {', '.join(p.data)} ({stats.summary()})")
+        train = DPODataset(pairs, seq_len, pad, rank, world_size)
+        valid = DPODataset(valid_pairs, seq_len, pad, rank, world_size) if valid_pairs else None
     if valid is not None and len(valid) == 0:
         valid = None
     for ds in (train, valid):
