@@ -231,13 +231,10 @@ def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-@command("prepare-sft", "render chat / instruction jsonl once into SFT token files + index (for large sets)",
-         "  z2all prepare-sft --input chats.jsonl --tokenizer runs/demo/tokenizer --out runs/sft-data\n"
-         "  z2all prepare-sft --input a.jsonl b.jsonl.gz --tokenizer tok --out sft-data --valid-fraction 0.01 "
-         "--workers 8")
-def _prepare_sft(p):
+def _prepare_chat_data(p, kind: str, records: str):
+    """The arguments and the run of ``prepare-sft`` / ``prepare-dpo`` (one writer, ``sft_shards.prepare_sft``)."""
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE",
-                   help="jsonl / jsonl.gz / json files of instruction or conversation records")
+                   help=f"jsonl / jsonl.gz / json files of {records}")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (with the chat template tokens)")
     p.add_argument("--out", required=True, help="output directory (written whole, then renamed into place)")
     p.add_argument("--valid-fraction", type=float, default=0.0, help="share of records held out (by content)")
@@ -250,32 +247,24 @@ def _prepare_sft(p):
 
         prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                     on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
-                    command="z2all " + " ".join(sys.argv[1:]))
+                    command="z2all " + " ".join(sys.argv[1:]), kind=kind)
 
-    return _data_errors("prepare-sft", run)
+    return _data_errors(f"prepare-{kind}", run)
+
+
+@command("prepare-sft", "render chat / instruction jsonl once into SFT token files + index (for large sets)",
+         "  z2all prepare-sft --input chats.jsonl --tokenizer runs/demo/tokenizer --out runs/sft-data\n"
+         "  z2all prepare-sft --input a.jsonl b.jsonl.gz --tokenizer tok --out sft-data --valid-fraction 0.01 "
+         "--workers 8")
+def _prepare_sft(p):
+    return _prepare_chat_data(p, "sft", "instruction or conversation records")
 
 
 @command("prepare-dpo", "render preference-pair jsonl once into DPO token files + index (for large sets)",
          "  z2all prepare-dpo --input pairs.jsonl --tokenizer runs/demo/tokenizer --out runs/dpo-data\n"
          "  z2all dpo --init runs/sft/final --data runs/dpo-data          # then train from the directory")
 def _prepare_dpo(p):
-    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE",
-                   help='jsonl / jsonl.gz / json files of {"prompt" | "conversations", "chosen", "rejected"}')
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (with the chat template tokens)")
-    p.add_argument("--out", required=True, help="output directory (written whole, then renamed into place)")
-    p.add_argument("--valid-fraction", type=float, default=0.0, help="share of pairs held out (by content)")
-    p.add_argument("--workers", type=int, default=1, help="rendering processes")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-
-    def run(args):
-        from zero2all.data.sft_shards import prepare_sft
-
-        prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
-                    on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
-                    command="z2all " + " ".join(sys.argv[1:]), kind="dpo")
-
-    return _data_errors("prepare-dpo", run)
+    return _prepare_chat_data(p, "dpo", '{"prompt" | "conversations", "chosen", "rejected"} records')
 
 
 def _posttrain_args(p, stage: str):
