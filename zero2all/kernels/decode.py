@@ -100,11 +100,25 @@ def _pdl_wait(PDL: tl.constexpr):
 _TUNE = os.environ.get("Z2ALL_DECODE_AUTOTUNE", "1") != "0"
 
 
+def _tiles_from_env(value: str) -> list[tuple[int, int, int]]:
+    """"bn:bk:warps,bn:bk:warps,..." -> the one-row kernel's candidate tiles (Z2ALL_DECODE_ROW_TILES)."""
+    try:
+        tiles = [tuple(int(v) for v in item.split(":")) for item in value.split(",") if item.strip()]
+    except ValueError:
+        tiles = []
+    if not tiles or any(len(t) != 3 for t in tiles):
+        raise ValueError(f"Z2ALL_DECODE_ROW_TILES={value!r}: expected bn:bk:warps[,bn:bk:warps...]")
+    return tiles
+
+
 def _row_configs():
     if _INTERPRET:  # the CPU interpreter: one small config, no tuning
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     if not _TUNE:
         return [triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=8)]
+    if os.environ.get("Z2ALL_DECODE_ROW_TILES"):  # candidate tiles for the tuner, e.g. "2:2048:4,4:2048:8"
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+                for bn, bk, w in _tiles_from_env(os.environ["Z2ALL_DECODE_ROW_TILES"])]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
                               (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
