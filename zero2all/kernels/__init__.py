@@ -12,6 +12,9 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
                       (norm + linear, SwiGLU + linear, linear; keep far less for backward)
     cross_entropy.py  LM head + cross-entropy         fused_linear_cross_entropy
     attention.py      FlexAttention, document masks   flex_causal_attention
+    decode.py         the decode step (inference only: plain Triton launches, no autograd or custom op)
+                      norm/SwiGLU + matrix-vector     fused_gemv
+                      RoPE + cache write + attention  decode_attention
 """
 
 from __future__ import annotations
