@@ -143,17 +143,23 @@ def test_we_load_a_peft_trained_partial_adapter_exactly(exported, tmp_path):
         torch.testing.assert_close(ours(x)[0], theirs, atol=2e-5, rtol=1e-4)
 
 
+def adapted_base(exported, seed: int, n_tokens: int):
+    """The exported base with a rank-2 LoRA of random weights: (model, tokens, its logits on them)."""
+    ours = load_model(exported / "base")
+    apply_lora(ours, LoRAConfig(rank=2, alpha=4))
+    randomize_lora(ours, seed=seed)
+    x = tokens(n_tokens)
+    with torch.no_grad():
+        expected, _ = ours.eval()(x)
+    return ours, x, expected
+
+
 def test_load_merged_model_and_export(exported, tmp_path):
     from transformers import LlamaForCausalLM
 
     from zero2all.cli import main
 
-    ours = load_model(exported / "base")
-    apply_lora(ours, LoRAConfig(rank=2, alpha=4))
-    randomize_lora(ours, seed=5)
-    x = tokens(6)
-    with torch.no_grad():
-        expected, _ = ours.eval()(x)
+    ours, x, expected = adapted_base(exported, seed=5, n_tokens=6)
     # adapter alone, pointing at its base
     save_adapter(ours, tmp_path / "only_adapter", base_model_name_or_path=str(exported / "base"))
     with torch.no_grad():
@@ -175,12 +181,8 @@ def test_public_load_model_merges_an_attached_adapter(exported, tmp_path):
     """zero2all.load_model on a directory with a LoRA adapter returns base + adapter, never the bare base."""
     import zero2all
 
-    ours = load_model(exported / "base")
-    apply_lora(ours, LoRAConfig(rank=2, alpha=4))
-    randomize_lora(ours, seed=7)
-    x = tokens(5)
+    ours, x, expected = adapted_base(exported, seed=7, n_tokens=5)
     with torch.no_grad():
-        expected, _ = ours.eval()(x)
         base_out, _ = load_model(exported / "base")(x)
     save_model(load_model(exported / "base"), tmp_path / "ckpt")
     save_adapter(ours, tmp_path / "ckpt" / "adapter")
