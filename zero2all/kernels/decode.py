@@ -196,10 +196,8 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
 @triton.autotune(configs=_rows_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
-                      HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
-    _pdl_start(PDL)
-    _pdl_wait(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -253,12 +251,10 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError("fused_gemv: residual_out must not be the residual being read")
         if residual_out.shape != (M, K) or not residual_out.is_contiguous():
             raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
-    if token is None and not x.is_contiguous():
-        raise ValueError("fused_gemv: x must be contiguous")
-    pdl = _use_pdl(weight) and M == 1  # measured: +3 % per step at one row, -7 % at 16 (H200)
-    launch = {"launch_pdl": True} if pdl else {}
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     if M == 1:
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        pdl = _use_pdl(weight)  # one row only: measured +3 % per step at one row, -7 % at 16 (H200)
+        launch = {"launch_pdl": True} if pdl else {}
         _gemv_row_kernel[grid](x, token if token is not None else x, residual if residual is not None else x,
                                norm_weight if norm_weight is not None else weight, weight,
                                bias if bias is not None else weight, out,
@@ -277,9 +273,8 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
         from zero2all.kernels.swiglu import triton_swiglu
 
         x = triton_swiglu(x)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_rows_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
-                            out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST, PDL=pdl, **launch)
+                            out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST)
     return out
 
 
