@@ -30,6 +30,7 @@ back while it could still be the start of a stop string or ends inside a multi-b
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -121,6 +122,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0)
     return logits
 
 
+@functools.lru_cache(maxsize=None)  # called every greedy step: computed once per vocabulary size
 def _slices(V: int) -> int:
     """The divisor of V nearest sqrt(V) (slices of equal length for the two-pass argmax), 1 when there is none."""
     best = 1
