@@ -67,6 +67,29 @@ def test_fused_gemv_matches_reference(dtype, M, N, K, prologue):
             torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", [(8, 32, 4), (4, 64, 2), (2, 128, 4)])
+@pytest.mark.parametrize("prologue", [0, 1, 2])
+def test_one_row_kernel_with_given_tiles(tiles, prologue):
+    """Every tile the tuner may pick gives the reference's results: K not a multiple of BLOCK_K, N not one of
+    BLOCK_N, bias, and the residual written once."""
+    K_ = _kernels()
+    g = torch.Generator().manual_seed(sum(tiles) + prologue)
+    N, K = 1001, 150
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE)
+    x = torch.randn(1, 2 * K if prologue == 2 else K, generator=g).to(DEVICE)
+    bias = torch.randn(N, generator=g).to(DEVICE)
+    residual = torch.randn(1, K, generator=g).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE)
+    out = torch.full((1, N), float("nan"), device=DEVICE)
+    res_out = torch.full((1, K), float("nan"), device=DEVICE) if prologue == 1 else None
+    K_.fused_gemv(x, w, out, bias=bias, prologue=prologue, residual=residual if prologue == 1 else None,
+                  norm_weight=norm_w, residual_out=res_out, tiles=tiles)
+    ref, ref_res = _reference_gemv(x, w, bias, prologue, residual, norm_w, 1e-5, torch.float32)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    if prologue == 1:
+        torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+
+
 def test_fused_gemv_bf16_residual_stream_and_errors():
     K_ = _kernels()
     x = torch.randn(2, 48, device=DEVICE).bfloat16()
@@ -180,3 +203,30 @@ def test_fused_decode_support_reasons():
     assert "head_dim" in supported(small_heads, 1)
     apply_lora(model, LoRAConfig(rank=2))
     assert "LoRA" in supported(model, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tuner times CUDA graphs")
+def test_tune_picks_a_candidate_per_shape_and_keeps_the_step_exact(monkeypatch):
+    """FusedDecodeStep.tune times the whole step per candidate tile and keeps one per product shape; the step's
+    logits with the chosen tiles equal the untuned step's to bfloat16 rounding (only the summation order moves)."""
+    from zero2all.infer.generate import DecodeSession
+    from zero2all.model.z2all import build_model
+
+    K_ = _kernels()
+    monkeypatch.setattr(K_, "_TUNE", True)
+    monkeypatch.setattr(K_, "ROW_TILES", {})
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=200)
+    model = build_model(cfg, device=DEVICE, seed=0).to(torch.bfloat16).eval()
+    session = DecodeSession(model, 1, 64, cuda_graph=False, fused=True)
+    session.prefill([[5, 9, 200, 7]], 0)
+    session.tokens.fill_(11)
+    session.slot.fill_(4)
+    step = session.fused
+    before = step(session.tokens, session.slot, session.pad_len).clone()
+    chosen = step.tune(session.tokens, session.slot, session.pad_len, replays=2)
+    shapes = {K_.row_tiles_key(w, p) for w, p in step.product_shapes()}
+    assert set(chosen) == shapes and len(shapes) == 5
+    assert all(t in K_.row_tile_candidates() for t in chosen.values())
+    assert step.tune(session.tokens, session.slot, session.pad_len) == chosen  # kept, not tuned again
+    after = step(session.tokens, session.slot, session.pad_len)
+    torch.testing.assert_close(after, before, atol=3e-2, rtol=3e-2)

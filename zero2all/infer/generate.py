@@ -266,6 +266,8 @@ class DecodeSession:
 
     def _capture(self):
         self.slot.fill_(0)  # warm-up writes land in slot 0, which every prefill overwrites
+        if self.fused is not None:
+            self.fused.tune(self.tokens, self.slot, self.pad_len)  # once per shape and device
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():

@@ -40,7 +40,11 @@ previous kernel's results (``gdc_wait``), so launches and ramp-ups overlap the p
 on an H200: 1.05 -> 1.02 ms per step at batch 1; at batch 16 it cost 7 %, so it is off there). The attention
 kernel likewise loads the slot, the RoPE tables and its block of cached keys and values before it waits for the
 qkv product; at batch 1 the keys are split one block per program so that all of them are loaded then
-(0.97 -> 0.91 ms per step on an H200, same invocation). Tile sizes are autotuned per (N, K) on the first call (a few seconds per shape, before capture).
+(0.97 -> 0.91 ms per step on an H200, same invocation).
+
+Tiles: the one-row kernel's are chosen by ``FusedDecodeStep.tune`` inside the whole step captured as a CUDA graph
+(products overlap their neighbours, so timing one alone ranks tiles differently), once per shape and device;
+the several-row kernel is autotuned per (N, K) by Triton.
 """
 
 from __future__ import annotations
@@ -104,11 +108,14 @@ def _pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-# Z2ALL_DECODE_AUTOTUNE=0: one fixed config per kernel instead of tuning (quick tests on a GPU)
+# Z2ALL_DECODE_AUTOTUNE=0: fixed tiles per kernel instead of tuning (quick tests on a GPU)
 _TUNE = os.environ.get("Z2ALL_DECODE_AUTOTUNE", "1") != "0"
 
 
-def _tiles_from_env(value: str) -> list[tuple[int, int, int]]:
+RowTiles = tuple  # the one-row kernel's (BLOCK_N, BLOCK_K, warps)
+
+
+def _tiles_from_env(value: str) -> list[RowTiles]:
     """"bn:bk:warps,bn:bk:warps,..." -> the one-row kernel's candidate tiles (Z2ALL_DECODE_ROW_TILES)."""
     try:
         tiles = [tuple(int(v) for v in item.split(":")) for item in value.split(",") if item.strip()]
@@ -119,17 +126,22 @@ def _tiles_from_env(value: str) -> list[tuple[int, int, int]]:
     return tiles
 
 
-def _row_configs():
-    if _INTERPRET:  # the CPU interpreter: one small config, no tuning
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
-    if not _TUNE:
-        return [triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=8)]
-    if os.environ.get("Z2ALL_DECODE_ROW_TILES"):  # candidate tiles for the tuner, e.g. "2:2048:4,4:2048:8"
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                for bn, bk, w in _tiles_from_env(os.environ["Z2ALL_DECODE_ROW_TILES"])]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
-                              (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 128, 4))]
+def row_tile_candidates() -> list[RowTiles]:
+    """The one-row kernel's tiles that ``FusedDecodeStep.tune`` tries for each product shape."""
+    if _INTERPRET:
+        return [(16, 64, 4), (8, 32, 4)]
+    if os.environ.get("Z2ALL_DECODE_ROW_TILES"):  # e.g. "4:512:4,8:1024:8"
+        return _tiles_from_env(os.environ["Z2ALL_DECODE_ROW_TILES"])
+    return [(8, 512, 4), (4, 512, 4), (8, 1024, 8), (4, 1024, 8), (16, 256, 4), (16, 512, 8)]
+
+
+# tiles chosen per (device, N, K, prologue) by FusedDecodeStep.tune (or set by hand); others get default_row_tiles
+ROW_TILES: dict = {}
+
+
+def default_row_tiles(N: int, K: int) -> RowTiles:
+    """Untuned tiles (Z2ALL_DECODE_AUTOTUNE=0, or before tuning)."""
+    return (16, 64, 4) if _INTERPRET else (8, 1024, 8)
 
 
 def _rows_configs():
@@ -150,8 +162,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-# each launch only reads its inputs and writes OUT / RES_OUT from them, so the tuner may rerun it freely
-@triton.autotune(configs=_row_configs(), key=["N", "K", "PROLOGUE"])
 @triton.jit
 def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
@@ -228,7 +238,7 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
 def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
                prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-               eps: float = 1e-5, token: torch.Tensor | None = None) -> torch.Tensor:
+               eps: float = 1e-5, token: torch.Tensor | None = None, tiles: RowTiles | None = None) -> torch.Tensor:
     """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight (N, K) contiguous.
 
     ``token`` (one element, on the device): x is an embedding table (V, K) and the input row is x[token] (the
@@ -237,6 +247,9 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
     ``prologue``: PROLOGUE_NONE (input = x, (M, K)); PROLOGUE_NORM (input = RMSNorm(x + residual) with
     ``norm_weight``, the sum written to ``residual_out``, which must not alias ``residual`` or ``x``; its dtype
     is the residual stream's); PROLOGUE_SWIGLU (x is (M, 2K) = [gate | up], input = silu(gate) * up).
+
+    ``tiles`` (one row): the kernel's (BLOCK_N, BLOCK_K, warps); default: the ones
+    ``FusedDecodeStep.tune`` chose for this shape, else ``default_row_tiles``.
     """
     M = x.shape[0] if token is None else token.numel()
     N, K = weight.shape
@@ -259,16 +272,15 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError("fused_gemv: residual_out must not be the residual being read")
         if residual_out.shape != (M, K) or not residual_out.is_contiguous():
             raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     if M == 1:
+        bn, bk, warps = tiles or ROW_TILES.get(row_tiles_key(weight, prologue)) or default_row_tiles(N, K)
         pdl = _use_pdl(weight)  # one row only: measured +3 % per step at one row, -7 % at 16 (H200)
         launch = {"launch_pdl": True} if pdl else {}
-        _gemv_row_kernel[grid](x, token if token is not None else x, residual if residual is not None else x,
-                               norm_weight if norm_weight is not None else weight, weight,
-                               bias if bias is not None else weight, out,
-                               residual_out if residual_out is not None else out, N, K, float(eps),
-                               PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                               GATHER=token is not None, PDL=pdl, **launch)
+        _gemv_row_kernel[(triton.cdiv(N, bn),)](
+            x, token if token is not None else x, residual if residual is not None else x,
+            norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
+            residual_out if residual_out is not None else out, N, K, float(eps), PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATHER=token is not None,
+            PDL=pdl, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **launch)
         return out
     if prologue == PROLOGUE_NORM:
         from zero2all.kernels.rmsnorm import triton_add_rmsnorm
@@ -281,17 +293,22 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
         from zero2all.kernels.swiglu import triton_swiglu
 
         x = triton_swiglu(x)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_rows_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
                             out.stride(0), HAS_BIAS=bias is not None, DOT_UPCAST=_DOT_UPCAST)
     return out
 
 
+def row_tiles_key(weight: torch.Tensor, prologue: int) -> tuple:
+    return (str(weight.device), weight.shape[0], weight.shape[1], prologue)
+
+
 def tuned_configs() -> dict[str, str]:
-    """The tile sizes the autotuner chose so far, per kernel and key (for benchmark reports)."""
-    found = {}
-    for name, kernel in (("row", _gemv_row_kernel), ("rows", _gemv_rows_kernel)):
-        for key, cfg in getattr(kernel, "cache", {}).items():
-            found[f"{name} {key[:3]}"] = str(cfg)
+    """The tiles chosen so far, per kernel and shape (for benchmark reports)."""
+    found = {f"row {key[1:]}": "BLOCK_N {}, BLOCK_K {}, warps {}".format(*cfg)
+             for key, cfg in ROW_TILES.items()}
+    for key, cfg in getattr(_gemv_rows_kernel, "cache", {}).items():
+        found[f"rows {key[:2]}"] = str(cfg)
     return found
 
 
