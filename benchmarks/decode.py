@@ -15,7 +15,7 @@ Variants (``--variants``; the ones needing CUDA are skipped on CPU):
 
     ours-eager           our static KV cache, decode step run eagerly
     ours-graph           the generic decode step (the model's forward) captured as CUDA graphs and replayed
-    ours-fused-graph     the fused decode step (zero2all/infer/fused_decode.py: five Triton kernels per layer),
+    ours-fused-graph     the fused decode step (zero2all/infer/fused_decode.py: four Triton kernels per layer),
                          one CUDA graph for every slot (the default on CUDA)
     ours-compile-graph   the step compiled by torch.compile (plain-torch ops, fused by inductor), then captured
     ours-cdt-graph       ours-compile-graph with inductor's coordinate-descent tuning of its Triton kernels
@@ -26,6 +26,7 @@ Variants (``--variants``; the ones needing CUDA are skipped on CPU):
                          itself with mode="reduce-overhead": CUDA graphs)
 
     python benchmarks/decode.py                                    # z2all-1.1b, bf16, batch 1 and 16, on CUDA
+    python benchmarks/decode.py --batch-sizes 1 --variants ours-fused-graph --timeline   # where a step goes
     python benchmarks/decode.py --config tiny --device cpu --dtype float32 --prompt-len 16 --new-tokens 16 \\
         --batch-sizes 1 4 --repeats 1                              # a CPU smoke test
 """
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="comma-separated variants to profile (torch profiler, CUDA "
                     "kernels of --profile-tokens decode steps at the first batch size): prints a kernel table")
     ap.add_argument("--profile-tokens", type=int, default=32)
+    ap.add_argument("--timeline", action="store_true", help="after the runs: the fused step's graph at batch 1, "
+                    "replayed alone, with each product's and the attention's share of the step (CUDA only)")
     args = ap.parse_args(argv)
 
     import transformers
@@ -212,6 +215,8 @@ def main(argv=None) -> int:
         if best_hf and best_ours:
             print(f"  batch {batch}: ours / best HF = {best_ours / best_hf:.2f}x")
     print_table(results, bandwidth)
+    if args.timeline and device.type == "cuda":
+        fused_step_timeline(model, args.prompt_len, args.new_tokens, w_bytes=weight_bytes_per_step(model, 1))
     if args.json:
         save_json({"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
                    "config": args.config, "dtype": args.dtype, "prompt_len": args.prompt_len,
@@ -281,6 +286,67 @@ def profile_kernels(variant, batch, run_n, n_tokens, top=30):
     for name, times in rows:
         print(f"    {sum(times) / n_tokens:8.1f} us/step  {len(times) / n_tokens:6.1f} calls/step  "
               f"{sum(times) / len(times):7.2f} us/call  {name[:110]}")
+
+
+def fused_step_timeline(model, prompt_len, new_tokens, w_bytes, replays=20):
+    """The fused step's CUDA graph at batch 1 (cache slot mid-generation), replayed back to back: its time per
+    replay, and per kernel kind the "marginal" time, the end of a kernel minus the end of the one before it
+    (kernels overlap through programmatic launch, so their own durations do not add up to the step; these do)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zero2all.infer.generate import DecodeSession
+    from zero2all.kernels.decode import tuned_configs
+
+    needed = prompt_len + new_tokens
+    session = DecodeSession(model, 1, -(-needed // 128) * 128, cuda_graph=True, fused=True)
+    session.prefill([[(7 * i) % model.cfg.vocab_size for i in range(prompt_len)]], 0)
+    session.tokens.fill_(1)
+    session.slot.fill_(prompt_len + new_tokens // 2)
+    graph = session.graph
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    per_replay = start.elapsed_time(end) / replays * 1e3
+    print(f"timeline: fused step graph at batch 1, slot {prompt_len + new_tokens // 2}: {per_replay:.1f} us per "
+          f"replay ({w_bytes / per_replay / 1e6:.2f} TB/s of weights)")
+    for key, cfg in tuned_configs().items():
+        print(f"  tiles {key}: {cfg}")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    kinds = ["qkv (+norm)", "attention", "o", "gate|up (+norm)", "down (+swiglu)"] * model.cfg.n_layers
+    kinds.append("lm head (+norm)")
+    if len(kernels) != replays * len(kinds):
+        print(f"  ({len(kernels)} kernels for {replays} replays, expected {replays * len(kinds)}: no table)")
+        return
+    marginal: dict[str, float] = {}
+    for r in range(1, replays):  # the first replay's start has no previous kernel to measure from
+        for i in range(len(kinds)):
+            k = r * len(kinds) + i
+            marginal[kinds[i]] = marginal.get(kinds[i], 0.0) + (kernels[k].time_range.end -
+                                                                 kernels[k - 1].time_range.end)
+    sizes = {"qkv (+norm)": 1, "o": 3, "gate|up (+norm)": 6, "down (+swiglu)": 7}
+    fused = session.fused
+    for kind, total in marginal.items():
+        per_step = total / (replays - 1)
+        calls = kinds.count(kind)
+        if kind in sizes:
+            nbytes = fused.layers[0][sizes[kind]].numel() * fused.layers[0][sizes[kind]].element_size()
+        elif kind.startswith("lm head"):
+            nbytes = fused.lm_head.numel() * fused.lm_head.element_size()
+        else:
+            nbytes = 0
+        rate = f"{nbytes * calls / per_step / 1e6:5.2f} TB/s" if nbytes else ""
+        print(f"  {kind:18s} {per_step:7.1f} us/step  {per_step / calls:6.2f} us each  {rate}")
 
 
 def print_row(r):
