@@ -120,7 +120,7 @@ class FusedDecodeStep:
         tensor-core kernel); returns {shape: tiles}.
         """
         K = self.K
-        if tokens.size(0) != 1 or not self.embed.is_cuda or not K._TUNE:  # Z2ALL_DECODE_AUTOTUNE=0: defaults
+        if tokens.size(0) != 1 or not self.embed.is_cuda or not K.tuning_enabled():  # Z2ALL_DECODE_AUTOTUNE=0
             return {}
         keys = [K.row_tiles_key(w, p) for w, p in self.product_shapes()]
         if all(k in K.ROW_TILES for k in keys):
@@ -152,8 +152,12 @@ class FusedDecodeStep:
             key = K.row_tiles_key(w, p)
             K.ROW_TILES.setdefault(key, K.default_row_tiles(*w.shape))
         for key in keys:
-            timed = {tiles: step_time(key, tiles) for tiles in K.row_tile_candidates()}
-            K.ROW_TILES[key] = min(timed, key=timed.get)
+            timed, kept = {}, K.ROW_TILES[key]
+            try:
+                for tiles in K.row_tile_candidates():
+                    timed[tiles] = step_time(key, tiles)
+            finally:  # a failure leaves the tiles as they were, not the candidate that failed
+                K.ROW_TILES[key] = min(timed, key=timed.get) if timed else kept
         return {k: K.ROW_TILES[k] for k in keys}
 
     def __call__(self, tokens: torch.Tensor, slot: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:

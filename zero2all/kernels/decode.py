@@ -112,6 +112,10 @@ def _pdl_wait(PDL: tl.constexpr):
 _TUNE = os.environ.get("Z2ALL_DECODE_AUTOTUNE", "1") != "0"
 
 
+def tuning_enabled() -> bool:
+    return _TUNE
+
+
 RowTiles = tuple  # the one-row kernel's (BLOCK_N, BLOCK_K, warps)
 
 
