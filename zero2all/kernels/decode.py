@@ -167,6 +167,23 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _row_inputs(X, RES, NORM_W, kk, K, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
+    """The raw input loads of one K tile, float32: (x, residual, norm weight) for the norm prologue, (gate, up, -)
+    for SwiGLU, (x, -, -) without a prologue."""
+    k_mask = kk < K
+    a = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
+    b = a
+    c = a
+    if PROLOGUE == 2:
+        b = tl.load(X + K + kk, mask=k_mask, other=0.0).to(tl.float32)
+    elif PROLOGUE == 1:
+        if HAS_RES:
+            b = tl.load(RES + kk, mask=k_mask, other=0.0).to(tl.float32)
+        c = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32)
+    return a, b, c
+
+
+@triton.jit
 def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -181,6 +198,9 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
     _pdl_wait(PDL)
     if GATHER:  # X is an embedding table: the input row is the token's
         X = X + tl.load(TOK).to(tl.int64) * K
+    # the input slices too: the next one's loads are issued with the next weight tile's, so that no step waits
+    # on an L2 round trip for its input (measured on an H200: 829 -> 808 us per step)
+    a_next, b_next, c_next = _row_inputs(X, RES, NORM_W, rk, K, PROLOGUE, HAS_RES)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop: no per-step
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)             # cross-warp reduction between the weight loads
     writes_res = rk < tl.where(pid == 0, BLOCK_K, 0)         # only the first program writes the residual
@@ -190,22 +210,20 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
         w = w_next
         nk = kk + BLOCK_K
         w_next = tl.load(W + rn[:, None] * K + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
+        a, b, c = a_next, b_next, c_next
+        a_next, b_next, c_next = _row_inputs(X, RES, NORM_W, nk, K, PROLOGUE, HAS_RES)
         if PROLOGUE == 2:  # swiglu: X is [gate | up] of width 2K
-            g = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
-            u = tl.load(X + K + kk, mask=k_mask, other=0.0).to(tl.float32)
-            s = (g * tl.sigmoid(g)).to(W.dtype.element_ty).to(tl.float32)  # F.silu rounds to the input dtype
-            x = (s * u).to(W.dtype.element_ty).to(tl.float32)
+            s = (a * tl.sigmoid(a)).to(W.dtype.element_ty).to(tl.float32)  # F.silu rounds to the input dtype
+            x = (s * b).to(W.dtype.element_ty).to(tl.float32)
         elif PROLOGUE == 1:  # residual add; the norm's weight now, its 1/rms after the sum
-            r = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_RES:
-                r += tl.load(RES + kk, mask=k_mask, other=0.0).to(tl.float32)
+            r = a + b if HAS_RES else a
             r = r.to(RES_OUT.dtype.element_ty)                    # the stream as stored
             tl.store(RES_OUT + kk, r, mask=k_mask & writes_res)
             r = r.to(tl.float32)
             sq += r * r
-            x = tl.load(NORM_W + kk, mask=k_mask, other=0.0).to(tl.float32) * r
+            x = c * r
         else:
-            x = tl.load(X + kk, mask=k_mask, other=0.0).to(tl.float32)
+            x = a
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if PROLOGUE == 1:
@@ -283,7 +301,8 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
         _gemv_row_kernel[(triton.cdiv(N, bn),)](
             x, token if token is not None else x, residual if residual is not None else x,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
-            residual_out if residual_out is not None else out, N, K, float(eps), PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATHER=token is not None,
+            residual_out if residual_out is not None else out, N, K, float(eps), PROLOGUE=prologue,
+            HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATHER=token is not None,
             PDL=pdl, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **launch)
         return out
     if prologue == PROLOGUE_NORM:
