@@ -294,6 +294,7 @@ def fused_step_timeline(model, prompt_len, new_tokens, w_bytes, replays=20):
     (kernels overlap through programmatic launch, so their own durations do not add up to the step; these do)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from zero2all.infer.fused_decode import graph_replay_ms
     from zero2all.infer.generate import DecodeSession
     from zero2all.kernels.decode import tuned_configs
 
@@ -303,16 +304,7 @@ def fused_step_timeline(model, prompt_len, new_tokens, w_bytes, replays=20):
     session.tokens.fill_(1)
     session.slot.fill_(prompt_len + new_tokens // 2)
     graph = session.graph
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    per_replay = start.elapsed_time(end) / replays * 1e3
+    per_replay = graph_replay_ms(graph, replays) * 1e3
     print(f"timeline: fused step graph at batch 1, slot {prompt_len + new_tokens // 2}: {per_replay:.1f} us per "
           f"replay ({w_bytes / per_replay / 1e6:.2f} TB/s of weights)")
     for key, cfg in tuned_configs().items():
@@ -334,17 +326,13 @@ def fused_step_timeline(model, prompt_len, new_tokens, w_bytes, replays=20):
             k = r * len(kinds) + i
             marginal[kinds[i]] = marginal.get(kinds[i], 0.0) + (kernels[k].time_range.end -
                                                                  kernels[k - 1].time_range.end)
-    sizes = {"qkv (+norm)": 1, "o": 3, "gate|up (+norm)": 6, "down (+swiglu)": 7}
-    fused = session.fused
+    _, w_qkv, _, w_o, _, _, w_gu, w_down = session.fused.layers[0]
+    weights = dict(zip(kinds[:5], (w_qkv, None, w_o, w_gu, w_down)), **{kinds[-1]: session.fused.lm_head})
     for kind, total in marginal.items():
         per_step = total / (replays - 1)
         calls = kinds.count(kind)
-        if kind in sizes:
-            nbytes = fused.layers[0][sizes[kind]].numel() * fused.layers[0][sizes[kind]].element_size()
-        elif kind.startswith("lm head"):
-            nbytes = fused.lm_head.numel() * fused.lm_head.element_size()
-        else:
-            nbytes = 0
+        w = weights[kind]
+        nbytes = 0 if w is None else w.numel() * w.element_size()
         rate = f"{nbytes * calls / per_step / 1e6:5.2f} TB/s" if nbytes else ""
         print(f"  {kind:18s} {per_step:7.1f} us/step  {per_step / calls:6.2f} us each  {rate}")
 
