@@ -211,8 +211,20 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_top_k: int = 50
     sample_prompts: list[str] = field(default_factory=list)
-    # multi-process training (zero2all/train/distributed.py; launch with torchrun)
-    parallel: str = "auto"         # auto (ddp when launched with >1 process, else none) | none | ddp | fsdp | zero1
+
+
+PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+AC_MODES = ("none", "full", "selective")
+AC_SELECTIVE = ("blocks", "attention")
+
+
+@dataclass
+class ParallelConfig:
+    """How a run is spread over processes (``[parallel]``; applied by ``zero2all/distributed/``, launched with
+    torchrun). One process is world size 1: ``mode = "auto"`` then means no wrapping at all."""
+
+    mode: str = "auto"             # auto (ddp when launched with >1 process, else none) | none | ddp | fsdp | zero1
     reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
     fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
     # fsdp with grad_accum_steps > 1: reduce-scatter once per update and keep the gathered parameters between
@@ -225,7 +237,45 @@ class TrainConfig:
     activation_checkpointing: str = "none"   # none | full (every block) | selective
     ac_selective: str = "blocks"   # selective: blocks (every ac_every-th block) | attention (attention core only)
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
-    dist_timeout_s: float = 600.0  # a collective that does not complete within this many seconds fails the run
+    timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
+
+    def resolved_mode(self, world_size: int) -> str:
+        """``auto`` -> ddp when several processes run, else none."""
+        if self.mode == "auto":
+            return "ddp" if world_size > 1 else "none"
+        return self.mode
+
+    def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
+        """Check every field (naming it); with ``world_size``, also what that many processes can run."""
+        for name, choices in (("mode", PARALLEL_MODES), ("comm_hook", COMM_HOOKS),
+                              ("activation_checkpointing", AC_MODES), ("ac_selective", AC_SELECTIVE)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{prefix}.{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.ac_every < 1:
+            raise ConfigError(f"{prefix}.ac_every: must be >= 1, got {self.ac_every}")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"{prefix}.powersgd_rank: must be >= 1, got {self.powersgd_rank}")
+        if self.comm_hook == "powersgd" and self.powersgd_start_iter < 2:
+            raise ConfigError(f"{prefix}.powersgd_start_iter: must be >= 2 (PowerSGD's error feedback needs "
+                              f"warm-up steps of plain all-reduce)")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"{prefix}.timeout_s: must be positive, got {self.timeout_s}")
+        mode = self.resolved_mode(world_size or 1)
+        if self.comm_hook != "none" and mode not in ("ddp", "zero1") and (world_size or self.mode != "auto"):
+            raise ConfigError(f"{prefix}.comm_hook={self.comm_hook!r} needs {prefix}.mode = ddp or zero1 (got "
+                              f"{mode!r}); FSDP reduces in its mixed-precision policy's reduce dtype instead")
+        if self.cpu_offload and mode != "fsdp" and (world_size or self.mode != "auto"):
+            raise ConfigError(f"{prefix}.cpu_offload needs {prefix}.mode = fsdp (got {mode!r})")
+        if world_size is not None and world_size == 1 and mode in ("ddp", "fsdp", "zero1"):
+            raise ConfigError(f"{prefix}.mode={mode!r} needs several processes: launch with torchrun "
+                              f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
+
+
+# train-section keys of earlier versions that now live in [parallel] (read with a warning)
+LEGACY_PARALLEL_KEYS = {"parallel": "mode", "dist_timeout_s": "timeout_s",
+                        **{k: k for k in ("reshard_after_forward", "fsdp_reduce_fp32", "fsdp_accum_no_sync",
+                                          "cpu_offload", "comm_hook", "powersgd_rank", "powersgd_start_iter",
+                                          "activation_checkpointing", "ac_selective", "ac_every")}}
 
 
 @dataclass
@@ -254,10 +304,12 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     post: PostTrainConfig = field(default_factory=PostTrainConfig)
 
     def validate(self) -> "Config":
         self.model.validate("model")
+        self.parallel.validate()
         return self
 
     def to_dict(self) -> dict:
@@ -393,9 +445,31 @@ def load_config_dict(name_or_path: str | Path | None, overrides: list[str] | Non
     return data
 
 
+def migrate_legacy_keys(data: dict, warn=None) -> dict:
+    """Move the distributed keys that earlier versions kept in ``[train]`` (``train.parallel``, ...) to
+    ``[parallel]``, saying so once per key through ``warn`` (default: print to stderr)."""
+    train = data.get("train")
+    if not isinstance(train, dict) or not any(k in LEGACY_PARALLEL_KEYS for k in train):
+        return data
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    data = dict(data)
+    train = dict(train)
+    parallel = dict(data.get("parallel") or {})
+    for old, new in LEGACY_PARALLEL_KEYS.items():
+        if old in train:
+            value = train.pop(old)
+            if new in parallel and parallel[new] != value:
+                raise ConfigError(f"train.{old}={value!r} and parallel.{new}={parallel[new]!r}: the first is the "
+                                  f"old name of the second; set parallel.{new} only")
+            parallel[new] = value
+            warn(f"note: train.{old} is now parallel.{new} (read as parallel.{new}={value!r})")
+    data["train"], data["parallel"] = train, parallel
+    return data
+
+
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a preset name (``tiny``) or a ``.toml`` path, apply ``key=value`` overrides, validate."""
-    return from_dict(Config, load_config_dict(name_or_path, overrides)).validate()
+    return from_dict(Config, migrate_legacy_keys(load_config_dict(name_or_path, overrides))).validate()
 
 
 def model_config_from_dict(data: dict) -> ModelConfig:
