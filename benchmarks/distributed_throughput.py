@@ -27,6 +27,7 @@ all ranks; scaling = N-GPU tokens/s / the same family's 1-GPU tokens/s; MFU per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -74,7 +75,7 @@ def worker(args) -> None:
 
     from zero2all import accounting
     from zero2all.config import load_config
-    from zero2all.train import distributed as zd
+    from zero2all import distributed as zd
     from zero2all.train.metrics import detect_peak_flops
 
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
@@ -122,8 +123,8 @@ def worker(args) -> None:
 
         def step():
             for a, x in enumerate(batches):
-                with zd.gradient_sync(model, enabled=a == args.accum - 1), \
-                        torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                no_sync = model.no_sync() if a < args.accum - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()
+                with no_sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
                     (loss / args.accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -62,18 +62,10 @@ def _export_hf(p):
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the weights first")
 
     def run(args):
-        from zero2all.model.io import export_hf
+        from zero2all.model.io import export_hf, load_model
 
-        model = None
-        if args.merge_lora:
-            from zero2all.model.lora import load_merged_model
-
-            model = load_merged_model(args.ckpt)
-        else:
-            from zero2all.train.distributed import is_sharded_checkpoint, load_model_from_sharded
-
-            if is_sharded_checkpoint(args.ckpt):  # written by several processes: gather the shards first
-                model = load_model_from_sharded(args.ckpt)
+        # any checkpoint directory (a multi-process training checkpoint too); a LoRA adapter only when asked to
+        model = load_model(args.ckpt, merge_lora=args.merge_lora)
         out = export_hf(args.ckpt, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer, model=model)
         print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
@@ -634,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
     code = int(result or 0)
-    dist_module = sys.modules.get("zero2all.train.distributed")
+    dist_module = sys.modules.get("zero2all.distributed.env")
     if dist_module is not None:  # a torchrun worker leaves without gloo's teardown (see finish_process)
         code = dist_module.finish_process(code)
     return code

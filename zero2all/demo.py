@@ -74,7 +74,7 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
     held-out instructions."""
     from zero2all.data.instructions import build_docstring_instructions, write_jsonl
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
-    from zero2all.train import checkpoint as ckpt_io
+    from zero2all import checkpoint as ckpt_io
     from zero2all.train.posttrain import posttrain_config, sft
 
     data_dir, sft_dir = out / "sft-data", out / "sft"
@@ -84,7 +84,7 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
         for name, part in (("train", records[:-50]), ("valid", records[-50:-2]), ("chat", records[-2:])):
             write_jsonl(part, files[name])
         print(f"{stats.records:,} instructions from {stats.files:,} stdlib files -> {data_dir}")
-    previous = ckpt_io.latest_checkpoint(sft_dir)
+    previous = ckpt_io.newest_verified(sft_dir)[0]
     if steps is None and previous is not None:  # continue an interrupted run with the length it was given
         steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
     if steps is None:
@@ -120,7 +120,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     from zero2all.data.pretokenize import prepare
     from zero2all.data.readers import stdlib_files
     from zero2all.tokenizer import load_tokenizer, train_tokenizer
-    from zero2all.train import checkpoint as ckpt_io
+    from zero2all import checkpoint as ckpt_io
     from zero2all.train.trainer import Trainer, pick_device, sample_continuation
 
     out = Path(out)
@@ -156,7 +156,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
             "train.resume='auto'", f"model.vocab_size={tok.vocab_size}",
             f"train.sample_prompts={json.dumps(DEMO_PROMPTS[:3])}"] + DEMO_TRAIN + list(overrides or [])
     cfg = load_config("tiny", base)
-    previous = ckpt_io.latest_checkpoint(out)
+    previous = ckpt_io.newest_verified(out)[0]
     if steps is None and previous is not None:  # continue the interrupted run with the length it was given
         steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
     if steps is None:

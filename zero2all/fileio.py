@@ -45,3 +45,13 @@ def replace_dir(tmp: str | Path, target: str | Path) -> Path:
     else:
         os.replace(tmp, target)
     return target
+
+
+def fsync_tree(root: str | Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

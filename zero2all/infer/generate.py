@@ -551,18 +551,13 @@ def load_for_inference(ckpt: str, device: str = "auto", dtype: str = "auto", tok
     """
     from pathlib import Path
 
-    from zero2all.model.lora import find_adapter_dir, load_merged_model
+    from zero2all import load_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = {"auto": torch.bfloat16 if str(device).startswith("cuda") else torch.float32,
                    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    if find_adapter_dir(ckpt) is not None:
-        model = load_merged_model(ckpt).to(device=device, dtype=torch_dtype).eval()
-    else:
-        from zero2all.model.io import load_model
-
-        model = load_model(ckpt, device=device, dtype=torch_dtype)
+    model = load_model(ckpt, device=device, dtype=torch_dtype)
     if tokenizer is None:
         from zero2all.tokenizer import load_tokenizer
 

@@ -6,11 +6,13 @@ Our directory layout (also what the trainer writes in each ``ckpt-XXXXXX/``)::
     model.safetensors     weights (never pickles)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   (optional: the attached tokenizer)
 
-``load_model(dir)`` accepts either kind of directory.
+``load_model(dir)`` is the one loader: it accepts either kind of directory, a training checkpoint of any world size,
+and any of them with a LoRA adapter.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -99,9 +101,8 @@ def load_state(model: Z2all, sd: dict[str, torch.Tensor], source: str) -> None:
     result = model.load_state_dict(sd, strict=False)
     missing = [k for k in result.missing_keys]
     if not missing and result.unexpected_keys and all(_is_lora_key(k) for k in result.unexpected_keys):
-        raise ConfigError(f"{source}: the weights carry LoRA adapter tensors ({result.unexpected_keys[0]}, ...): "
-                          f"load the checkpoint with zero2all.load_model or model.lora.load_merged_model, which "
-                          f"merge its adapter/")
+        raise ConfigError(f"{source}: the weights carry LoRA adapter tensors ({result.unexpected_keys[0]}, ...) "
+                          f"but no adapter directory (adapter_config.json) to merge them with")
     if missing or result.unexpected_keys:
         raise ConfigError(f"{source}: weights do not match the config: missing {missing[:6]}, "
                           f"unexpected {result.unexpected_keys[:6]}")
@@ -111,36 +112,83 @@ def _is_lora_key(key: str) -> bool:
     return key.endswith((".lora_A", ".lora_B"))
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               ops: dict | None = None, drop_lora_tensors: bool = False) -> Z2all:
-    """Load our checkpoint directory or an HF Llama directory; returns the model in eval mode.
+def is_training_checkpoint(path: str | Path) -> bool:
+    """A training checkpoint (torch.distributed.checkpoint files of any world size, ``zero2all/checkpoint/``)."""
+    return (Path(path) / ".metadata").exists() and is_our_dir(path)
 
-    ``ops`` overrides the op switchboard, e.g. ``{"attention": "naive"}``. ``drop_lora_tensors``: a LoRA run's
-    training checkpoint (``ckpt-XXXXXX/``) stores the adapter tensors beside the base weights (for exact resume)
-    and the same adapter in ``adapter/``; with this flag the base loads alone (``load_merged_model`` then merges
-    the adapter).
+
+def _has_weights(path: Path) -> bool:
+    return is_our_dir(path) or is_hf_dir(path)
+
+
+# model fields a loader may set differently from the directory's: they choose kernels and regularisation, not what
+# the weights mean
+MODEL_OVERRIDABLE = ("ops", "dropout1", "dropout2", "attention_dropout")
+
+
+def _check_same_architecture(want: ModelConfig, have: ModelConfig, source: Path) -> None:
+    a, b = to_dict(want), to_dict(have)
+    diff = [f"model.{k}: {b[k]!r} in {source}, {a[k]!r} asked for" for k in a
+            if k not in MODEL_OVERRIDABLE and a[k] != b.get(k)]
+    if diff:
+        raise ConfigError(f"{source}: the weights do not fit the requested architecture:\n  " + "\n  ".join(diff))
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               ops: dict | None = None, config: ModelConfig | None = None, merge_lora: bool = True) -> Z2all:
+    """THE model loader: every command and function that needs weights from a directory calls this one.
+
+    ``path`` may be
+      - our model directory (``z2all.json`` + ``model.safetensors``: ``final/``, ``import-hf`` output),
+      - an HF Llama directory (``config.json`` + safetensors / .bin, sharded or not),
+      - a training checkpoint ``ckpt-<step>/`` of any number of processes (its model part is read),
+      - any of these with a LoRA adapter in PEFT layout beside the weights or in ``adapter/`` (merged in), or a
+        lone adapter directory whose ``base_model_name_or_path`` names the base.
+    ``ops`` overrides the op switchboard (e.g. ``{"attention": "naive"}``); ``config`` builds that architecture
+    instead of the directory's (it must agree on everything but ops and dropouts: post-training sets those).
+    ``merge_lora=False`` loads the base weights alone, leaving an attached adapter aside. Returns the model in eval mode on ``device`` (in ``dtype`` when given).
     """
-    from safetensors.torch import load_file
+    from zero2all.model import lora
 
     path = Path(path)
-    cfg = read_model_config(path)
+    adapter = lora.find_adapter_dir(path)
+    base = path
+    if adapter is not None and not _has_weights(path):
+        _, raw = lora.read_adapter_config(adapter)
+        base = Path(raw.get("base_model_name_or_path") or "")
+        if not str(base) or not _has_weights(base):
+            raise FileNotFoundError(f"{adapter / 'adapter_config.json'}: base_model_name_or_path {str(base)!r} is "
+                                    f"not a model directory (and {path} holds no base weights)")
+    stored = read_model_config(base)
+    cfg = copy.deepcopy(config) if config is not None else stored
+    if config is not None:
+        _check_same_architecture(cfg, stored, base)
     for k, v in (ops or {}).items():
         setattr(cfg.ops, k, v)
     cfg.validate()
-    model = build_model(cfg, device="meta")
-    if is_our_dir(path):
-        wfile = path / WEIGHTS
+    model = build_model(cfg, device="meta").to_empty(device=device)
+    model.tie_weights()
+    if is_training_checkpoint(base):
+        from zero2all.checkpoint import load_model_weights
+
+        load_model_weights(base, model)
+    elif is_our_dir(base):
+        from safetensors.torch import load_file
+
+        wfile = base / WEIGHTS
         if not wfile.exists():
-            raise FileNotFoundError(f"{path}: {WEIGHTS} is missing")
-        sd = load_file(str(wfile))
-        if drop_lora_tensors:
+            raise FileNotFoundError(f"{base}: {WEIGHTS} is missing")
+        sd = load_file(str(wfile), device=str(device))
+        if adapter is not None:  # a LoRA run's checkpoint of the earlier format kept the adapter tensors here too
             sd = {k: v for k, v in sd.items() if not _is_lora_key(k)}
+        load_state(model, sd, str(base))
     else:
-        sd = hfmap.state_dict_from_hf(hfmap.read_hf_weights(path), cfg, str(path))
-    model = model.to_empty(device=device)
-    load_state(model, sd, str(path))
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        sd = hfmap.state_dict_from_hf(hfmap.read_hf_weights(base), cfg, str(base))
+        load_state(model, {k: v.to(device) for k, v in sd.items()}, str(base))
+    model.tie_weights()
+    if adapter is not None and merge_lora:
+        lora.load_adapter(model, adapter)
+        lora.merge_lora(model)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

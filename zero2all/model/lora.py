@@ -347,30 +347,3 @@ def find_adapter_dir(ckpt: str | Path) -> Path | None:
         if (d / ADAPTER_CONFIG).exists():
             return d
     return None
-
-
-def load_merged_model(ckpt: str | Path, device="cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Base weights + LoRA adapter, merged into a plain model (what ``export-hf --merge-lora`` writes).
-
-    ``ckpt`` holds the base model (ours or HF) with the adapter files beside it or in ``adapter/``; or only the
-    adapter, whose ``base_model_name_or_path`` then names the base model directory.
-    """
-    from zero2all.model.io import is_hf_dir, is_our_dir, load_model
-
-    ckpt = Path(ckpt)
-    adapter = find_adapter_dir(ckpt)
-    if adapter is None:
-        raise FileNotFoundError(f"{ckpt}: no LoRA adapter ({ADAPTER_CONFIG} here or in {ckpt / 'adapter'})")
-    base = ckpt
-    if not (is_our_dir(ckpt) or is_hf_dir(ckpt)):
-        _, raw = read_adapter_config(adapter)
-        base = Path(raw.get("base_model_name_or_path") or "")
-        if not str(base) or not (is_our_dir(base) or is_hf_dir(base)):
-            raise FileNotFoundError(f"{adapter / ADAPTER_CONFIG}: base_model_name_or_path {str(base)!r} is not a "
-                                    f"model directory (and {ckpt} holds no base weights)")
-    model = load_model(base, device=device, drop_lora_tensors=True)  # a training checkpoint keeps them too
-    load_adapter(model, adapter)
-    merge_lora(model)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()

@@ -160,10 +160,16 @@ class Z2all(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_dim, V, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the LM head uses the embedding matrix itself (one parameter, two uses).
+        The one place that ties: call it again after anything that replaces parameters (``to_empty``, loading
+        with ``assign=True``, a state dict that carries only the embedding)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     # -- initialisation ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -180,8 +186,7 @@ class Z2all(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-        if self.cfg.tie_word_embeddings:  # the shared matrix keeps the embedding's init
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()  # the shared matrix keeps the embedding's init
 
     # -- rotary tables ----------------------------------------------------------------------------------------
     def rope_tables(self, start_pos: int, T: int, device, position_ids: torch.Tensor | None = None

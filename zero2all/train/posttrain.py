@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -35,8 +36,9 @@ import numpy as np
 import torch
 
 from zero2all.config import Config, ConfigError, from_dict, load_config_dict, to_dict
-from zero2all.train import checkpoint as ckpt_io
-from zero2all.train import distributed as zd
+from zero2all import checkpoint as ckpt_io
+from zero2all import distributed as zd
+from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.train.objectives import DPOObjective, SFTObjective
 from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, resolve_precision
 
@@ -114,54 +116,27 @@ def check_resume_compatible(cfg: Config, stage: str) -> None:
     t = cfg.train
     if t.resume == "":
         return
-    ckpt = ckpt_io.latest_checkpoint(t.out_dir) if t.resume == "auto" else Path(t.resume)
+    ckpt = ckpt_io.newest_verified(t.out_dir)[0] if t.resume == "auto" else Path(t.resume)
     if ckpt is None or not (Path(ckpt) / ckpt_io.RUN_CONFIG).exists():
         return
-    saved = ckpt_io.read_run_config(ckpt).get("post", {})
+    saved = json.loads((Path(ckpt) / ckpt_io.RUN_CONFIG).read_text(encoding="utf-8")).get("post", {})
     now = to_dict(cfg.post)
     problems = [f"post.{k}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now"
                 for k in MUST_MATCH_POST[stage] if saved.get(k) != now[k]]
     if problems:
-        raise ckpt_io.CheckpointMismatch(f"checkpoint {ckpt} does not match this run:\n  " + "\n  ".join(problems))
+        raise CheckpointMismatch(f"checkpoint {ckpt} does not match this run:\n  " + "\n  ".join(problems))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # model and tokenizer
 
 
-def load_weights(path: str | Path, model_cfg) -> dict[str, torch.Tensor]:
-    """The state dict of a checkpoint directory in our parameter names: ours, HF Llama, a multi-process sharded
-    checkpoint, or base + LoRA adapter (merged)."""
-    from zero2all.model import hf as hfmap
-    from zero2all.model.io import WEIGHTS, is_hf_dir, is_our_dir
-    from zero2all.model.lora import find_adapter_dir, load_merged_model
-    from zero2all.train.distributed import is_sharded_checkpoint, load_model_from_sharded
-
-    path = Path(path)
-    if find_adapter_dir(path) is not None:
-        return load_merged_model(path).state_dict()
-    if is_sharded_checkpoint(path):
-        return load_model_from_sharded(path).state_dict()
-    if is_our_dir(path):
-        from safetensors.torch import load_file
-
-        return load_file(str(path / WEIGHTS))
-    if is_hf_dir(path):
-        return hfmap.state_dict_from_hf(hfmap.read_hf_weights(path), model_cfg, str(path))
-    raise FileNotFoundError(f"{path}: neither a Zero2all checkpoint nor an HF model directory")
-
-
 def load_pretrained(path: str | Path, model_cfg, device) -> torch.nn.Module:
-    """A model built from ``model_cfg`` (the checkpoint's architecture, maybe other ops) holding ``path``'s
-    weights."""
-    from zero2all.model.io import load_state
-    from zero2all.model.z2all import build_model
+    """``path``'s weights in a model of ``model_cfg`` (the checkpoint's architecture, maybe other ops or dropouts),
+    through the one loader, in training mode."""
+    from zero2all.model.io import load_model
 
-    model = build_model(model_cfg, device="meta").to_empty(device=device)
-    load_state(model, {k: v.to(device) for k, v in load_weights(path, model_cfg).items()}, str(path))
-    if model_cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
+    return load_model(path, device=device, config=model_cfg).train()
 
 
 def apply_lora_from_config(model: torch.nn.Module, cfg: Config) -> tuple[int, int]:
@@ -185,8 +160,7 @@ def base_weights_model(model: torch.nn.Module) -> torch.nn.Module:
     plain = build_model(model.cfg, device="meta")
     sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith(("lora_A", "lora_B"))}
     plain.load_state_dict(sd, assign=True)
-    if model.cfg.tie_word_embeddings:
-        plain.lm_head.weight = plain.embed_tokens.weight
+    plain.tie_weights()
     return plain
 
 
@@ -395,7 +369,7 @@ class PostTrainer(Trainer):
         self.init_dir = Path(init_dir)
         super().__init__(cfg, objective, **kwargs)
         if self.uses_lora and self.parallel == "fsdp":
-            raise ConfigError("post.lora_rank: LoRA runs use train.parallel=ddp (or none), not fsdp: the adapters are "
+            raise ConfigError("post.lora_rank: LoRA runs use parallel.mode=ddp (or none), not fsdp: the adapters are "
                               "a small share of the memory")
 
     @property
@@ -416,22 +390,20 @@ class PostTrainer(Trainer):
             copy_tokenizer_files(self.tokenizer_dir, path)
         return path
 
-    def save_checkpoint(self):
-        path = super().save_checkpoint()
-        if path is not None and self.is_main and self.uses_lora:
-            self.write_adapter(path / "adapter")
-        return path
+    def write_checkpoint_extras(self, tmp: Path) -> None:
+        super().write_checkpoint_extras(tmp)
+        if self.uses_lora:  # the adapter alone in the PEFT layout, inside the checkpoint (covered by its manifest)
+            self.write_adapter(tmp / "adapter")
+
+    def final_model(self):
+        """With LoRA, ``final/`` holds the unchanged base weights; the adapter is written beside them."""
+        if not self.uses_lora:
+            return super().final_model()
+        return base_weights_model(self.raw_model) if self.is_main else None
 
     def finish(self) -> dict:
-        if not self.uses_lora:
-            return super().finish()
-        model = self.raw_model
-        self.raw_model = base_weights_model(model)  # final/ gets the base weights; the adapter goes beside them
-        try:
-            summary = super().finish()
-        finally:
-            self.raw_model = model
-        if self.is_main:
+        summary = super().finish()
+        if self.is_main and self.uses_lora:
             adapter = self.write_adapter(Path(summary["final"]) / "adapter")
             self._print(f"wrote the LoRA adapter (PEFT layout) to {adapter}")
             summary["adapter"] = str(adapter)
@@ -452,7 +424,7 @@ class PostTrainer(Trainer):
 def _prepare(cfg: Config, stage: str):
     """Check resume settings, join the process group (under torchrun), load tokenizer and model (+ LoRA)."""
     check_resume_compatible(cfg, stage)
-    env = zd.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    env = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
     device, out_dir = env.device, Path(cfg.train.out_dir)
     precision = resolve_precision(cfg.train.precision, device)
     tok, tok_dir = load_run_tokenizer(cfg, out_dir, env)

@@ -18,10 +18,14 @@ checkpoint stores all of that, so on CPU a resumed run reproduces the uninterrup
 
 Several processes (``torchrun ... -m zero2all.cli pretrain``): the trainer joins the process group, takes
 ``rank`` / ``world_size`` and its GPU from torchrun, builds its data iterator for that rank, and lets
-``train/distributed.py`` wrap the plain ``raw_model`` into the training ``model`` (DDP, FSDP2, ZeRO-1, activation
-checkpointing; ``no_sync`` on all but the last micro-batch). It logs on rank 0 only (global loss and tokens/s,
-every rank's memory) and writes sharded checkpoints with torch.distributed.checkpoint from every rank, which
-resume with any number of processes.
+``zero2all/distributed/`` wrap the plain ``raw_model`` into the training ``model`` (DDP, FSDP2, ZeRO-1, activation
+checkpointing; ``no_sync`` on all but the last micro-batch). The collectives it calls are the identity on one
+process, so the loop has no ``if distributed`` branches. It logs on rank 0 only (global loss and tokens/s, every
+rank's memory). Checkpoints are one format for every world size (``zero2all/checkpoint/``): saved by N processes
+of one parallelism kind, resumed by M processes of another.
+
+Interrupts: SIGINT (Ctrl-C) or SIGTERM finishes the current update, saves a checkpoint and raises
+:class:`TrainingInterrupted` (the CLI exits 130 / 143 with one line); a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
@@ -30,25 +34,69 @@ import contextlib
 import json
 import math
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from zero2all.config import Config, ConfigError, save_json, to_dict
+from zero2all import checkpoint as ckpt_io
+from zero2all import distributed as zd
+from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
+from zero2all.config import Config, ConfigError, to_dict
+from zero2all.train.synthetic import SyntheticDataset
+from zero2all.fileio import save_json
+from zero2all.model.io import copy_tokenizer_files, save_model
 from zero2all.model.z2all import build_model
-from zero2all.train import checkpoint as ckpt_io
-from zero2all.train import distributed as zd
 from zero2all.train.metrics import (MetricsLogger, compute_mfu, detect_peak_flops, format_count, format_step_line,
                                     peak_memory_bytes, plot_loss_curve, read_metrics, reset_peak_memory,
                                     summarize, write_run_report)
 from zero2all.train.objectives import Objective, PretrainObjective
 from zero2all.train.optim import (DynamicLossScaler, LRSchedule, build_optimizer, describe_groups,
                                   grad_norm_and_clip, set_lr)
-from zero2all.train.synthetic import SyntheticDataset
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT / SIGTERM stopped the run after an update and a checkpoint; ``exit_code`` is 130 or 143."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        name = "SIGINT" if signum == signal.SIGINT else "SIGTERM" if signum == signal.SIGTERM else f"signal {signum}"
+        where = f"saved {checkpoint}; continue with --resume auto" if checkpoint else "nothing saved"
+        super().__init__(f"interrupted by {name} at step {step}: {where}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+
+
+class _StopSignals:
+    """While active: the first SIGINT / SIGTERM only sets ``received`` (the loop stops after the update in
+    flight); a second SIGINT raises KeyboardInterrupt at once. Handlers are restored on exit. Only the main thread
+    can install handlers; elsewhere this does nothing."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this update and saving a checkpoint "
+              f"(press Ctrl-C again to abort at once)", flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -57,15 +105,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 def pick_device(setting: str = "auto") -> torch.device:
     """``auto``: the first CUDA GPU if there is one, else the CPU. Otherwise ``cpu``, ``cuda`` or ``cuda:N``."""
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(setting)
-    except RuntimeError:
-        raise ConfigError(f"train.device: {setting!r} is not auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device: {setting!r} was asked for but no CUDA GPU is available")
-    return device
+    return zd.resolve_device(setting)
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
@@ -219,14 +259,14 @@ class Trainer:
                  rank: int = 0, world_size: int = 1, show_progress: bool = True):
         self.cfg, self.tcfg = cfg, cfg.train
         # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
-        self.dist = zd.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+        self.dist = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
         if self.dist.is_distributed:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
-        self.device = self.dist.device if self.dist.is_distributed else pick_device(self.tcfg.device)
+        self.device = self.dist.device
         self.precision = resolve_precision(self.tcfg.precision, self.device)
         self.out_dir = Path(self.tcfg.out_dir)
         self.seq_len = data_seq_len(cfg)
@@ -247,15 +287,14 @@ class Trainer:
         if model is None:
             model = build_model(cfg.model, device=self.device, seed=self.tcfg.seed)
         self.raw_model = model.to(self.device)
-        # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (train/distributed.py). FSDP
+        # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
-        self.parallel = zd.validate_parallel_config(self.tcfg, self.dist)
-        self.sharded_checkpoints = self.dist.is_distributed
-        fsdp = self.parallel == "fsdp"
-        wrapped = zd.parallelize(self.raw_model, self.tcfg, self.dist, compile_blocks=self.tcfg.compile and fsdp)
-        self.model = torch.compile(wrapped) if self.tcfg.compile and not fsdp else wrapped
-        self.optimizer = zd.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device), self.tcfg,
-                                            self.dist)
+        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) == "fsdp"
+        self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
+                                  compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
+        self.parallel = self.run.mode
+        self.model = torch.compile(self.run.model) if self.tcfg.compile and not fsdp else self.run.model
+        self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device))
         self.schedule = LRSchedule.from_config(self.tcfg)
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.autocast = lambda: autocast_context(self.precision, self.device)
@@ -344,96 +383,122 @@ class Trainer:
         return lines
 
     # -- checkpoints ------------------------------------------------------------------------------------------
-    def trainer_state(self, optimizer_and_rng: bool = True) -> dict:
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
-                 "elapsed_s": self.elapsed_s, "world_size": self.world_size, "objective": self.objective.name,
-                 "scaler": self.scaler.state_dict(), "schedule": self.schedule.state_dict(),
-                 "tokenizer_hash": self.tokenizer_hash}
-        if optimizer_and_rng:
-            state.update(optimizer=self.optimizer.state_dict(), rng=ckpt_io.capture_rng_state())
-        return state
+    def counters(self) -> dict:
+        """The run's counters, LR schedule and loss scaler (the same on every rank)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
+                "elapsed_s": self.elapsed_s, "objective": self.objective.name, "scaler": self.scaler.state_dict(),
+                "schedule": self.schedule.state_dict()}
 
-    def save_sharded_checkpoint(self) -> Path:
-        """Every rank: model and optimizer shards with torch.distributed.checkpoint; each rank's data position and
-        RNG states in its own file; counters, run config and tokenizer files alongside (train/distributed.py)."""
-        def write_extra(tmp: Path) -> None:
-            save_json(to_dict(self.cfg), tmp / ckpt_io.RUN_CONFIG)
-            if self.tokenizer_dir is not None:
-                ckpt_io.copy_tokenizer_dir(self.tokenizer_dir, tmp)
+    def load_counters(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.skipped_total, self.elapsed_s = int(state["skipped_total"]), float(state["elapsed_s"])
+        self.scaler.load_state_dict(state["scaler"])
 
-        path = zd.save_sharded_checkpoint(
-            self.out_dir / ckpt_io.checkpoint_name(self.step), self.model, self.optimizer, self.dist,
-            meta={"step": self.step, "trainer": self.trainer_state(optimizer_and_rng=False)},
-            rank_state={"data_state": self.train_iter.state_dict(), "rng": ckpt_io.capture_rng_state()},
-            write_extra=write_extra)
+    def _load_data_states(self, states: list[dict]) -> None:
+        try:
+            self.train_iter.load_state_dict(self.train_iter.rescaled_state(states))
+        except ValueError as e:  # the data layout changed: the batch sequence would not continue
+            raise CheckpointMismatch(f"checkpoint {self._loading}: does not match this run's data: {e}") from None
+
+    def _restore_rng(self, states: list[dict]) -> None:
+        # another world size: ranks that did not exist take rank 0's generators (they only drive dropout)
+        ckpt_io.restore_rng_state(states[self.rank] if self.rank < len(states) else states[0])
+
+    def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None) -> dict:
+        """The Stateful parts of this run's checkpoints (``saved_world``: the world size of the run that wrote
+        the checkpoint being loaded)."""
+        saved_world = saved_world or self.world_size
+        parts = {
+            "model": ckpt_io.ModelState(self.run.plain),
+            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer)),
+            "trainer": ckpt_io.JsonState(self.counters, self.load_counters),
+            "data": ckpt_io.RankStates(self.rank, self.train_iter.state_dict, self._load_data_states, saved_world),
+            "rng": ckpt_io.RankStates(self.rank, ckpt_io.capture_rng_state, self._restore_rng, saved_world),
+        }
+        hook = self.run.comm_hook
+        if hook.powersgd_state is not None and (comm_hook is None or (comm_hook and saved_world == self.world_size)):
+            # PowerSGD's error feedback is this rank's own: restored only for an unchanged world size
+            parts["comm_hook"] = ckpt_io.RankStates(self.rank, hook.state_dict, lambda states: hook.load_state_dict(
+                states[self.rank]), saved_world, binary=True)
+        return parts
+
+    def write_checkpoint_extras(self, tmp: Path) -> None:
+        """Rank 0, into a checkpoint being written: the run config and the tokenizer files."""
+        save_json(to_dict(self.cfg), tmp / ckpt_io.RUN_CONFIG)
+        if self.tokenizer_dir is not None:
+            copy_tokenizer_files(self.tokenizer_dir, tmp)
+
+    def save_checkpoint(self) -> Path:
+        """Every rank: ``OUT/ckpt-<step>`` in the one checkpoint format (zero2all/checkpoint/), then pruning."""
+        path = self.out_dir / ckpt_io.checkpoint_name(self.step)
+        meta = {"step": self.step, "parallel": self.parallel, "model": to_dict(self.cfg.model),
+                "tokenizer_hash": self.tokenizer_hash, "objective": self.objective.name,
+                "comm_hook": self.run.comm_hook.powersgd_state is not None}
+        ckpt_io.save(path, self.checkpoint_parts(), self.dist, meta, write_extra=self.write_checkpoint_extras)
         if self.is_main:
-            ckpt_io.prune_checkpoints(self.out_dir, self.tcfg.keep_last)
-        self._print(f"saved checkpoint {path} (sharded over {self.world_size} processes)")
-        return path
-
-    def save_checkpoint(self) -> Path | None:
-        if self.sharded_checkpoints:
-            return self.save_sharded_checkpoint()
-        if not self.is_main:
-            return None
-        path = ckpt_io.save_checkpoint(self.out_dir, self.step, self.raw_model, self.trainer_state(), self.cfg,
-                                       self.train_iter.state_dict(), tokenizer_dir=self.tokenizer_dir,
-                                       tokenizer_hash=self.tokenizer_hash, keep_last=self.tcfg.keep_last)
-        self._print(f"saved checkpoint {path}")
+            for old in ckpt_io.prune(self.out_dir, self.tcfg.keep_last, newest=path):
+                self._print(f"removed old checkpoint {old} (train.keep_last={self.tcfg.keep_last})")
+        zd.barrier(self.dist)
+        self._print(f"saved checkpoint {path}" + (f" ({self.world_size} processes, {self.parallel})"
+                                                   if self.world_size > 1 else ""))
         return path
 
     def resume(self, ckpt: str | Path) -> None:
-        """Restore model, optimizer, scaler, data position, RNG states and counters from ``ckpt``."""
+        """Restore model, optimizer, counters, schedule, scaler, data position and RNG states from ``ckpt``,
+        whatever number of processes and parallelism kind wrote it."""
         ckpt = Path(ckpt)
-        saved_cfg = ckpt_io.read_run_config(ckpt)
-        sharded = zd.is_sharded_checkpoint(ckpt)
-        state = zd.read_checkpoint_meta(ckpt)["trainer"] if sharded else ckpt_io.read_trainer_state(ckpt)
-        changed = ckpt_io.check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size,
-                                           state.get("world_size", 1), state.get("tokenizer_hash"),
-                                           self.tokenizer_hash)
-        configured = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
-        if sharded:  # any number of processes wrote it; this rank reads the pieces it needs
-            _, own = zd.load_sharded_checkpoint(ckpt, self.model, self.optimizer, self.dist)
-            own = own or zd.read_rank_state(ckpt, 0)  # another world size: rank 0's position and RNG
-            data_state, state["rng"] = own["data_state"], own["rng"]
-        else:
-            if self.parallel == "fsdp":
-                raise ConfigError(f"{ckpt}: a single-process checkpoint cannot be loaded into FSDP-sharded weights; "
-                                  f"resume it with train.parallel=ddp or zero1 (later checkpoints are sharded)")
-            data_state = ckpt_io.load_checkpoint(ckpt, self.raw_model, trainer_state=state)["data_state"]
-            self.optimizer.load_state_dict(state["optimizer"])
-        for group, values in zip(self.optimizer.param_groups, configured):
-            group.update(values)  # hyperparameters come from this run's config (a changed one is printed below)
-        self.scaler.load_state_dict(state["scaler"])
-        try:
-            self.train_iter.load_state_dict(zd.rescale_data_state(data_state, self.train_iter.state_dict(),
-                                                                  int(state.get("world_size", 1)), self.world_size))
-        except ValueError as e:  # the data layout changed: the batch sequence would not continue
-            raise ckpt_io.CheckpointMismatch(f"checkpoint {ckpt} does not match this run's data: {e}") from None
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.skipped_total, self.elapsed_s = int(state["skipped_total"]), float(state["elapsed_s"])
-        ckpt_io.restore_rng_state(state["rng"])
+        problems = ckpt_io.verify(ckpt) if self.is_main else []
+        problems = zd.broadcast_object(problems, self.dist)
+        if problems:
+            raise ckpt_io.CheckpointError(f"cannot resume from {ckpt}: " + "; ".join(problems))
+        meta = ckpt_io.read_meta(ckpt)
+        saved_cfg = json.loads((ckpt / ckpt_io.RUN_CONFIG).read_text(encoding="utf-8"))
+        saved_world = int(meta["world_size"])
+        changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size, saved_world,
+                                   meta.get("tokenizer_hash"), self.tokenizer_hash)
+        self._loading = ckpt
+        ckpt_io.load(ckpt, self.checkpoint_parts(saved_world, comm_hook=bool(meta.get("comm_hook"))), self.dist)
         self.resumed_from = ckpt
-        self._print(f"resumed from {ckpt} at step {self.step}"
+        how = f" (written by {saved_world} processes, {meta.get('parallel')})" if saved_world != self.world_size \
+            or meta.get("parallel") != self.parallel else ""
+        self._print(f"resumed from {ckpt} at step {self.step}{how}"
                     + (f" (changed since: {'; '.join(changed)})" if changed else ""))
 
     def _maybe_resume(self) -> None:
         setting = self.tcfg.resume
-        existing = ckpt_io.latest_checkpoint(self.out_dir)
         if setting == "":
-            if existing is not None:
-                raise ConfigError(f"train.out_dir: {self.out_dir} already holds checkpoints (newest {existing.name});"
-                                  f" pass --resume auto to continue that run, or choose another --out")
+            existing = ckpt_io.list_checkpoints(self.out_dir)
+            if existing:
+                raise ConfigError(f"train.out_dir: {self.out_dir} already holds checkpoints (newest "
+                                  f"{existing[-1][1].name}); pass --resume auto to continue that run, or choose "
+                                  f"another --out")
             return
         if setting == "auto":
-            if existing is None:
-                self._print(f"--resume auto: no checkpoint in {self.out_dir}, starting fresh")
+            found, skipped = ckpt_io.newest_verified(self.out_dir) if self.is_main else (None, [])
+            found, skipped = zd.broadcast_object((found, skipped), self.dist)
+            for path, why in skipped:
+                self._print(f"--resume auto: skipping {path}: {why}")
+            if found is None:
+                self._print(f"--resume auto: no usable checkpoint in {self.out_dir}, starting fresh")
+                self._start_line(-1)
                 return
-            self.resume(existing)
-            return
-        if not Path(setting).is_dir():
-            raise FileNotFoundError(f"train.resume: {setting} is not a checkpoint directory (or use 'auto')")
-        self.resume(setting)
+            ckpt = found
+        else:
+            ckpt = Path(setting)
+            if not ckpt.is_dir():
+                raise FileNotFoundError(f"train.resume: {setting} is not a checkpoint directory (or use 'auto')")
+        self.resume(ckpt)
+        self._start_line(self.step)
+
+    def _start_line(self, step: int) -> None:
+        """Checkpoints of ``out_dir`` later than the resumed step belong to an abandoned line: move them aside so
+        this run's checkpoints never mix with theirs."""
+        if self.is_main:
+            aside, moved = ckpt_io.move_aside_after(self.out_dir, step)
+            if moved:
+                self._print(f"resuming at step {max(step, 0)} starts a new line: moved {len(moved)} later "
+                            f"checkpoint(s) ({', '.join(p.name for p in moved)}) aside to {aside}")
+        zd.barrier(self.dist)
 
     # -- one optimiser update ---------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -461,7 +526,7 @@ class Trainer:
         tokens = 0
         for micro in range(accum):
             batch = self._to_device(next(self.train_iter))
-            with zd.gradient_sync(self.model, enabled=micro == accum - 1):  # DDP: one all-reduce per update
+            with self.run.gradient_sync(micro == accum - 1):  # DDP: one all-reduce per update
                 loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
             loss_sum += loss.float()
             tokens += self.objective.num_tokens(batch)
@@ -480,8 +545,7 @@ class Trainer:
             self.skipped_total += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
-        if self.dist.is_distributed:
-            loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
+        loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
         dt = time.perf_counter() - t0
         self.step += 1
         self.tokens_seen += tokens * self.world_size
@@ -499,7 +563,7 @@ class Trainer:
             rec["mem_per_rank"] = zd.format_memory(per_rank)
         for k in sorted(metric_sums):  # the objective's extra metrics (e.g. DPO margins), global like the loss
             value = float(metric_sums[k]) / accum
-            rec[f"train_{k}"] = zd.all_reduce_mean(value, self.dist) if self.dist.is_distributed else value
+            rec[f"train_{k}"] = zd.all_reduce_mean(value, self.dist)
         return rec
 
     # -- evaluation and samples -------------------------------------------------------------------------------
@@ -522,9 +586,7 @@ class Trainer:
         self.model.train()
         if not losses:
             return None
-        mean = float(torch.stack(losses).mean())
-        if self.dist.is_distributed:
-            mean = zd.all_reduce_mean(mean, self.dist)
+        mean = zd.all_reduce_mean(float(torch.stack(losses).mean()), self.dist)
         rec = {"kind": "eval", "step": self.step, "loss": mean, "ppl": math.exp(min(mean, 50.0)),
                "batches": len(losses)}
         self.logger.log(rec)
@@ -551,7 +613,7 @@ class Trainer:
         if t.num_samples == 0 or t.sample_new_tokens == 0:
             return []
         # FSDP: every rank takes part in gathering the weights; rank 0 samples from a plain CPU copy
-        model = zd.gather_plain_model(self.raw_model, self.dist) if self.parallel == "fsdp" else self.raw_model
+        model = self.run.gather_plain_model()
         if not self.is_main:
             return []
         was_training = model.training
@@ -598,56 +660,71 @@ class Trainer:
 
             self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                              disable=None)
-        last_eval = last_sample = last_ckpt = None
-        if self.step == 0 and t.eval_every:  # the starting point of the validation curve
-            self.evaluate()
         try:
-            while self.step < t.max_steps:
-                with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
-                    rec = self.train_step()  # a hung collective fails after train.dist_timeout_s, saying so
-                if self.is_main:
-                    self.logger.log(rec)
-                    if rec["skipped"] or (t.log_every and self.step % t.log_every == 0):
-                        self._print(format_step_line(rec)
-                                    + (f" | mem/rank {rec['mem_per_rank']}" if "mem_per_rank" in rec else ""))
-                    if self._bar is not None:
-                        self._bar.update(1)
-                        self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
-                if t.eval_every and self.step % t.eval_every == 0:
-                    self.evaluate()
-                    last_eval = self.step
-                if t.sample_every and self.step % t.sample_every == 0:
-                    self.sample()
-                    last_sample = self.step
-                if t.ckpt_every and self.step % t.ckpt_every == 0:
-                    self.save_checkpoint()
-                    last_ckpt = self.step
+            with _StopSignals() as stop:
+                self._loop(stop)
         finally:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-        if self.resumed_from is not None and last_ckpt is None and self.step == start_step:
-            last_eval = last_sample = self.step  # resumed a finished run: its final eval and samples are logged
-        if last_eval != self.step:
+        if self.resumed_from is not None and self.step == start_step:
+            # resumed a finished run: its final eval and samples are logged, and its checkpoint is this step's
+            self._last_eval = self._last_sample = self.step
+            if self.resumed_from.parent.resolve() == self.out_dir.resolve():
+                self._last_ckpt = self.step
+        if self._last_eval != self.step:
             self.evaluate()
-        if last_sample != self.step:
+        if self._last_sample != self.step:
             self.sample()
-        if last_ckpt != self.step:
+        if self._last_ckpt != self.step:
             self.save_checkpoint()
         return self.finish()
+
+    def _loop(self, stop: "_StopSignals") -> None:
+        t = self.tcfg
+        self._last_eval = self._last_sample = self._last_ckpt = None
+        if self.step == 0 and t.eval_every:  # the starting point of the validation curve
+            self.evaluate()
+            self._last_eval = 0
+        while self.step < t.max_steps:
+            with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
+                rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
+            if self.is_main:
+                self.logger.log(rec)
+                if rec["skipped"] or (t.log_every and self.step % t.log_every == 0):
+                    self._print(format_step_line(rec)
+                                + (f" | mem/rank {rec['mem_per_rank']}" if "mem_per_rank" in rec else ""))
+                if self._bar is not None:
+                    self._bar.update(1)
+                    self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
+            if t.eval_every and self.step % t.eval_every == 0:
+                self.evaluate()
+                self._last_eval = self.step
+            if t.sample_every and self.step % t.sample_every == 0:
+                self.sample()
+                self._last_sample = self.step
+            if t.ckpt_every and self.step % t.ckpt_every == 0:
+                self.save_checkpoint()
+                self._last_ckpt = self.step
+            # every rank stops at the same update, whichever of them got the signal
+            if zd.any_true(stop.received is not None, self.dist):
+                path = self.save_checkpoint() if self._last_ckpt != self.step else \
+                    self.out_dir / ckpt_io.checkpoint_name(self.step)
+                self.logger.close()
+                raise TrainingInterrupted(stop.received or signal.SIGTERM, self.step, path)
+
+    def final_model(self):
+        """The model that ``final/`` holds, on rank 0 (a collective under FSDP)."""
+        return self.run.gather_plain_model()
 
     def finish(self) -> dict:
         """Final model directory, loss curve, run report; returns the summary numbers."""
         self.logger.close()
-        plain = zd.gather_plain_model(self.raw_model, self.dist)  # FSDP: all ranks gather, rank 0 gets the copy
+        plain = self.final_model()  # FSDP: all ranks gather, rank 0 gets the copy
         if not self.is_main:
             return {}
-        from zero2all.model.io import save_model
-
-        final = save_model(plain, self.out_dir / "final",
+        final = save_model(plain, self.out_dir / "final", tokenizer_dir=self.tokenizer_dir,
                            extra={"step": self.step, "tokenizer_hash": self.tokenizer_hash})
-        if self.tokenizer_dir is not None:
-            ckpt_io.copy_tokenizer_dir(self.tokenizer_dir, final)
         records = read_metrics(self.logger.path)
         png = plot_loss_curve(records, self.out_dir / "loss.png", title=f"{self.objective.name}: {self.out_dir.name}")
         header = {

@@ -1,0 +1,181 @@
+"""Training on several processes (GPUs, machines) with PyTorch's own engine: torchrun, DDP, FSDP2, DCP.
+
+The model code knows nothing of parallelism. A trainer builds a plain model and this package parallelizes it
+from the outside, according to the ``[parallel]`` config section::
+
+    env = init_distributed(device, timeout_s=cfg.parallel.timeout_s)   # torchrun's RANK / WORLD_SIZE / ...
+    run = parallelize(build_model(cfg.model, env.device), cfg.parallel, env, precision="bf16")
+    optimizer = run.shard_optimizer(build_optimizer(run.plain, ...))     # ZeRO-1 only; else unchanged
+    for step ...:
+        for micro in range(accum):
+            with run.gradient_sync(micro == accum - 1):    # DDP: no all-reduce before the last micro-step
+                loss = run.model(x, y)[1] / accum; loss.backward()
+        clip; optimizer.step(); optimizer.zero_grad()
+
+One module per parallelism kind: ``ddp.py``, ``fsdp.py``, ``zero1.py`` (tensor, pipeline, context and expert
+parallelism will sit beside them), ``ac.py`` for activation checkpointing, ``env.py`` for the process group and
+the collectives, which are the identity on one process. What a parallelized run needs later (the comm hook's
+per-rank state, FSDP's accumulation mode) lives on the :class:`Parallelized` object, not on the torch modules.
+Checkpoints of every mode are one format (``zero2all/checkpoint/``): parameter and optimizer-state names are the
+plain model's, so DDP, FSDP2, ZeRO-1 and one process read each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from zero2all.config import ParallelConfig
+from zero2all.distributed.ac import apply_activation_checkpointing, attention_core_policy, transformer_blocks
+from zero2all.distributed.ddp import CommHook, apply_ddp
+from zero2all.distributed.env import (DistEnv, DistributedTimeoutError, all_gather_object, all_reduce_mean, all_true,
+                                      any_true, barrier, broadcast_object, collective_timeout, destroy_distributed,
+                                      finish_process, format_memory, gather_memory_stats, init_distributed,
+                                      launched_by_torchrun, memory_stats, resolve_device)
+from zero2all.distributed.zero1 import is_zero1, local_optimizer
+
+__all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",
+           "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
+           "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
+           "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
+           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device",
+           "transformer_blocks", "unwrap"]
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: bf16/fp16 when asked (or ``auto`` on a GPU with bf16), else fp32."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under DDP / torch.compile wrappers (FSDP2 keeps the module itself)."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(unwrap(model), FSDPModule)
+
+
+@dataclass
+class Parallelized:
+    """A model with its parallelism applied: ``model`` is what to call (a DDP wrapper, the FSDP-sharded module or
+    the plain model), ``plain`` the model underneath (the same parameters; FSDP's are DTensor shards)."""
+
+    model: nn.Module
+    plain: nn.Module
+    mode: str
+    env: DistEnv
+    config: ParallelConfig = field(default_factory=ParallelConfig)
+    comm_hook: CommHook = field(default_factory=CommHook)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.mode == "fsdp"
+
+    def gradient_sync(self, enabled: bool):
+        """Context for one micro-step: DDP skips its all-reduce (``no_sync``) unless ``enabled`` (the last
+        micro-step of an accumulation). FSDP reduce-scatters every micro-step, unless ``fsdp_accum_no_sync``:
+        then gradients accumulate unsharded and parameters stay gathered until the last micro-step. One process:
+        nothing to do."""
+        if self.fsdp:
+            if self.config.fsdp_accum_no_sync:
+                from zero2all.distributed.fsdp import set_fsdp_gradient_sync
+
+                set_fsdp_gradient_sync(self.plain, enabled)
+            return nullcontext()
+        if not enabled and self.mode in ("ddp", "zero1"):
+            return self.model.no_sync()
+        return nullcontext()
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1: the optimizer partitioned over ranks; other modes: unchanged."""
+        if self.mode != "zero1":
+            return optimizer
+        from zero2all.distributed.zero1 import shard_optimizer
+
+        return shard_optimizer(optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
+        if self.fsdp:
+            from zero2all.distributed.fsdp import gather_full_state_dict
+
+            return gather_full_state_dict(self.plain, self.env)
+        return self.plain.state_dict() if self.env.is_main else None
+
+    def gather_plain_model(self) -> nn.Module | None:
+        """A plain model holding the full weights, on rank 0 (others None): the model itself unless it is
+        FSDP-sharded; then a CPU copy gathered by every rank (a collective)."""
+        if not self.fsdp:
+            return self.plain if self.env.is_main else None
+        sd = self.full_state_dict()
+        if sd is None:
+            return None
+        from zero2all.model.z2all import build_model
+
+        copy = build_model(self.plain.cfg, device="meta").to_empty(device="cpu")
+        copy.load_state_dict(sd)
+        copy.tie_weights()
+        return copy
+
+
+def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: str = "auto",
+                compile_blocks: bool = False, seed: int = 0) -> Parallelized:
+    """Apply activation checkpointing and the configured data-parallel mode to a plain model.
+
+    The model must already be on ``env.device`` with its initial weights (every rank builds it from the same
+    seed; DDP also broadcasts rank 0's weights). ``precision`` sets FSDP's compute dtype. ``compile_blocks``
+    compiles each block with torch.compile before wrapping (the pattern that keeps FSDP's hooks outside the
+    compiled regions). ``seed`` seeds PowerSGD's random projections.
+    """
+    from zero2all.config import ConfigError
+
+    pc.validate(env.world_size)
+    mode = pc.resolved_mode(env.world_size)
+    if mode != "none" and not env.is_distributed:
+        raise ConfigError(f"parallel.mode={mode!r} needs a process group: launch with torchrun "
+                          f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
+    apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
+    if compile_blocks:
+        for block in transformer_blocks(model):
+            block.compile()
+    if mode in ("ddp", "zero1"):
+        wrapped, hook = apply_ddp(model, pc, env, seed)
+        return Parallelized(wrapped, model, mode, env, pc, hook)
+    if mode == "fsdp":
+        from zero2all.distributed.fsdp import apply_fsdp
+
+        apply_fsdp(model, pc, env, compute_dtype(precision, env.device))
+        return Parallelized(model, model, mode, env, pc)
+    return Parallelized(model, model, mode, env, pc)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over all shards for FSDP) to ``max_norm``; return the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm and max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
