@@ -1,4 +1,5 @@
-"""Data-parallel training on 2 gloo processes (CPU) against the single-process run of the same global batch.
+"""Data-parallel training on 2 (and 4) gloo processes (CPU) against the single-process run of the same global batch,
+and the one checkpoint format across world sizes and parallelism kinds.
 
 Every parallel mode must reproduce the single-process loss sequence: the global batch of each step is
 world * micro * accum sequences; rank r takes its own micro-batch rows of each micro-step, so the mean of the
@@ -19,9 +20,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from zero2all.config import ModelConfig, OpsConfig, TrainConfig
+from zero2all import checkpoint as ckpt
+from zero2all import distributed as zd
+from zero2all.config import ModelConfig, OpsConfig, ParallelConfig
 from zero2all.model.z2all import build_model
-from zero2all.train import distributed as zd
 
 WORLD = 2
 MICRO, ACCUM, SEQ, STEPS = 2, 2, 16, 4
@@ -48,14 +50,47 @@ def global_batches(steps: int, world: int = WORLD, seed: int = 0) -> torch.Tenso
     return torch.cat(seq, dim=-1)
 
 
-def make_run(tc: TrainConfig, env: zd.DistEnv, model_kw: dict | None = None):
+def make_run(fields: dict, env: zd.DistEnv, model_kw: dict | None = None):
+    """(Parallelized, optimizer) for ``fields``: ParallelConfig fields, ``parallel`` naming the mode, and
+    ``precision``."""
+    fields = dict(fields)
+    precision = fields.pop("precision", "fp32")
+    pc = ParallelConfig(mode=fields.pop("parallel", "none"), **fields)
     model = build_model(tiny_cfg(**(model_kw or {})), seed=1234)
-    model = zd.parallelize(model, tc, env)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    return model, zd.shard_optimizer(opt, tc, env)
+    run = zd.parallelize(model, pc, env, precision=precision, seed=1337)
+    opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    return run, run.shard_optimizer(opt)
 
 
-def train_steps(model, opt, batches: torch.Tensor, env: zd.DistEnv, steps: range, world: int) -> list[float]:
+def checkpoint_parts(run, opt, env, step: list, saved_world: int | None = None, rank_box: list | None = None,
+                     hook: bool = False) -> dict:
+    """The trainer's checkpoint parts for the bare loop: model, optimizer, the step, each rank's own state, and
+    PowerSGD's state when ``hook``."""
+    saved_world = saved_world or env.world_size
+    parts = {"model": ckpt.ModelState(run.plain), "optim": ckpt.OptimizerState(run.plain, zd.local_optimizer(opt)),
+             "trainer": ckpt.JsonState(lambda: {"step": step[0]}, lambda s: step.__setitem__(0, s["step"])),
+             "own": ckpt.RankStates(env.rank, lambda: {"rank": env.rank},
+                                    lambda states: rank_box.append(states) if rank_box is not None else None, saved_world)}
+    if hook:
+        h = run.comm_hook
+        parts["comm_hook"] = ckpt.RankStates(env.rank, h.state_dict, lambda states: (rank_box if rank_box is not None else []).append(
+            h.load_state_dict(states[env.rank])), saved_world, binary=True)
+    return parts
+
+
+def save(run, opt, env, path: Path, step: int, hook: bool = False) -> None:
+    ckpt.save(path, checkpoint_parts(run, opt, env, [step], hook=hook), env, {"step": step})
+
+
+def load(run, opt, env, path: Path, hook: bool = False) -> tuple[int, list]:
+    """Load ``path`` into (run, opt); returns (step, what the RankStates parts received)."""
+    meta = ckpt.read_meta(path)
+    step, box = [0], []
+    ckpt.load(path, checkpoint_parts(run, opt, env, step, meta["world_size"], box, hook), env)
+    return step[0], box
+
+
+def train_steps(run, opt, batches: torch.Tensor, env: zd.DistEnv, steps: range, world: int) -> list[float]:
     """The step loop under test: rank r's rows of micro-step a are [(a*world + r)*micro_rows, +micro_rows)."""
     micro_rows = MICRO * world // env.world_size
     losses = []
@@ -65,11 +100,11 @@ def train_steps(model, opt, batches: torch.Tensor, env: zd.DistEnv, steps: range
         for a in range(ACCUM):
             start = (a * env.world_size + env.rank) * micro_rows
             rows = batch[start:start + micro_rows]
-            with zd.gradient_sync(model, enabled=a == ACCUM - 1):
-                _, loss = model(rows[:, :-1], rows[:, 1:])
+            with run.gradient_sync(a == ACCUM - 1):
+                _, loss = run.model(rows[:, :-1], rows[:, 1:])
                 (loss / ACCUM).backward()
             total += loss.item() / ACCUM
-        zd.clip_grad_norm(model, 1.0)
+        zd.clip_grad_norm(run.model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(zd.all_reduce_mean(total, env))
@@ -79,8 +114,8 @@ def train_steps(model, opt, batches: torch.Tensor, env: zd.DistEnv, steps: range
 @functools.lru_cache(maxsize=None)
 def _reference(steps: int) -> tuple[float, ...]:
     env = zd.DistEnv()
-    model, opt = make_run(TrainConfig(parallel="none"), env)
-    return tuple(train_steps(model, opt, global_batches(steps), env, range(steps), WORLD))
+    run, opt = make_run({}, env)
+    return tuple(train_steps(run, opt, global_batches(steps), env, range(steps), WORLD))
 
 
 def reference_losses(steps: int = STEPS) -> list[float]:
@@ -112,8 +147,8 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: di
         zd.finish_process(0)
 
 
-def spawn(scenario: str, out: Path, **kwargs) -> dict:
-    mp.spawn(_entry, args=(WORLD, free_port(), scenario, str(out), kwargs), nprocs=WORLD, join=True)
+def spawn(scenario: str, out: Path, world: int = WORLD, **kwargs) -> dict:
+    mp.spawn(_entry, args=(world, free_port(), scenario, str(out), kwargs), nprocs=world, join=True)
     return json.loads((out / "result.json").read_text())
 
 
@@ -134,43 +169,44 @@ def scenario_modes(env, out, modes: list[dict]):
     for fields in modes:
         fields = dict(fields)
         model_kw = fields.pop("model", None)
-        model, opt = make_run(TrainConfig(**fields), env, model_kw)
+        run, opt = make_run(fields, env, model_kw)
         calls[0] = 0
-        results.append(train_steps(model, opt, global_batches(STEPS), env, range(STEPS), WORLD))
+        results.append(train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD))
         reduce_scatters.append(calls[0])
         if fields.get("parallel") == "fsdp":  # parameters really are sharded across the two ranks
-            w = zd.unwrap(model).layers[0].mlp.down_proj.weight
+            w = run.plain.layers[0].mlp.down_proj.weight
             assert type(w).__name__ == "DTensor" and w.to_local().shape[0] * env.world_size == w.shape[0]
     torch.distributed.reduce_scatter_single = original
     return {"losses": results, "reduce_scatters": reduce_scatters}
 
 
 def scenario_save(env, out, jobs: list[dict]):
-    """For each job: train to STEPS, saving a sharded checkpoint ``out/<name>/ckpt-<save_at>`` on the way."""
+    """For each job: train to STEPS, saving ``out/<name>/ckpt-<save_at>`` on the way."""
     results = {}
     for job in jobs:
         job = dict(job)
         name, save_at = job.pop("name"), job.pop("save_at")
-        model, opt = make_run(TrainConfig(**job), env)
+        hook = job.get("comm_hook") == "powersgd"
+        run, opt = make_run(job, env)
         batches = global_batches(STEPS)
-        first = train_steps(model, opt, batches, env, range(save_at), WORLD)
-        zd.save_sharded_checkpoint(out / name / f"ckpt-{save_at:06d}", model, opt, env, meta={"step": save_at},
-                                   rank_state={"rank": env.rank})
-        results[name] = first + train_steps(model, opt, batches, env, range(save_at, STEPS), WORLD)
+        first = train_steps(run, opt, batches, env, range(save_at), WORLD)
+        save(run, opt, env, out / name / ckpt.checkpoint_name(save_at), save_at, hook=hook)
+        results[name] = first + train_steps(run, opt, batches, env, range(save_at, STEPS), WORLD)
     return results
 
 
 def scenario_resume(env, out, jobs: list[dict]):
-    """For each job: load ``ckpt`` into a fresh run of another config and train to STEPS."""
+    """For each job: load ``ckpt`` into a fresh run of another config (maybe another world size) and train to
+    STEPS."""
     results = {}
     for job in jobs:
         job = dict(job)
-        name, ckpt = job.pop("name"), job.pop("ckpt")
-        model, opt = make_run(TrainConfig(**job), env)
-        meta, rank_state = zd.load_sharded_checkpoint(ckpt, model, opt, env)
-        hook_restored = rank_state is not None and zd.comm_hook_state(model) is not None
-        losses = train_steps(model, opt, global_batches(STEPS), env, range(meta["step"], STEPS), WORLD)
-        results[name] = {"losses": losses, "rank_state": rank_state, "hook_restored": hook_restored}
+        name, path = job.pop("name"), Path(job.pop("ckpt"))
+        hook = job.get("comm_hook") == "powersgd"
+        run, opt = make_run(job, env)
+        step, received = load(run, opt, env, path, hook=hook)
+        losses = train_steps(run, opt, global_batches(STEPS), env, range(step, STEPS), WORLD)
+        results[name] = {"losses": losses, "received": received}
     return results
 
 
@@ -246,42 +282,71 @@ def test_parallel_modes_match_single_process(tmp_path):
         assert_same_losses(losses, want, rtol=1e-4, msg=str(fields))
 
 
-def test_sharded_checkpoint_2_to_1_and_export(tmp_path):
+SAVED_ON_TWO = [dict(name="ddp", parallel="ddp", save_at=2),
+                dict(name="fsdp", parallel="fsdp", reshard_after_forward=True, save_at=2),
+                dict(name="fsdp_zero2", parallel="fsdp", reshard_after_forward=False, save_at=2),
+                dict(name="zero1", parallel="zero1", save_at=2)]
+
+
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory):
+    """Every data-parallel kind trained on 2 processes, each saving a checkpoint at step 2 (one spawn)."""
+    out = tmp_path_factory.mktemp("saved_on_two")
+    return out, spawn("save", out, jobs=SAVED_ON_TWO)
+
+
+def test_every_kind_saved_on_two_resumes_on_one_process(saved_on_two, tmp_path):
+    """N=2 -> M=1, and DDP / FSDP2 (both reshard modes) / ZeRO-1 -> no wrapping at all."""
     want = reference_losses()
-    saved = spawn("save", tmp_path, jobs=[dict(name="fsdp", parallel="fsdp", save_at=2)])["fsdp"]
-    assert_same_losses(saved, want)
-    ckpt = tmp_path / "fsdp" / "ckpt-000002"
-    assert zd.latest_complete_checkpoint(tmp_path / "fsdp") == ckpt
-    # one process, plain model: continues the 2-process sequence
+    out, saved = saved_on_two
     env = zd.DistEnv()
-    model, opt = make_run(TrainConfig(parallel="none"), env)
-    meta, rank_state = zd.load_sharded_checkpoint(ckpt, model, opt, env)
-    assert meta["step"] == 2 and meta["world_size"] == 2 and rank_state is None  # world size changed
-    resumed = train_steps(model, opt, global_batches(STEPS), env, range(2, STEPS), WORLD)
-    assert_same_losses(resumed, saved[2:])
-    # export the sharded step-2 weights to one HF directory: loads back to the same logits
+    for job in SAVED_ON_TWO:
+        name = job["name"]
+        assert_same_losses(saved[name], want, msg=name)
+        path = out / name / "ckpt-000002"
+        assert ckpt.verify(path) == [] and ckpt.read_meta(path)["world_size"] == 2
+        run, opt = make_run({}, env)
+        step, received = load(run, opt, env, path)
+        assert step == 2 and received == [[{"rank": 0}, {"rank": 1}]]  # every old rank's own state is handed over
+        resumed = train_steps(run, opt, global_batches(STEPS), env, range(2, STEPS), WORLD)
+        assert_same_losses(resumed, saved[name][2:], msg=f"{name} -> one process")
+    # the FSDP-sharded step-2 weights exported to one HF directory load back to the same logits
     from zero2all.cli import main as cli_main
     from zero2all.model.io import load_model
 
-    assert cli_main(["export-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
-    hf = tmp_path / "hf"
-    assert (hf / "config.json").exists()
-    step2, _ = make_run(TrainConfig(parallel="none"), env)
-    zd.load_sharded_checkpoint(ckpt, step2, None, env)
+    path = out / "fsdp" / "ckpt-000002"
+    assert cli_main(["export-hf", "--ckpt", str(path), "--out", str(tmp_path / "hf")]) == 0
+    step2, _ = make_run({}, env)
+    load(step2, torch.optim.AdamW(step2.model.parameters()), env, path)
     tokens = global_batches(1)[0, :2, :-1]
     with torch.no_grad():
-        torch.testing.assert_close(load_model(hf)(tokens)[0], step2.eval()(tokens)[0], rtol=1e-5, atol=1e-5)
+        want_logits = step2.plain.eval()(tokens)[0]
+        torch.testing.assert_close(load_model(tmp_path / "hf")(tokens)[0], want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_model(path)(tokens)[0], want_logits, rtol=0, atol=0)  # the one loader
 
 
-def test_sharded_checkpoint_1_to_2_into_zero1(tmp_path):
+def test_saved_on_two_resumes_on_four_with_another_kind(saved_on_two):
+    """N=2 -> M=4: DDP's checkpoint into FSDP2, ZeRO-1's into DDP."""
+    out, saved = saved_on_two
+    got = spawn("resume", out, world=4, jobs=[
+        dict(name="ddp_to_fsdp", parallel="fsdp", ckpt=str(out / "ddp" / "ckpt-000002")),
+        dict(name="zero1_to_ddp", parallel="ddp", ckpt=str(out / "zero1" / "ckpt-000002"))])
+    assert_same_losses(got["ddp_to_fsdp"]["losses"], saved["ddp"][2:], msg="ddp(2) -> fsdp(4)")
+    assert_same_losses(got["zero1_to_ddp"]["losses"], saved["zero1"][2:], msg="zero1(2) -> ddp(4)")
+
+
+def test_one_process_checkpoint_resumes_on_two_with_zero1_and_fsdp(tmp_path):
     want = reference_losses()
     env = zd.DistEnv()
-    model, opt = make_run(TrainConfig(parallel="none"), env)
-    first = train_steps(model, opt, global_batches(STEPS), env, range(2), WORLD)
-    zd.save_sharded_checkpoint(tmp_path / "ckpt-000002", model, opt, env, meta={"step": 2})
+    run, opt = make_run({}, env)
+    first = train_steps(run, opt, global_batches(STEPS), env, range(2), WORLD)
+    save(run, opt, env, tmp_path / "ckpt-000002", 2)
     assert_same_losses(first, want[:2])
-    got = spawn("resume", tmp_path, jobs=[dict(name="zero1", parallel="zero1", ckpt=str(tmp_path / "ckpt-000002"))])
+    got = spawn("resume", tmp_path, jobs=[
+        dict(name="zero1", parallel="zero1", ckpt=str(tmp_path / "ckpt-000002")),
+        dict(name="fsdp_zero2", parallel="fsdp", reshard_after_forward=False, ckpt=str(tmp_path / "ckpt-000002"))])
     assert_same_losses(got["zero1"]["losses"], want[2:])
+    assert_same_losses(got["fsdp_zero2"]["losses"], want[2:])
 
 
 def test_zero1_into_fsdp_and_powersgd_state_survive_resume(tmp_path):
@@ -295,50 +360,38 @@ def test_zero1_into_fsdp_and_powersgd_state_survive_resume(tmp_path):
         dict(name="fsdp", parallel="fsdp", ckpt=str(tmp_path / "zero1" / "ckpt-000002")),
         dict(name="powersgd", parallel="ddp", ckpt=str(tmp_path / "powersgd" / "ckpt-000003"), **hook)])
     assert_same_losses(got["fsdp"]["losses"], want[2:])
-    assert got["fsdp"]["rank_state"] == {"rank": 0}  # same world size: each rank gets its own state back
-    assert got["powersgd"]["hook_restored"]
+    assert got["fsdp"]["received"] == [[{"rank": 0}, {"rank": 1}]]
+    assert True in got["powersgd"]["received"]  # the hook state was restored
     assert got["powersgd"]["losses"] == saved["powersgd"][3:]
 
 
 def test_collective_timeout_has_a_clear_message(tmp_path):
     got = spawn("timeout", tmp_path, timeout_s=2.0)
-    assert got["error"] and "train.dist_timeout_s=2s" in got["error"] and "rank 0/2" in got["error"]
+    assert got["error"] and "parallel.timeout_s=2s" in got["error"] and "rank 0/2" in got["error"]
 
 
 def test_config_errors_name_the_field():
+    from zero2all.config import load_config
+
     env = zd.DistEnv()
-    with pytest.raises(ValueError, match="train.parallel"):
-        zd.validate_parallel_config(TrainConfig(parallel="tp"), env)
+    with pytest.raises(ValueError, match="parallel.mode"):
+        ParallelConfig(mode="tp").validate()
     with pytest.raises(ValueError, match="torchrun"):
-        zd.validate_parallel_config(TrainConfig(parallel="fsdp"), env)
-    with pytest.raises(ValueError, match="train.comm_hook"):
-        zd.validate_parallel_config(TrainConfig(comm_hook="fp8"), env)
-    with pytest.raises(ValueError, match="train.cpu_offload"):
-        zd.validate_parallel_config(TrainConfig(cpu_offload=True), env)
-    with pytest.raises(ValueError, match="train.ac_every"):
-        zd.validate_parallel_config(TrainConfig(activation_checkpointing="selective", ac_every=0), env)
-    assert zd.validate_parallel_config(TrainConfig(), env) == "none"
-    assert zd.resolve_parallel("auto", zd.DistEnv(world_size=2)) == "ddp"
-
-
-def test_data_state_moves_between_world_sizes():
-    synthetic = {"kind": "synthetic", "seed": 1, "next_sample": 12}
-    assert zd.rescale_data_state(synthetic, {}, 2, 1)["next_sample"] == 24   # global position 24 kept
-    assert zd.rescale_data_state(synthetic, {}, 2, 4)["next_sample"] == 6
-    with pytest.raises(ValueError, match="cannot be split"):
-        zd.rescale_data_state({"next_sample": 3}, {}, 1, 2)
-    packed = {"epoch": 2, "position": 10, "world_size": 2, "num_windows": 50, "rank": 0}
-    moved = zd.rescale_data_state(packed, {"world_size": 1, "num_windows": 100, "rank": 0}, 2, 1)
-    assert moved == {"epoch": 2, "position": 20, "world_size": 1, "num_windows": 100, "rank": 0}
-    assert zd.rescale_data_state(packed, {}, 2, 2) is packed
-    with pytest.raises(ValueError, match="cannot move"):
-        zd.rescale_data_state({"cursor": 1}, {}, 2, 1)
+        zd.parallelize(build_model(tiny_cfg()), ParallelConfig(mode="fsdp"), env)
+    with pytest.raises(ValueError, match="parallel.comm_hook"):
+        ParallelConfig(comm_hook="fp8").validate()
+    with pytest.raises(ValueError, match="parallel.cpu_offload"):
+        ParallelConfig(cpu_offload=True).validate(world_size=1)
+    with pytest.raises(ValueError, match="parallel.ac_every"):
+        ParallelConfig(activation_checkpointing="selective", ac_every=0).validate()
+    assert ParallelConfig().resolved_mode(1) == "none" and ParallelConfig().resolved_mode(2) == "ddp"
+    # the names of earlier versions are read as the new ones
+    assert load_config("tiny", ["train.parallel='zero1'", "train.dist_timeout_s=5"]).parallel.mode == "zero1"
 
 
 def test_resume_with_another_world_size_needs_the_same_global_batch():
-    from zero2all.config import load_config
-    from zero2all.train.checkpoint import CheckpointMismatch, check_compatible
-    from zero2all.config import to_dict
+    from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
+    from zero2all.config import load_config, to_dict
 
     saved = to_dict(load_config("tiny", ["train.micro_batch_size=2", "train.grad_accum_steps=2"]))
     same_batch = load_config("tiny", ["train.micro_batch_size=4", "train.grad_accum_steps=2"])
