@@ -41,7 +41,7 @@
     the iterator's configuration: it neither reads nor changes the iterator's position. It raises ValueError
     when the states disagree with each other (kind, epoch, position, seed, ... differ between ranks), name
     another rank or world size than their place in the list, or were taken on other data (another seed, split,
-    sequence length or tokenizer).
+    sequence length or tokenizer, where the state records them).
 
 The helpers below hold the checks the iterators share.
 """
