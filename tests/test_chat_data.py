@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data_helpers import write_dpo_file, write_sft_file
 from standin_tokenizer import ByteTokenizer, tiny_model_config
 from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, collate, dpo_collate, load_dpo_samples,
                                 load_sft_samples, pack_samples, pad_samples, render_dpo_record, render_sft_record)
@@ -261,9 +262,7 @@ def test_reference_logprobs_precomputed_equal_direct_and_zero_loss_at_start():
 def test_sft_and_dpo_datasets_iterate_resumably(tmp_path):
     from zero2all.data.chat import DPODataset, SFTDataset
 
-    f = tmp_path / "sft.jsonl"
-    f.write_text("".join(json.dumps({"instruction": "q" * (i % 7 + 1), "output": "a" * (i % 5 + 1)}) + "\n"
-                         for i in range(40)) + "{broken\n")
+    f = write_sft_file(tmp_path / "sft.jsonl", 40, trailing="{broken\n")
     ds = SFTDataset.from_files(f, TOK, seq_len=48, mode="pack", on_error="skip")
     assert ds.stats.skipped == 1 and len(ds) > 2
     it = ds.iterator(3, seed=5)
@@ -283,8 +282,6 @@ def test_sft_and_dpo_datasets_iterate_resumably(tmp_path):
     # ranks get disjoint rows, equally many
     r0, r1 = (SFTDataset.from_files(f, TOK, 48, "pad", "skip", rank=r, world_size=2) for r in (0, 1))
     assert len(r0) == len(r1) == 20 and not torch.equal(r0[0]["input_ids"], r1[0]["input_ids"])
-    g = tmp_path / "dpo.jsonl"
-    g.write_text("".join(json.dumps({"prompt": "p" * (i + 1), "chosen": "yes", "rejected": "no!"}) + "\n"
-                         for i in range(5)))
+    g = write_dpo_file(tmp_path / "dpo.jsonl", 5)
     b = next(DPODataset.from_files(g, TOK, seq_len=40).iterator(2, seed=0))
     assert b["chosen_ids"].shape == b["rejected_ids"].shape == (2, 40)

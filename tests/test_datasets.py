@@ -1,28 +1,17 @@
 import json
-import os
-import sysconfig
 
 import numpy as np
 import pytest
 import torch
 
+from data_helpers import make_packed_data
 from zero2all.data.datasets import PackedDataset
-from zero2all.data.pretokenize import TokenizerMismatchError, prepare, read_meta
-from zero2all.tokenizer import train_tokenizer
-
-STDLIB = sysconfig.get_paths()["stdlib"]
+from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed")
-    docs = [{"content": "短文" * (1 + i % 5) + f" doc {i}"} for i in range(200)]  # many short documents
-    (root / "short.jsonl").write_text("\n".join(json.dumps(d, ensure_ascii=False) for d in docs), encoding="utf-8")
-    inputs = [os.path.join(STDLIB, "json", "*.py"), os.path.join(STDLIB, "email", "*.py"), str(root / "short.jsonl")]
-    train_tokenizer(inputs, 512, root / "tok", log=lambda *a: None)
-    prepare(inputs, root / "tok", root / "data", workers=1, valid_fraction=0.1, chunk_bytes=15_000,
-            shard_chunks=3, log=lambda *a: None)
-    return root / "data"
+    return make_packed_data(tmp_path_factory.mktemp("packed"))
 
 
 def _stream(d, split="train"):
@@ -114,7 +103,7 @@ def test_resume_continues_with_exactly_the_next_batch(data_dir, world_size):
         for key in ("input_ids", "labels", "doc_ids"):
             assert torch.equal(got[key], want[key])
     wrong = ds.iterator(B + 1, seed=11)
-    with pytest.raises(ValueError, match="batch_size is 7 in the checkpoint but 8"):
+    with pytest.raises(ValueError, match="batch_size is 7 in the data state but 8"):
         wrong.load_state_dict(state)
 
 

@@ -28,7 +28,8 @@ counted and skipped (``on_error="skip"``).
 
 :class:`SFTDataset` and :class:`DPODataset` hold the rendered rows in memory (fine for instruction sets up to a few
 hundred thousand samples) and give the trainer's data contract: ``ds.iterator(batch_size, seed)`` is an endless,
-resumable batch stream (``state_dict`` / ``load_state_dict``), rows split disjointly between ranks.
+resumable batch stream (``state_dict`` / ``load_state_dict`` / ``rescaled_state`` of
+:class:`ItemIterator`, the :mod:`zero2all.data.protocol` contract), rows split disjointly between ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import torch
+
+from zero2all.data.protocol import (check_kind, check_run_states, check_same_data, check_same_layout,
+                                    rescaled_epoch_position)
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -368,9 +372,25 @@ def dpo_collate(pairs: Sequence[DPOSample], pad_id: int, seq_len: int | None = N
 # datasets with the trainer's iterator contract (endless, resumable; see zero2all/data/datasets.py)
 
 
-class _ItemIterator:
+def _layout(dataset) -> tuple[int, int]:
+    """(rank, world_size) the dataset's items were split for. A wrapper that batches another dataset's items
+    (found as ``.base``, e.g. DPO pairs with reference log-probs attached) has that dataset's layout; a dataset
+    that records none is a single process's."""
+    while not hasattr(dataset, "world_size") and hasattr(dataset, "base"):
+        dataset = dataset.base
+    return int(getattr(dataset, "rank", 0)), int(getattr(dataset, "world_size", 1))
+
+
+class ItemIterator:
     """Endless batches over ``dataset.batch(indices)``: epoch e visits the items in the order
-    ``rng([seed, e]).permutation(len)``; the state is (epoch, position), so a resumed run continues exactly."""
+    ``rng([seed, e]).permutation(len)``; the state is (epoch, position), so a resumed run continues exactly. On
+    another number of processes (``rescaled_state``) the epoch is kept at the same fraction, rounded down
+    (:mod:`zero2all.data.protocol`)."""
+
+    KIND = "items"
+    # which items exist and their order within an epoch; the world size and batch size may change on rescaling
+    DATA_KEYS = ("seed", "shuffle", "tokenizer_hash")
+    POSITION_KEYS = ("epoch", "position")
 
     def __init__(self, dataset, batch_size: int, seed: int = 0, shuffle: bool = True):
         if batch_size <= 0:
@@ -378,9 +398,11 @@ class _ItemIterator:
         if len(dataset) == 0:
             raise ValueError("the dataset is empty (nothing survived loading, or fewer rows than ranks)")
         self.ds, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.rank, self.world_size = _layout(dataset)
         self.epoch, self.position = 0, 0
 
-    def _order(self, epoch: int):
+    def order(self, epoch: int):
+        """The item order of ``epoch`` (a function of seed and epoch only)."""
         import numpy as np
 
         n = len(self.ds)
@@ -394,25 +416,48 @@ class _ItemIterator:
         n = len(self.ds)
         while len(idx) < self.batch_size:
             take = min(self.batch_size - len(idx), n - self.position)
-            idx += self._order(self.epoch)[self.position:self.position + take].tolist()
+            idx += self.order(self.epoch)[self.position:self.position + take].tolist()
             self.position += take
             if self.position == n:
                 self.epoch, self.position = self.epoch + 1, 0
         return self.ds.batch(idx)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "num_items": len(self.ds)}
+        return {"kind": self.KIND, "epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "num_items": len(self.ds),
+                "rank": self.rank, "world_size": self.world_size,
+                "tokenizer_hash": getattr(self.ds, "tokenizer_hash", None)}
+
+    def _check_fits(self, state: dict) -> tuple[int, int]:
+        """``state``'s (epoch, position) after checking that it was taken in this iterator's layout."""
+        check_kind(state, self.KIND, "chat data")
+        check_same_layout(state, self.state_dict(), self.POSITION_KEYS, "chat data")
+        for key in self.POSITION_KEYS:
+            if key not in state:
+                raise ValueError(f"chat data: the data state has no {key!r}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.ds):
+            raise ValueError(f"chat data: epoch {epoch}, position {position}: the position is outside "
+                             f"[0, {len(self.ds)}) or the epoch is negative")
+        return epoch, position
 
     def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.position = self._check_fits(sd)
+
+    def rescaled_state(self, states: list[dict]) -> dict:
+        """Every rank's state of a run on ``len(states)`` processes -> this rank's state: the same state when the
+        world size is unchanged, else the same epoch at the same fraction of it (rounded down)."""
+        first = check_run_states(states, self.KIND, "chat data")
+        if len(states) == self.world_size:
+            self._check_fits(states[self.rank])
+            return states[self.rank]
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "shuffle", "num_items"):
-            if key in sd and sd[key] != mine[key]:
-                raise ValueError(f"data iterator state: {key} is {sd[key]!r} in the checkpoint but {mine[key]!r} "
-                                 f"now; resuming would not continue the same batch sequence")
-        if not 0 <= int(sd["position"]) < len(self.ds):
-            raise ValueError(f"data iterator state: position {sd['position']} outside [0, {len(self.ds)})")
-        self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
+        check_same_data(first, mine, self.DATA_KEYS, "chat data")
+        epoch, position = rescaled_epoch_position(first, "num_items", len(self.ds), "chat data")
+        return dict(mine, epoch=epoch, position=position)
+
+
+_ItemIterator = ItemIterator  # the name zero2all.train.posttrain imports
 
 
 def _shard(items: list, rank: int, world_size: int) -> list:
@@ -431,8 +476,9 @@ class SFTDataset:
             raise ValueError(f"mode: {mode!r} is not one of pack, pad")
         rows = pack_samples(samples, seq_len, pad_id) if mode == "pack" else pad_samples(samples, seq_len, pad_id)
         self.rows = _shard(rows, rank, world_size)
-        self.seq_len, self.mode = seq_len, mode
+        self.seq_len, self.mode, self.rank, self.world_size = seq_len, mode, rank, world_size
         self.stats: LoadStats | None = None
+        self.tokenizer_hash: str | None = None  # from_files sets the tokenizer's
 
     @classmethod
     def from_files(cls, paths, tokenizer, seq_len: int, mode: str = "pack", on_error: str = "raise",
@@ -440,7 +486,7 @@ class SFTDataset:
         samples, stats = load_sft_samples(paths, tokenizer, max_len=seq_len + 1, on_error=on_error)
         ds = cls(samples, seq_len, tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id, mode,
                  rank, world_size)
-        ds.stats = stats
+        ds.stats, ds.tokenizer_hash = stats, getattr(tokenizer, "hash", None)
         return ds
 
     def __len__(self) -> int:
@@ -452,8 +498,8 @@ class SFTDataset:
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         return collate([self.rows[i] for i in indices])
 
-    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
-        return _ItemIterator(self, batch_size, seed, shuffle)
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> ItemIterator:
+        return ItemIterator(self, batch_size, seed, shuffle)
 
 
 class DPODataset:
@@ -461,8 +507,9 @@ class DPODataset:
 
     def __init__(self, pairs: Sequence[DPOSample], seq_len: int, pad_id: int, rank: int = 0, world_size: int = 1):
         self.pairs = _shard(list(pairs), rank, world_size)
-        self.seq_len, self.pad_id = seq_len, pad_id
+        self.seq_len, self.pad_id, self.rank, self.world_size = seq_len, pad_id, rank, world_size
         self.stats: LoadStats | None = None
+        self.tokenizer_hash: str | None = None  # from_files sets the tokenizer's
 
     @classmethod
     def from_files(cls, paths, tokenizer, seq_len: int, on_error: str = "raise", rank: int = 0,
@@ -470,7 +517,7 @@ class DPODataset:
         pairs, stats = load_dpo_samples(paths, tokenizer, max_len=seq_len + 1, on_error=on_error)
         ds = cls(pairs, seq_len, tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id, rank,
                  world_size)
-        ds.stats = stats
+        ds.stats, ds.tokenizer_hash = stats, getattr(tokenizer, "hash", None)
         return ds
 
     def __len__(self) -> int:
@@ -479,5 +526,5 @@ class DPODataset:
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         return dpo_collate([self.pairs[i] for i in indices], self.pad_id, self.seq_len)
 
-    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
-        return _ItemIterator(self, batch_size, seed, shuffle)
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> ItemIterator:
+        return ItemIterator(self, batch_size, seed, shuffle)

@@ -12,7 +12,10 @@ opened lazily per process: memory holds one batch, not the shards.
 ``ds.iterator(batch_size, seed)`` is an endless stream of batches: epoch ``e`` visits this rank's windows in the
 order ``rng([seed, e]).permutation(len(ds))``; a batch that reaches the end of an epoch continues with the next
 epoch's first windows. Its whole state is ``(epoch, position)``: ``state_dict()`` / ``load_state_dict()`` make a
-resumed run draw exactly the batch the interrupted one would have drawn next.
+resumed run draw exactly the batch the interrupted one would have drawn next. On another number of processes
+(``rescaled_state``) each rank owns other windows in another order, so the run keeps its epoch and the same
+fraction of it (rounded down); see :mod:`zero2all.data.protocol`, whose ``BatchDataset`` / ``BatchIterator``
+contract these classes follow.
 
 With ``return_doc_ids`` each window also has ``doc_ids`` (T,): the index of the document each input token belongs
 to, counted from 0 at the window's first token (a document ends with its ``<|endoftext|>``), for
@@ -28,6 +31,10 @@ import numpy as np
 import torch
 
 from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
+from zero2all.data.protocol import (check_kind, check_run_states, check_same_data, check_same_layout,
+                                    rescaled_epoch_position)
+
+KIND = "packed"
 
 
 class PackedDataset:
@@ -183,21 +190,41 @@ class PackedIterator:
         items = [self.ds[i] for i in self.next_indices()]
         return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
+    # which windows exist and their order within an epoch; the world size and batch size may change on rescaling
+    DATA_KEYS = ("seed", "shuffle", "seq_len", "split", "tokenizer_hash")
+    POSITION_KEYS = ("epoch", "position")
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "num_windows": len(self.ds), "seq_len": self.ds.seq_len,
-                "split": self.ds.split, "rank": self.ds.rank, "world_size": self.ds.world_size,
-                "tokenizer_hash": self.ds.tokenizer_hash}
+        return {"kind": KIND, "epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "num_windows": len(self.ds),
+                "seq_len": self.ds.seq_len, "split": self.ds.split, "rank": self.ds.rank,
+                "world_size": self.ds.world_size, "tokenizer_hash": self.ds.tokenizer_hash}
+
+    def _check_fits(self, state: dict) -> tuple[int, int]:
+        """``state``'s (epoch, position) after checking that it was taken in this iterator's layout."""
+        check_kind(state, KIND, "packed data")
+        check_same_layout(state, self.state_dict(), self.POSITION_KEYS, "packed data")
+        for key in self.POSITION_KEYS:
+            if key not in state:
+                raise ValueError(f"packed data: the data state has no {key!r}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.ds):
+            raise ValueError(f"packed data: epoch {epoch}, position {position}: the position is outside "
+                             f"[0, {len(self.ds)}) or the epoch is negative")
+        return epoch, position
 
     def load_state_dict(self, sd: dict) -> None:
         """Continue where ``sd`` was taken. The data layout must be the same (else the batches would differ)."""
+        self.epoch, self.position = self._check_fits(sd)
+
+    def rescaled_state(self, states: list[dict]) -> dict:
+        """Every rank's state of a run on ``len(states)`` processes -> this rank's state: the same state when the
+        world size is unchanged, else the same epoch at the same fraction of it (rounded down)."""
+        first = check_run_states(states, KIND, "packed data")
+        if len(states) == self.ds.world_size:
+            self._check_fits(states[self.ds.rank])
+            return states[self.ds.rank]
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "shuffle", "num_windows", "seq_len", "split", "world_size",
-                    "tokenizer_hash"):
-            if key in sd and sd[key] != mine[key]:
-                raise ValueError(f"data iterator state: {key} is {sd[key]!r} in the checkpoint but {mine[key]!r} "
-                                 f"now; resuming would not continue the same batch sequence")
-        epoch, position = int(sd["epoch"]), int(sd["position"])
-        if not 0 <= position < len(self.ds):
-            raise ValueError(f"data iterator state: position {position} outside [0, {len(self.ds)})")
-        self.epoch, self.position = epoch, position
+        check_same_data(first, mine, self.DATA_KEYS, "packed data")
+        epoch, position = rescaled_epoch_position(first, "num_windows", len(self.ds), "packed data")
+        return dict(mine, epoch=epoch, position=position)

@@ -42,8 +42,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, DPODataset, DPOSample, LoadStats, SFTSample, _ItemIterator,
-                                 iter_jsonl, render_dpo_record, render_sft_record)
+from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, DPODataset, DPOSample, ItemIterator, LoadStats,
+                                SFTSample, iter_jsonl, render_dpo_record, render_sft_record)
 from zero2all.fileio import replace_dir, save_json
 
 FORMAT = "zero2all-sft-shards"
@@ -305,6 +305,7 @@ class SFTShardDataset:
         self.meta, self.tokens, self.labels, offsets, first_label = _open_split(self.dir, split, "sft", tokenizer)
         self.tokenizer_hash = self.meta["tokenizer"]["hash"]
         self.seq_len, self.mode, self.pad_id, self.split = seq_len, mode, pad_id, split
+        self.rank, self.world_size = rank, world_size
         lengths = np.diff(offsets)
         kept_len = np.minimum(lengths, seq_len + 1)           # truncation, as chat.load_sft_samples does
         keep = (kept_len >= 2) & (first_label < kept_len)     # a sample needs an assistant token left
@@ -350,8 +351,8 @@ class SFTShardDataset:
         rows = [self[i] for i in indices]
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
-    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> _ItemIterator:
-        return _ItemIterator(self, batch_size, seed, shuffle)
+    def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True) -> ItemIterator:
+        return ItemIterator(self, batch_size, seed, shuffle)
 
 
 class _ShardPairs(SequenceABC):
@@ -390,6 +391,7 @@ class DPOShardDataset(DPODataset):
         self.meta, tokens, labels, offsets, first_label = _open_split(self.dir, split, "dpo", tokenizer)
         self.tokenizer_hash = self.meta["tokenizer"]["hash"]
         self.seq_len, self.pad_id, self.split = seq_len, pad_id, split
+        self.rank, self.world_size = rank, world_size
         lengths = np.diff(offsets)
         if len(lengths) % 2:
             raise SFTShardError(f"{self.dir}: {split} holds {len(lengths)} samples, not chosen/rejected pairs")
