@@ -86,15 +86,15 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     overrides = list(args.override) + [
         f"train.micro_batch_size={args.micro_batch}", f"train.grad_accum_steps={args.accum}",
-        f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'", f"train.parallel='{mode}'",
-        f"train.activation_checkpointing='{args.ac}'", f"train.reshard_after_forward={str(args.reshard).lower()}",
+        f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'", f"parallel.mode='{mode}'",
+        f"parallel.activation_checkpointing='{args.ac}'", f"parallel.reshard_after_forward={str(args.reshard).lower()}",
         f"train.compile={str(args.compile).lower()}", f"train.out_dir='{Path(args.result).parent / args.variant}'",
         f"train.device='{device}'", "train.tensorboard=false", "train.eval_every=0", "train.num_samples=0",
         "train.warmup_steps=1"]
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
     if mode == "fsdp" and args.fsdp_no_sync:
-        overrides.append("train.fsdp_accum_no_sync=true")
+        overrides.append("parallel.fsdp_accum_no_sync=true")
     cfg = load_config(args.config, overrides)
     seq = args.seq_len or cfg.model.max_seq_len
     liger = False
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--reshard", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="FSDP reshard_after_forward (true = ZeRO-3-like, false = ZeRO-2-like)")
     p.add_argument("--fsdp-no-sync", action="store_true",
-                   help="ours-fsdp: train.fsdp_accum_no_sync (one reduce-scatter per update, not per micro-step)")
+                   help="ours-fsdp: parallel.fsdp_accum_no_sync (one reduce-scatter per update, not per micro-step)")
     p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
     p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per variant")

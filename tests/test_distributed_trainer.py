@@ -116,14 +116,14 @@ def test_trainer_one_process_checkpoint_resumes_on_two_with_zero1(tmp_path):
     out = tmp_path / "run"
     want = single_process(out, "train.max_steps=4")              # plain checkpoint ckpt-000004
     full = single_process(tmp_path / "full")
-    torchrun(tmp_path, out, "train.resume='auto'", "train.parallel='zero1'")
+    torchrun(tmp_path, out, "train.resume='auto'", "parallel.mode='zero1'")
     got = losses(out)
     assert_close_losses(got, full, range(1, 9))
     assert want[4] == got[4]
     # FSDP2 (ZeRO-3-like) with full activation checkpointing inside the trainer; sampling and the final model
     # gather the shards
     fsdp = tmp_path / "fsdp"
-    proc = torchrun(tmp_path, fsdp, "train.parallel='fsdp'", "train.activation_checkpointing='full'",
+    proc = torchrun(tmp_path, fsdp, "parallel.mode='fsdp'", "parallel.activation_checkpointing='full'",
                     "train.max_steps=4", "train.num_samples=1", "train.sample_new_tokens=4")
     assert_close_losses(losses(fsdp), full, range(1, 5))
     assert "parallel: fsdp on 2 processes" in proc.stdout and "mem/rank r0:" in proc.stdout

@@ -1,17 +1,30 @@
 """``z2all <command>``: argument parsing only; each command calls one function of the package.
 
 Each command registers itself with ``@command(name, help, examples)`` on a function that adds its arguments and
-returns the function to run. Heavy imports (torch, tokenizers) happen inside the runner, so ``z2all --help`` is
-quick.
+returns the function to run. Heavy imports (torch, tokenizers) happen inside the runner, so building the parser
+(``z2all --help``) imports neither.
+
+Commands that take dotted ``key=value`` config overrides accept them anywhere on the line
+(``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). Options that set a config key
+(``--out`` -> ``train.out_dir``) are passed to ``zero2all.config.build_config`` as typed values: they win over the
+``--config`` file, and naming the same key with an option and an override is an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+from zero2all import __version__
 
 _COMMANDS: list[tuple[str, str, str, Callable]] = []
+
+# a dotted config override: `train.lr=1e-3`, `model.ops.attention=sdpa` (a typo such as `trian.lr=1` too, so that
+# the config reports it with a suggestion instead of argparse calling it an unrecognised argument)
+OVERRIDE_TOKEN = re.compile(r"^[A-Za-z_][\w.]*=")
 
 
 def command(name: str, help: str, examples: str = ""):
@@ -24,7 +37,66 @@ def command(name: str, help: str, examples: str = ""):
 
 def _overrides(p: argparse.ArgumentParser):
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted config overrides, e.g. model.n_layers=4 train.lr=1e-3")
+                   help="dotted config overrides anywhere on the line, e.g. model.n_layers=4 train.lr=1e-3")
+
+
+def split_overrides(tokens: list[str], options: dict[str, argparse.Action]) -> tuple[list[str], list[str]]:
+    """(the other tokens, the ``key=value`` override tokens), each in command-line order.
+
+    A token is an override when it looks like ``dotted.key=...``, is not the value of an option that takes a fixed
+    number of values (``--out a=b`` stays ``--out``'s) and is not an existing path (``--data x=1.jsonl``). Tokens
+    after ``--`` are left alone."""
+    kept, found = [], []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            kept += tokens[i:]
+            break
+        action = options.get(tok)
+        if action is not None and (action.nargs is None or (isinstance(action.nargs, int) and action.nargs > 0)):
+            n = 1 if action.nargs is None else action.nargs
+            kept += tokens[i:i + 1 + n]
+            i += 1 + n
+            continue
+        if OVERRIDE_TOKEN.match(tok) and not Path(tok).exists():
+            found.append(tok)
+        else:
+            kept.append(tok)
+        i += 1
+    return kept, found
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: its ``key=value`` overrides (a positional named ``overrides``) may stand anywhere.
+
+    argparse fills a ``nargs="*"`` positional from one contiguous run of tokens only, and an option with
+    ``nargs="+"`` (``--data a.jsonl``) takes the tokens after it, so the overrides are taken out first
+    (:func:`split_overrides`) and the rest is parsed as usual."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not any(a.dest == "overrides" and not a.option_strings for a in self._actions):
+            return super().parse_known_args(args, namespace)
+        kept, found = split_overrides(list(sys.argv[1:] if args is None else args), self._option_string_actions)
+        namespace, rest = super().parse_known_args(kept, namespace)
+        namespace.overrides = found + list(namespace.overrides or [])
+        return namespace, rest
+
+
+def _given(args, flags: dict[str, str], switches: dict[str, tuple[str, Any]] | None = None
+           ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options that were given, as (dotted key -> typed value, dotted key -> option name) for
+    ``build_config``. ``flags``: option -> key (value as parsed; lists become lists); ``switches``: a store_true
+    option -> (key, the value it sets)."""
+    values, sources = {}, {}
+    for flag, key in flags.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            values[key], sources[key] = (list(value) if isinstance(value, (list, tuple)) else value), flag
+    for flag, (key, value) in (switches or {}).items():
+        if getattr(args, flag[2:].replace("-", "_"), False):
+            values[key], sources[key] = value, flag
+    return values, sources
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -205,22 +277,20 @@ def _pretrain(p):
     _overrides(p)
 
     def run(args):
-        from zero2all.config import load_config
-        from zero2all.train.trainer import pretrain
+        from zero2all.config import build_config
 
-        extra = []
-        for key, value in (("data.path", args.data), ("train.out_dir", args.out), ("train.resume", args.resume),
-                           ("train.device", args.device)):
-            if value is not None:
-                extra.append(f"{key}={_toml_string(value)}")
-        cfg = load_config(args.config, extra + list(args.overrides))
+        values, sources = _given(args, PRETRAIN_FLAGS)
+        cfg = build_config(args.config, args.overrides, values, sources=sources)
+        from zero2all.train.trainer import pretrain  # after the config is checked: a bad one fails at once
+
         pretrain(cfg, show_progress=not args.no_progress)
 
     return run
 
 
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+# the options of `z2all pretrain` that set a config key
+PRETRAIN_FLAGS = {"--data": "data.path", "--out": "train.out_dir", "--resume": "train.resume",
+                  "--device": "train.device"}
 
 
 def _prepare_chat_data(p, kind: str, records: str):
@@ -281,48 +351,23 @@ def _posttrain_args(p, stage: str):
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
 
-def _posttrain_overrides(args) -> list[str]:
-    import json
-
-    extra = []
-    for key, value in (("post.init", args.init), ("train.out_dir", args.out), ("train.resume", args.resume),
-                       ("train.device", args.device), ("post.tokenizer", args.tokenizer),
-                       ("post.packing", getattr(args, "packing", None)), ("post.ref", getattr(args, "ref", None))):
-        if value is not None:
-            extra.append(f"{key}={_toml_string(value)}")
-    for key, value in (("post.data", args.data), ("post.valid", args.valid), ("post.lora_targets", args.lora_targets)):
-        if value is not None:
-            extra.append(f"{key}={json.dumps(list(value))}")
-    for key, value in (("post.valid_fraction", args.valid_fraction), ("post.lora_rank", args.lora_rank),
-                       ("post.lora_alpha", args.lora_alpha), ("post.lora_dropout", args.lora_dropout),
-                       ("post.beta", getattr(args, "beta", None))):
-        if value is not None:
-            extra.append(f"{key}={float(value) if isinstance(value, float) else value!r}")
-    if args.skip_bad:
-        extra.append("post.on_error='skip'")
-    if getattr(args, "precompute_ref", False):
-        extra.append("post.precompute_ref=true")
-    return extra
+# the options of `z2all sft` / `z2all dpo` that set a config key (--config names the file)
+POSTTRAIN_FLAGS = {"--init": "post.init", "--data": "post.data", "--out": "train.out_dir", "--resume": "train.resume",
+                   "--device": "train.device", "--valid": "post.valid", "--valid-fraction": "post.valid_fraction",
+                   "--tokenizer": "post.tokenizer", "--lora-rank": "post.lora_rank", "--lora-alpha": "post.lora_alpha",
+                   "--lora-dropout": "post.lora_dropout", "--lora-targets": "post.lora_targets",
+                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref"}
+POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref": ("post.precompute_ref", True)}
 
 
 def _posttrain_run(stage: str):
     def run(args):
-        from pathlib import Path
-
         from zero2all.data.chat import ChatDataError
         from zero2all.train import posttrain
 
-        # key=value overrides typed right after a list option (--data a.jsonl train.lr=1e-4) belong to overrides
-        moved = []
-        for name in ("data", "valid", "lora_targets"):
-            values = getattr(args, name)
-            if values:
-                keep = [v for v in values if "=" not in v or Path(v).exists()]
-                moved += [v for v in values if v not in keep]
-                setattr(args, name, keep or values)
+        values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
         try:
-            cfg = posttrain.posttrain_config(stage, args.config,
-                                             _posttrain_overrides(args) + moved + list(args.overrides))
+            cfg = posttrain.posttrain_config(stage, args.config, args.overrides, values, sources=sources)
             getattr(posttrain, stage)(cfg, show_progress=not args.no_progress)
         except ChatDataError as e:
             print(f"z2all {stage}: error: {e}", file=sys.stderr)
@@ -511,9 +556,9 @@ def _serve(p):
     def run(args):
         from zero2all.infer.server import serve
 
-        serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args), model_name=args.model_name,
-              device=args.device, dtype=args.dtype, max_tokens_limit=args.max_tokens_limit,
-              max_queue=args.max_queue, compile=args.compile)
+        serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
+              model_name=args.model_name, device=args.device, dtype=args.dtype,
+              max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, compile=args.compile)
 
     return run
 
@@ -582,15 +627,19 @@ def _estimate(p):
          "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
          "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")
 def _bench(p):
+    # zero2all.bench imports torch, so its options are added when the command runs, not when the parser is built
+    # (`z2all bench train --help` lists them)
     p.add_argument("what", choices=["train"], help="which benchmark (train: benchmarks/train_throughput.py)")
-    from zero2all.bench import add_arguments
-
-    add_arguments(p)
+    p.add_argument("options", nargs=argparse.REMAINDER, metavar="...",
+                   help="the benchmark's options and key=value overrides (see `z2all bench train --help`)")
 
     def run(args):
-        from zero2all.bench import main_from_args
+        from zero2all.bench import add_arguments, main_from_args
 
-        return main_from_args(args)
+        bench = CommandParser(prog=f"z2all bench {args.what}", description=p.description, epilog=p.epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(bench)
+        return main_from_args(bench.parse_args(args.options))
 
     return run
 
@@ -600,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="z2all", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Zero2all: data, tokenizer, Llama-2 model, training, post-training and inference.",
         epilog="Run `z2all COMMAND --help` for a command's options and examples.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"z2all {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name, help_text, examples, fn in _COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            epilog=("examples:\n" + examples) if examples else None,

@@ -1,22 +1,34 @@
 """Configuration: plain dataclasses, TOML presets in ``configs/`` and dotted command-line overrides.
 
-A run is described by one :class:`Config` with three sections::
+A run is described by one :class:`Config` with five sections::
 
-    [model]  -> ModelConfig   (architecture; field names follow the original Z2all config)
-    [train]  -> TrainConfig   (optimisation, precision, checkpoints, logging)
-    [data]   -> DataConfig    (where the token shards are and how batches are drawn)
+    [model]     -> ModelConfig     (architecture; field names follow the original Z2all config)
+    [train]     -> TrainConfig     (optimisation, precision, checkpoints, logging)
+    [data]      -> DataConfig      (where the token shards are and how batches are drawn)
+    [parallel]  -> ParallelConfig  (how a run is spread over processes)
+    [post]      -> PostTrainConfig (sft / dpo: starting point, chat data, LoRA, DPO)
 
 ``load_config("tiny", ["model.n_layers=4", "train.lr=1e-3"])`` reads ``configs/tiny.toml`` (or any path to a
-``.toml`` file), applies the overrides, and validates. Unknown keys and values of the wrong type are rejected
-with a message that names the key, e.g. ``model.n_layer: unknown key (did you mean 'n_layers'?)``.
+``.toml`` file), applies the overrides, and validates. :func:`build_config` also takes already-typed values by
+dotted key (what the command line's options set)::
+
+    build_config("tiny", ["train.lr=1e-3"], {"data.path": "runs/data", "train.out_dir": "runs/x"})
+
+Precedence, lowest first: the dataclass defaults, the preset / file, ``values``, ``overrides`` (later overrides
+win over earlier ones). A key set both in ``values`` and by an override is refused (the command line would say
+the same thing twice, possibly differently). Each section validates itself (``TrainConfig.validate`` ...) and
+:meth:`Config.validate` adds the checks across sections. Unknown keys, wrong types and values out of range are
+rejected with a message that names the key, e.g. ``model.n_layer: unknown key (did you mean 'n_layers'?)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +43,27 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """Refuse NaN and infinity in every float field: both slip through range checks (``nan < 0`` and ``nan >= 0``
+    are both false), and a NaN learning rate or epsilon only shows up as a NaN loss much later."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{f.name}: must be a finite number, got {value}")
+
+
+def _check_choice(section: Any, name: str, choices: tuple[str, ...], prefix: str) -> None:
+    value = getattr(section, name)
+    if value not in choices:
+        raise ConfigError(f"{prefix}.{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _check_str_list(section: Any, name: str, prefix: str) -> None:
+    value = getattr(section, name)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{prefix}.{name}: expected a list of strings, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -126,6 +159,7 @@ class ModelConfig:
         return self.vocab_size
 
     def validate(self, prefix: str = "model") -> None:
+        _check_finite(self, prefix)
         for name in ("vocab_size", "hidden_dim", "intermediate_size", "n_layers", "n_heads", "n_kv_heads",
                      "max_seq_len"):
             if getattr(self, name) <= 0:
@@ -141,14 +175,17 @@ class ModelConfig:
         for name in ("attention_dropout", "dropout1", "dropout2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{prefix}.{name}: must be in [0, 1), got {getattr(self, name)}")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"{prefix}.rms_norm_eps: must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name}: must be positive, got {getattr(self, name)}")
+        if self.initializer_range < 0:
+            raise ConfigError(f"{prefix}.initializer_range: must be >= 0, got {self.initializer_range}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             if kind not in ("linear", "dynamic"):
                 raise ConfigError(f"{prefix}.rope_scaling.type: {kind!r} is not one of linear, dynamic")
             factor = self.rope_scaling.get("factor")
-            if not isinstance(factor, (int, float)) or factor < 1.0:
+            if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1.0:
                 raise ConfigError(f"{prefix}.rope_scaling.factor: must be a number >= 1, got {factor!r}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.padded_vocab_size:
             raise ConfigError(f"{prefix}.pad_token_id: {self.pad_token_id} outside the vocabulary")
@@ -161,8 +198,18 @@ class DataConfig:
 
     path: str = ""                 # directory written by `z2all prepare`; "" = synthetic random tokens
     seq_len: int = 0               # 0 = model.max_seq_len
-    num_workers: int = 0
     document_mask: bool = False    # return document boundaries per window (intra-document attention)
+
+    def validate(self, prefix: str = "data") -> None:
+        if self.seq_len < 0:
+            raise ConfigError(f"{prefix}.seq_len: must be >= 0 (0 = model.max_seq_len), got {self.seq_len}")
+
+
+# the choices of train.precision, train.schedule and train.fused_adamw (the trainer and optim.py, which read them,
+# keep the same lists: config.py does not import the training code)
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "wsd", "constant")
+FUSED_ADAMW = ("auto", "true", "false")
 
 
 @dataclass
@@ -212,6 +259,36 @@ class TrainConfig:
     sample_top_k: int = 50
     sample_prompts: list[str] = field(default_factory=list)
 
+    def validate(self, prefix: str = "train") -> None:
+        """Every field in range (naming it). ``LRSchedule`` (train/optim.py) checks the schedule fields again
+        when the run starts; the same rules are kept here so that a bad value fails before any work."""
+        _check_finite(self, prefix)
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name}: must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "sample_every", "num_samples",
+                     "sample_new_tokens", "warmup_steps", "keep_last", "sample_top_k", "weight_decay", "z_loss",
+                     "gpu_peak_flops", "sample_temperature"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"{prefix}.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.lr <= 0:
+            raise ConfigError(f"{prefix}.lr: must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"{prefix}.min_lr: must be in [0, {prefix}.lr={self.lr}], got {self.min_lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{prefix}.{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ConfigError(f"{prefix}.eps: must be positive, got {self.eps}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"{prefix}.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
+        _check_choice(self, "precision", PRECISIONS, prefix)
+        _check_choice(self, "schedule", SCHEDULES, prefix)
+        _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
+        _check_str_list(self, "sample_prompts", prefix)
+
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -247,6 +324,7 @@ class ParallelConfig:
 
     def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
         """Check every field (naming it); with ``world_size``, also what that many processes can run."""
+        _check_finite(self, prefix)
         for name, choices in (("mode", PARALLEL_MODES), ("comm_hook", COMM_HOOKS),
                               ("activation_checkpointing", AC_MODES), ("ac_selective", AC_SELECTIVE)):
             if getattr(self, name) not in choices:
@@ -278,6 +356,10 @@ LEGACY_PARALLEL_KEYS = {"parallel": "mode", "dist_timeout_s": "timeout_s",
                                           "activation_checkpointing", "ac_selective", "ac_every")}}
 
 
+PACKINGS = ("pack", "pad")
+ON_ERROR = ("raise", "skip")
+
+
 @dataclass
 class PostTrainConfig:
     """Post-training (``z2all sft`` / ``z2all dpo``, ``zero2all/train/posttrain.py``): starting point, chat data,
@@ -298,6 +380,25 @@ class PostTrainConfig:
     ref: str = ""                  # dpo: reference model directory ("" = init)
     precompute_ref: bool = False   # dpo: reference log-probs computed once before training (no second model)
 
+    def validate(self, prefix: str = "post") -> None:
+        """Every field in range. That ``init`` and ``data`` are set is checked by ``posttrain_config``: a
+        pretraining run leaves them empty."""
+        _check_finite(self, prefix)
+        _check_choice(self, "packing", PACKINGS, prefix)
+        _check_choice(self, "on_error", ON_ERROR, prefix)
+        for name in ("data", "valid", "lora_targets"):
+            _check_str_list(self, name, prefix)
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ConfigError(f"{prefix}.valid_fraction: must be in [0, 1), got {self.valid_fraction}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"{prefix}.lora_rank: must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"{prefix}.lora_alpha: must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"{prefix}.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if self.beta <= 0:
+            raise ConfigError(f"{prefix}.beta: must be positive, got {self.beta}")
+
 
 @dataclass
 class Config:
@@ -307,9 +408,15 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     post: PostTrainConfig = field(default_factory=PostTrainConfig)
 
-    def validate(self) -> "Config":
+    def validate(self, world_size: int | None = None) -> "Config":
+        """Every section, then the rules across sections; ``world_size`` as in :meth:`ParallelConfig.validate`."""
         self.model.validate("model")
-        self.parallel.validate()
+        self.train.validate("train")
+        self.data.validate("data")
+        self.parallel.validate(world_size, "parallel")
+        self.post.validate("post")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self
 
     def to_dict(self) -> dict:
@@ -318,6 +425,12 @@ class Config:
 
 # --------------------------------------------------------------------------------------------------------------
 # generic dict <-> dataclass with key-naming errors
+
+# keys that earlier versions accepted and that are gone: a config that still sets one is told why
+REMOVED_KEYS = {
+    "data.num_workers": "was removed: it was never read (batches come from memory-mapped shards in the training "
+                        "process, without loader workers); delete it",
+}
 
 
 def to_dict(obj: Any) -> Any:
@@ -359,6 +472,12 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected a string, got {value!r} ({type(value).__name__})")
+    if tp is list or origin is list:
+        # a tuple is accepted from Python callers; a single string is not silently taken as a list of characters
+        if isinstance(value, (list, tuple)):
+            item = args[0] if args else Any
+            return [_check_type(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(f"{key}: expected a list, got {value!r} ({type(value).__name__})")
     if tp is dict or origin is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -376,6 +495,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else key
         if key not in fields:
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(f"{dotted}: {REMOVED_KEYS[dotted]}")
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
             raise ConfigError(f"{dotted}: unknown key{hint}")
@@ -387,14 +508,40 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _deep_merge(base: dict, extra: dict) -> dict:
+def deep_merge(base: dict, extra: dict) -> dict:
+    """``extra`` on top of ``base``, table by table; ``rope_scaling`` is replaced whole (a linear scaling's keys
+    must not mix with a dynamic one's)."""
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "rope_scaling":
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out
+
+
+def _split_key(key: str, what: str) -> list[str]:
+    parts = key.strip().split(".")
+    if not key.strip() or any(not part for part in parts):
+        raise ConfigError(f"{what}: bad key")
+    return parts
+
+
+def _nest(keys: list[str], value: Any) -> dict:
+    for k in reversed(keys):
+        value = {k: value}
+    return value
+
+
+def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
+    """The dotted keys a nested dict sets (a table counts through its entries; an empty one as itself)."""
+    if not isinstance(data, dict) or not data:
+        return [prefix] if prefix else []
+    return [leaf for k, v in data.items() for leaf in _leaf_keys(v, f"{prefix}.{k}" if prefix else k)]
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -402,14 +549,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. model.n_layers=4")
     key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: bad key")
+    keys = _split_key(key, f"override {text!r}")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
-    return key.split("."), value
+    return keys, value
 
 
 def preset_path(name_or_path: str | Path) -> Path:
@@ -428,21 +573,15 @@ def list_presets() -> list[str]:
     return sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
 
 
-def load_config_dict(name_or_path: str | Path | None, overrides: list[str] | None = None) -> dict:
-    data: dict = {}
-    if name_or_path is not None:
-        path = preset_path(name_or_path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
-    for text in overrides or []:
-        keys, value = parse_override(text)
-        nested: Any = value
-        for k in reversed(keys):
-            nested = {k: nested}
-        data = _deep_merge(data, nested)
-    return data
+def read_config_file(name_or_path: str | Path | None) -> dict:
+    """The raw tables of a preset name or ``.toml`` path ({} for None)."""
+    if name_or_path is None:
+        return {}
+    path = preset_path(name_or_path)
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def migrate_legacy_keys(data: dict, warn=None) -> dict:
@@ -467,9 +606,55 @@ def migrate_legacy_keys(data: dict, warn=None) -> dict:
     return data
 
 
+def build_config_dict(preset_or_file: str | Path | None = None, overrides: Iterable[str] | None = None,
+                      values: Mapping[str, Any] | None = None, *, sources: Mapping[str, str] | None = None,
+                      warn=None) -> dict:
+    """The merged, not yet checked tables of a run: ``preset_or_file``, then ``values``, then ``overrides``.
+
+    ``values`` maps dotted keys to typed Python values (``{"data.path": "runs/x", "post.lora_rank": 8}``): what
+    command-line options set, so they win over the file. ``overrides`` are ``key=value`` strings (TOML values);
+    later ones win over earlier ones. A key given both in ``values`` and by an override is refused, naming it and
+    where each came from (``sources`` maps a dotted key to e.g. ``"--out"``). Keys of earlier versions
+    (``train.parallel``) are moved to their new place in each layer separately (see :func:`migrate_legacy_keys`),
+    so an override under the new name wins over a file that still uses the old one.
+    """
+    data = migrate_legacy_keys(read_config_file(preset_or_file), warn)
+    layer: dict = {}
+    given: list[tuple[str, str]] = []  # (leaf key, where it came from)
+    for key, value in (values or {}).items():
+        nested = migrate_legacy_keys(_nest(_split_key(key, f"value {key!r}"), value), warn)
+        where = (sources or {}).get(key) or f"the value of {key}"
+        given += [(leaf, where) for leaf in _leaf_keys(nested)]
+        layer = deep_merge(layer, nested)
+    data = deep_merge(data, layer)
+    for text in overrides or []:
+        nested = migrate_legacy_keys(_nest(*parse_override(text)), warn)
+        for leaf in _leaf_keys(nested):
+            for other, where in given:
+                if _overlap(leaf, other):
+                    raise ConfigError(f"{other}: set twice, by {where} and by the override {text!r}; give it "
+                                      f"once")
+        data = deep_merge(data, nested)
+    return data
+
+
+def build_config(preset_or_file: str | Path | None = None, overrides: Iterable[str] | None = None,
+                 values: Mapping[str, Any] | None = None, *, sources: Mapping[str, str] | None = None,
+                 warn=None) -> Config:
+    """A checked :class:`Config` from a preset or ``.toml`` file, typed ``values`` and ``key=value`` overrides
+    (precedence and conflicts: :func:`build_config_dict`)."""
+    return from_dict(Config, build_config_dict(preset_or_file, overrides, values, sources=sources,
+                                               warn=warn)).validate()
+
+
+def load_config_dict(name_or_path: str | Path | None, overrides: list[str] | None = None) -> dict:
+    """The merged tables of a file and ``key=value`` overrides, not yet checked (:func:`build_config_dict`)."""
+    return build_config_dict(name_or_path, overrides)
+
+
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a preset name (``tiny``) or a ``.toml`` path, apply ``key=value`` overrides, validate."""
-    return from_dict(Config, migrate_legacy_keys(load_config_dict(name_or_path, overrides))).validate()
+    return build_config(name_or_path, overrides)
 
 
 def model_config_from_dict(data: dict) -> ModelConfig:

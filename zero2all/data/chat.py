@@ -457,7 +457,6 @@ class ItemIterator:
         return dict(mine, epoch=epoch, position=position)
 
 
-_ItemIterator = ItemIterator  # the name zero2all.train.posttrain imports
 
 
 def _shard(items: list, rank: int, world_size: int) -> list:

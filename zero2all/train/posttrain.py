@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zero2all.config import Config, ConfigError, from_dict, load_config_dict, to_dict
 from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch
+from zero2all.config import Config, ConfigError, build_config_dict, deep_merge, from_dict, to_dict
 from zero2all.train.objectives import DPOObjective, SFTObjective
 from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, resolve_precision
 
@@ -63,51 +63,38 @@ REFERENCE_CACHE = "reference_logprobs.pt"
 # configuration
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "rope_scaling" \
-            else v
-    return out
-
-
-def posttrain_config(stage: str, config_file: str | Path | None = None, overrides: list[str] | None = None
-                     ) -> Config:
-    """The run config of an ``sft`` / ``dpo`` run: the stage's train defaults, then ``config_file`` (a .toml;
-    its model section may only set ops / dropouts), then ``key=value`` overrides; the model section is read from
-    ``post.init``."""
+def posttrain_config(stage: str, config_file: str | Path | None = None, overrides: list[str] | None = None,
+                     values: dict | None = None, *, sources: dict | None = None) -> Config:
+    """The run config of an ``sft`` / ``dpo`` run. Lowest first: the stage's train defaults, ``config_file`` (a
+    .toml; its model section may only set ops / dropouts), ``values`` (typed, by dotted key: what the command
+    line's options set), ``key=value`` overrides; a key both in ``values`` and in an override is refused (see
+    ``zero2all.config.build_config_dict``). The model section is read from ``post.init``."""
     from zero2all.model.io import read_model_config
 
     if stage not in ("sft", "dpo"):
         raise ValueError(f"stage: {stage!r} is not one of sft, dpo")
-    user = load_config_dict(config_file, overrides)
-    init = user.get("post", {}).get("init", "")
+    user = build_config_dict(config_file, overrides, values, sources=sources)
+    post = user.get("post", {})
+    if not isinstance(post, dict):
+        raise ConfigError(f"post: expected a table, got {post!r}")
+    init = post.get("init", "")
+    if not isinstance(init, str):
+        raise ConfigError(f"post.init: expected a string, got {init!r}")
     if not init:
         raise ConfigError("post.init: a post-training run starts from a pretrained checkpoint (--init DIR)")
     if not Path(init).is_dir():
         raise FileNotFoundError(f"post.init: {init} is not a checkpoint directory")
-    init_model = to_dict(read_model_config(init))
-    for key in user.get("model", {}):
+    for key in user.get("model") or {}:
         if key not in MODEL_OVERRIDABLE:
             raise ConfigError(f"model.{key}: comes from the --init checkpoint {init}; only "
                               f"{', '.join('model.' + k for k in MODEL_OVERRIDABLE)} may be overridden")
-    defaults = {"model": init_model, "train": SFT_TRAIN_DEFAULTS if stage == "sft" else DPO_TRAIN_DEFAULTS}
-    cfg = from_dict(Config, _merge(defaults, user)).validate()
-    p = cfg.post
-    if not cfg.data.path:  # for the run's description and report only: the trainer is given the datasets
-        cfg.data.path = ", ".join(p.data)
-    if not p.data:
+    defaults = {"model": to_dict(read_model_config(init)),
+                "train": SFT_TRAIN_DEFAULTS if stage == "sft" else DPO_TRAIN_DEFAULTS}
+    cfg = from_dict(Config, deep_merge(defaults, user)).validate()  # the post section is checked there too
+    if not cfg.post.data:
         raise ConfigError("post.data: no training data (--data FILE...)")
-    if p.packing not in ("pack", "pad"):
-        raise ConfigError(f"post.packing: {p.packing!r} is not one of pack, pad")
-    if p.on_error not in ("raise", "skip"):
-        raise ConfigError(f"post.on_error: {p.on_error!r} is not one of raise, skip")
-    if not 0.0 <= p.valid_fraction < 1.0:
-        raise ConfigError(f"post.valid_fraction: must be in [0, 1), got {p.valid_fraction}")
-    if p.lora_rank < 0:
-        raise ConfigError(f"post.lora_rank: must be >= 0 (0 = full fine-tuning), got {p.lora_rank}")
-    if p.beta <= 0:
-        raise ConfigError(f"post.beta: must be positive, got {p.beta}")
+    if not cfg.data.path:  # for the run's description and report only: the trainer is given the datasets
+        cfg.data.path = ", ".join(cfg.post.data)
     return cfg
 
 
@@ -269,9 +256,9 @@ class ReferenceLogprobDataset:
         return out
 
     def iterator(self, batch_size: int, seed: int = 0, shuffle: bool = True):
-        from zero2all.data.chat import _ItemIterator
+        from zero2all.data.chat import ItemIterator
 
-        return _ItemIterator(self, batch_size, seed, shuffle)
+        return ItemIterator(self, batch_size, seed, shuffle)
 
 
 def _load_with_holdout(load, cfg: Config, tok, seq_len: int, rank: int):

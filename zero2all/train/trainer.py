@@ -46,7 +46,7 @@ from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, to_dict
-from zero2all.train.synthetic import SyntheticDataset
+from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
 from zero2all.model.io import copy_tokenizer_files, save_model
 from zero2all.model.z2all import build_model
@@ -313,22 +313,8 @@ class Trainer:
 
     # -- setup helpers ----------------------------------------------------------------------------------------
     def _check_config(self) -> None:
-        t = self.tcfg
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"train.{name}: must be positive, got {getattr(t, name)}")
-        for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "sample_every", "num_samples",
-                     "sample_new_tokens"):
-            if getattr(t, name) < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(t, name)}")
-        if t.grad_clip < 0:
-            raise ConfigError(f"train.grad_clip: must be >= 0 (0 = off), got {t.grad_clip}")
-        if not isinstance(t.sample_prompts, list) or not all(isinstance(p, str) for p in t.sample_prompts):
-            raise ConfigError(f"train.sample_prompts: expected a list of strings, got {t.sample_prompts!r}")
-        if self.cfg.data.seq_len > self.cfg.model.max_seq_len:
-            raise ConfigError(f"data.seq_len: {self.cfg.data.seq_len} exceeds model.max_seq_len="
-                              f"{self.cfg.model.max_seq_len}")
-        LRSchedule.from_config(t)  # validates the schedule fields
+        """Every section checks itself (``Config.validate``), against this run's number of processes."""
+        self.cfg.validate(world_size=self.dist.world_size)
 
     def _attach_tokenizer(self, tok) -> None:
         """The model must cover the tokenizer's ids; the special ids go into the model config (for export)."""
