@@ -1,4 +1,5 @@
-"""Checkpoints: bit-exact resume after a real kill -9, crash-safe writes, pruning, mismatch errors."""
+"""Checkpoints (one DCP format for every world size): bit-exact resume after a real kill -9 at any point of a
+save or of training, a corrupt file in any part, a full disk, SIGINT / SIGTERM; lines, pruning, mismatch errors."""
 
 import json
 import os
@@ -12,11 +13,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from zero2all import checkpoint as ckpt_io
+from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.config import ConfigError
 from zero2all.model.io import load_model
-from zero2all.train import checkpoint as ckpt_io
-from zero2all.train.checkpoint import CheckpointMismatch, latest_checkpoint, list_checkpoints
-from zero2all.train.trainer import Trainer
+from zero2all.train.trainer import Trainer, TrainingInterrupted
+
+
+def list_checkpoints(out):
+    return [(s, p) for s, p in ckpt_io.list_checkpoints(out) if ckpt_io.is_checkpoint(p)]
+
+
+def latest_checkpoint(out):
+    return ckpt_io.newest_verified(out)[0]
+
+
+def optimizer_state(ckpt):
+    """The optimizer part of a checkpoint as {parameter name: {state key: tensor}}, read in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = ckpt.parent / (ckpt.name + ".pt")
+    dcp_to_torch_save(ckpt, target)
+    return torch.load(target, weights_only=False)["optim"]["state"]
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_trainer import tiny_cfg  # noqa: E402
@@ -80,68 +99,185 @@ def test_resume_after_kill_is_bit_exact(tmp_path):
     wa, wb = load_file(str(straight / "final" / "model.safetensors")), load_file(str(resumed / "final" /
                                                                                          "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    sa = torch.load(straight / "ckpt-000008" / "trainer_state.pt", weights_only=True)
-    sb = torch.load(resumed / "ckpt-000008" / "trainer_state.pt", weights_only=True)
-    for i, st in sa["optimizer"]["state"].items():
-        assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][i]["exp_avg_sq"])
+    sa, sb = optimizer_state(straight / "ckpt-000008"), optimizer_state(resumed / "ckpt-000008")
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for name, st in sa.items():
+        assert torch.equal(st["exp_avg_sq"], sb[name]["exp_avg_sq"]) and torch.equal(st["exp_avg"], sb[name]["exp_avg"])
     assert [s for s, _ in list_checkpoints(resumed)] == [4, 8]  # keep_last=2
 
 
-def test_kill_during_checkpoint_write_leaves_previous_loadable(tmp_path):
-    """SIGKILL in the middle of writing the second checkpoint's weights."""
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_trainer import tiny_cfg
+    from zero2all import checkpoint as ckpt_io
+    from zero2all import fileio
+    import zero2all.checkpoint.files as files
+    from zero2all.train.trainer import Trainer
+
+    point, calls = {point!r}, []
+
+    def die_on(module, name, when=2):
+        original = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            if calls.count(name) == when:   # the second checkpoint
+                if point.endswith("-after"):
+                    original(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        setattr(module, name, wrapped)
+
+    if point.startswith("dcp"):             # inside the tensor files' write
+        import torch.distributed.checkpoint as dcp
+        die_on(dcp, "save")
+    elif point.startswith("manifest"):      # the manifest, the last file
+        die_on(ckpt_io, "write_manifest")
+    elif point.startswith("replace"):       # the swap into place
+        die_on(fileio, "replace_dir")
+    elif point.startswith("prune"):
+        die_on(ckpt_io, "prune")
+    Trainer(tiny_cfg({out!r}, "train.max_steps=4", "train.ckpt_every=2", "train.keep_last=1"),
+            show_progress=False).fit()
+""")
+
+
+@pytest.mark.parametrize("point", ["dcp", "manifest", "manifest-after", "replace", "replace-after", "prune"])
+def test_kill_during_checkpoint_write_leaves_previous_loadable(tmp_path, point):
+    """SIGKILL at each point of writing the second checkpoint: the first stays loadable, --resume auto picks the
+    newest intact state and the run ends exactly as an uninterrupted one."""
+    straight = tmp_path / "straight"
+    Trainer(tiny_cfg(straight, "train.max_steps=4", "train.ckpt_every=2", "train.keep_last=1"),
+            show_progress=False).fit()
     out = tmp_path / "run"
     script = tmp_path / "killer.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, signal, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import safetensors.torch
-        from test_trainer import tiny_cfg
-        from zero2all.train.trainer import Trainer
-
-        calls = []
-        original = safetensors.torch.save_file
-
-        def save_file(tensors, filename, metadata=None):
-            calls.append(filename)
-            if len(calls) == 2:          # second checkpoint: write half a file, then die
-                original(tensors, filename, metadata=metadata)
-                with open(filename, "r+b") as f:
-                    f.truncate(os.path.getsize(filename) // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(tensors, filename, metadata=metadata)
-
-        safetensors.torch.save_file = save_file
-        Trainer(tiny_cfg({str(out)!r}, "train.max_steps=4", "train.ckpt_every=2"), show_progress=False).fit()
-    """))
+    script.write_text(KILLER.format(tests=os.path.dirname(__file__), point=point, out=str(out)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    leftovers = list(out.glob(".tmp-ckpt-000004-*"))
-    assert leftovers and (leftovers[0] / "model.safetensors").exists()  # the half-written one
-    assert latest_checkpoint(out) == out / "ckpt-000002"
-    model = load_model(out / "ckpt-000002")
-    assert model(torch.randint(0, 96, (1, 5)))[0].isfinite().all()
-    trainer = Trainer(tiny_cfg(out, "train.max_steps=4", "train.ckpt_every=2", "train.resume='auto'"),
-                      show_progress=False)
+    newest = latest_checkpoint(out)
+    assert newest in (out / "ckpt-000002", out / "ckpt-000004")
+    if point in ("dcp", "manifest", "replace"):
+        assert newest == out / "ckpt-000002"
+    assert load_model(newest)(torch.randint(0, 96, (1, 5)))[0].isfinite().all()
+    trainer = Trainer(tiny_cfg(out, "train.max_steps=4", "train.ckpt_every=2", "train.keep_last=1",
+                               "train.resume='auto'"), show_progress=False)
     trainer.fit()
-    assert trainer.resumed_from == out / "ckpt-000002"
-    assert [s for s, _ in list_checkpoints(out)] == [2, 4] and not list(out.glob(".tmp-ckpt-*"))
+    assert trainer.resumed_from == newest
+    assert [s for s, _ in list_checkpoints(out)][-1] == 4 and not list(out.glob(".tmp-*"))
+    assert train_losses(out)[-2:] == train_losses(straight)[-2:]
 
 
-def test_exception_during_save_keeps_previous(tmp_path, monkeypatch):
+def test_full_disk_during_save_keeps_previous(tmp_path, monkeypatch):
     trainer = Trainer(tiny_cfg(tmp_path, "train.max_steps=3"), show_progress=False)
     trainer.train_step()
     first = trainer.save_checkpoint()
     trainer.train_step()
+    import torch.distributed.checkpoint as dcp
 
-    def fail(*args, **kwargs):
-        raise OSError("disk full")
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_io.torch, "save", fail)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(OSError, match="No space left"):
         trainer.save_checkpoint()
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path) == first and [s for s, _ in list_checkpoints(tmp_path)] == [1]
-    ckpt_io.load_checkpoint(first, Trainer(tiny_cfg(tmp_path / "other")).raw_model)
+    assert ckpt_io.verify(first) == []
+
+
+@pytest.mark.parametrize("victim", ["distcp", ".metadata", "z2all.json", "config.json", "manifest.json"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys, victim):
+    """A truncated or altered file in any part of the newest checkpoint: --resume auto names it, skips it, resumes
+    from the previous one, moves the bad one aside and continues the uninterrupted loss sequence exactly."""
+    args = ["train.max_steps=4", "train.ckpt_every=2", "train.keep_last=0"]
+    straight = tmp_path / "straight"
+    Trainer(tiny_cfg(straight, *args), show_progress=False).fit()
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(out, *args), show_progress=False).fit()
+    ck = out / "ckpt-000004"
+    f = next(ck.glob("*.distcp")) if victim == "distcp" else ck / victim
+    data = f.read_bytes()
+    if victim == "manifest.json":
+        f.unlink()
+    else:
+        f.write_bytes(data[: len(data) // 2] + bytes(len(data) - len(data) // 2))  # same size, other bytes
+    assert ckpt_io.verify(ck)
+    capsys.readouterr()
+    trainer = Trainer(tiny_cfg(out, *args, "train.resume='auto'"), show_progress=False)
+    trainer.fit()
+    printed = capsys.readouterr().out
+    assert trainer.resumed_from == out / "ckpt-000002"
+    assert f"skipping {ck}" in printed and "moved 1 later checkpoint(s)" in printed
+    assert len(list(out.glob("abandoned-*/ckpt-000004"))) == 1
+    assert train_losses(out)[-2:] == train_losses(straight)[-2:]
+    assert ckpt_io.verify(out / "ckpt-000004") == []
+
+
+def test_resuming_an_older_checkpoint_starts_a_new_line(tmp_path, capsys):
+    """Resuming from ckpt-18 of a run that reached 24 with other settings: the old 24 is moved aside, the new
+    line's 24 is really written (not skipped), and pruning keeps the new line's newest."""
+    base = ["train.ckpt_every=6", "train.keep_last=2"]
+    Trainer(tiny_cfg(tmp_path, "train.max_steps=24", *base), show_progress=False).fit()
+    old_24 = (tmp_path / "ckpt-000024" / "manifest.json").read_text()
+    capsys.readouterr()
+    Trainer(tiny_cfg(tmp_path, "train.max_steps=26", "train.lr=1e-5", "train.min_lr=1e-6", *base,
+                     f"train.resume={json.dumps(str(tmp_path / 'ckpt-000018'))}"), show_progress=False).fit()
+    printed = capsys.readouterr().out
+    assert "starts a new line" in printed and "ckpt-000024" in printed
+    aside = list(tmp_path.glob("abandoned-*"))
+    assert len(aside) == 1 and (aside[0] / "ckpt-000024" / "manifest.json").read_text() == old_24
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [24, 26]
+    assert (tmp_path / "ckpt-000024" / "manifest.json").read_text() != old_24
+    assert json.loads((tmp_path / "ckpt-000024" / "config.json").read_text())["train"]["lr"] == 1e-5
+
+
+@pytest.mark.parametrize("signum, code", [(2, 130), (15, 143)])
+def test_signal_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, signum, code):
+    """SIGINT / SIGTERM during training: the update in flight finishes, a checkpoint is saved, the exit is
+    130 / 143 with one line, and --resume auto continues the uninterrupted sequence exactly."""
+    args = ["train.max_steps=6", "train.ckpt_every=0"]
+    straight = tmp_path / "straight"
+    Trainer(tiny_cfg(straight, *args), show_progress=False).fit()
+    out = tmp_path / "run"
+    script = tmp_path / "interrupt_driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_trainer import tiny_cfg
+        from zero2all.cli import main
+        from zero2all.train.trainer import Trainer
+
+        original = Trainer.train_step
+
+        def train_step(self):
+            if self.step == 3:
+                os.kill(os.getpid(), {signum})   # arrives in the middle of update 4
+            return original(self)
+
+        Trainer.train_step = train_step
+        sys.exit(main(["pretrain", "--config", "tiny", "--out", {str(out)!r}, "--no-progress",
+                       "model.n_layers=2", "model.hidden_dim=32", "model.intermediate_size=64", "model.n_heads=4",
+                       "model.n_kv_heads=2", "model.vocab_size=96", "model.max_seq_len=24", "train.micro_batch_size=2",
+                       "train.eval_every=0", "train.num_samples=0", "train.precision='fp32'", "train.device='cpu'",
+                       "train.warmup_steps=2", "train.lr=3e-3", "train.tensorboard=false",
+                       "train.max_steps=6", "train.ckpt_every=0"]))
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "interrupted by" in proc.stderr and "ckpt-000004" in proc.stderr
+    assert [s for s, _ in list_checkpoints(out)] == [4]
+
+
+def test_second_ctrl_c_aborts_at_once():
+    from zero2all.train.trainer import _StopSignals
+
+    with _StopSignals() as stop:
+        os.kill(os.getpid(), 2)
+        assert stop.received == 2
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), 2)
 
 
 def test_keep_last_prunes_oldest(tmp_path):
@@ -153,10 +289,20 @@ def test_keep_last_prunes_oldest(tmp_path):
 
 def test_incomplete_directory_is_not_a_checkpoint(tmp_path):
     Trainer(tiny_cfg(tmp_path, "train.max_steps=2", "train.ckpt_every=1"), show_progress=False).fit()
-    (tmp_path / "ckpt-000002" / "trainer_state.pt").unlink()
+    (tmp_path / "ckpt-000002" / "manifest.json").unlink()
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000001"
-    with pytest.raises(FileNotFoundError, match="missing trainer_state.pt"):
-        ckpt_io.load_checkpoint(tmp_path / "ckpt-000002", Trainer(tiny_cfg(tmp_path / "x")).raw_model)
+    with pytest.raises(ckpt_io.CheckpointError, match="manifest.json is missing"):
+        Trainer(tiny_cfg(tmp_path, "train.max_steps=3", f"train.resume={json.dumps(str(tmp_path / 'ckpt-000002'))}"),
+                show_progress=False).fit()
+
+
+def test_checkpoint_of_the_earlier_format_is_refused_with_the_way_out(tmp_path):
+    old = tmp_path / "ckpt-000003"
+    old.mkdir()
+    for name in ("trainer_state.pt", "data_state.json", "model.safetensors", "z2all.json"):
+        (old / name).write_text("{}")
+    with pytest.raises(ckpt_io.CheckpointError, match="earlier zero2all version.*z2all convert-checkpoint"):
+        Trainer(tiny_cfg(tmp_path, "train.max_steps=4", "train.resume='auto'"), show_progress=False).fit()
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -206,16 +352,16 @@ def test_checkpoint_is_self_contained(tmp_path):
     trainer = Trainer(tiny_cfg(tmp_path / "run", "train.max_steps=2"), tokenizer_dir=tok, show_progress=False)
     trainer.fit()
     ck = tmp_path / "run" / "ckpt-000002"
-    for name in ("tokenizer.json", "z2all_tokenizer.json", "config.json", "data_state.json"):
+    for name in ("tokenizer.json", "z2all_tokenizer.json", "config.json", "manifest.json", ".metadata"):
         assert (ck / name).exists(), name
     assert (tmp_path / "run" / "final" / "tokenizer.json").exists()
     model = load_model(ck)
     x = torch.randint(0, 96, (2, 7))
     trainer.raw_model.eval()
     torch.testing.assert_close(model(x)[0], trainer.raw_model(x)[0], rtol=0, atol=0)
-    state = torch.load(ck / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 2 and set(state["rng"]) >= {"python", "numpy", "torch"}
-    assert json.loads((ck / "data_state.json").read_text())["next_sample"] == 2 * 2
+    assert ckpt_io.read_meta(ck)["step"] == 2 and ckpt_io.verify(ck) == []
+    manifest = json.loads((ck / "manifest.json").read_text())["files"]
+    assert {"tokenizer.json", "config.json", "z2all.json", ".metadata"} <= set(manifest)
 
 
 def test_rng_state_round_trip():

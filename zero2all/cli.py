@@ -665,10 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
-    from zero2all.config import ConfigError
+    from zero2all.config import ConfigError, TrainingInterrupted
 
     try:
         result = args._run(args)
+    except TrainingInterrupted as e:  # a checkpoint was saved; one line, the shell's code for that signal
+        print(f"z2all {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except ConfigError as e:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2

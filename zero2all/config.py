@@ -45,6 +45,18 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
+class TrainingInterrupted(Exception):
+    """SIGINT / SIGTERM stopped a training run after an update and a checkpoint; ``exit_code`` is 128 + the
+    signal number (130 for Ctrl-C, 143 for SIGTERM), as shells report a process ended by that signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint=None):
+        name = {2: "SIGINT", 15: "SIGTERM"}.get(signum, f"signal {signum}")
+        where = f"saved {checkpoint}; continue with --resume auto" if checkpoint else "nothing saved"
+        super().__init__(f"interrupted by {name} at step {step}: {where}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+
+
 def _check_finite(section: Any, prefix: str) -> None:
     """Refuse NaN and infinity in every float field: both slip through range checks (``nan < 0`` and ``nan >= 0``
     are both false), and a NaN learning rate or epsilon only shows up as a NaN loss much later."""

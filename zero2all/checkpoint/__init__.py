@@ -27,6 +27,8 @@ rescales its own position (``zero2all/data/protocol.py``); RNG states of ranks t
 from __future__ import annotations
 
 
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +44,14 @@ __all__ = ["CheckpointError", "FORMAT", "FORMAT_VERSION", "JsonState", "ModelSta
            "RUN_CONFIG", "capture_rng_state", "checkpoint_name", "is_checkpoint", "legacy_kind", "list_checkpoints",
            "load", "move_aside_after", "newest_verified", "prune", "read_meta", "read_run_config", "restore_rng_state", "save",
            "step_of", "verify"]
+
+
+@contextmanager
+def _one_process_is_fine():
+    """DCP warns when no process group exists; one process is world size 1 here, by design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def save(path: Path, parts: dict[str, Any], env: DistEnv, meta: dict,
@@ -61,7 +71,7 @@ def save(path: Path, parts: dict[str, Any], env: DistEnv, meta: dict,
         remove_stale_temporaries(path.parent)
         tmp.mkdir()
     barrier(env)
-    with collective_timeout(env, f"saving checkpoint {path}"):
+    with collective_timeout(env, f"saving checkpoint {path}"), _one_process_is_fine():
         dcp.save(parts, checkpoint_id=str(tmp))
     # each rank hashes the shard files it wrote (DCP names them __<rank>_<i>.distcp), in parallel
     mine = describe_files(tmp, sorted(p.name for p in tmp.glob(f"__{env.rank}_*.distcp")))
@@ -87,7 +97,7 @@ def load(path: Path, parts: dict[str, Any], env: DistEnv) -> None:
     import torch.distributed.checkpoint as dcp
 
     request = {k: LoadTemplate(v) if isinstance(v, RankStates) else v for k, v in parts.items()}
-    with collective_timeout(env, f"loading checkpoint {path}"):
+    with collective_timeout(env, f"loading checkpoint {path}"), _one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path))
 
 
@@ -107,7 +117,8 @@ def load_model_weights(path: Path, model) -> None:
     import torch.distributed.checkpoint as dcp
 
     sd = model.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=str(path))
+    with _one_process_is_fine():
+        dcp.load({"model": sd}, checkpoint_id=str(path))
     model.load_state_dict(sd)
 
 

@@ -45,7 +45,7 @@ import torch
 from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
-from zero2all.config import Config, ConfigError, to_dict
+from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
 from zero2all.model.io import copy_tokenizer_files, save_model
@@ -58,17 +58,6 @@ from zero2all.train.optim import (DynamicLossScaler, LRSchedule, build_optimizer
                                   grad_norm_and_clip, set_lr)
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-
-
-class TrainingInterrupted(Exception):
-    """SIGINT / SIGTERM stopped the run after an update and a checkpoint; ``exit_code`` is 130 or 143."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        name = "SIGINT" if signum == signal.SIGINT else "SIGTERM" if signum == signal.SIGTERM else f"signal {signum}"
-        where = f"saved {checkpoint}; continue with --resume auto" if checkpoint else "nothing saved"
-        super().__init__(f"interrupted by {name} at step {step}: {where}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + signum
 
 
 class _StopSignals:
