@@ -5,7 +5,7 @@ import torch
 
 from standin_tokenizer import tiny_model_config
 from zero2all.model.io import export_hf, load_model, save_model
-from zero2all.model.lora import (LoRAConfig, LoRALinear, apply_lora, load_adapter, load_merged_model, lora_modules,
+from zero2all.model.lora import (LoRAConfig, LoRALinear, apply_lora, load_adapter, lora_modules,
                                  merge_lora, save_adapter, set_merged)
 from zero2all.model.z2all import build_model
 
@@ -154,7 +154,7 @@ def adapted_base(exported, seed: int, n_tokens: int):
     return ours, x, expected
 
 
-def test_load_merged_model_and_export(exported, tmp_path):
+def test_load_model_merges_adapters_and_export(exported, tmp_path):
     from transformers import LlamaForCausalLM
 
     from zero2all.cli import main
@@ -163,7 +163,7 @@ def test_load_merged_model_and_export(exported, tmp_path):
     # adapter alone, pointing at its base
     save_adapter(ours, tmp_path / "only_adapter", base_model_name_or_path=str(exported / "base"))
     with torch.no_grad():
-        torch.testing.assert_close(load_merged_model(tmp_path / "only_adapter")(x)[0], expected, atol=1e-5,
+        torch.testing.assert_close(load_model(tmp_path / "only_adapter")(x)[0], expected, atol=1e-5,
                                    rtol=1e-5)
     # base checkpoint with the adapter in adapter/, through the command line
     base = load_model(exported / "base")
@@ -173,8 +173,9 @@ def test_load_merged_model_and_export(exported, tmp_path):
                  "--merge-lora"]) == 0
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "merged_hf")
     torch.testing.assert_close(hf_logits(hf, x), expected, atol=2e-5, rtol=1e-4)
-    with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
-        load_merged_model(exported / "base")
+    with pytest.raises(FileNotFoundError, match="base_model_name_or_path"):
+        save_adapter(ours, tmp_path / "orphan", base_model_name_or_path=str(tmp_path / "nowhere"))
+        load_model(tmp_path / "orphan")
 
 
 def test_public_load_model_merges_an_attached_adapter(exported, tmp_path):

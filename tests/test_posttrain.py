@@ -181,8 +181,8 @@ def test_sft_resume_is_bit_exact(world, tmp_path, monkeypatch, lora_rank):
 
 
 def test_lora_sft_trains_only_the_adapters(world, tmp_path):
+    from zero2all import checkpoint as ckpt_io
     from zero2all.infer.generate import load_for_inference
-    from zero2all.model.lora import load_merged_model
 
     out = tmp_path / "lora"
     sft(sft_cfg(world, out, "train.max_steps=8", "train.ckpt_every=4", "post.lora_rank=4", "post.lora_alpha=8",
@@ -191,18 +191,21 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
     final = load_file(str(out / "final" / "model.safetensors"))
     assert base.keys() == final.keys() and all(torch.equal(base[k], final[k]) for k in base)  # base untouched
     # the training checkpoint: full state with exactly the adapters in the optimizer, and a PEFT adapter dir
-    state = torch.load(out / "ckpt-000008" / "trainer_state.pt", weights_only=True)
-    ckpt_weights = load_file(str(out / "ckpt-000008" / "model.safetensors"))
-    lora_keys = [k for k in ckpt_weights if k.endswith(("lora_A", "lora_B"))]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(out / "ckpt-000008", tmp_path / "ckpt8.pt")
+    state = torch.load(tmp_path / "ckpt8.pt", weights_only=False)
+    lora_keys = [k for k in state["model"] if k.endswith(("lora_A", "lora_B"))]
     assert len(lora_keys) == 2 * 2 * 2  # 2 layers x 2 targets x (A, B)
-    assert len(state["optimizer"]["state"]) == len(lora_keys)
+    assert sorted(state["optim"]["state"]) == sorted(lora_keys)  # exactly the adapters in the optimizer
+    assert ckpt_io.verify(out / "ckpt-000008") == [] and (out / "ckpt-000008" / "adapter" / "adapter_config.json").exists()
     cfg = json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj",
                                                                                        "down_proj"}
     adapter = load_file(str(out / "final" / "adapter" / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())  # B left zero: trained
     # merged on load: differs from the base, and equals what the adapter directory alone gives (its base: init)
-    merged = load_merged_model(out / "final")
+    merged = load_model(out / "final")
     alone, tok = load_for_inference(str(out / "ckpt-000008" / "adapter"))
     x = torch.tensor([world["tok"].encode("def read_config(path):")])
     with torch.no_grad():
@@ -215,22 +218,24 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
     from_ckpt = zero2all.load_model(str(out / "ckpt-000008"))
     with torch.no_grad():
         torch.testing.assert_close(from_ckpt(x)[0], merged(x)[0], rtol=0, atol=0)
-    with pytest.raises(ConfigError, match="LoRA adapter tensors"):   # the plain loader says what to do
-        load_model(out / "ckpt-000008")
+    # without merging, the base weights alone (what export-hf writes without --merge-lora)
+    base_only = load_model(out / "ckpt-000008", merge_lora=False)
+    with torch.no_grad():
+        torch.testing.assert_close(base_only(x)[0], load_model(world["init"])(x)[0], rtol=0, atol=0)
     # a LoRA run's final/ as the starting point of the next stage: base + adapter, merged
-    from zero2all.train.posttrain import load_weights
+    from zero2all.train.posttrain import load_pretrained
 
-    start = load_weights(out / "final", merged.cfg)
+    start = load_pretrained(out / "final", merged.cfg, "cpu").state_dict()
     assert all(torch.equal(start[k], v) for k, v in merged.state_dict().items())
 
 
 def test_init_from_an_hf_directory(world, tmp_path):
     from zero2all.model.io import export_hf, read_model_config
-    from zero2all.train.posttrain import load_weights
+    from zero2all.train.posttrain import load_pretrained
 
     hf = export_hf(world["init"], tmp_path / "hf")
     ours = load_file(str(world["init"] / "model.safetensors"))
-    theirs = load_weights(hf, read_model_config(hf))
+    theirs = load_pretrained(hf, read_model_config(hf), "cpu").state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     out = tmp_path / "run"
     cfg = posttrain_config("sft", None, [f"post.init='{hf}'", f"post.data=['{world['sft']}']",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zero2all.config import ConfigError
-from zero2all.train.checkpoint import CheckpointMismatch
+from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -114,7 +114,7 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
     assert "--- prompt 'def '" in out and "validation loss" in out and "--- assistant:" in out
     demo = tmp_path / "demo"
     for name in ("report.md", "loss.png", "metrics.jsonl", "final/model.safetensors", "final/tokenizer.json",
-                 "ckpt-000003/trainer_state.pt", "tokenizer/tokenizer.json", "data/meta.json",
+                 "ckpt-000003/manifest.json", "tokenizer/tokenizer.json", "data/meta.json",
                  "sft/final/model.safetensors", "sft-data/train.jsonl"):
         assert (demo / name).exists(), name
     assert main(args) == 0  # a second run reuses everything and resumes at the end
