@@ -347,7 +347,7 @@ class Trainer:
         ]
         if self.dist.is_distributed:
             lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
-                         f"activation checkpointing: {t.activation_checkpointing} | sharded checkpoints")
+                         f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
         lines += describe_groups(self.optimizer.param_groups)
         fused = bool(self.optimizer.defaults.get("fused"))
         lines.append(f"optimizer: AdamW{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
