@@ -8,7 +8,7 @@ import pytest
 from zero2all.cli import main
 from zero2all.data.pretokenize import (TokenizerMismatchError, check_tokenizer, copies_of, prepare, read_meta,
                                        shard_dtype)
-from zero2all.data.readers import iter_records
+from zero2all.corpus.readers import iter_records
 from zero2all.tokenizer import load_tokenizer, train_tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]

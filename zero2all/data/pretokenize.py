@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zero2all.data.readers import ReadStats, SourceSpec, atomic_output, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, atomic_output, iter_records
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"

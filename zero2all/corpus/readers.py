@@ -42,6 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+__all__ = ["BAD_KINDS", "COMPRESSIONS", "DEFAULT_TEXT_FIELDS", "FORMATS", "RECORD_FIELDS", "BadInputError",
+           "ReadStats", "SourceSpec", "atomic_output", "default_source_name", "expand_paths", "input_bytes",
+           "iter_records", "iter_texts", "open_binary", "stdlib_files", "write_jsonl"]
+
 RECORD_FIELDS = ("gid", "id", "data_src", "category", "title", "content", "desc", "others")
 DEFAULT_TEXT_FIELDS = ("content", "text")
 FORMATS = (".jsonl", ".json", ".parquet", ".txt")
