@@ -24,7 +24,8 @@ import time
 import torch
 
 from zero2all import accounting as acc
-from zero2all.config import load_config, save_json
+from zero2all.config import load_config
+from zero2all.fileio import save_json
 from zero2all.model.z2all import build_model
 
 

@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     import transformers
     from transformers import LlamaForCausalLM
 
-    from zero2all.config import load_config, save_json
+    from zero2all.config import load_config
+    from zero2all.fileio import save_json
     from zero2all.infer.generate import Generator, SamplingParams
     from zero2all.model.io import export_hf
     from zero2all.model.z2all import build_model

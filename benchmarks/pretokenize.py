@@ -36,7 +36,7 @@ def plain_loop(corpus: str, tok_dir: str, out: str) -> int:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from zero2all.data.readers import iter_texts
+    from zero2all.corpus.readers import iter_texts
 
     tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
@@ -53,7 +53,7 @@ def batch_loop(corpus: str, tok_dir: str, out: str) -> int:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from zero2all.data.readers import iter_texts
+    from zero2all.corpus.readers import iter_texts
 
     tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
@@ -104,7 +104,7 @@ def main():
         sample = os.path.join(work, "sample.jsonl")
         write_corpus(sample, 8, seed=1)
         train_tokenizer(sample, args.vocab_size, tok_dir, log=lambda *a: None)
-    from zero2all.data.readers import ReadStats, iter_records
+    from zero2all.corpus.readers import ReadStats, iter_records
 
     stats = ReadStats()
     for _ in iter_records(corpus, stats=stats):

@@ -50,7 +50,7 @@ def _zipf_sampler(rng: random.Random, n: int, s: float = 1.1):
 
 def generate_documents(size_bytes: int, seed: int):
     """Yield (kind, text) until ~size_bytes of UTF-8 text."""
-    from zero2all.data.readers import iter_texts
+    from zero2all.corpus.readers import iter_texts
 
     rng = random.Random(seed)
     code = list(iter_texts("stdlib"))
@@ -97,7 +97,7 @@ def generate_documents(size_bytes: int, seed: int):
 def write_corpus(path: str, size_mb: float, seed: int, heldout_mb: float = 0.0) -> None:
     """Write ~size_mb of documents to ``path``; with ``heldout_mb``, the documents that follow them in the same
     generated stream (same vocabularies, unseen documents) go to ``path + ".heldout.jsonl"``."""
-    from zero2all.data.readers import write_jsonl
+    from zero2all.corpus.readers import write_jsonl
 
     stream = generate_documents(int((size_mb + heldout_mb) * 1e6), seed)
     state = {"bytes": 0}
@@ -127,7 +127,7 @@ def run_one(args) -> dict:
     seconds = time.time() - t0
     rss = peak_rss_mb()
     nbytes = ntok = 0
-    from zero2all.data.readers import iter_texts
+    from zero2all.corpus.readers import iter_texts
 
     for text in iter_texts(args.corpus + ".heldout.jsonl"):
         nbytes += len(text.encode("utf-8"))

@@ -3,18 +3,13 @@
 import pytest
 import torch
 
+from kernel_check import assert_close_to_reference
 from zero2all.model.ops import attention_naive, causal_mask
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 from zero2all.kernels.attention import flex_causal_attention  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def doc_ids_for(B, T, g):
@@ -43,14 +38,14 @@ def run_case(B, H, Hkv, T, D, dtype, with_docs, device="cpu", seed=0):
     want = attention_naive(*ref_leaves, mask)
     tol = TOL[dtype]
     assert out.shape == (B, H, T, D) and out.dtype == dtype
-    assert rel_err(out, want) < tol
+    assert_close_to_reference(out, want, dtype, rel_l2=tol, what="attention")
     if not backward:
         return
     grad = torch.randn(out.shape, generator=g).to(device, dtype)
     got = torch.autograd.grad(out, leaves, grad)
     want_g = torch.autograd.grad(want, ref_leaves, grad.double())
-    for a, b in zip(got, want_g):
-        assert rel_err(a, b) < tol * 2
+    for name, a, b in zip("qkv", got, want_g):
+        assert_close_to_reference(a, b, dtype, rel_l2=tol * 2, what=f"grad {name}")
 
 
 @pytest.mark.parametrize("with_docs", [False, True])

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_check import assert_close_to_reference
 from standin_tokenizer import tiny_model_config
 from zero2all.model import ops
 
@@ -62,9 +63,10 @@ def test_fused_gemv_matches_reference(dtype, M, N, K, prologue):
         K_.fused_gemv(x, w, out, bias=bias, prologue=prologue, residual=residual, norm_weight=norm_w,
                       residual_out=res_out, eps=1e-5)
         ref, ref_res = _reference_gemv(x, w, bias, prologue, residual, norm_w, 1e-5, res_dtype)
-        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+        assert_close_to_reference(out, ref, dtype, **TOL[dtype], what=f"fused_gemv prologue {prologue}")
         if prologue == 1:
-            torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+            assert res_out.dtype == ref_res.dtype
+            assert_close_to_reference(res_out, ref_res, atol=0, rtol=0, what="residual out")
 
 
 @pytest.mark.parametrize("tiles", [(8, 32, 4), (4, 64, 2), (2, 128, 4)])
@@ -85,9 +87,10 @@ def test_one_row_kernel_with_given_tiles(tiles, prologue):
     K_.fused_gemv(x, w, out, bias=bias, prologue=prologue, residual=residual if prologue == 1 else None,
                   norm_weight=norm_w, residual_out=res_out, tiles=tiles)
     ref, ref_res = _reference_gemv(x, w, bias, prologue, residual, norm_w, 1e-5, torch.float32)
-    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    assert_close_to_reference(out, ref, torch.float32, **TOL[torch.float32], what=f"tiles {tiles}")
     if prologue == 1:
-        torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+        assert res_out.dtype == ref_res.dtype
+        assert_close_to_reference(res_out, ref_res, atol=0, rtol=0, what="residual out")
 
 
 def test_fused_gemv_bf16_residual_stream_and_errors():
@@ -100,8 +103,9 @@ def test_fused_gemv_bf16_residual_stream_and_errors():
     res_out = torch.empty_like(residual)
     K_.fused_gemv(x, w, out, prologue=1, residual=residual, norm_weight=norm_w, residual_out=res_out, eps=1e-6)
     normed, new_res = ops.add_rmsnorm_torch(x, residual, norm_w, 1e-6, residual_in_fp32=False)
-    torch.testing.assert_close(res_out, new_res, **EXACT_BF16)
-    torch.testing.assert_close(out.float(), F.linear(normed, w).float(), **TOL[torch.bfloat16])
+    assert res_out.dtype == new_res.dtype
+    assert_close_to_reference(res_out, new_res, **EXACT_BF16, what="bf16 residual out")
+    assert_close_to_reference(out, F.linear(normed, w), torch.bfloat16, **TOL[torch.bfloat16], what="out")
     with pytest.raises(ValueError, match="must not be the residual"):
         K_.fused_gemv(x, w, out, prologue=1, residual=residual, norm_weight=norm_w, residual_out=residual)
     with pytest.raises(ValueError, match="at most 16 rows"):
@@ -134,8 +138,9 @@ def test_decode_attention_matches_reference(dtype, B, H, Hkv, L, slot):
     pos = (slot - pad).clamp_min(0)
     rq, rk = ops.apply_rope_torch(q, k, cos[pos][:, None], sin[pos][:, None])
     exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else EXACT_BF16
-    torch.testing.assert_close(kc[:, :, slot], rk[:, 0], **exact)
-    torch.testing.assert_close(vc[:, :, slot], v[:, 0], atol=0, rtol=0)
+    assert kc.dtype == rk.dtype and vc.dtype == v.dtype
+    assert_close_to_reference(kc[:, :, slot], rk[:, 0], dtype, **exact, what="k written to the cache")
+    assert_close_to_reference(vc[:, :, slot], v[:, 0], dtype, atol=0, rtol=0, what="v written to the cache")
     others = torch.arange(L, device=DEVICE) != slot
     assert torch.equal(kc[:, :, others], kc_before[:, :, others]) and torch.equal(vc[:, :, others],
                                                                                    vc_before[:, :, others])
@@ -143,7 +148,7 @@ def test_decode_attention_matches_reference(dtype, B, H, Hkv, L, slot):
     mask = ((j[None, :] >= pad[:, None]) & (j[None, :] <= slot))[:, None, None, :]   # (B, 1, 1, L)
     ref = ops.attention_naive(rq.transpose(1, 2), kc, vc, mask)[:, :, 0]
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert_close_to_reference(out, ref, dtype, **tol, what="decode attention")
     if B == 1 and L >= 200:
         assert scratch.splits > 1  # the split-and-combine path is covered
 
@@ -166,7 +171,8 @@ def test_fused_decode_step_equals_generic_step(dtype):
         nxt = torch.tensor([(7 * step + 3) % 256], device=DEVICE)
         a1, b1 = one_generic.decode(nxt, 11 + step), one.decode(nxt, 11 + step)
         if dtype == torch.float32:
-            torch.testing.assert_close(b1, a1, atol=2e-4, rtol=2e-4)
+            assert b1.dtype == a1.dtype
+            assert_close_to_reference(b1, a1, dtype, atol=2e-4, rtol=2e-4, what=f"batch-1 logits, step {step}")
     generic = DecodeSession(model, 3, 32, cuda_graph=False)
     fused = DecodeSession(model, 3, 32, cuda_graph=False, fused=True)
     reference = DecodeSession(build_model(cfg, device=DEVICE, seed=0).to(dtype).float().eval(), 3, 32,
@@ -181,14 +187,17 @@ def test_fused_decode_step_equals_generic_step(dtype):
         nxt = torch.tensor([(17 * step + 31 * r) % 256 for r in range(3)], device=DEVICE)
         a, b, ref = (s.decode(nxt, P + step) for s in sessions)
         if dtype == torch.float32:
-            torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+            assert b.dtype == a.dtype
+            assert_close_to_reference(b, a, dtype, atol=2e-4, rtol=2e-4, what=f"logits, step {step}")
         else:
             err_generic, err_fused = (a - ref).abs().max(), (b - ref).abs().max()
             assert err_fused <= 2 * err_generic + 0.01 * ref.abs().max(), (step, err_fused, err_generic)
     if dtype == torch.float32:
         for layer in range(cfg.n_layers):  # the fused step wrote the same keys and values
-            torch.testing.assert_close(fused.cache.k[layer], generic.cache.k[layer], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(fused.cache.v[layer], generic.cache.v[layer], atol=1e-4, rtol=1e-4)
+            for name, got, want in (("k", fused.cache.k[layer], generic.cache.k[layer]),
+                                    ("v", fused.cache.v[layer], generic.cache.v[layer])):
+                assert got.dtype == want.dtype
+                assert_close_to_reference(got, want, dtype, atol=1e-4, rtol=1e-4, what=f"cache {name}, layer {layer}")
 
 
 def test_fused_decode_support_reasons():
@@ -229,4 +238,5 @@ def test_tune_picks_a_candidate_per_shape_and_keeps_the_step_exact(monkeypatch):
     assert all(t in K_.row_tile_candidates() for t in chosen.values())
     assert step.tune(session.tokens, session.slot, session.pad_len) == chosen  # kept, not tuned again
     after = step(session.tokens, session.slot, session.pad_len)
-    torch.testing.assert_close(after, before, atol=3e-2, rtol=3e-2)
+    assert after.dtype == before.dtype
+    assert_close_to_reference(after, before, atol=3e-2, rtol=3e-2, what="tuned step logits")

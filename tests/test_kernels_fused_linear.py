@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_check import assert_close_to_reference
 from zero2all import accounting as acc
 from zero2all.config import ModelConfig, OpsConfig, load_config
 from zero2all.kernels.fused_linear import lean_linear, triton_norm_linear, triton_swiglu_linear
@@ -20,12 +21,6 @@ from zero2all.model import ops
 from zero2all.model.z2all import build_model
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def autocast(mode, device="cpu"):
@@ -41,15 +36,15 @@ def compare(fused, reference, inputs, mode, n_out):
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     assert len(got) == n_out
     leaves = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
-    for a, b in zip(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert rel_err(a, b) < TOL[mode]
+        assert_close_to_reference(a, b, mode, rel_l2=TOL, what=f"output {i}")
     grads = [torch.randn(b.shape, generator=g).to(b.device, b.dtype) for b in want]
     d_got = torch.autograd.grad(got, leaves, grads)
     d_want = torch.autograd.grad(want, leaves, grads)
     for i, (a, b) in enumerate(zip(d_got, d_want)):
         assert a.dtype == b.dtype == leaves[i].dtype, i
-        assert rel_err(a, b) < TOL[mode], (i, rel_err(a, b))
+        assert_close_to_reference(a, b, mode, rel_l2=TOL, what=f"grad of input {i}")
 
 
 def leaf(shape, g, dtype=torch.float32, scale=1.0, shift=0.0, device="cpu"):
@@ -115,14 +110,16 @@ def test_frozen_parameters_get_no_gradient():
     dx, dn = torch.autograd.grad((out.sum(), res.sum()), (x, norm_w))
     ref_out, ref_res = ops.norm_linear_torch(x, None, norm_w, 1e-5, True, w)
     rx, rn = torch.autograd.grad((ref_out.sum(), ref_res.sum()), (x, norm_w))
-    assert rel_err(dx, rx) < 1e-5 and rel_err(dn, rn) < 1e-5
+    assert_close_to_reference(dx, rx, rel_l2=1e-5, what="grad x")
+    assert_close_to_reference(dn, rn, rel_l2=1e-5, what="grad norm weight")
     gu = leaf((11, 60), g)
     (dgu,) = torch.autograd.grad(triton_swiglu_linear(gu, w[:, :30]).sum(), gu)
     (rgu,) = torch.autograd.grad(ops.swiglu_linear_torch(gu, w[:, :30]).sum(), gu)
-    assert rel_err(dgu, rgu) < 1e-5
+    assert_close_to_reference(dgu, rgu, rel_l2=1e-5, what="grad gate_up")
     wl = leaf((30, 48), g)
     (dwl,) = torch.autograd.grad(lean_linear(x.detach(), wl).sum(), wl)
-    assert rel_err(dwl, torch.autograd.grad(F.linear(x.detach(), wl).sum(), wl)[0]) < 1e-5
+    assert_close_to_reference(dwl, torch.autograd.grad(F.linear(x.detach(), wl).sum(), wl)[0], rel_l2=1e-5,
+                              what="grad weight")
 
 
 def test_inference_mode_and_shape_errors():
@@ -132,9 +129,11 @@ def test_inference_mode_and_shape_errors():
     with torch.inference_mode():
         out, res = triton_norm_linear(x, r, norm_w, 1e-5, True, w)
         ref_out, ref_res = ops.norm_linear_torch(x, r, norm_w, 1e-5, True, w)
-        assert rel_err(out, ref_out) < 1e-5 and torch.equal(res, ref_res)
-        assert rel_err(triton_swiglu_linear(x, w[:, :20]), ops.swiglu_linear_torch(x, w[:, :20])) < 1e-5
-        assert rel_err(lean_linear(x, w), F.linear(x, w)) < 1e-5
+        assert_close_to_reference(out, ref_out, rel_l2=1e-5, what="norm_linear")
+        assert torch.equal(res, ref_res)
+        assert_close_to_reference(triton_swiglu_linear(x, w[:, :20]), ops.swiglu_linear_torch(x, w[:, :20]),
+                                  rel_l2=1e-5, what="swiglu_linear")
+        assert_close_to_reference(lean_linear(x, w), F.linear(x, w), rel_l2=1e-5, what="lean_linear")
         assert triton_norm_linear(x[:0], None, norm_w, 1e-5, True, w)[0].shape == (0, 5, 24)
     with pytest.raises(ValueError, match="weight shape"):
         triton_norm_linear(x, r, norm_w, 1e-5, True, w.t())
@@ -193,11 +192,11 @@ def test_tiny_model_loss_and_gradients_match_plain_path(mode, tol):
     assert all(b.uses_fused_linear(tokens) for b in fused.layers)
     assert not any(b.uses_fused_linear(tokens) for b in plain.layers)
     assert fused.state_dict().keys() == plain.state_dict().keys()
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < tol / 10
+    assert_close_to_reference(loss, ref_loss, mode, rel_l2=tol / 10, what="loss")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert grad.dtype == torch.float32
-        assert rel_err(grad, ref_grads[name]) < tol, name
+        assert_close_to_reference(grad, ref_grads[name], mode, rel_l2=tol, what=f"grad {name}")
 
 
 def test_model_with_dropout_bias_kv_cache_and_lora():
@@ -206,10 +205,10 @@ def test_model_with_dropout_bias_kv_cache_and_lora():
     tokens = torch.randint(0, 8192, (2, 16))
     fused, loss, grads = loss_and_grads(tiny("triton", **kw), tokens, "fp32", seed=3)
     _, ref_loss, ref_grads = loss_and_grads(tiny("torch", **kw), tokens, "fp32", seed=3)
-    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    assert_close_to_reference(loss, ref_loss, atol=1e-5, what="loss")
     for name in ("layers.0.self_attn.qkv_proj.bias", "layers.1.self_attn.o_proj.bias",
                  "layers.1.post_attention_layernorm.weight", "layers.0.mlp.down_proj.weight"):
-        assert rel_err(grads[name], ref_grads[name]) < 1e-4, name
+        assert_close_to_reference(grads[name], ref_grads[name], rel_l2=1e-4, what=f"grad {name}")
     # incremental decoding with a KV cache, under inference_mode
     fused.eval()
     with torch.inference_mode():
@@ -217,7 +216,7 @@ def test_model_with_dropout_bias_kv_cache_and_lora():
         cache = fused.new_kv_cache(2, 32)
         fused(tokens[:, :10], kv_cache=cache, start_pos=0)
         steps = [fused(tokens[:, t:t + 1], kv_cache=cache, start_pos=t)[0] for t in range(10, 16)]
-    assert rel_err(torch.cat(steps, 1), full[:, 10:]) < 1e-5
+    assert_close_to_reference(torch.cat(steps, 1), full[:, 10:], rel_l2=1e-5, what="cached decode vs full forward")
     # LoRA wraps the projections: the block keeps the plain path
     from zero2all.model.lora import LoRAConfig, apply_lora
 

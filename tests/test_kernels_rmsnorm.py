@@ -3,17 +3,12 @@
 import pytest
 import torch
 
+from kernel_check import assert_close_to_reference
 from zero2all.kernels.rmsnorm import triton_add_rmsnorm
 from zero2all.model.ops import add_rmsnorm_torch
 
 # ||out - ref|| / ||ref|| allowed per dtype (float32 arithmetic vs float64; bf16 storage rounds at 2^-9)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2}
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def reference(x, residual, weight, eps):
@@ -39,8 +34,8 @@ def run_case(shape, dtype, has_residual, residual_in_fp32, device="cpu", seed=0)
     assert new_res.dtype == torch_res.dtype
     assert normed.shape == new_res.shape == x.shape
     tol = TOL[dtype]
-    assert rel_err(normed, ref_normed) < tol
-    assert rel_err(new_res, ref_res) < (TOL[torch.float32] if new_res.dtype == torch.float32 else tol)
+    assert_close_to_reference(normed, ref_normed, dtype, rel_l2=TOL, what="normed")
+    assert_close_to_reference(new_res, ref_res, new_res.dtype, rel_l2=TOL, what="new residual")
 
     leaves = [t for t in (x, residual, weight) if t is not None]
 
@@ -60,7 +55,7 @@ def run_case(shape, dtype, has_residual, residual_in_fp32, device="cpu", seed=0)
     for name, a, b in zip(["x", "residual", "weight"][:len(got)] if residual is not None else ["x", "weight"],
                           got, want):
         # the weight gradient sums over all rows: float32 accumulation; bf16 inputs round y first
-        assert rel_err(a, b) < tol * (2 if name == "weight" else 1), name
+        assert_close_to_reference(a, b, dtype, rel_l2=tol * (2 if name == "weight" else 1), what=f"grad {name}")
 
 
 @pytest.mark.parametrize("hidden", [96, 100, 2048, 5632])

@@ -3,16 +3,11 @@
 import pytest
 import torch
 
+from kernel_check import assert_close_to_reference
 from zero2all.kernels.rope import triton_apply_rope
 from zero2all.model.ops import apply_rope_torch, rope_frequencies
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def reference(x, cos, sin):
@@ -32,10 +27,10 @@ def run_case(B, T, H, Hkv, D, dtype, device="cpu", seed=0):
     q_out, k_out = triton_apply_rope(q, k, cos, sin)
     assert q_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
     tq, tk = apply_rope_torch(q, k, cos, sin)
-    tol = TOL[dtype]
-    assert rel_err(q_out, reference(q, cos, sin)) < tol
-    assert rel_err(k_out, reference(k, cos, sin)) < tol
-    assert rel_err(q_out, tq) < tol and rel_err(k_out, tk) < tol
+    assert_close_to_reference(q_out, reference(q, cos, sin), dtype, rel_l2=TOL, what="q")
+    assert_close_to_reference(k_out, reference(k, cos, sin), dtype, rel_l2=TOL, what="k")
+    assert_close_to_reference(q_out, tq, dtype, rel_l2=TOL, what="q vs apply_rope_torch")
+    assert_close_to_reference(k_out, tk, dtype, rel_l2=TOL, what="k vs apply_rope_torch")
 
     gq = torch.randn(q.shape, generator=g).to(device, dtype)
     gk = torch.randn(k.shape, generator=g).to(device, dtype)
@@ -44,7 +39,7 @@ def run_case(B, T, H, Hkv, D, dtype, device="cpu", seed=0):
     rq, rk, _ = ref_qkv.split([H, Hkv, Hkv], dim=2)
     (want,) = torch.autograd.grad((reference(rq, cos, sin) * gq.double()).sum()
                                   + (reference(rk, cos, sin) * gk.double()).sum(), ref_qkv)
-    assert rel_err(dqkv[:, :, :H + Hkv], want[:, :, :H + Hkv]) < tol
+    assert_close_to_reference(dqkv[:, :, :H + Hkv], want[:, :, :H + Hkv], dtype, rel_l2=TOL, what="grad qk")
     assert dqkv[:, :, H + Hkv:].abs().max() == 0  # v received no gradient from RoPE
 
 
@@ -59,7 +54,8 @@ def test_rope_contiguous_inputs_and_bad_shapes():
     cos, sin = rope_frequencies(8, 10000.0, torch.arange(4))
     a, b = triton_apply_rope(q, k, cos, sin)
     ra, rb = apply_rope_torch(q, k, cos, sin)
-    assert torch.allclose(a, ra, atol=1e-6) and torch.allclose(b, rb, atol=1e-6)
+    assert_close_to_reference(a, ra, atol=1e-6, rtol=1e-5, what="q")  # torch.allclose's default rtol
+    assert_close_to_reference(b, rb, atol=1e-6, rtol=1e-5, what="k")
     with pytest.raises(ValueError, match="even"):
         triton_apply_rope(torch.randn(1, 4, 2, 7), torch.randn(1, 4, 1, 7), cos, sin)
     with pytest.raises(ValueError, match="cos/sin"):

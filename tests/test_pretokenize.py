@@ -8,7 +8,7 @@ import pytest
 from zero2all.cli import main
 from zero2all.data.pretokenize import (TokenizerMismatchError, check_tokenizer, copies_of, prepare, read_meta,
                                        shard_dtype)
-from zero2all.data.readers import iter_records
+from zero2all.corpus.readers import iter_records
 from zero2all.tokenizer import load_tokenizer, train_tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -126,7 +126,12 @@ def test_resume_skips_finished_shards_and_matches(sources, tok_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="interrupted"):
         read_meta(out)
     stamp = (out / "train_00000.bin").stat().st_mtime_ns
+    killed = [out / ".train_00002.bin.0123456789ab.tmp", out / ".train_00002.bin.tmp",  # what a SIGKILL leaves
+              out / ".shard_00002.json.x7_abc12.tmp"]
+    for f in killed:
+        f.write_bytes(b"half")
     meta = prepare(_inputs(sources), tok_dir, out, **kw)
+    assert not [f for f in killed if f.exists()]
     assert (out / "train_00000.bin").stat().st_mtime_ns == stamp  # finished shards are not redone
     assert meta["throughput"]["tokenized_chunks"] == full["throughput"]["tokenized_chunks"] - 4
     for f in (tmp_path / "full").iterdir():

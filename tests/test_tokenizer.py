@@ -124,7 +124,7 @@ def test_spm_conversion_matches_sentencepiece(trained, corpus):
         pytest.skip("SentencePiece backend only")
     import sentencepiece as spm
 
-    from zero2all.data.readers import iter_texts
+    from zero2all.corpus.readers import iter_texts
 
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     texts = [t for t in MULTI if "<|" not in t and "\u2581" not in t] + list(iter_texts(corpus[1:]))[:30]

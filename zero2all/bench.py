@@ -33,14 +33,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from zero2all.fileio import save_json, write_text
 
 ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
                  "no_fused_linear", "no_adamw", "use_all_compile"]
@@ -270,7 +270,7 @@ def _profile(step, row, profile_dir, device):
         torch.cuda.synchronize(device)
     table = prof.key_averages().table(sort_by="cuda_time_total" if _has_cuda_total(prof) else "device_time_total",
                                       row_limit=45, max_name_column_width=70)
-    _atomic_write(profile_dir / f"profile_{row}.txt", table)
+    write_text(profile_dir / f"profile_{row}.txt", table)
 
 
 def _has_cuda_total(prof) -> bool:
@@ -279,12 +279,6 @@ def _has_cuda_total(prof) -> bool:
         return hasattr(evt, "cuda_time_total") and not hasattr(evt, "device_time_total")
     except Exception:
         return False
-
-
-def _atomic_write(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -393,8 +387,7 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, json.dumps({"env": env, "results": [dataclasses.asdict(r) for r in results],
-                                        "table": table}, indent=2))
+        save_json({"env": env, "results": results, "table": table}, path)
     return results
 
 

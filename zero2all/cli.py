@@ -165,7 +165,7 @@ def _import_hf(p):
 def _data_errors(name: str, fn):
     """Run ``fn``; report bad input / mismatches as one clear line instead of a traceback."""
     def run(args):
-        from zero2all.data.readers import BadInputError
+        from zero2all.corpus.readers import BadInputError
 
         try:
             return fn(args)

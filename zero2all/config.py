@@ -678,5 +678,3 @@ def model_config_from_dict(data: dict) -> ModelConfig:
 def load_model_config(name_or_path: str | Path, overrides: list[str] | None = None) -> ModelConfig:
     return load_config(name_or_path, overrides).model
 
-
-from zero2all.fileio import save_json  # noqa: E402,F401  (re-exported: used across the package)

@@ -118,7 +118,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
              sft_minutes: float = 1.5, sft_steps: int | None = None) -> dict:
     from zero2all.config import load_config
     from zero2all.data.pretokenize import prepare
-    from zero2all.data.readers import stdlib_files
+    from zero2all.corpus.readers import stdlib_files
     from zero2all.tokenizer import load_tokenizer, train_tokenizer
     from zero2all import checkpoint as ckpt_io
     from zero2all.train.trainer import Trainer, pick_device, sample_continuation

@@ -1,57 +1,426 @@
 """Crash-safe writes: whatever is written appears complete under its final name, or not at all.
 
-Every output of the project (configs, checkpoints, tokenizers, token shards) is first written under a temporary
-name in the same directory, flushed to disk, then renamed: ``os.replace`` is atomic within a file system, so a
-kill at any moment leaves either the old version or the new one.
+Every output of the project (configs, checkpoints, exports, tokenizers, token shards, reports) goes through this
+module. The rule is the same for files and directories: write under a temporary name beside the target, flush it
+to disk, then rename it onto the target. ``rename`` is atomic within a file system, so a process killed at any
+moment (``kill -9``, out of memory, a node lost) leaves either the old version or the new one under the name, never
+a mixture and never nothing.
+
+Files::
+
+    with atomic_write("runs/x/report.md") as f:      # f writes .report.md.<random>.tmp
+        f.write(text)                                 # on success: fsync, rename onto report.md, fsync the folder
+    write_text(path, text); write_bytes(path, data); save_json(obj, path)
+
+Directories::
+
+    with atomic_dir("runs/x/hf") as tmp:             # tmp is a fresh .hf.<random>.tmp beside it
+        ...write files into tmp...                   # on success: fsync all, then replace_dir(tmp, "runs/x/hf")
+
+A directory cannot be renamed over a non-empty one, so :func:`replace_dir` swaps the two atomically on Linux
+(``renameat2(RENAME_EXCHANGE)``) and deletes the old one afterwards. Where the swap is unavailable it renames the
+old one aside (``.NAME.old``) first; :func:`recover_dir` puts it back if a kill came between the two renames.
+
+Temporaries are named ``.NAME.<12 hex digits>.tmp``: hidden, unique per writer, and recognisable, so that a writer
+can delete the leftovers of a killed predecessor (:func:`remove_stale_temporaries`). That assumes one writer per
+target at a time, which holds for every output here (a run directory belongs to one run).
+
+This module imports nothing else from the package, so anything may use it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
+import errno
 import json
 import os
+import re
+import secrets
 import shutil
+import stat
+import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
+
+_TAG_HEX_DIGITS = 12  # 48 random bits: a collision between two live writers of one name is not a concern
+TEMPORARY_NAME = re.compile(rf"^\.(?P<name>.+)\.(?P<tag>[0-9a-f]{{{_TAG_HEX_DIGITS}}})\.tmp$")
+"""A temporary's file name; group ``name`` is the name of the target it will become."""
+
+_FILE_MODES = ("w", "wb")
 
 
-def save_json(obj: Any, path: str | Path) -> None:
-    """Write JSON atomically (temporary file, fsync, rename); dataclasses are written as dicts, non-ASCII as is."""
-    from zero2all.config import to_dict
+# --------------------------------------------------------------------------------------------------------------
+# names
 
+
+def temporary_path(target: str | os.PathLike) -> Path:
+    """A fresh temporary name beside ``target``: ``.NAME.<random>.tmp`` (not created)."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.{secrets.token_hex(_TAG_HEX_DIGITS // 2)}.tmp")
+
+
+def temporary_target(file_name: str) -> str | None:
+    """The target name that temporary ``file_name`` was written for, or None when it is not one of ours."""
+    m = TEMPORARY_NAME.match(file_name)
+    return m.group("name") if m else None
+
+
+def aside_path(target: str | os.PathLike) -> Path:
+    """Where :func:`replace_dir`'s fallback keeps the old ``target`` while the new one is renamed in."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.old")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, name: str) -> list[Path]:
+    """Delete the temporaries ``.NAME.<random>.tmp`` (files or directories) that killed writers of ``name`` left in
+    ``directory``; returns what was removed. Call it before writing ``name``, never while another process does."""
+    directory = Path(directory)
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if temporary_target(entry.name) == name:
+            _remove(Path(entry.path))
+            removed.append(Path(entry.path))
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fsync
+
+
+# Errors that mean "this platform or file system cannot fsync a directory", not "the data is not on disk":
+# Windows cannot open a directory at all, some network and FUSE file systems refuse fsync on one.
+_NO_DIR_FSYNC = {errno.EINVAL, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR,
+                 getattr(errno, "ENOTSUP", errno.EINVAL), getattr(errno, "EOPNOTSUPP", errno.EINVAL)}
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (the result of a rename or a create) to disk. A no-op where the platform or file
+    system cannot fsync directories; real I/O errors (EIO, ENOSPC) are raised."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:
+        if e.errno in _NO_DIR_FSYNC or sys.platform == "win32":
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_DIR_FSYNC:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush one file's data to disk. Opened read-only on POSIX (fsync applies to the file, whichever descriptor
+    asks); Windows flushes only through a descriptor open for writing."""
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0) if sys.platform == "win32" else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path`` (and ``path`` itself), children before their parent, so that a
+    rename of ``path`` that reaches the disk finds complete contents. Symbolic links are not followed."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(to_dict(obj), f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if not path.is_dir() or path.is_symlink():
+        if not path.is_symlink():
+            fsync_file(path)
+        return
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            f = os.path.join(root, name)
+            if not os.path.islink(f):
+                fsync_file(f)
+        fsync_dir(root)
 
 
-def replace_dir(tmp: str | Path, target: str | Path) -> Path:
-    """Move the finished directory ``tmp`` to ``target``, replacing an existing ``target``.
+# --------------------------------------------------------------------------------------------------------------
+# files
 
-    A directory cannot be renamed over a non-empty one, so the old one is first renamed aside (``.NAME.old``),
-    the new one renamed in, and the old one deleted: at every moment one complete version exists under either
-    ``target`` or the aside name.
+
+class AtomicFile:
+    """A file written under a temporary name beside ``path``; :meth:`commit` puts it at ``path``, :meth:`discard`
+    deletes it. For writers that keep a file open across calls (a token shard growing chunk by chunk); everyone
+    else uses :func:`atomic_write`.
+
+    The temporary is created with the permissions ``open()`` would give a new file (0o666 less the umask), so the
+    result is not the owner-only 0o600 of ``tempfile.mkstemp``.
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str = "w", encoding: str = "utf-8"):
+        if mode not in _FILE_MODES:
+            raise ValueError(f"{path}: mode {mode!r} is not one of {', '.join(_FILE_MODES)}")
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+        while True:
+            self.tmp = temporary_path(self.path)
+            try:
+                fd = os.open(self.tmp, flags, 0o666)
+                break
+            except FileExistsError:  # another writer drew the same 48 bits: draw again
+                continue
+        try:
+            # newline="\n": the same bytes on every platform
+            kwargs = {} if "b" in mode else {"encoding": encoding, "newline": "\n"}
+            self.file: IO = os.fdopen(fd, mode, **kwargs)
+        except BaseException:
+            os.close(fd)
+            self.tmp.unlink(missing_ok=True)
+            raise
+        self.closed = False
+
+    def commit(self) -> Path:
+        """Flush and fsync the data, rename the temporary onto ``path``, fsync the directory; returns ``path``.
+        On failure the temporary is deleted and ``path`` keeps its old content."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        self.closed = True
+        fsync_dir(self.path.parent)
+        return self.path
+
+    def discard(self) -> None:
+        """Close and delete the temporary; ``path`` is left as it was."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str = "utf-8") -> Iterator[IO]:
+    """Write ``path`` through a file object on a temporary beside it (``.NAME.<random>.tmp``).
+
+    On normal exit the data is fsynced and renamed onto ``path`` (then the directory fsynced); if the block raises,
+    the temporary is deleted, ``path`` keeps its old content and the exception propagates. ``mode``: "w" (text,
+    ``encoding``, "\\n" line ends) or "wb". The directory must exist.
+    """
+    f = AtomicFile(path, mode, encoding)
+    try:
+        yield f.file
+    except BaseException:
+        f.discard()
+        raise
+    f.commit()
+
+
+def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically; returns ``path``."""
+    with atomic_write(path, "w", encoding) as f:
+        f.write(text)
+    return Path(path)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns ``path``."""
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy the contents of ``src`` to ``dst`` atomically (permission bits copied too); returns ``dst``."""
+    out = AtomicFile(dst, "wb")
+    try:
+        with open(src, "rb") as fin:
+            shutil.copyfileobj(fin, out.file, 1 << 20)
+        os.chmod(out.tmp, stat.S_IMODE(os.stat(src).st_mode))
+    except BaseException:
+        out.discard()
+        raise
+    return out.commit()
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses become dicts (fields named ``_...`` are private and left out), recursively through dicts,
+    lists and tuples; everything else is returned as is."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.name.startswith("_")}
+    if isinstance(obj, dict):
+        return {k: to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    return obj
+
+
+def save_json(obj: Any, path: str | os.PathLike) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically: dataclasses as dicts, non-ASCII as is, indent 2, a final
+    newline. Returns ``path``."""
+    text = json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n"
+    return write_text(path, text)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# directories
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h: swap the two names
+_AT_FDCWD = -100  # relative paths resolve against the working directory, as os.rename's do
+# Answers of renameat2 that mean "no atomic swap here" (old kernel, old libc, a file system without it):
+# fall back to renaming aside rather than failing the write.
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EINVAL),
+                getattr(errno, "EOPNOTSUPP", errno.EINVAL)}
+_renameat2 = None
+
+
+def _libc_renameat2():
+    global _renameat2
+    if _renameat2 is None:
+        func = False
+        if sys.platform.startswith("linux"):
+            try:
+                func = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+                func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                func.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                func = False
+        _renameat2 = func
+    return _renameat2 or None
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Swap the names ``a`` and ``b`` (files or directories, both existing) in one atomic step: Linux
+    ``renameat2(RENAME_EXCHANGE)``. Raises OSError(ENOSYS) where there is no such call, and the call's error
+    (EINVAL where the file system does not support it) otherwise."""
+    func = _libc_renameat2()
+    if func is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a), None, str(b))
+    if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def recover_dir(target: str | os.PathLike) -> bool:
+    """Put back the old version of ``target`` if a writer was killed after renaming it aside (``.NAME.old``) and
+    before renaming the new one in. Returns True when it did. Readers may call it before opening ``target``."""
+    target = Path(target)
+    old = aside_path(target)
+    if os.path.lexists(old) and not os.path.lexists(target):
+        os.rename(old, target)
+        fsync_dir(target.parent)
+        return True
+    return False
+
+
+def replace_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Put the finished directory ``tmp`` at ``target`` (same file system), replacing an existing ``target``, such
+    that a complete version is always found at ``target`` (or, in the fallback, restored by :func:`recover_dir`).
+
+    With an atomic swap (Linux) the two are exchanged, then the old version, now under ``tmp``'s name, is deleted.
+    Without one, the old version is renamed aside to ``.NAME.old``, ``tmp`` renamed in, and the aside deleted.
+    Either way a failure to delete the old version leaves a leftover, not an error: the new one is in place.
     """
     tmp, target = Path(tmp), Path(target)
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+    recover_dir(target)
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return target
+    try:
+        exchange(tmp, target)
+    except OSError as e:
+        if e.errno not in _NO_EXCHANGE:
+            raise
+        _replace_by_renaming_aside(tmp, target)
     else:
-        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        _remove(tmp, ignore_errors=True)  # the old version, now under the temporary name
     return target
 
 
-def fsync_tree(root: str | Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+def _replace_by_renaming_aside(tmp: Path, target: Path) -> None:
+    old = aside_path(target)
+    if os.path.lexists(old):  # target exists (recover_dir ran), so this is a finished writer's leftover
+        _remove(old)
+    os.rename(target, old)
+    # a kill here leaves no target: recover_dir (run by the next writer, or a reader) renames old back
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        recover_dir(target)  # a failure (not a kill) puts the old version straight back
+        raise
+    fsync_dir(target.parent)
+    _remove(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name beside ``target`` (``.NAME.<random>.tmp``) and put it at ``target``
+    when the block completes.
+
+    On normal exit every file and directory in it is fsynced and :func:`replace_dir` puts it in place; if the block
+    raises, the temporary directory is deleted, ``target`` is left as it was and the exception propagates. The
+    leftovers of killed writers of ``target`` are deleted first (one writer per target). The parent must exist.
+    """
+    target = Path(target)
+    recover_dir(target)
+    remove_stale_temporaries(target.parent, target.name)
+    while True:
+        tmp = temporary_path(target)
+        try:
+            os.mkdir(tmp, 0o777)  # the mode a plain mkdir gives (less the umask), not mkdtemp's 0o700
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        # before the swap tmp is the unfinished new version, after it the old one: either way not wanted
+        _remove(tmp, ignore_errors=True)
+        raise
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Delete a file, a link or a whole directory tree."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# errors
+
+
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def os_error_message(exc: OSError, path: str | os.PathLike, what: str = "write", option: str = "--out") -> str:
+    """One line for a command to print instead of a traceback, e.g.
+
+        cannot write runs/x/model.safetensors: No space left on device (errno 28); free space or choose another --out
+
+    ``what`` is the verb ("write", "create", "replace"), ``option`` the command-line option that picks the place.
+    """
+    reason = exc.strerror or str(exc)
+    line = f"cannot {what} {os.fspath(path)}: {reason}"
+    if exc.errno is not None:
+        line += f" (errno {exc.errno})"
+    if exc.errno in _NO_SPACE:
+        line += f"; free space or choose another {option}"
+    elif exc.errno in _NOT_WRITABLE:  # read-only file system, permission denied
+        line += f"; choose a writable {option}"
+    return line

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from zero2all.fileio import atomic_write
 
 
 @dataclass
@@ -98,12 +99,10 @@ def build_docstring_instructions(paths: Iterable[str | Path] | None = None, max_
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
-    """One JSON object per line, written to a temporary name and renamed."""
+    """One JSON object per line, written atomically (``fileio.atomic_write``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path

@@ -28,7 +28,8 @@ meta.json reports the realised token share of each source. Held-out documents ar
 
 **Resume.** A group is complete when its ``shard_XXXXX.json`` exists (written after its shards are renamed into
 place). Re-running the same command skips the chunks of complete groups (they are read but not tokenized); a
-run with a different tokenizer or settings is refused instead of mixing shards.
+run with a different tokenizer or settings is refused instead of mixing shards. Every file is written under a
+temporary name and renamed (``zero2all.fileio``); the temporaries a killed run leaves are deleted on resume.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zero2all.data.readers import ReadStats, SourceSpec, atomic_output, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
+from zero2all.fileio import AtomicFile, atomic_write, temporary_target
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"
@@ -218,13 +220,33 @@ def _check_existing(out: Path, fingerprint: dict, overwrite: bool) -> dict | Non
     return None
 
 
-_OUTPUT_NAME = re.compile(r"^(\.?(train|valid)_\d{5}\.(bin|bin\.tmp|idx\.npy)|shard_\d{5}\.json)$")
+_OUTPUT_NAME = re.compile(r"^((train|valid)_\d{5}\.(bin|idx\.npy)|shard_\d{5}\.json)$")
+# the temporaries of earlier versions: .train_00000.bin.tmp, and .NAME.<8 characters>.tmp from tempfile.mkstemp
+_OLD_TEMPORARY = re.compile(r"^\.((train|valid)_\d{5}\.bin|((train|valid)_\d{5}\.idx\.npy|shard_\d{5}\.json|"
+                            r"meta\.json|_state\.json)\.[a-z0-9_]{8})\.tmp$")
+
+
+def _is_output(name: str) -> bool:
+    return name in (META_FILE, STATE_FILE) or bool(_OUTPUT_NAME.match(name))
+
+
+def _is_temporary(name: str) -> bool:
+    """A temporary of one of our outputs (``fileio`` names them ``.NAME.<random>.tmp``)."""
+    target = temporary_target(name)
+    return (target is not None and _is_output(target)) or bool(_OLD_TEMPORARY.match(name))
 
 
 def _remove_outputs(out: Path) -> None:
     """Delete what `prepare` writes (and only that: other files in the directory stay)."""
     for f in out.iterdir():
-        if f.is_file() and (f.name in (META_FILE, STATE_FILE) or _OUTPUT_NAME.match(f.name)):
+        if f.is_file() and (_is_output(f.name) or _is_temporary(f.name)):
+            f.unlink()
+
+
+def _remove_temporaries(out: Path) -> None:
+    """Delete the half-written files a killed run left (the shard group it was writing is redone)."""
+    for f in out.iterdir():
+        if f.is_file() and _is_temporary(f.name):
             f.unlink()
 
 
@@ -238,15 +260,20 @@ class _GroupWriter:
 
     def __init__(self, out: Path, g: int, dtype: np.dtype):
         self.out, self.g, self.dtype = out, g, dtype
-        self.tmp = {s: out / f".{_group_name(s, g)}.bin.tmp" for s in ("train", "valid")}
-        self.files = {s: open(p, "wb") for s, p in self.tmp.items()}
+        self.shards: dict[str, AtomicFile] = {}
+        try:
+            for s in ("train", "valid"):
+                self.shards[s] = AtomicFile(out / f"{_group_name(s, g)}.bin", "wb")
+        except BaseException:
+            self.abort()
+            raise
         self.lens = {"train": [], "valid": []}
         self.per_source: dict = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
         self.chunks = 0
 
     def add(self, r: ChunkResult) -> None:
         for split, arr, lens in (("train", r.train, r.train_lens), ("valid", r.valid, r.valid_lens)):
-            self.files[split].write(arr.tobytes())
+            self.shards[split].file.write(arr.tobytes())
             self.lens[split].append(lens)
         for name, v in r.per_source.items():
             acc = self.per_source[name]
@@ -257,28 +284,24 @@ class _GroupWriter:
     def finish(self, fingerprint: dict) -> dict:
         info = {"group": self.g, "chunks": self.chunks, "per_source": dict(self.per_source)}
         for split in ("train", "valid"):
-            f = self.files[split]
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
             lens = np.concatenate(self.lens[split]) if self.lens[split] else np.empty(0, np.int64)
             offsets = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=offsets[1:])
             base = _group_name(split, self.g)
-            with atomic_output(self.out / f"{base}.idx.npy") as fi:
+            with atomic_write(self.out / f"{base}.idx.npy", "wb") as fi:
                 np.save(fi, offsets)
-            os.replace(self.tmp[split], self.out / f"{base}.bin")
+            self.shards[split].commit()
             info[split] = {"bin": f"{base}.bin", "idx": f"{base}.idx.npy", "tokens": int(offsets[-1]),
                            "docs": int(len(lens))}
         info["fingerprint_hash"] = _hash_obj(fingerprint)
-        with atomic_output(self.out / f"shard_{self.g:05d}.json", "w") as f:
+        with atomic_write(self.out / f"shard_{self.g:05d}.json") as f:
             json.dump(info, f, indent=1)
         return info
 
     def abort(self) -> None:
-        for split, f in self.files.items():
-            f.close()
-            self.tmp[split].unlink(missing_ok=True)
+        for shard in self.shards.values():
+            if not shard.closed:
+                shard.discard()
 
 
 def _hash_obj(obj) -> str:
@@ -351,7 +374,8 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
         return complete
-    with atomic_output(out / STATE_FILE, "w") as f:
+    _remove_temporaries(out)
+    with atomic_write(out / STATE_FILE) as f:
         json.dump({"fingerprint": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
     done = _completed_groups(out, fingerprint)
     if done:
@@ -472,7 +496,7 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
                        "mb_per_s": round(bar.bytes / 1e6 / max(seconds, 1e-9), 2),
                        "tokens_per_s": round(bar.tokens / max(seconds, 1e-9), 1)},
     }
-    with atomic_output(out / META_FILE, "w") as f:
+    with atomic_write(out / META_FILE) as f:
         json.dump(meta, f, indent=2, ensure_ascii=False)
         f.write("\n")
     return meta

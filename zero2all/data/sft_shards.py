@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from collections.abc import Sequence as SequenceABC
@@ -44,7 +41,7 @@ import torch
 
 from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, DPODataset, DPOSample, ItemIterator, LoadStats,
                                 SFTSample, iter_jsonl, render_dpo_record, render_sft_record)
-from zero2all.fileio import replace_dir, save_json
+from zero2all.fileio import atomic_dir, save_json
 
 FORMAT = "zero2all-sft-shards"
 FORMAT_VERSION = 1
@@ -133,9 +130,7 @@ class _SplitWriter:
 
     def close(self, root: Path) -> dict:
         for f in (self.tokens, self.labels):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+            f.close()  # fsynced with the whole directory by atomic_dir
         np.save(root / f"{self.split}.index.npy", np.asarray(self.offsets, dtype=np.int64))
         np.save(root / f"{self.split}.first_label.npy", np.asarray(self.first_label, dtype=np.int32))
         return {"samples": len(self.first_label), "tokens": self.offsets[-1], "label_tokens": self.label_tokens}
@@ -167,10 +162,9 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
         raise ValueError(f"{tokenizer_dir}: the tokenizer has no <|im_end|> token (no chat template)")
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     t0 = time.time()
     stats = LoadStats()
-    try:
+    with atomic_dir(out) as tmp:  # a failure or a kill leaves the previous directory (if any) as it was
         writers = {s: _SplitWriter(tmp, s, dtype) for s in SPLITS}
         if workers > 1:
             import multiprocessing as mp
@@ -213,10 +207,6 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         save_json(meta, tmp / META_FILE)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     tr, va = splits["train"], splits["valid"]
     unit = "pairs" if kind == "dpo" else "samples"
     log(f"wrote {out}: {tr[unit]:,} train {unit} ({tr['tokens']:,} tokens, {tr['label_tokens']:,} learned), "

@@ -12,17 +12,15 @@ and any of them with a LoRA adapter.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from zero2all.config import ConfigError, ModelConfig, from_dict, to_dict
-from zero2all.fileio import replace_dir, save_json
+from zero2all.fileio import atomic_dir, copy_file, save_json
 from zero2all.model import hf as hfmap
 from zero2all.model.z2all import Z2all, build_model
 
@@ -63,33 +61,35 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_model(model: Z2all, path: str | Path, extra: dict | None = None, tokenizer_dir: str | Path | None = None,
                atomic: bool = True) -> Path:
-    """Write ``model`` to directory ``path`` (created; replaced atomically when ``atomic``)."""
+    """Write ``model`` to directory ``path``. ``atomic``: built beside it and swapped in whole (``fileio.atomic_dir``),
+    so a kill leaves the previous version; without it the files go straight into ``path``, for a caller that is
+    itself writing a temporary directory (a training checkpoint)."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    target = path
     if atomic:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        where = atomic_dir(path)
     else:
         path.mkdir(parents=True, exist_ok=True)
-    save_file(_unique_state_dict(model), str(path / WEIGHTS), metadata={"format": "pt"})
-    meta = {"format": "zero2all", "model": to_dict(model.cfg)}
-    meta.update(extra or {})
-    save_json(meta, path / OUR_CONFIG)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, path)
-    if atomic:
-        replace_dir(path, target)
-    return target
+        where = contextlib.nullcontext(path)
+    with where as d:
+        save_file(_unique_state_dict(model), str(d / WEIGHTS), metadata={"format": "pt"})
+        meta = {"format": "zero2all", "model": to_dict(model.cfg)}
+        meta.update(extra or {})
+        save_json(meta, d / OUR_CONFIG)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, d)
+    return path
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files that ``src`` has into ``dst``, each atomically; returns the names copied."""
     copied = []
     for name in TOKENIZER_FILES:
         f = Path(src) / name
         if f.exists():
-            shutil.copy2(f, Path(dst) / name)
+            copy_file(f, Path(dst) / name)
             copied.append(name)
     return copied
 
@@ -197,7 +197,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokenizer_dir: str | Path | None = None,
               model: Z2all | None = None) -> Path:
     """Write an HF ``LlamaForCausalLM`` directory (config.json, model.safetensors, generation_config.json and the
-    tokenizer files when the checkpoint carries them). Written to a temporary directory, then renamed."""
+    tokenizer files when the checkpoint carries them).
+
+    The directory is built beside ``out`` and swapped in whole (``fileio.atomic_dir``): a process killed at any
+    point of an export over an existing one leaves the previous export, complete, under ``out``."""
     from safetensors.torch import save_file
 
     model = model if model is not None else load_model(ckpt)
@@ -205,25 +208,23 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokeniz
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     sd = hfmap.state_dict_to_hf({k: v.detach().cpu().to(torch_dtype) for k, v in model.state_dict().items()}, cfg)
-    save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    save_json(hfmap.model_config_to_hf(cfg, dtype), tmp / hfmap.HF_CONFIG)
     gen = {"_from_model_config": True}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, key) is not None:
             gen[key] = getattr(cfg, key)
-    save_json(gen, tmp / "generation_config.json")
-    src_tok = tokenizer_dir if tokenizer_dir is not None else (ckpt if ckpt is not None else None)
-    if src_tok is not None and Path(src_tok).is_dir():
-        copy_tokenizer_files(src_tok, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    src_tok = tokenizer_dir if tokenizer_dir is not None else ckpt
+    with atomic_dir(out) as tmp:
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_json(hfmap.model_config_to_hf(cfg, dtype), tmp / hfmap.HF_CONFIG)
+        save_json(gen, tmp / "generation_config.json")
+        if src_tok is not None and Path(src_tok).is_dir():
+            copy_tokenizer_files(src_tok, tmp)
     return out
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Convert any Llama-architecture HF directory to our checkpoint format (tokenizer files carried along)."""
+    """Convert any Llama-architecture HF directory to our checkpoint format (tokenizer files carried along); the
+    output directory is replaced whole, as by :func:`save_model`."""
     model = load_model(hf_dir)
     return save_model(model, out, extra={"imported_from": str(hf_dir)}, tokenizer_dir=hf_dir)

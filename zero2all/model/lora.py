@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from zero2all.fileio import save_json, write_bytes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -224,15 +225,9 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "") -> Path:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT layout) to ``out_dir``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     cfg: LoRAConfig = getattr(model, "lora_config", None)
     if cfg is None or not lora_modules(model):
@@ -250,8 +245,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }
-    _atomic_write(out_dir / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _atomic_write(out_dir / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    # each file is replaced atomically (the directory may hold other files, e.g. the tokenizer's)
+    write_bytes(out_dir / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    save_json(config, out_dir / ADAPTER_CONFIG)
     return out_dir
 
 

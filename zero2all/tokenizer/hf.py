@@ -24,12 +24,10 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from zero2all.fileio import replace_dir
+from zero2all.fileio import atomic_dir
 
 EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 NAMED_SPECIALS = (EOS, PAD, IM_START, IM_END)
@@ -160,12 +158,11 @@ class Tokenizer:
     # ---------------------------------------------------------------------------------------------- files
 
     def save(self, out_dir: str | os.PathLike) -> Path:
-        """Write the HF files and our metadata into ``out_dir`` (a temporary directory renamed when complete)."""
+        """Write the HF files and our metadata into ``out_dir``, replaced whole (``fileio.atomic_dir``): a kill
+        leaves the previous tokenizer there, never a mixture of two."""
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        os.chmod(tmp, 0o755)
-        try:
+        with atomic_dir(out_dir) as tmp:
             (tmp / "tokenizer.json").write_text(self._json, encoding="utf-8")
             for name, data in self._extra_files.items():
                 (tmp / name).write_bytes(data)
@@ -193,10 +190,6 @@ class Tokenizer:
             meta.update({"format": "zero2all-tokenizer", "backend": self.backend, "vocab_size": self.vocab_size,
                          "special_ids": self.special_ids, "hash": self.hash})
             _write_json(tmp / META_FILE, meta)
-            replace_dir(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return out_dir
 
 

@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Iterator
 
-from zero2all.data.readers import ReadStats, SourceSpec, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
 from zero2all.tokenizer.hf import (N_RESERVED, VOCAB_MULTIPLE, Tokenizer, reserved_token, round_up,
                                    sentencepiece_to_tokenizer_json, special_tokens)
 

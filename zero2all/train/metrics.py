@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from zero2all.fileio import atomic_write, write_text
+
 
 def detect_peak_flops(device: torch.device, configured: float = 0.0) -> float | None:
     """The device's dense bf16 peak (FLOP/s): ``configured`` when > 0, else looked up by GPU name; None on CPU or
@@ -117,9 +119,7 @@ class MetricsLogger:
                 kept.append(line)
             else:
                 dropped += 1
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(line + "\n" for line in kept))
         return dropped
 
     def log(self, record: dict) -> None:
@@ -185,10 +185,11 @@ def plot_loss_curve(records: list[dict], path: str | Path, title: str = "") -> P
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -260,8 +261,4 @@ def write_run_report(path: str | Path, header: dict, records: list[dict], sample
         lines += ["", f"## Samples (step {samples[0].get('step', '?')})", ""]
         for smp in samples:
             lines += [f"Prompt: `{smp['prompt']!r}`", "", "```", smp["prompt"] + smp["completion"], "```", ""]
-    path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, "\n".join(lines) + "\n")

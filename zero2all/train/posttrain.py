@@ -39,6 +39,7 @@ from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.config import Config, ConfigError, build_config_dict, deep_merge, from_dict, to_dict
+from zero2all.fileio import atomic_write
 from zero2all.train.objectives import DPOObjective, SFTObjective
 from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, resolve_precision
 
@@ -337,9 +338,8 @@ def reference_logprobs(ref_model, dataset, cfg: Config, device, precision: str, 
                                             batch_size=cfg.train.micro_batch_size, device=device)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(cache.name + ".tmp")
-        torch.save({"fingerprint": fingerprint, "logprobs": ref}, tmp)
-        os.replace(tmp, cache)
+        with atomic_write(cache, "wb") as f:
+            torch.save({"fingerprint": fingerprint, "logprobs": ref}, f)
     return ref
 
 

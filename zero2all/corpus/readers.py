@@ -29,7 +29,6 @@ a non-string text or an unreadable file (a truncated ``.gz``) is skipped and cou
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import gzip
 import io
@@ -37,10 +36,15 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from zero2all.fileio import atomic_write
+
+__all__ = ["BAD_KINDS", "COMPRESSIONS", "DEFAULT_TEXT_FIELDS", "FORMATS", "RECORD_FIELDS", "BadInputError",
+           "ReadStats", "SourceSpec", "default_source_name", "expand_paths", "input_bytes", "iter_records",
+           "iter_texts", "open_binary", "stdlib_files", "write_jsonl"]
 
 RECORD_FIELDS = ("gid", "id", "data_src", "category", "title", "content", "desc", "others")
 DEFAULT_TEXT_FIELDS = ("content", "text")
@@ -472,36 +476,15 @@ def iter_texts(source, **kwargs) -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# atomic outputs
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, mode: str = "wb"):
-    """Open a temporary file next to ``path``; rename it over ``path`` only if the block completes.
-
-    An exception (or a kill) leaves ``path`` untouched: there is never a half-written output under the final name.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+# writing records
 
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
     """Write records as JSON lines (non-ASCII kept as is), atomically. ``.gz``/``.zst`` compress. Returns count."""
     path = str(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with atomic_output(path, "wb") as raw:
+    with atomic_write(path, "wb") as raw:
         if path.endswith(".gz"):
             f = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0)
         elif path.endswith(".zst"):
