@@ -79,7 +79,10 @@ def checkpoint_parts(run, opt, env, step: list, saved_world: int | None = None, 
 
 
 def save(run, opt, env, path: Path, step: int, hook: bool = False) -> None:
-    ckpt.save(path, checkpoint_parts(run, opt, env, [step], hook=hook), env, {"step": step})
+    from zero2all.config import to_dict
+
+    ckpt.save(path, checkpoint_parts(run, opt, env, [step], hook=hook), env,
+              {"step": step, "model": to_dict(run.plain.cfg)})
 
 
 def load(run, opt, env, path: Path, hook: bool = False) -> tuple[int, list]:

@@ -625,7 +625,8 @@ def build_config_dict(preset_or_file: str | Path | None = None, overrides: Itera
 
     ``values`` maps dotted keys to typed Python values (``{"data.path": "runs/x", "post.lora_rank": 8}``): what
     command-line options set, so they win over the file. ``overrides`` are ``key=value`` strings (TOML values);
-    later ones win over earlier ones. A key given both in ``values`` and by an override is refused, naming it and
+    later ones win over earlier ones. A key given both in ``values`` and by an override with another value is
+    refused, naming it and
     where each came from (``sources`` maps a dotted key to e.g. ``"--out"``). Keys of earlier versions
     (``train.parallel``) are moved to their new place in each layer separately (see :func:`migrate_legacy_keys`),
     so an override under the new name wins over a file that still uses the old one.
@@ -643,11 +644,24 @@ def build_config_dict(preset_or_file: str | Path | None = None, overrides: Itera
         nested = migrate_legacy_keys(_nest(*parse_override(text)), warn)
         for leaf in _leaf_keys(nested):
             for other, where in given:
+                if leaf == other and _dotted_get(layer, leaf) == _dotted_get(nested, leaf):
+                    continue  # the same value twice (e.g. --out DIR and train.out_dir=DIR) is no conflict
                 if _overlap(leaf, other):
                     raise ConfigError(f"{other}: set twice, by {where} and by the override {text!r}; give it "
                                       f"once")
         data = deep_merge(data, nested)
     return data
+
+
+def _dotted_get(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+_MISSING = object()
 
 
 def build_config(preset_or_file: str | Path | None = None, overrides: Iterable[str] | None = None,
