@@ -385,3 +385,39 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
     kinds = [json.loads(line)["kind"] for line in after[len(before):]]
     assert again.step == 3 and kinds == ["info"]  # no second eval or sample of the same step
     assert "Prompt:" in (tmp_path / "report.md").read_text()
+
+
+def test_checkpoint_of_the_earlier_single_process_format_converts_and_resumes_exactly(tmp_path, capsys):
+    """A checkpoint in the earlier single-process layout (safetensors weights, trainer_state.pt with index-keyed
+    optimizer state and tuple RNG states, data_state.json): resuming is refused naming the command; after
+    `z2all convert-checkpoint` the run continues the uninterrupted loss sequence exactly."""
+    from zero2all.cli import main
+    from zero2all.model.io import save_model
+
+    args = ["train.max_steps=4", "train.ckpt_every=2", "model.dropout1=0.1"]
+    straight = tmp_path / "straight"
+    Trainer(tiny_cfg(straight, *args), show_progress=False).fit()
+    # the earlier layout, made from the state of the run at step 2
+    t = Trainer(tiny_cfg(tmp_path / "scratch", *args, f"train.resume={json.dumps(str(straight / 'ckpt-000002'))}"),
+                show_progress=False)
+    t.resume(straight / "ckpt-000002")
+    old = tmp_path / "old" / "ckpt-000002"
+    save_model(t.raw_model, old, extra={"step": 2, "tokenizer_hash": None}, atomic=False)
+    np_state = np.random.get_state()
+    torch.save({"step": t.step, "tokens_seen": t.tokens_seen, "skipped_total": t.skipped_total,
+                "elapsed_s": t.elapsed_s, "world_size": 1, "objective": "pretrain", "scaler": t.scaler.state_dict(),
+                "schedule": t.schedule.state_dict(), "tokenizer_hash": None, "optimizer": t.optimizer.state_dict(),
+                "rng": {"python": random.getstate(),
+                        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                                  "cached_gaussian": float(np_state[4])},
+                        "torch": torch.get_rng_state()}}, old / "trainer_state.pt")
+    (old / "config.json").write_text((straight / "ckpt-000002" / "config.json").read_text())
+    (old / "data_state.json").write_text(json.dumps({"kind": "synthetic", "seed": 1337, "next_sample": 4}))
+    with pytest.raises(ckpt_io.CheckpointError, match="z2all convert-checkpoint"):
+        Trainer(tiny_cfg(old.parent, *args, "train.resume='auto'"), show_progress=False).fit()
+    new = tmp_path / "new" / "ckpt-000002"
+    assert main(["convert-checkpoint", str(old), "--out", str(new)]) == 0
+    assert ckpt_io.verify(new) == [] and ckpt_io.read_meta(new)["step"] == 2
+    Trainer(tiny_cfg(new.parent, *args, "train.resume='auto'"), show_progress=False).fit()
+    assert train_losses(new.parent) == train_losses(straight)[2:]

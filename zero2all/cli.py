@@ -144,6 +144,22 @@ def _export_hf(p):
     return run
 
 
+@command("convert-checkpoint", "rewrite a training checkpoint of an earlier zero2all version in the current format",
+         "  z2all convert-checkpoint runs/old/ckpt-000400            # writes runs/old/ckpt-000400-v2\n"
+         "  z2all convert-checkpoint runs/old/ckpt-000400 --out runs/new/ckpt-000400\n"
+         "  z2all pretrain ... --out runs/new --resume auto           # then continue the run")
+def _convert_checkpoint(p):
+    p.add_argument("ckpt", help="the earlier-format checkpoint directory")
+    p.add_argument("--out", default=None, help="where to write the converted checkpoint (default: CKPT-v2)")
+
+    def run(args):
+        from zero2all.checkpoint.convert import convert_checkpoint
+
+        convert_checkpoint(args.ckpt, args.out)
+
+    return run
+
+
 @command("import-hf", "convert an HF Llama-architecture directory into our checkpoint format",
          "  z2all import-hf --hf path/to/llama --out runs/imported")
 def _import_hf(p):

@@ -20,6 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
+from zero2all.config import ConfigError
+
 CKPT_PATTERN = re.compile(r"^ckpt-(\d+)$")
 MANIFEST = "manifest.json"
 META = "z2all.json"
@@ -31,8 +33,9 @@ LEGACY_SINGLE_FILES = ("trainer_state.pt", "data_state.json", "model.safetensors
 LEGACY_SHARDED_FORMAT = "zero2all-sharded"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or of another format; the message names the file."""
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, incomplete, corrupt or of another format; the message names the file (the CLI
+    prints it as one line, like a configuration error)."""
 
 
 def checkpoint_name(step: int) -> str:
