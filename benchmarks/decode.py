@@ -47,7 +47,8 @@ import torch
 HBM_BANDWIDTH = [("h100 pcie", 2.0e12), ("h100", 3.35e12), ("gh200", 4.9e12), ("h200", 4.8e12),
                  ("b200", 8.0e12), ("a100-sxm4-40gb", 1.555e12), ("a100", 2.039e12), ("l40s", 0.864e12),
                  ("4090", 1.008e12), ("a10g", 0.6e12), ("l4", 0.3e12)]
-ALL_VARIANTS = ("ours-eager", "ours-graph", "ours-fused-graph", "ours-compile-graph", "ours-cdt-graph", "ours-autotune-graph",
+ALL_VARIANTS = ("ours-eager", "ours-graph", "ours-fused-graph", "ours-compile-graph", "ours-cdt-graph",
+                "ours-autotune-graph",
                 "hf-dynamic", "hf-static")
 GRAPH_VARIANTS = ("ours-graph", "ours-fused-graph", "ours-compile-graph", "ours-cdt-graph", "ours-autotune-graph")
 

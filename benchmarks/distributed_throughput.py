@@ -74,8 +74,8 @@ def worker(args) -> None:
     import torch
 
     from zero2all import accounting
-    from zero2all.config import load_config
     from zero2all import distributed as zd
+    from zero2all.config import load_config
     from zero2all.train.metrics import detect_peak_flops
 
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
@@ -123,7 +123,8 @@ def worker(args) -> None:
 
         def step():
             for a, x in enumerate(batches):
-                no_sync = model.no_sync() if a < args.accum - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()
+                last = a == args.accum - 1
+                no_sync = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
                 with no_sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
                     (loss / args.accum).backward()

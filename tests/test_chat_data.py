@@ -4,11 +4,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from data_helpers import write_dpo_file, write_sft_file
 from standin_tokenizer import ByteTokenizer, tiny_model_config
-from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, collate, dpo_collate, load_dpo_samples,
-                                load_sft_samples, pack_samples, pad_samples, render_dpo_record, render_sft_record)
+
+from zero2all.data.chat import (
+    IGNORE_INDEX,
+    ChatDataError,
+    collate,
+    dpo_collate,
+    load_dpo_samples,
+    load_sft_samples,
+    pack_samples,
+    pad_samples,
+    render_dpo_record,
+    render_sft_record,
+)
 from zero2all.model.z2all import build_model
 from zero2all.train.dpo import dpo_loss, sequence_logprobs
 

@@ -17,7 +17,7 @@ from zero2all import checkpoint as ckpt_io
 from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.config import ConfigError
 from zero2all.model.io import load_model
-from zero2all.train.trainer import Trainer, TrainingInterrupted
+from zero2all.train.trainer import Trainer
 
 
 def list_checkpoints(out):
@@ -30,7 +30,6 @@ def latest_checkpoint(out):
 
 def optimizer_state(ckpt):
     """The optimizer part of a checkpoint as {parameter name: {state key: tensor}}, read in one process."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     target = ckpt.parent / (ckpt.name + ".pt")

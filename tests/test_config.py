@@ -1,6 +1,6 @@
 import pytest
 
-from zero2all.config import ConfigError, ModelConfig, OpsConfig, load_config, list_presets
+from zero2all.config import ConfigError, ModelConfig, OpsConfig, list_presets, load_config
 
 
 def test_presets_load_and_validate():
@@ -64,8 +64,16 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from zero2all.config import (Config, DataConfig, ParallelConfig, PostTrainConfig, TrainConfig,  # noqa: E402
-                             build_config, build_config_dict, deep_merge)
+from zero2all.config import (  # noqa: E402
+    Config,
+    DataConfig,
+    ParallelConfig,
+    PostTrainConfig,
+    TrainConfig,
+    build_config,
+    build_config_dict,
+    deep_merge,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

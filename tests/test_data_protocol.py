@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-
 from data_helpers import make_packed_data, write_dpo_file, write_sft_file
 from standin_tokenizer import ByteTokenizer
+
 from zero2all.data.chat import DPODataset, ItemIterator, SFTDataset
 from zero2all.data.datasets import PackedDataset
 from zero2all.data.protocol import BatchDataset, BatchIterator

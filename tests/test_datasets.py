@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from data_helpers import make_packed_data
+
 from zero2all.data.datasets import PackedDataset
 from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
 

@@ -67,13 +67,14 @@ def checkpoint_parts(run, opt, env, step: list, saved_world: int | None = None, 
     """The trainer's checkpoint parts for the bare loop: model, optimizer, the step, each rank's own state, and
     PowerSGD's state when ``hook``."""
     saved_world = saved_world or env.world_size
+    box = rank_box if rank_box is not None else []
     parts = {"model": ckpt.ModelState(run.plain), "optim": ckpt.OptimizerState(run.plain, zd.local_optimizer(opt)),
              "trainer": ckpt.JsonState(lambda: {"step": step[0]}, lambda s: step.__setitem__(0, s["step"])),
              "own": ckpt.RankStates(env.rank, lambda: {"rank": env.rank},
-                                    lambda states: rank_box.append(states) if rank_box is not None else None, saved_world)}
+                                    box.append, saved_world)}
     if hook:
         h = run.comm_hook
-        parts["comm_hook"] = ckpt.RankStates(env.rank, h.state_dict, lambda states: (rank_box if rank_box is not None else []).append(
+        parts["comm_hook"] = ckpt.RankStates(env.rank, h.state_dict, lambda states: box.append(
             h.load_state_dict(states[env.rank])), saved_world, binary=True)
     return parts
 

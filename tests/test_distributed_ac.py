@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero2all.config import ModelConfig, OpsConfig
-from zero2all.model.z2all import build_model
 from zero2all.distributed import apply_activation_checkpointing
+from zero2all.model.z2all import build_model
 
 N_LAYERS = 4
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero2all.config import load_config
 from zero2all import checkpoint as ckpt_io
+from zero2all.config import load_config
 from zero2all.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,8 +12,18 @@ from pathlib import Path
 import pytest
 
 from zero2all import fileio
-from zero2all.fileio import (atomic_dir, atomic_write, os_error_message, recover_dir, remove_stale_temporaries,
-                             replace_dir, save_json, temporary_target, write_bytes, write_text)
+from zero2all.fileio import (
+    atomic_dir,
+    atomic_write,
+    os_error_message,
+    recover_dir,
+    remove_stale_temporaries,
+    replace_dir,
+    save_json,
+    temporary_target,
+    write_bytes,
+    write_text,
+)
 
 needs_fork = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs fork to kill a child")
 
@@ -248,8 +258,8 @@ EXPORT_KILL_POINTS = ["weights", "config", "fsync", "swap", "between_renames", "
 
 
 def _export_killed_at(point: str, ckpt: str, out: str):
-    import torch
     import safetensors.torch as st
+    import torch
 
     import zero2all.model.io as mio
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.model.ops import attention_naive, causal_mask
 
 pytest.importorskip("torch.nn.attention.flex_attention")

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.config import ModelConfig, OpsConfig
 from zero2all.kernels.cross_entropy import _linear_cross_entropy
 from zero2all.kernels.fused_linear import _lean_linear_fwd, _norm_linear_fwd, _swiglu_linear_fwd

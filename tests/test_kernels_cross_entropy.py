@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.kernels import cross_entropy as ce
 from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
 from zero2all.model.ops import linear_cross_entropy_torch

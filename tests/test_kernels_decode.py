@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_check import assert_close_to_reference
 from standin_tokenizer import tiny_model_config
+
 from zero2all.model import ops
 
 pytestmark = [pytest.mark.any_device, pytest.mark.skipif(

@@ -12,8 +12,8 @@ CPU Triton's interpreter rounds float32 -> bf16 by truncation where torch rounds
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_check import assert_close_to_reference
+
 from zero2all import accounting as acc
 from zero2all.config import ModelConfig, OpsConfig, load_config
 from zero2all.kernels.fused_linear import lean_linear, triton_norm_linear, triton_swiglu_linear

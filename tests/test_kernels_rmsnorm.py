@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.kernels.rmsnorm import triton_add_rmsnorm
 from zero2all.model.ops import add_rmsnorm_torch
 

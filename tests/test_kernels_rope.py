@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.kernels.rope import triton_apply_rope
 from zero2all.model.ops import apply_rope_torch, rope_frequencies
 

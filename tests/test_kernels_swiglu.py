@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from kernel_check import assert_close_to_reference
+
 from zero2all.kernels.swiglu import triton_swiglu
 from zero2all.model.ops import swiglu_torch
 

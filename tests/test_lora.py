@@ -2,11 +2,19 @@ import json
 
 import pytest
 import torch
-
 from standin_tokenizer import tiny_model_config
+
 from zero2all.model.io import export_hf, load_model, save_model
-from zero2all.model.lora import (LoRAConfig, LoRALinear, apply_lora, load_adapter, lora_modules,
-                                 merge_lora, save_adapter, set_merged)
+from zero2all.model.lora import (
+    LoRAConfig,
+    LoRALinear,
+    apply_lora,
+    load_adapter,
+    lora_modules,
+    merge_lora,
+    save_adapter,
+    set_merged,
+)
 from zero2all.model.z2all import build_model
 
 ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

@@ -198,7 +198,8 @@ def test_lora_sft_trains_only_the_adapters(world, tmp_path):
     lora_keys = [k for k in state["model"] if k.endswith(("lora_A", "lora_B"))]
     assert len(lora_keys) == 2 * 2 * 2  # 2 layers x 2 targets x (A, B)
     assert sorted(state["optim"]["state"]) == sorted(lora_keys)  # exactly the adapters in the optimizer
-    assert ckpt_io.verify(out / "ckpt-000008") == [] and (out / "ckpt-000008" / "adapter" / "adapter_config.json").exists()
+    assert ckpt_io.verify(out / "ckpt-000008") == []
+    assert (out / "ckpt-000008" / "adapter" / "adapter_config.json").exists()
     cfg = json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj",
                                                                                        "down_proj"}

@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 
 from zero2all.cli import main
-from zero2all.data.pretokenize import (TokenizerMismatchError, check_tokenizer, copies_of, prepare, read_meta,
-                                       shard_dtype)
 from zero2all.corpus.readers import iter_records
+from zero2all.data.pretokenize import (
+    TokenizerMismatchError,
+    check_tokenizer,
+    copies_of,
+    prepare,
+    read_meta,
+    shard_dtype,
+)
 from zero2all.tokenizer import load_tokenizer, train_tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -174,7 +180,7 @@ def test_uint32_shards_for_large_vocabularies(sources, tok_dir, tmp_path):
     (big / "tokenizer.json").write_text(json.dumps(data))
     meta = prepare(_inputs(sources, ("zh",)), big, tmp_path / "data", workers=1, log=lambda *a: None)
     assert meta["dtype"] == "uint32" and meta["tokenizer"]["vocab_size"] == 65600
-    small = prepare(_inputs(sources, ("zh",)), tok_dir, tmp_path / "small", workers=1, log=lambda *a: None)
+    prepare(_inputs(sources, ("zh",)), tok_dir, tmp_path / "small", workers=1, log=lambda *a: None)
     assert np.array_equal(_stream(tmp_path / "data", "train"), _stream(tmp_path / "small", "train"))
 
 

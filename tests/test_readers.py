@@ -5,8 +5,15 @@ import sysconfig
 
 import pytest
 
-from zero2all.corpus.readers import (RECORD_FIELDS, BadInputError, ReadStats, iter_records, iter_texts,
-                                     stdlib_files, write_jsonl)
+from zero2all.corpus.readers import (
+    RECORD_FIELDS,
+    BadInputError,
+    ReadStats,
+    iter_records,
+    iter_texts,
+    stdlib_files,
+    write_jsonl,
+)
 
 DOCS = [{"id": "a", "content": "第一篇文章：你好，世界。", "title": "t1", "lang": "zh"},
         {"id": "b", "content": "def f(x):\n\treturn x  # tab\n", "category": "code"},
@@ -130,7 +137,7 @@ def test_stdlib_source_excludes_tests_and_site_packages():
 def test_bad_inputs_are_counted_with_locations(tmp_path):
     lines = [b'{"content": "ok 1"}', b'{"content": "broken', b'{"content": "bad \xff utf8"}',
              b'{"title": "no text"}', b'{"content": 42}', b'[1, 2]', b'', b'{"content": "ok 2"}']
-    f = _write(tmp_path / "bad.jsonl", b"\n".join(lines) + b"\n")
+    _write(tmp_path / "bad.jsonl", b"\n".join(lines) + b"\n")
     _write(tmp_path / "empty.jsonl", b"")
     _write(tmp_path / "empty.txt", b"  \n")
     _write(tmp_path / "latin1.txt", "caf\xe9 au lait\nline 2 \xff".encode("latin-1"))

@@ -8,10 +8,10 @@ import torch
 
 from zero2all.cli import main
 from zero2all.config import ConfigError, load_config
+from zero2all.data.synthetic import SyntheticDataset
 from zero2all.model.io import load_model
 from zero2all.train.objectives import Objective, PretrainObjective
 from zero2all.train.optim import DynamicLossScaler, LRSchedule, param_groups
-from zero2all.data.synthetic import SyntheticDataset
 from zero2all.train.trainer import Trainer, sample_continuation
 
 TINY_MODEL = ["model.vocab_size=96", "model.hidden_dim=32", "model.intermediate_size=72", "model.n_layers=2",

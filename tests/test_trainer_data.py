@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero2all.config import ConfigError
 from zero2all.checkpoint.compat import CheckpointMismatch
+from zero2all.config import ConfigError
 from zero2all.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))

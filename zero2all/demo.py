@@ -72,9 +72,9 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
     """Steps 6 and 7: SFT of ``pretrained`` on stdlib docstring instructions for ``steps`` updates, or about
     ``minutes`` (``step_s``: seconds per update measured in pretraining, same batch shape), then replies to two
     held-out instructions."""
+    from zero2all import checkpoint as ckpt_io
     from zero2all.data.instructions import build_docstring_instructions, write_jsonl
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
-    from zero2all import checkpoint as ckpt_io
     from zero2all.train.posttrain import posttrain_config, sft
 
     data_dir, sft_dir = out / "sft-data", out / "sft"
@@ -116,11 +116,11 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
 def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps: int | None = None,
              vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None,
              sft_minutes: float = 1.5, sft_steps: int | None = None) -> dict:
-    from zero2all.config import load_config
-    from zero2all.data.pretokenize import prepare
-    from zero2all.corpus.readers import stdlib_files
-    from zero2all.tokenizer import load_tokenizer, train_tokenizer
     from zero2all import checkpoint as ckpt_io
+    from zero2all.config import load_config
+    from zero2all.corpus.readers import stdlib_files
+    from zero2all.data.pretokenize import prepare
+    from zero2all.tokenizer import load_tokenizer, train_tokenizer
     from zero2all.train.trainer import Trainer, pick_device, sample_continuation
 
     out = Path(out)

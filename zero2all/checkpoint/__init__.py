@@ -26,23 +26,48 @@ rescales its own position (``zero2all/data/protocol.py``); RNG states of ranks t
 
 from __future__ import annotations
 
-
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from zero2all.checkpoint.files import (FORMAT, FORMAT_VERSION, MANIFEST, META, RUN_CONFIG, CheckpointError,
-                                       all_files, checkpoint_name, describe_files, is_checkpoint, legacy_kind,
-                                       list_checkpoints, move_aside_after, newest_verified, prune, read_meta,
-                                       remove_stale_temporaries, step_of, verify, write_manifest)
-from zero2all.checkpoint.state import (JsonState, LoadTemplate, ModelState, OptimizerState, RankStates,
-                                       capture_rng_state, restore_rng_state)
+from zero2all.checkpoint.files import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    META,
+    RUN_CONFIG,
+    CheckpointError,
+    all_files,
+    checkpoint_name,
+    describe_files,
+    is_checkpoint,
+    legacy_kind,
+    list_checkpoints,
+    move_aside_after,
+    newest_verified,
+    prune,
+    read_meta,
+    remove_stale_temporaries,
+    step_of,
+    verify,
+    write_manifest,
+)
+from zero2all.checkpoint.state import (
+    JsonState,
+    LoadTemplate,
+    ModelState,
+    OptimizerState,
+    RankStates,
+    capture_rng_state,
+    restore_rng_state,
+)
 from zero2all.distributed.env import DistEnv, all_gather_object, barrier, collective_timeout
 
 __all__ = ["CheckpointError", "FORMAT", "FORMAT_VERSION", "JsonState", "ModelState", "OptimizerState", "RankStates",
            "RUN_CONFIG", "capture_rng_state", "checkpoint_name", "is_checkpoint", "legacy_kind", "list_checkpoints",
-           "load", "move_aside_after", "newest_verified", "prune", "read_meta", "read_run_config", "restore_rng_state", "save",
+           "load", "move_aside_after", "newest_verified", "prune", "read_meta", "read_run_config",
+           "restore_rng_state", "save",
            "step_of", "verify"]
 
 

@@ -42,8 +42,13 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from zero2all.data.protocol import (check_kind, check_run_states, check_same_data, check_same_layout,
-                                    rescaled_epoch_position)
+from zero2all.data.protocol import (
+    check_kind,
+    check_run_states,
+    check_same_data,
+    check_same_layout,
+    rescaled_epoch_position,
+)
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")

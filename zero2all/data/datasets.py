@@ -31,8 +31,13 @@ import numpy as np
 import torch
 
 from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
-from zero2all.data.protocol import (check_kind, check_run_states, check_same_data, check_same_layout,
-                                    rescaled_epoch_position)
+from zero2all.data.protocol import (
+    check_kind,
+    check_run_states,
+    check_same_data,
+    check_same_layout,
+    rescaled_epoch_position,
+)
 
 KIND = "packed"
 

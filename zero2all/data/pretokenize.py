@@ -483,8 +483,8 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
     total_tokens = splits["train"]["tokens"] + splits["valid"]["tokens"]
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION,
-        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                      "backend": tok.backend},
+        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size,
+                      "eos_id": tok.eos_id, "backend": tok.backend},
         "dtype": dtype.name, "separator": "eos after every document",
         "valid_fraction": valid_fraction, "splits": splits, "sources": sources,
         "bytes_per_token": round(total_bytes / max(total_tokens, 1), 4),

@@ -32,15 +32,25 @@ import hashlib
 import json
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence as SequenceABC
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from zero2all.data.chat import (IGNORE_INDEX, ChatDataError, DPODataset, DPOSample, ItemIterator, LoadStats,
-                                SFTSample, iter_jsonl, render_dpo_record, render_sft_record)
+from zero2all.data.chat import (
+    IGNORE_INDEX,
+    ChatDataError,
+    DPODataset,
+    DPOSample,
+    ItemIterator,
+    LoadStats,
+    SFTSample,
+    iter_jsonl,
+    render_dpo_record,
+    render_sft_record,
+)
 from zero2all.fileio import atomic_dir, save_json
 
 FORMAT = "zero2all-sft-shards"

@@ -31,10 +31,25 @@ import torch.nn as nn
 from zero2all.config import ParallelConfig
 from zero2all.distributed.ac import apply_activation_checkpointing, attention_core_policy, transformer_blocks
 from zero2all.distributed.ddp import CommHook, apply_ddp
-from zero2all.distributed.env import (DistEnv, DistributedTimeoutError, all_gather_object, all_reduce_mean, all_true,
-                                      any_true, barrier, broadcast_object, collective_timeout, destroy_distributed,
-                                      finish_process, format_memory, gather_memory_stats, init_distributed,
-                                      launched_by_torchrun, memory_stats, resolve_device)
+from zero2all.distributed.env import (
+    DistEnv,
+    DistributedTimeoutError,
+    all_gather_object,
+    all_reduce_mean,
+    all_true,
+    any_true,
+    barrier,
+    broadcast_object,
+    collective_timeout,
+    destroy_distributed,
+    finish_process,
+    format_memory,
+    gather_memory_stats,
+    init_distributed,
+    launched_by_torchrun,
+    memory_stats,
+    resolve_device,
+)
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
 __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",

@@ -146,7 +146,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         lone adapter directory whose ``base_model_name_or_path`` names the base.
     ``ops`` overrides the op switchboard (e.g. ``{"attention": "naive"}``); ``config`` builds that architecture
     instead of the directory's (it must agree on everything but ops and dropouts: post-training sets those).
-    ``merge_lora=False`` loads the base weights alone, leaving an attached adapter aside. Returns the model in eval mode on ``device`` (in ``dtype`` when given).
+    ``merge_lora=False`` loads the base weights alone, leaving an attached adapter aside. Returns the model in eval
+    mode on ``device`` (in ``dtype`` when given).
     """
     from zero2all.model import lora
 

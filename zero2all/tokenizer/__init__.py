@@ -8,8 +8,7 @@ files (``hf.py``).
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 """
 
-from zero2all.tokenizer.hf import (CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, Tokenizer, load_tokenizer,
-                                   special_tokens)
+from zero2all.tokenizer.hf import CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, Tokenizer, load_tokenizer, special_tokens
 
 
 def train_tokenizer(inputs, vocab_size, out_dir=None, backend="hf", **kwargs) -> Tokenizer:

@@ -242,8 +242,8 @@ def sentencepiece_to_tokenizer_json(model_proto: bytes, specials: list[str]) -> 
     """
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import Tokenizer as _HFTokenizer
     from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as _HFTokenizer
 
     proto = pb.ModelProto()
     proto.ParseFromString(model_proto)

@@ -46,8 +46,15 @@ import time
 from typing import Iterator
 
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
-from zero2all.tokenizer.hf import (N_RESERVED, VOCAB_MULTIPLE, Tokenizer, reserved_token, round_up,
-                                   sentencepiece_to_tokenizer_json, special_tokens)
+from zero2all.tokenizer.hf import (
+    N_RESERVED,
+    VOCAB_MULTIPLE,
+    Tokenizer,
+    reserved_token,
+    round_up,
+    sentencepiece_to_tokenizer_json,
+    special_tokens,
+)
 
 _CJK = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}"
 PRETOKENIZE_REGEX = (

@@ -50,12 +50,28 @@ from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
 from zero2all.model.io import copy_tokenizer_files, save_model
 from zero2all.model.z2all import build_model
-from zero2all.train.metrics import (MetricsLogger, compute_mfu, detect_peak_flops, format_count, format_step_line,
-                                    peak_memory_bytes, plot_loss_curve, read_metrics, reset_peak_memory,
-                                    summarize, write_run_report)
+from zero2all.train.metrics import (
+    MetricsLogger,
+    compute_mfu,
+    detect_peak_flops,
+    format_count,
+    format_step_line,
+    peak_memory_bytes,
+    plot_loss_curve,
+    read_metrics,
+    reset_peak_memory,
+    summarize,
+    write_run_report,
+)
 from zero2all.train.objectives import Objective, PretrainObjective
-from zero2all.train.optim import (DynamicLossScaler, LRSchedule, build_optimizer, describe_groups,
-                                  grad_norm_and_clip, set_lr)
+from zero2all.train.optim import (
+    DynamicLossScaler,
+    LRSchedule,
+    build_optimizer,
+    describe_groups,
+    grad_norm_and_clip,
+    set_lr,
+)
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
