@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh Linux machine (Python >= 3.10 with venv):
 #   make demo   -- create .venv, install, run the whole pipeline on the embedded stdlib corpus
-#   make test   -- create .venv, install with test extras, run the test suite
+#   make test   -- create .venv, install with test extras, run ruff and the test suite
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,10 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/z2all demo --out $(DEMO_OUT)
 
-test: $(VENV)/.installed
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 clean:

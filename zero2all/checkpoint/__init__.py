@@ -34,7 +34,6 @@ from typing import Any, Callable
 from zero2all.checkpoint.files import (
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     META,
     RUN_CONFIG,
     CheckpointError,
