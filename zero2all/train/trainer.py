@@ -422,6 +422,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Every rank: ``OUT/ckpt-<step>`` in the one checkpoint format (zero2all/checkpoint/), then pruning."""
         path = self.out_dir / ckpt_io.checkpoint_name(self.step)
+        t0 = time.perf_counter()
         meta = {"step": self.step, "parallel": self.parallel, "model": to_dict(self.cfg.model),
                 "tokenizer_hash": self.tokenizer_hash, "objective": self.objective.name,
                 "comm_hook": self.run.comm_hook.powersgd_state is not None}
@@ -430,8 +431,8 @@ class Trainer:
             for old in ckpt_io.prune(self.out_dir, self.tcfg.keep_last, newest=path):
                 self._print(f"removed old checkpoint {old} (train.keep_last={self.tcfg.keep_last})")
         zd.barrier(self.dist)
-        self._print(f"saved checkpoint {path}" + (f" ({self.world_size} processes, {self.parallel})"
-                                                   if self.world_size > 1 else ""))
+        self._print(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f} s"
+                    + (f" ({self.world_size} processes, {self.parallel})" if self.world_size > 1 else ""))
         return path
 
     def resume(self, ckpt: str | Path) -> None:
