@@ -238,17 +238,25 @@ class Scheduler:
                 self._cond.wait(left)
         return True
 
-    @contextmanager
-    def paused(self):
-        """No scheduler iteration starts inside this block (requests queue up): for tests and maintenance."""
+    def pause(self):
+        """No scheduler iteration starts until :meth:`resume` (requests queue up; cancellations are still
+        handled): for tests and maintenance."""
         with self._cond:
             self._paused = True
+
+    def resume(self):
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def paused(self):
+        """:meth:`pause` for the duration of a ``with`` block."""
+        self.pause()
         try:
             yield self
         finally:
-            with self._cond:
-                self._paused = False
-                self._cond.notify_all()
+            self.resume()
 
     def stop_accepting(self):
         with self._cond:
