@@ -431,20 +431,42 @@ class DecodeSession:
 
 
 class _RowText:
-    """Incremental detokenisation of one row with stop strings: decides which text is safe to show."""
+    """Incremental detokenisation of one row with stop strings: decides which text is safe to show.
+
+    Each step decodes only the last tokens (between ``WINDOW`` and twice that many): the text of the tokens before
+    them is final and kept. Decoding the whole row every step costs O(length) per token, which for a batch of long
+    replies would take longer than the GPU's decode step. The cut moves only where decoding the two sides apart
+    gives exactly the text of decoding them together (not inside a multi-byte character, not where a tokenizer
+    would drop the leading space of the token after the cut), so the text is always the full decode's.
+    """
+
+    WINDOW = 32
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, list(stop)
         self.ids: list[int] = []
         self.shown = 0
         self.text = ""
+        self.cut = 0       # self.ids[:cut] decode to self.base, whatever follows them
+        self.base = ""
+
+    def _decoded(self) -> str:
+        decode = self.tokenizer.decode
+        tail = decode(self.ids[self.cut:], skip_special=True)
+        if len(self.ids) - self.cut >= 2 * self.WINDOW:
+            at = len(self.ids) - self.WINDOW
+            head, rest = decode(self.ids[self.cut:at], skip_special=True), decode(self.ids[at:], skip_special=True)
+            if head and not head.endswith("\ufffd") and head + rest == tail:
+                self.base, self.cut = self.base + head, at
+                return self.base + rest
+        return self.base + tail
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append a token; return (new showable text, hit a stop string)."""
         self.ids.append(token_id)
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(self.ids, skip_special=True)
+        text = self._decoded()
         hits = [at for at in (text.find(s) for s in self.stop) if at != -1]
         if hits:
             self.text = text[:min(hits)]
