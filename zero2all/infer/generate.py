@@ -183,7 +183,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     stream, so a seeded row's tokens depend on nothing else in the batch (a shared ``torch.Generator`` would hand
     each row whatever numbers the rows before it left over).
     """
-    R, V = logits.shape
+    V = logits.size(-1)
     scaled = logits / temperature[:, None]
     ordered, order = torch.sort(scaled, dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k.clamp(max=V), V)                            # (R,): 0 means all
