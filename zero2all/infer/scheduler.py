@@ -137,7 +137,7 @@ class Scheduler:
     may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
     """
 
-    def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 8, cache_len: int | None = None,
+    def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
                  compact_min: int = 16, start: bool = True):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")

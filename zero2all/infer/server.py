@@ -80,10 +80,11 @@ def _show(value) -> str:
 
 class InferenceApp:
     """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP handler only moves
-    bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU."""
+    bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU. ``max_queue``: sequences
+    that may wait for a row (a waiting request costs a thread and its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
-                 default_max_tokens: int = 256, max_queue: int = 8, max_batch: int | None = None,
+                 default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
                  document_start: bool = True, cache_len: int | None = None):
         if generator.tokenizer is None:
             raise ValueError("the server needs a tokenizer")
@@ -467,7 +468,7 @@ class _Server(ThreadingHTTPServer):
 
 def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, tokenizer=None,
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
-                  max_tokens_limit: int = 1024, max_queue: int = 8, max_batch: int | None = None,
+                  max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
                   cache_len: int | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
