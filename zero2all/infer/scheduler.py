@@ -36,7 +36,9 @@ not read slots that no row needs.
 
 Numerics: a row computes the same thing as a one-row ``Generator`` (the same prompt prefill, the same masked
 decode step); rounding may still differ in the last bits where a kernel's reduction order depends on the batch
-(matrix products on a GPU), which can flip a greedy choice between two nearly equal logits.
+(matrix products on a GPU), which can flip a greedy choice between two nearly equal logits. One exception to the
+rows' independence: a model with dynamic-NTK RoPE scaling rescales its frequencies by the longest position in the
+step, so there a row's numbers depend on the longest row beside it (as in a left-padded ``Generator`` batch).
 """
 
 from __future__ import annotations

@@ -492,8 +492,8 @@ def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bo
 def shutdown(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
              hurry: threading.Event | None = None) -> int:
     """Stop accepting, let requests finish for up to ``drain_timeout`` seconds (less once ``hurry`` is set), cancel
-    the rest, stop. Call it from a thread other than the one in ``serve_forever``. Returns the exit status: 0, or
-    ``EXIT_CANCELLED`` when requests were cancelled."""
+    the rest, stop. Call it while ``serve_forever`` runs in another thread (``httpd.shutdown`` waits for that loop
+    to end). Returns the exit status: 0, or ``EXIT_CANCELLED`` when requests were cancelled."""
     app.scheduler.stop_accepting()     # from now on a request on an open connection gets 503
     httpd.shutdown()                   # the accept loop ends
     httpd.server_close()               # and the listening socket closes: new connections are refused
