@@ -337,8 +337,11 @@ class Scheduler:
         self._changed = True
         self._cond.notify_all()
 
-    def _fail(self, error: Exception):
-        """The step failed: every running sequence gets the error, its request is cancelled; the cache restarts."""
+    def _fail(self, cause: Exception):
+        """The step failed: every running sequence gets the error, its request is cancelled; the cache restarts.
+        The error is a RuntimeError whatever the cause (a ValueError from inside would read as the client's)."""
+        error = RuntimeError(f"generation failed: {type(cause).__name__}: {cause}")
+        error.__cause__ = cause
         with self._cond:
             for seq in self._rows:
                 if seq is not None:
