@@ -237,3 +237,33 @@ def test_fused_step_with_rows_joining(make_scheduler):
         assert sched.stats()["moves"] > 0
     finally:
         sched.stop()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_stopping_early_with_and_without_a_step_in_flight(model, make_scheduler, pipelined):
+    """Rows that end on a stop token, a stop string or their budget, while others go on and new ones join; with
+    ``pipelined`` (as on CUDA) the next step is already queued when the host sees that a row has ended."""
+    tok = ByteTokenizer()
+    gen = Generator(model, tok)
+    sched = make_scheduler(max_batch=3, cache_len=96, compact_min=4, pipelined=pipelined)
+    jobs = []
+    for i in range(8):
+        prompt = [(13 * i + 5 * j) % 250 for j in range(2 + 3 * i)]
+        free = gen.generate([prompt], greedy(max_new_tokens=16))[0]
+        if i % 3 == 0:    # a stop token drawn mid-way
+            params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[free.token_ids[3 + i % 4]])
+        elif i % 3 == 1:  # a stop string
+            window = next((free.text[k:k + 2] for k in range(2, len(free.text) - 2)
+                           if "\ufffd" not in free.text[k:k + 2]), None)
+            params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[],
+                                    stop=(window,) if window else ())
+        else:
+            params = greedy(max_new_tokens=5 + i)
+        jobs.append((prompt, params))
+    results = run_all(sched, jobs)
+    for (prompt, params), events in zip(jobs, results):
+        ref = gen.generate([prompt], params)[0]
+        assert tokens_of(events) == [ref.token_ids]
+        assert "".join(e.text for e in events) == ref.text and events[-1].finish_reason == ref.finish_reason
+        assert len(events) == ref.num_generated
+    assert sched.stats()["running"] == 0

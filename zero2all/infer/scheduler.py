@@ -137,10 +137,11 @@ class Scheduler:
 
     ``max_batch`` rows, each ``cache_len`` slots (default: the model's context); up to ``max_queue`` sequences
     may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
+    ``pipelined`` (None: on CUDA): queue each decode step before the host reads the tokens drawn for it.
     """
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
-                 compact_min: int = 16, start: bool = True):
+                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         model = generator.model
@@ -169,6 +170,7 @@ class Scheduler:
         self.moves = 0                # times the occupied span was moved
         self.finished: Counter = Counter()  # sequences ended, by finish_reason ("error" for a failed step)
         on_cuda = self.device.type == "cuda"
+        self.pipelined = on_cuda if pipelined is None else pipelined
         self._host = torch.empty(max_batch, dtype=torch.long, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
         self._thread = threading.Thread(target=self._run, name="z2all-scheduler", daemon=True)
@@ -453,15 +455,17 @@ class Scheduler:
 
         on_cuda = self.device.type == "cuda"
         launched = False
-        if on_cuda:
+        if self.pipelined:
             # queue the next step before the host looks at the tokens (the GPU keeps busy meanwhile); rows that
             # turn out to have finished just run along and are ignored
-            self._host.copy_(tokens, non_blocking=True)
-            self._copied.record()
+            if on_cuda:
+                self._host.copy_(tokens, non_blocking=True)
+                self._copied.record()
             if any(s.drawn + 1 < s.params.max_new_tokens for s in running):
                 self._logits, launched = S.decode(tokens, self._col), True
-            self._copied.synchronize()
-            host = self._host.tolist()
+            if on_cuda:
+                self._copied.synchronize()
+            host = self._host.tolist() if on_cuda else tokens.tolist()
         else:
             host = tokens.tolist()
         with self._cond:
@@ -469,7 +473,7 @@ class Scheduler:
                 if not seq.sub.cancelled:
                     self._advance(seq, host[seq.row])
             still = any(s is not None for s in self._rows)
-        if not on_cuda and still:  # on CPU nothing runs ahead: step only for the rows that go on
+        if not self.pipelined and still:  # nothing runs ahead: step only for the rows that go on
             self._logits, launched = S.decode(tokens, self._col), True
         self.steps += launched
         if launched:
