@@ -3,6 +3,7 @@ prompt computes alone; per-row sampling; cancellation, errors and the queue boun
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -267,3 +268,28 @@ def test_rows_stopping_early_with_and_without_a_step_in_flight(model, make_sched
         assert "".join(e.text for e in events) == ref.text and events[-1].finish_reason == ref.finish_reason
         assert len(events) == ref.num_generated
     assert sched.stats()["running"] == 0
+
+
+def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler):
+    """Sequences that each fill the whole context, started at different times: with the default cache (twice the
+    context) each joins as soon as a row is free, so three of them share every step once all have joined."""
+    ctx = model.cfg.max_seq_len
+    sched = make_scheduler(max_batch=3)
+    assert sched.cache_len == 2 * ctx and sched.context == ctx
+    jobs = [([(3 * i + j) % 250 for j in range(ctx // 2)], greedy(max_new_tokens=ctx // 2)) for i in range(3)]
+    subs = [sched.submit([jobs[0][0]], jobs[0][1])]
+    for prompt, params in jobs[1:]:  # each joins while the ones before it are running
+        before = sched.stats()["steps"]
+        wait_until(lambda: sched.stats()["steps"] >= before + 5)
+        subs.append(sched.submit([prompt], params))
+        wait_until(lambda: sched.stats()["waiting"] == 0)  # admitted at the next iteration, not after the others
+        assert sched.stats()["running"] == len(subs)
+    for (prompt, params), sub in zip(jobs, subs):
+        assert tokens_of(list(sub.events())) == [reference(model, prompt, params)]
+
+
+def wait_until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.002)

@@ -29,10 +29,12 @@ budget of m new tokens can join at column c when c >= n (room for its prompt) an
 tokens), and the rows already running must keep room for theirs. When that fails, the whole occupied span moves
 left or right (``DecodeSession.move_columns``: one copy per layer; positions are rotated into the cached keys, so
 a moved key stays valid); when even that cannot make room, the sequence waits for rows to finish (the first
-waiting sequence blocks the ones behind it, so that a long one is not overtaken forever). With the default
-``cache_len`` = the model's context, sequences that each use up to half of it always fit together. The span is
-also moved left when the rows' common padding grows past a quarter of the column, so that the decode step does
-not read slots that no row needs.
+waiting sequence blocks the ones behind it, so that a long one is not overtaken forever). With a cache of twice
+the context (``default_cache_len``, when the memory allows) that never happens: the rows' current spans and their
+remaining budgets are each at most one context, so every sequence joins as soon as a row is free. With a cache of
+one context, sequences that each use up to half of it always fit together; longer ones may wait. The span is also
+moved left when the rows' common padding grows past a quarter of the column, so that the decode step reads only
+about as many slots as the longest row holds, whatever the cache's length.
 
 Numerics: a row computes the same thing as a one-row ``Generator`` (the same prompt prefill, the same masked
 decode step); rounding may still differ in the last bits where a kernel's reduction order depends on the batch
@@ -132,10 +134,19 @@ class _Seq:
         self.sub._queue.put(ev)
 
 
+def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
+    """Twice the model's context when a cache that long takes at most half of the free GPU memory (``cpu_budget``
+    bytes on CPU), else the context (see the module docstring for what the second length costs)."""
+    cfg, w = model.cfg, model.embed_tokens.weight
+    per_slot = 2 * cfg.n_layers * max_batch * cfg.n_kv_heads * cfg.head_dim * w.element_size()  # keys + values
+    budget = torch.cuda.mem_get_info(w.device)[0] // 2 if w.device.type == "cuda" else cpu_budget
+    return 2 * cfg.max_seq_len if per_slot * 2 * cfg.max_seq_len <= budget else cfg.max_seq_len
+
+
 class Scheduler:
     """Continuous batching over ``generator``'s model (see the module docstring); a background thread runs it.
 
-    ``max_batch`` rows, each ``cache_len`` slots (default: the model's context); up to ``max_queue`` sequences
+    ``max_batch`` rows, each ``cache_len`` slots (default: ``default_cache_len``); up to ``max_queue`` sequences
     may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
     ``pipelined`` (None: on CUDA): queue each decode step before the host reads the tokens drawn for it.
     """
@@ -148,7 +159,7 @@ class Scheduler:
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.cache_len = cache_len or model.cfg.max_seq_len
+        self.cache_len = cache_len or default_cache_len(model, max_batch)
         self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
         self.compact_min = compact_min
         self.vocab = model.cfg.padded_vocab_size
