@@ -368,3 +368,79 @@ def test_two_pass_argmax_equals_argmax_including_ties():
         x[2] = 0.0                                                # all equal: index 0
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
         assert argmax_rows(x)[1] == 7 and argmax_rows(x)[2] == 0
+
+
+def test_chat_ctrl_c_stops_the_reply_and_keeps_the_session(model):
+    """Ctrl-C during a reply stops it; the user's message and the part shown stay in the history, a note says so,
+    the loop goes on (the next reply is generated from that history); Ctrl-C or Ctrl-D at the prompt leave."""
+    from zero2all.infer.chat import ChatSession, chat_loop
+
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[])
+    session = ChatSession(Generator(model, ByteTokenizer()), params=params)
+    written, state = [], {"after": None}
+
+    def write(s):
+        if s == "assistant> " and state["after"] is None:
+            state["after"] = 0                       # the first reply starts: interrupt its third piece
+        elif state["after"] is not None and state["after"] >= 0:
+            state["after"] += 1
+            if state["after"] == 3:
+                state["after"] = -1                  # once
+                raise KeyboardInterrupt
+        written.append(s)
+
+    lines = iter(["hello", "again"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None       # Ctrl-C at the prompt: leave
+
+    assert chat_loop(session, read=read, write=write) == 1  # the interrupted reply does not count
+    text = "".join(written)
+    assert "(reply interrupted" in text
+    turns = session.turns
+    assert [t["role"] for t in turns] == ["user", "assistant"] * 2 and turns[0]["content"] == "hello"
+    shown = text.split("assistant> ")[1].split("\n(reply interrupted")[0]
+    assert turns[1]["content"] == shown and shown  # exactly the two pieces shown before the interrupt
+    full, _ = ChatSession(Generator(model, ByteTokenizer()), params=params).reply("hello")
+    assert full.startswith(shown) and len(shown) < len(full)
+    # the second reply continues from the kept history
+    ref = ChatSession(Generator(model, ByteTokenizer()), params=params)
+    ref.turns = turns[:2]
+    assert turns[3]["content"] == ref.reply("again")[0]
+    # Ctrl-D at the prompt leaves as well
+    def eof(prompt):
+        raise EOFError
+
+    assert chat_loop(session, read=eof, write=lambda s: None) == 0
+
+
+def test_cli_chat_leaves_cleanly_on_ctrl_c(real_ckpt, monkeypatch):
+    from zero2all.cli import main
+
+    def interrupted(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert main(["chat", "--ckpt", str(real_ckpt), "--device", "cpu"]) in (0, None)
+
+
+def test_row_text_windowed_decoding_equals_the_full_decode(real_ckpt):
+    """The row text decodes only its last tokens each step; over long rows of random ids (broken multi-byte
+    sequences, special tokens) its text equals decoding all the ids at once, for the byte stand-in and for a
+    trained BPE tokenizer."""
+    from zero2all.tokenizer import load_tokenizer
+
+    g = torch.Generator().manual_seed(0)
+    for tok in (ByteTokenizer(), load_tokenizer(real_ckpt)):
+        for trial in range(3):
+            ids = torch.randint(0, tok.vocab_size, (300,), generator=g).tolist()
+            if trial == 2:  # mostly plain text, as a model writes it
+                ids = tok.encode(open(__file__).read()[:3000])[:300]
+            row = _RowText(tok, [])
+            pieces = [row.add(i)[0] for i in ids]
+            pieces.append(row.finish())
+            assert "".join(pieces) == tok.decode(ids, skip_special=True)
+            assert row.cut > 0  # the window really moved

@@ -1,11 +1,14 @@
 import json
 import threading
+import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from standin_tokenizer import ByteTokenizer, tiny_model_config
-from zero2all.infer.server import create_server
+from zero2all.infer.generate import Generator
+from zero2all.infer.server import InferenceApp, bind, create_server
 from zero2all.model.io import save_model
 from zero2all.model.z2all import build_model
 
@@ -25,6 +28,7 @@ def server(tmp_path_factory):
         yield client, app
     httpd.shutdown()
     httpd.server_close()
+    app.close()
 
 
 def sse_events(response):
@@ -142,45 +146,294 @@ def test_request_errors(server, path, payload, status, needle):
         assert r.headers.get("connection") == "close"
 
 
-def wait_until_idle(app):
-    """A handler thread releases its admission slot just after its response is sent, so the client may already be
-    on its next request: wait (up to 10 s) until every slot is free again, so that the counts below are exact."""
-    slots = app.max_queue + 1
-    for _ in range(slots):
-        assert app.admission.acquire(timeout=10)
-    for _ in range(slots):
-        app.admission.release()
+# -- the scheduler behind the server: concurrency, queueing, cancellation, validation --------------------------
+
+
+@contextmanager
+def serving(app):
+    """Serve ``app`` on a free loopback port for the block; yields the base URL."""
+    httpd, _ = bind(app, port=0, quiet=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    host, port = httpd.server_address[:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.close()
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def completion_reference(generator, prompt: str, max_tokens: int, **kw):
+    """What one prompt gives alone (greedy unless told), as the server builds it: end-of-text, then the text."""
+    return generator.generate([[TOK.eos_id] + TOK.encode(prompt)], max_new_tokens=max_tokens,
+                              **{"temperature": 0, **kw})[0]
+
+
+def stream_completion(base: str, body: dict, path: str = "/v1/completions") -> dict:
+    """One streamed request on its own connection: status, text, finish reasons, usage and chunk ids."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=base, timeout=120) as c:
+        with c.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return {"status": r.status_code, "error": r.json()["error"], "headers": dict(r.headers)}
+            chunks = sse_events(r)
+    choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    text = "".join(c.get("text", c.get("delta", {}).get("content", "")) or "" for c in choices)
+    return {"status": 200, "text": text, "finish": [c["finish_reason"] for c in choices if c["finish_reason"]],
+            "usage": chunks[-1]["usage"], "ids": {ch["id"] for ch in chunks}}
+
+
+def run_threads(fn, args_list):
+    results = [None] * len(args_list)
+
+    def call(i):
+        results[i] = fn(*args_list[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(args_list))]
+    for t in threads:
+        t.start()
+    return threads, results
 
 
 def test_busy_server_answers_429(server):
+    """The queue is full when max_batch sequences run and max_queue wait: the next request gets 429 at once."""
     client, app = server
-    wait_until_idle(app)
-    held = [app.admission.acquire(blocking=False) for _ in range(app.max_queue + 1)]
-    try:
-        assert all(held)
-        r = client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2})
+    assert app.scheduler.wait_idle(10)
+    capacity = app.max_batch + app.max_queue
+    body = {"model": "tiny-chat", "prompt": "x", "max_tokens": 2}
+    with app.scheduler.paused():
+        threads, results = run_threads(lambda: client.post("/v1/completions", json=body).status_code,
+                                       [()] * capacity)
+        wait_for(lambda: app.scheduler.stats()["waiting"] == capacity)
+        r = client.post("/v1/completions", json=body)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
-    finally:
-        for _ in held:
-            app.admission.release()
-    assert client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2}).status_code \
-        == 200
+    for t in threads:
+        t.join()
+    assert results == [200] * capacity
+    assert client.post("/v1/completions", json=body).status_code == 200
 
 
 def test_concurrent_requests_queue_and_all_succeed(server):
     client, app = server
-    wait_until_idle(app)
-    results = []
-
-    def call(seed):
-        r = client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "q", "max_tokens": 6,
-                                                 "seed": seed})
-        results.append(r.status_code)
-
-    threads = [threading.Thread(target=call, args=(s,)) for s in range(2)]  # 1 running + 1 queued fits
-    for t in threads:
-        t.start()
+    assert app.scheduler.wait_idle(10)
+    threads, results = run_threads(
+        lambda seed: client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "q", "max_tokens": 6,
+                                                          "seed": seed}).status_code, [(0,), (1,)])
     for t in threads:
         t.join()
     assert results == [200, 200]
+
+
+def test_64_concurrent_streams_each_get_their_own_text(server):
+    """64 streaming clients at once, 8 batch rows: no error, and every client gets exactly its own stream (its own
+    prompt's usage and the greedy text of its prompt alone), whatever else shared the batch."""
+    _, base_app = server
+    gen = base_app.generator
+    app = InferenceApp(gen, "tiny-chat", max_tokens_limit=32, max_queue=64, max_batch=8)
+    text = "the quick brown fox jumps over the lazy dog " * 3
+    prompts = [(f"client {i:02d}: " + text)[:4 + i] for i in range(64)]   # distinct lengths, distinct usage
+    refs = [completion_reference(gen, p, 8) for p in prompts]
+    with serving(app) as base:
+        with app.scheduler.paused():  # every request is queued before the first step: the batches are full
+            threads, results = run_threads(stream_completion, [
+                (base, {"model": "tiny-chat", "prompt": p, "max_tokens": 8, "temperature": 0}) for p in prompts])
+            wait_for(lambda: app.scheduler.stats()["waiting"] == 64)
+        for t in threads:
+            t.join()
+        stats = app.scheduler.stats()
+    for p, ref, r in zip(prompts, refs, results):
+        assert r["status"] == 200, r
+        assert r["text"] == ref.text and r["finish"] == [ref.finish_reason]
+        assert r["usage"]["prompt_tokens"] == len(p) + 1 and r["usage"]["completion_tokens"] == ref.num_generated
+        assert len(r["ids"]) == 1
+    assert len(set.union(*(r["ids"] for r in results))) == 64
+    assert stats["steps"] < sum(ref.num_generated for ref in refs) / 2  # rows really shared the steps
+    assert stats["finished"].get("cancelled", 0) == 0
+
+
+def test_overflow_gets_429_and_the_rest_succeed(server):
+    """2 rows + 2 waiting: of 7 simultaneous requests 3 get 429 with Retry-After, 4 complete correctly."""
+    _, base_app = server
+    gen = base_app.generator
+    app = InferenceApp(gen, "tiny-chat", max_tokens_limit=32, max_queue=2, max_batch=2)
+    prompts = [f"request number {i}" for i in range(7)]
+    with serving(app) as base:
+        with app.scheduler.paused():
+            threads, results = run_threads(stream_completion, [
+                (base, {"model": "tiny-chat", "prompt": p, "max_tokens": 6, "temperature": 0}) for p in prompts])
+            wait_for(lambda: sum(r is not None for r in results) == 3 and app.scheduler.stats()["waiting"] == 4)
+        for t in threads:
+            t.join()
+    refused = [r for r in results if r["status"] == 429]
+    assert len(refused) == 3
+    assert all(r["headers"]["retry-after"] == "1" and r["error"]["type"] == "rate_limit_error" for r in refused)
+    served = [(p, r) for p, r in zip(prompts, results) if r["status"] == 200]
+    assert len(served) == 4
+    for p, r in served:
+        assert r["text"] == completion_reference(gen, p, 6).text
+
+
+@pytest.fixture(scope="module")
+def long_generator():
+    """A tiny model with a 512-token context, for requests that run long."""
+    return Generator(build_model(tiny_model_config(max_seq_len=512, initializer_range=0.3), seed=1).eval(), TOK)
+
+
+def test_disconnect_cancels_and_later_requests_join_and_leave(long_generator, monkeypatch):
+    """A client that drops its stream cancels it (its row is freed: it never reaches its 400 tokens); then
+    requests of different lengths and budgets, streamed or not, share 2 rows and each matches its prompt alone."""
+    gen = long_generator
+    app = InferenceApp(gen, "long", max_tokens_limit=400, max_queue=16, max_batch=2)
+    decode = app.scheduler.session.decode
+
+    def slow_decode(tokens, slot):  # the long request cannot finish before the client leaves
+        time.sleep(0.002)
+        return decode(tokens, slot)
+
+    monkeypatch.setattr(app.scheduler.session, "decode", slow_decode)
+    with serving(app) as base:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            body = {"model": "long", "prompt": "never ending", "max_tokens": 400, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                assert next(line for line in r.iter_lines() if line).startswith("data: ")
+        wait_for(lambda: app.scheduler.stats()["finished"].get("cancelled") == 1)
+        stats = app.scheduler.stats()
+        assert stats["running"] == 0 and stats["steps"] < 400
+        monkeypatch.setattr(app.scheduler.session, "decode", decode)
+
+        jobs = [("a short one", 20, False), ("x", 3, True), ("a much longer prompt than the others " * 4, 40, True),
+                ("mid", 11, False), ("the fifth request", 25, True)]
+
+        def call(prompt, max_tokens, stream):
+            body = {"model": "long", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            if stream:
+                return stream_completion(base, body)
+            with httpx.Client(base_url=base, timeout=60) as c:
+                out = c.post("/v1/completions", json=body).json()
+            return {"status": 200, "text": out["choices"][0]["text"], "finish": [out["choices"][0]["finish_reason"]]}
+
+        threads, results = run_threads(call, jobs)
+        for t in threads:
+            t.join()
+    for (prompt, max_tokens, _), r in zip(jobs, results):
+        ref = completion_reference(gen, prompt, max_tokens)
+        assert r["status"] == 200 and r["text"] == ref.text and r["finish"] == [ref.finish_reason]
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(server):
+    _, base_app = server
+    app = InferenceApp(base_app.generator, "tiny-chat", max_tokens_limit=32, max_queue=16, max_batch=4)
+    seeded = {"model": "tiny-chat", "prompt": "roll the dice", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9,
+              "top_k": 100, "seed": 1234, "ignore_eos": True}
+    with serving(app) as base:
+        alone = stream_completion(base, seeded)["text"]
+        others = [{"model": "tiny-chat", "prompt": f"other {i}", "max_tokens": 10 + 3 * i,
+                   "temperature": 0.8 * (i % 2), "seed": i, "repetition_penalty": 1.0 + 0.2 * (i % 3)}
+                  for i in range(6)]
+        with app.scheduler.paused():
+            threads, results = run_threads(stream_completion, [(base, b) for b in others[:3] + [seeded]
+                                                               + others[3:] + [seeded]])
+            wait_for(lambda: app.scheduler.stats()["waiting"] == 8)
+        for t in threads:
+            t.join()
+    assert all(r["status"] == 200 for r in results)
+    assert len(alone) > 0 and results[3]["text"] == alone and results[7]["text"] == alone
+    assert results[3]["usage"]["completion_tokens"] == 24
+
+
+def test_stop_strings_per_request_inside_a_batch(server):
+    """Each request's own stop string cuts its own text only, in one batch with requests that have none."""
+    _, base_app = server
+    gen = base_app.generator
+    app = InferenceApp(gen, "tiny-chat", max_tokens_limit=32, max_queue=16, max_batch=8)
+    prompts = ["abc", "def f(x):", "import os", "hello there"]
+    jobs = []
+    for p in prompts:
+        free = completion_reference(gen, p, 20, stop_token_ids=[]).text
+        windows = [free[i:i + 2] for i in range(1, len(free) - 2) if "\ufffd" not in free[i:i + 2]]
+        assert windows, f"no clean two-character window in {free!r}"
+        jobs.append((p, windows[len(jobs) % len(windows)], free))
+    bodies = [{"model": "tiny-chat", "prompt": p, "max_tokens": 20, "temperature": 0, "stop": stop,
+               "ignore_eos": True} for p, stop, _ in jobs]
+    bodies += [{"model": "tiny-chat", "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+               for p, _, _ in jobs]
+    with serving(app) as base:
+        with app.scheduler.paused():
+            threads, results = run_threads(stream_completion, [(base, b) for b in bodies])
+            wait_for(lambda: app.scheduler.stats()["waiting"] == len(bodies))
+        for t in threads:
+            t.join()
+    for (p, stop, free), r, plain in zip(jobs, results, results[len(jobs):]):
+        assert r["text"] == free[:free.find(stop)] and r["finish"] == ["stop"]
+        assert plain["text"] == free and plain["finish"] == ["length"]
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'"temperature": NaN', "temperature"),
+    (b'"temperature": -Infinity', "temperature"),
+    (b'"temperature": 1e999', "temperature"),
+    (b'"repetition_penalty": NaN', "repetition_penalty"),
+    (b'"repetition_penalty": Infinity', "repetition_penalty"),
+    (b'"repetition_penalty": 1' + b"0" * 400, "repetition_penalty"),
+    (b'"top_p": Infinity', "top_p"),
+    (b'"top_p": NaN', "top_p"),
+    (b'"top_k": NaN', "top_k"),
+    (b'"max_tokens": NaN', "max_tokens"),
+    (b'"max_tokens": 1e999', "max_tokens"),
+    (b'"max_tokens": 1' + b"0" * 40, "max_tokens"),
+    (b'"seed": 1' + b"0" * 40, "seed"),
+    (b'"seed": NaN', "seed"),
+    (b'"ignore_eos": "yes"', "ignore_eos"),
+])
+def test_non_finite_and_huge_values_are_400_with_the_field(server, raw, param):
+    client, _ = server
+    for path, head in (("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", '),
+                       ("/v1/chat/completions", b'{"model": "tiny-chat", "messages": [{"role": "user", '
+                                                b'"content": "x"}], ')):
+        r = client.post(path, content=head + raw + b"}", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and param in err["message"] and len(err["message"]) < 200
+
+
+def test_unparsable_numbers_are_400_not_500(server):
+    client, _ = server
+    r = client.post("/v1/completions", content=b'{"model": "tiny-chat", "prompt": "x", "max_tokens": 1'
+                    + b"0" * 5000 + b"}", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.post("/v1/completions", content=b"[" * 100000 + b"]" * 100000,
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_max_tokens_limit_is_kept_as_given():
+    """--max-tokens-limit above the context is kept (not lowered to the context behind the operator's back): a
+    request may ask up to the limit, and one that does not fit the context is told so; without max_tokens the
+    default of 256 applies, cut to the room the prompt leaves."""
+    gen = Generator(build_model(tiny_model_config(max_seq_len=320, initializer_range=0.3), seed=2).eval(), TOK)
+    app = InferenceApp(gen, "m", max_tokens_limit=1024, max_queue=4, max_batch=2)
+    assert app.max_tokens_limit == 1024 and app.default_max_tokens == 256 and app.context == 320
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as c:
+        ok = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 300, "ignore_eos": True,
+                                             "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 300
+        default = c.post("/v1/completions", json={"model": "m", "prompt": "x", "ignore_eos": True})
+        assert default.json()["usage"]["completion_tokens"] == 256
+        cut = c.post("/v1/completions", json={"model": "m", "prompt": "y" * 99, "ignore_eos": True})
+        assert cut.json()["usage"]["completion_tokens"] == 320 - 100
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1000})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1025})
+        assert r.status_code == 400 and "limit of 1024" in r.json()["error"]["message"]

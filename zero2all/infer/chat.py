@@ -8,6 +8,10 @@ Commands typed at the prompt::
 
 When the conversation no longer fits the model's context together with the reply budget, the oldest turns are
 dropped (the system prompt is kept) and a note says so.
+
+Ctrl-C while a reply streams stops that reply and keeps the session: the user's message and the part of the reply
+already shown stay in the history (the conversation goes on from what is on the screen; ``/reset`` forgets it), a
+note says so, and the prompt comes back. Ctrl-C or Ctrl-D at the prompt, or ``/exit``, leaves.
 """
 
 from __future__ import annotations
@@ -74,20 +78,28 @@ class ChatSession:
         if params.max_new_tokens > room:
             params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
         answer = []
-        for ev in self.generator.stream([ids], params):
-            if ev.text:
-                answer.append(ev.text)
-                if on_text:
-                    on_text(ev.text)
+        try:
+            for ev in self.generator.stream([ids], params):
+                if ev.text:
+                    if on_text:
+                        on_text(ev.text)
+                    answer.append(ev.text)  # after it was shown: an interrupt inside on_text drops the piece
+        except KeyboardInterrupt:
+            # the part already shown is what the user saw: it stays in the history, and the caller decides what
+            # an interrupt means (chat_loop: a note, then the next prompt)
+            self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": "".join(answer)}]
+            raise
         text = "".join(answer)
         self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         return text, dropped
 
 
-def chat_loop(session: ChatSession, read: Callable[[str], str] = input,
+def chat_loop(session: ChatSession, read: Callable[[str], str] | None = None,
               write: Callable[[str], None] = lambda s: (sys.stdout.write(s), sys.stdout.flush())) -> int:
-    """Read lines until /exit or end of input; stream each reply. Returns the number of replies."""
-    write(f"chatting ({HELP}); Ctrl-D leaves\n")
+    """Read lines until /exit, end of input or Ctrl-C at the prompt; stream each reply (Ctrl-C stops a reply, see
+    the module docstring). Returns the number of replies that ran to their end."""
+    read = read or input  # looked up now, not when the module was imported
+    write(f"chatting ({HELP}); Ctrl-C stops a reply, Ctrl-D leaves\n")
     replies = 0
     while True:
         try:
@@ -116,6 +128,9 @@ def chat_loop(session: ChatSession, read: Callable[[str], str] = input,
             _, dropped = session.reply(line, on_text=write)
         except ValueError as e:
             write(f"\n(error: {e})\n")
+            continue
+        except KeyboardInterrupt:
+            write("\n(reply interrupted: what was shown stays in the history; /reset forgets it)\n")
             continue
         write("\n")
         if dropped:

@@ -26,11 +26,18 @@ Sampling, applied to float32 logits in this order (each step, per row):
 A row stops at a stop token (default: the tokenizer's end-of-text and ``<|im_end|>``), at a stop string (the text
 is cut before it), or after ``max_new_tokens``. Text is streamed in pieces that are safe to show: a piece is held
 back while it could still be the start of a stop string or ends inside a multi-byte character.
+
+The server's continuous batching (``infer/scheduler.py``) keeps one session of this layout and lets requests come
+and go between steps: a request joins with its prompt right-aligned to the current slot (``DecodeSession.prefill_row``
+writes only its own row, so its padding is simply the slots before its prompt), and the occupied span of every row
+is moved left now and then (``DecodeSession.move_columns``) so that the slot does not run off the cache. Each row
+there has its own sampling parameters (``sample_rows``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -58,10 +65,13 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
+        for name in ("temperature", "top_p", "repetition_penalty"):  # NaN passes every comparison below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
@@ -97,9 +107,11 @@ class Completion:
 # logits processing
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits (B, V), seen (B, V) bool: divide positive / multiply negative logits of seen tokens by ``penalty``."""
-    if penalty == 1.0:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor
+                             ) -> torch.Tensor:
+    """logits (B, V), seen (B, V) bool: divide positive / multiply negative logits of seen tokens by ``penalty``
+    (a number, or one per row as a (B, 1) tensor; a row's penalty of 1 leaves it exactly as it was)."""
+    if not isinstance(penalty, torch.Tensor) and penalty == 1.0:
         return logits
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
@@ -160,6 +172,36 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row, each row with its own parameters: logits (R, V) float32; temperature (R,) > 0, top_k (R,)
+    long (0 = off), top_p (R,), uniforms (R,) in [0, 1). The same rules as :func:`sample_next_token` (top-k keeps
+    the logits >= the k-th largest, top-p the smallest most likely set reaching p), worked out on the sorted row.
+
+    The draw is by inverse CDF: the token where the cumulative probability (most likely first) reaches
+    ``u * total``, with ``u`` the row's own uniform number. The caller draws ``u`` from the row's own random
+    stream, so a seeded row's tokens depend on nothing else in the batch (a shared ``torch.Generator`` would hand
+    each row whatever numbers the rows before it left over).
+    """
+    V = logits.size(-1)
+    scaled = logits / temperature[:, None]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)                            # (R,): 0 means all
+    kth = ordered.gather(1, (k - 1)[:, None])                                    # (R, 1)
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    # a token is dropped when the tokens strictly more likely than it already reach top_p (the first one stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    # the first entry whose cumulative mass reaches the target: never a dropped (zero-mass) one
+    pick = torch.searchsorted(cdf, target).clamp_(max=V - 1)
+    return order.gather(1, pick)[:, 0]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # static KV cache and the decode session
 
@@ -182,6 +224,15 @@ class StaticKVCache:
         self.visible_len = max_len
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
 
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> "StaticKVCache":
+        """A cache over existing per-layer tensors (views write through: a row's span of a larger cache)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        cache.max_len = cache.visible_len = k[0].size(2)
+        cache.slots = torch.zeros(1, dtype=torch.long, device=k[0].device)
+        return cache
+
     def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
         self.k[layer].index_copy_(2, self.slots, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, self.slots, v.to(self.v[layer].dtype))
@@ -189,6 +240,15 @@ class StaticKVCache:
         if n == self.max_len:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``. To CUDA through pinned memory without waiting: a plain copy from
+    pageable memory would first wait for everything queued on the stream (a decode step in flight)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # the pinned block is not reused before the copy is done
 
 
 def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) -> int:
@@ -292,24 +352,67 @@ class DecodeSession:
                              f"{self.max_len})")
         pad = [P - len(p) for p in prompts]
         tokens = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, prompts)], dtype=torch.long)
-        tokens = tokens.to(self.device)
         self.pad_len.copy_(torch.tensor(pad, dtype=torch.long))
+        return self._prefill(self.cache, tokens.to(self.device), self.pad_len)
+
+    def _prefill(self, cache: StaticKVCache, tokens: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
+        """Run tokens (B, P), left-padded by ``pad_len`` (B,), into ``cache`` from slot 0 in chunks; the last
+        position's logits (B, V), float32."""
+        B, P = tokens.shape
         chunk = prefill_chunk_len(B, self.model.cfg.padded_vocab_size)
         logits = None
         for start in range(0, P, chunk):
             end = min(P, start + chunk)
             slots = torch.arange(start, end, device=self.device)
-            self.cache.slots, self.cache.visible_len = slots, end
+            cache.slots, cache.visible_len = slots, end
             q = slots[None, :, None]                                     # (1, T, 1) query slots
             k = torch.arange(end, device=self.device)[None, None, :]     # (1, 1, end) key slots
-            pad_len = self.pad_len[:, None, None]
+            pad = pad_len[:, None, None]
             # a padding query sees only itself, so no row of the mask is empty (an empty row gives NaN)
-            visible = (k <= q) & ((k >= pad_len) | (k == q))             # (B, T, end)
-            positions = (slots[None, :] - self.pad_len[:, None]).clamp_min(0)
-            out, _ = self.model(tokens[:, start:end], kv_cache=self.cache, position_ids=positions,
+            visible = (k <= q) & ((k >= pad) | (k == q))                 # (B, T, end)
+            positions = (slots[None, :] - pad_len[:, None]).clamp_min(0)
+            out, _ = self.model(tokens[:, start:end], kv_cache=cache, position_ids=positions,
                                 attn_mask=visible[:, None])
             logits = out[:, -1]
         return logits.float()
+
+    @torch.inference_mode()
+    def prefill_row(self, row: int, prompt: Sequence[int], end: int) -> torch.Tensor:
+        """Prefill one row with its prompt ending just before slot ``end`` (slots ``end - len(prompt)`` .. ``end -
+        1``), the other rows untouched; sets the row's padding to ``end - len(prompt)``. Returns the next-token
+        logits (V,), float32.
+
+        The prompt runs alone over a view of the row's span, so it computes exactly what a one-row session does
+        from slot 0, whatever the other rows hold; the decode step at slot ``end`` then carries on from it.
+        """
+        n = len(prompt)
+        start = end - n
+        if not 0 <= row < self.batch_size or n < 1 or start < 0 or end > self.max_len:
+            raise ValueError(f"decode session: a {n}-token prompt ending at slot {end} in row {row} does not fit "
+                             f"({self.batch_size}, {self.max_len})")
+        view = StaticKVCache.over([k[row:row + 1, :, start:end] for k in self.cache.k],
+                                  [v[row:row + 1, :, start:end] for v in self.cache.v])
+        tokens = to_device([list(prompt)], torch.long, self.device)
+        logits = self._prefill(view, tokens, torch.zeros(1, dtype=torch.long, device=self.device))
+        self.pad_len[row] = start
+        return logits[0]
+
+    @torch.inference_mode()
+    def move_columns(self, lo: int, hi: int, shift: int):
+        """Move the cached keys and values at slots [lo, hi) of every row by ``shift`` slots (negative: left).
+        Positions are rotated into the keys before they are cached, so a moved span stays valid when the caller
+        moves the slot and the rows' padding by the same amount."""
+        if shift == 0 or hi <= lo:
+            return
+        if lo + shift < 0 or hi + shift > self.max_len:
+            raise ValueError(f"decode session: slots [{lo}, {hi}) moved by {shift} leave the cache of "
+                             f"{self.max_len}")
+        for t in (*self.cache.k, *self.cache.v):
+            t[:, :, lo + shift:hi + shift] = t[:, :, lo:hi].clone()  # the spans may overlap
+
+    def set_pad_lens(self, pad: Sequence[int]):
+        """Every row's padding (its first visible slot), as the next decode steps read it."""
+        self.pad_len.copy_(to_device(list(pad), torch.long, self.device))
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
@@ -328,20 +431,42 @@ class DecodeSession:
 
 
 class _RowText:
-    """Incremental detokenisation of one row with stop strings: decides which text is safe to show."""
+    """Incremental detokenisation of one row with stop strings: decides which text is safe to show.
+
+    Each step decodes only the last tokens (between ``WINDOW`` and twice that many): the text of the tokens before
+    them is final and kept. Decoding the whole row every step costs O(length) per token, which for a batch of long
+    replies would take longer than the GPU's decode step. The cut moves only where decoding the two sides apart
+    gives exactly the text of decoding them together (not inside a multi-byte character, not where a tokenizer
+    would drop the leading space of the token after the cut), so the text is always the full decode's.
+    """
+
+    WINDOW = 32
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, list(stop)
         self.ids: list[int] = []
         self.shown = 0
         self.text = ""
+        self.cut = 0       # self.ids[:cut] decode to self.base, whatever follows them
+        self.base = ""
+
+    def _decoded(self) -> str:
+        decode = self.tokenizer.decode
+        tail = decode(self.ids[self.cut:], skip_special=True)
+        if len(self.ids) - self.cut >= 2 * self.WINDOW:
+            at = len(self.ids) - self.WINDOW
+            head, rest = decode(self.ids[self.cut:at], skip_special=True), decode(self.ids[at:], skip_special=True)
+            if head and not head.endswith("\ufffd") and head + rest == tail:
+                self.base, self.cut = self.base + head, at
+                return self.base + rest
+        return self.base + tail
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append a token; return (new showable text, hit a stop string)."""
         self.ids.append(token_id)
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(self.ids, skip_special=True)
+        text = self._decoded()
         hits = [at for at in (text.find(s) for s in self.stop) if at != -1]
         if hits:
             self.text = text[:min(hits)]
@@ -373,8 +498,8 @@ class Generator:
     ``compile``: compile the generic decode step with torch.compile before capturing it (a string is passed as
     torch.compile's ``mode``, e.g. ``"max-autotune-no-cudagraphs"``); it replaces the automatic fused step. Cache
     lengths are rounded up to ``length_bucket`` (so sessions are reused across calls) and generic decode steps
-    read the cache in windows of ``attention_window`` slots. Not thread-safe: one call at a time (the server
-    serialises requests).
+    read the cache in windows of ``attention_window`` slots. Not thread-safe: one call at a time (the server does
+    not call it: its scheduler keeps a session of its own, see ``infer/scheduler.py``).
     """
 
     def __init__(self, model: Z2all, tokenizer=None, cuda_graph: bool | None = None, compile: bool | str = False,

@@ -1,94 +1,138 @@
-"""An OpenAI-compatible HTTP server on the standard library (``http.server``), over :class:`Generator`.
+"""An OpenAI-compatible HTTP server on the standard library (``http.server``), over a continuous-batching scheduler.
 
 Endpoints::
 
     GET  /v1/models             {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
     POST /v1/completions        {"model", "prompt": str | [str, ...], "max_tokens", "temperature", "top_p",
-                                 "stop", "stream", "seed", + extensions "top_k", "repetition_penalty"}
+                                 "stop", "stream", "seed", + extensions "top_k", "repetition_penalty",
+                                 "ignore_eos"}
                                 (a prompt starts a new document: the end-of-text separator goes in front)
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", ... as above}
-    GET  /health                {"status": "ok"}
+    GET  /health                {"status": "ok"} (503 {"status": "draining"} while shutting down)
 
 ``"stream": true`` answers with server-sent events: one ``data: {chunk}`` line per generated piece and a final
-``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it). Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON,
-missing or invalid fields, ``max_tokens`` above the server's limit or a prompt that does not fit the context; 404
-for an unknown model or path; 413 for a body over 1 MiB; 429 when the server is full.
+``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it). Errors are
+JSON ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field at fault: 400 for malformed
+JSON, missing or invalid fields (a number must be finite: ``NaN`` and ``Infinity``, which Python's JSON reader
+accepts, are refused), ``max_tokens`` above the server's limit or a prompt that does not fit the context; 404 for
+an unknown model or path; 413 for a body over 1 MiB; 429 when the queue is full; 503 while shutting down.
+``"ignore_eos": true`` (an extension) keeps generating through stop tokens up to ``max_tokens`` (stop strings still
+apply): every such request produces the same number of tokens, for load tests.
 
-Concurrency: the model runs one generation at a time (a lock; a prompt list in one completions request is one
-batch). Up to ``max_queue`` further requests wait for it in arrival order; a request beyond that is refused at
-once with 429 and a ``Retry-After`` header, rather than piling up threads.
+Concurrency: continuous batching (``infer/scheduler.py``). One background thread owns the model and a pool of
+``max_batch`` KV-cache rows; each decode step advances every running sequence by one token, a new sequence joins
+the batch between two steps (its prompt is prefilled into a free row, the other rows untouched) and a finished or
+cancelled one leaves it, its row reused at once. Each sequence keeps its own sampling parameters, random stream
+(a seeded request gives the same text whatever else runs), stop strings, budget and stream; a prompt list in one
+completions request is one sequence per prompt. Up to ``max_queue`` sequences wait for a row in arrival order; a
+request beyond that is refused at once with 429 and a ``Retry-After`` header rather than piling up threads. A
+client that disconnects cancels its request (noticed at the next write, or within half a second while it waits).
+The HTTP side stays one thread per connection (``ThreadingHTTPServer``): those threads only parse, wait for their
+request's events and write.
+
+Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops accepting (the listening socket closes; a request on a
+kept-alive connection gets 503), lets the running and waiting requests finish for up to ``drain_timeout`` seconds
+(a second signal cuts the wait short), then cancels what is left: those end with ``finish_reason``
+``"cancelled"`` (a stream still ends with ``data: [DONE]``). The exit status is 0 when every request finished and
+143 (128 + SIGTERM) when some had to be cancelled.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import select
+import signal
+import socket
 import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 from zero2all.infer.generate import Generator, SamplingParams
+from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown
 
 MAX_BODY_BYTES = 1 << 20
+EXIT_CANCELLED = 143  # the exit status when the drain timeout ran out and requests were cancelled
 
 
 class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class _FairLock:
-    """A FIFO lock: waiting requests are served in arrival order."""
-
-    def __init__(self):
-        self._mutex = threading.Lock()
-        self._waiters: list[threading.Event] = []
-        self._held = False
-
-    def __enter__(self):
-        with self._mutex:
-            if not self._held and not self._waiters:
-                self._held = True
-                return self
-            ev = threading.Event()
-            self._waiters.append(ev)
-        ev.wait()
-        return self
-
-    def __exit__(self, *exc):
-        with self._mutex:
-            if self._waiters:
-                self._waiters.pop(0).set()  # hand over directly: the lock stays held
-            else:
-                self._held = False
+def _show(value) -> str:
+    """A request value for an error message, cut short (a 4000-digit integer would flood the message)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class InferenceApp:
-    """Request validation and the OpenAI response shapes; the HTTP handler only moves bytes."""
+    """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP handler only moves
+    bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU. ``max_queue``: sequences
+    that may wait for a row (a waiting request costs a thread and its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
-                 default_max_tokens: int = 256, max_queue: int = 8, max_batch: int = 16,
-                 document_start: bool = True):
+                 default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
+                 document_start: bool = True, cache_len: int | None = None):
         if generator.tokenizer is None:
             raise ValueError("the server needs a tokenizer")
+        if max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
         self.generator = generator
         self.model_name = model_name
-        self.max_tokens_limit = min(max_tokens_limit, generator.max_seq_len)
-        self.default_max_tokens = min(default_max_tokens, self.max_tokens_limit)
+        if max_batch is None:
+            max_batch = 16 if generator.device.type == "cuda" else 8
+        self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len)
+        self.context = self.scheduler.context
+        # the limit is what was asked for, even above the context: a request that does not fit is then told so
+        # (400 "context_length_exceeded"), instead of the limit being lowered behind the operator's back
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.max_batch = max_batch
-        self.document_start = document_start
         self.max_queue = max_queue
-        self.admission = threading.BoundedSemaphore(max_queue + 1)  # one running + max_queue waiting
-        self.model_lock = _FairLock()
+        self.document_start = document_start
         self.created = int(time.time())
+        self._inflight = 0
+        self._inflight_cond = threading.Condition()
+
+    def close(self):
+        """Cancel whatever still runs and stop the scheduler's thread."""
+        self.scheduler.stop()
+
+    @property
+    def accepting(self) -> bool:
+        return self.scheduler._accepting
+
+    @contextmanager
+    def tracked(self):
+        """Counts a request from its arrival to its last byte written (the shutdown waits for them)."""
+        with self._inflight_cond:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_cond:
+                self._inflight -= 1
+                self._inflight_cond.notify_all()
+
+    def wait_responses(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._inflight_cond:
+            while self._inflight and (left := deadline - time.monotonic()) > 0:
+                self._inflight_cond.wait(left)
+            return self._inflight == 0
 
     # -- validation -------------------------------------------------------------------------------------------
     def _number(self, body, key, default, lo=None, hi=None, integer=False, lo_open=False):
@@ -97,24 +141,40 @@ class InferenceApp:
             return default
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
         if not ok or isinstance(value, bool):
-            raise RequestError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}",
-                               key)
+            raise RequestError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got "
+                                    f"{_show(value)}", key)
+        if not integer:
+            try:
+                value = float(value)
+            except OverflowError:  # an integer beyond any float
+                value = math.inf
+            if not math.isfinite(value):  # NaN passes every comparison below
+                raise RequestError(400, f"'{key}' must be a finite number, got {_show(body.get(key))}", key)
         if lo is not None and (value <= lo if lo_open else value < lo):
-            raise RequestError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {value}", key)
+            raise RequestError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {_show(value)}", key)
         if hi is not None and value > hi:
-            raise RequestError(400, f"'{key}' must be <= {hi}, got {value}", key)
+            raise RequestError(400, f"'{key}' must be <= {hi}, got {_show(value)}", key)
         return value
 
-    def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool]:
+    def _flag(self, body, key) -> bool:
+        value = body.get(key, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise RequestError(400, f"'{key}' must be true or false, got {_show(value)}", key)
+        return value
+
+    def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
+        """(sampling parameters, stream, include_usage)."""
         if "model" not in body:
             raise RequestError(400, "missing required field 'model'", "model", "missing_field")
         if body["model"] != self.model_name:
-            raise RequestError(404, f"model {body['model']!r} does not exist; this server serves "
+            raise RequestError(404, f"model {_show(body['model'])} does not exist; this server serves "
                                     f"{self.model_name!r}", "model", "model_not_found")
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         max_tokens = self._number(body, key, self.default_max_tokens, lo=1, integer=True)
         if max_tokens > self.max_tokens_limit:
-            raise RequestError(400, f"'{key}' is {max_tokens}, above this server's limit of "
+            raise RequestError(400, f"'{key}' is {_show(max_tokens)}, above this server's limit of "
                                     f"{self.max_tokens_limit}", key, "max_tokens_exceeded")
         stop = body.get("stop")
         if stop is None:
@@ -124,24 +184,28 @@ class InferenceApp:
         if not isinstance(stop, list) or len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
             raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
         n = body.get("n", 1)
-        if n != 1:
+        if n is not None and (n != 1 or isinstance(n, bool)):
             raise RequestError(400, "only n=1 is supported", "n")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError(400, "'stream' must be true or false", "stream")
+        stream = self._flag(body, "stream")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
             raise RequestError(400, "logprobs are not supported by this server", "logprobs")
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise RequestError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                                 or not -(1 << 63) <= seed < (1 << 64)):
+            raise RequestError(400, f"'seed' must be a 64-bit integer, got {_show(seed)}", "seed")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise RequestError(400, "'stream_options' must be an object", "stream_options")
+        include_usage = bool(options.get("include_usage"))
         params = SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=float(self._number(body, "temperature", 1.0, lo=0, hi=2)),
-            top_p=float(self._number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
-            top_k=int(self._number(body, "top_k", 0, lo=0, integer=True)),
-            repetition_penalty=float(self._number(body, "repetition_penalty", 1.0, lo=0, lo_open=True)),
-            stop=tuple(stop), seed=seed)
-        return params, stream
+            temperature=self._number(body, "temperature", 1.0, lo=0, hi=2),
+            top_p=self._number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True),
+            top_k=self._number(body, "top_k", 0, lo=0, integer=True),
+            repetition_penalty=self._number(body, "repetition_penalty", 1.0, lo=0, lo_open=True),
+            stop=tuple(stop), seed=seed,
+            stop_token_ids=[] if self._flag(body, "ignore_eos") else None)
+        return params, stream, include_usage
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
         prompt = body.get("prompt")
@@ -184,7 +248,7 @@ class InferenceApp:
         return list(self.generator.tokenizer.apply_chat_template(clean, add_generation_prompt=True))
 
     def check_fits(self, prompts: list[list[int]], params: SamplingParams):
-        ctx = self.generator.max_seq_len
+        ctx = self.context
         for i, p in enumerate(prompts):
             if len(p) + params.max_new_tokens > ctx:
                 raise RequestError(400, f"prompt {i} has {len(p)} tokens; with max_tokens {params.max_new_tokens} "
@@ -192,41 +256,49 @@ class InferenceApp:
                                    "context_length_exceeded")
 
     # -- responses --------------------------------------------------------------------------------------------
-    def run(self, kind: str, body: dict):
-        """Validate, then return ("json", dict) or ("stream", iterator of dicts); raises RequestError."""
+    def run(self, kind: str, body: dict, alive: Callable[[], bool] | None = None):
+        """Validate and queue, then return ("json", dict) or ("stream", iterator of dicts); raises RequestError.
+        ``alive`` says whether the client is still there (asked while waiting; False cancels the request)."""
         chat = kind == "chat"
-        params, stream = self.parse_common(body, chat)
+        params, stream, include_usage = self.parse_common(body, chat)
         prompts = [self.chat_prompt(body)] if chat else self.completion_prompts(body)
         if "max_tokens" not in body and not (chat and "max_completion_tokens" in body):
             # no budget asked for: the default, cut to what the longest prompt leaves of the context (a small
             # model's context may be no longer than the default); an explicit max_tokens is never shortened
-            room = self.generator.max_seq_len - max(len(p) for p in prompts)
+            room = self.context - max(len(p) for p in prompts)
             if 1 <= room < params.max_new_tokens:
                 params.max_new_tokens = room
         self.check_fits(prompts, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            sub = self.scheduler.submit(prompts, params)
+        except QueueFull as e:
+            raise RequestError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except ShuttingDown as e:
+            raise RequestError(503, str(e), kind="server_error", code="shutting_down",
+                               headers={"Connection": "close"}) from None
         if stream:
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise RequestError(400, "'stream_options' must be an object", "stream_options")
-            return "stream", self._stream(chat, rid, prompts, params, bool(options.get("include_usage")))
-        with self.model_lock:
-            outs = self.generator.generate(prompts, params)
+            return "stream", self._stream(chat, rid, prompts, sub, include_usage, alive)
+        texts, reasons, drawn = [""] * len(prompts), ["length"] * len(prompts), [0] * len(prompts)
+        for ev in sub.events(alive=alive):
+            drawn[ev.index] += ev.token_id >= 0
+            texts[ev.index] += ev.text
+            if ev.finish_reason:
+                reasons[ev.index] = ev.finish_reason
         created = int(time.time())
-        usage = {"prompt_tokens": sum(len(p) for p in prompts),
-                 "completion_tokens": sum(o.num_generated for o in outs)}
+        usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": sum(drawn)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": outs[0].text},
-                        "logprobs": None, "finish_reason": outs[0].finish_reason}]
+            choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
+                        "logprobs": None, "finish_reason": reasons[0]}]
             return "json", {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                             "choices": choices, "usage": usage}
-        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-                   for i, o in enumerate(outs)]
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
         return "json", {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": choices, "usage": usage}
 
-    def _stream(self, chat: bool, rid: str, prompts, params, include_usage: bool = False):
+    def _stream(self, chat: bool, rid: str, prompts, sub, include_usage: bool, alive):
         created = int(time.time())
         drawn = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -239,21 +311,22 @@ class InferenceApp:
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
 
-        with self.model_lock:
+        done = False
+        try:
             if chat:
                 yield chunk(0, "", None, first=True)
-            events = self.generator.stream(prompts, params)
-            try:
-                for ev in events:
-                    drawn += 1
-                    if ev.text or ev.finish_reason:
-                        if chat and ev.text and ev.finish_reason:
-                            yield chunk(ev.index, ev.text, None)
-                            yield chunk(ev.index, "", ev.finish_reason)
-                        else:
-                            yield chunk(ev.index, ev.text, ev.finish_reason)
-            finally:
-                events.close()
+            for ev in sub.events(alive=alive):
+                drawn += ev.token_id >= 0
+                if ev.text or ev.finish_reason:
+                    if chat and ev.text and ev.finish_reason:
+                        yield chunk(ev.index, ev.text, None)
+                        yield chunk(ev.index, "", ev.finish_reason)
+                    else:
+                        yield chunk(ev.index, ev.text, ev.finish_reason)
+            done = True
+        finally:
+            if not done:  # the client went away (or the stream was dropped): free the rows
+                sub.cancel()
         if include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
             usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": drawn}
             usage["total_tokens"] = usage["prompt_tokens"] + drawn
@@ -285,14 +358,27 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             self.wfile.write(data)
 
         def _error(self, err: RequestError, headers=None):
-            self._send_json(err.status, err.body(), headers)
+            if err.headers.get("Connection") == "close":
+                self.close_connection = True
+            self._send_json(err.status, err.body(), {**err.headers, **(headers or {})})
+
+        def _client_alive(self) -> bool:
+            """False once the client has closed its end (a readable socket with nothing to read)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return not readable or bool(self.connection.recv(1, socket.MSG_PEEK))
+            except (OSError, ValueError):
+                return False
 
         def do_GET(self):
             path = self.path.split("?", 1)[0].rstrip("/")
             if path == "/v1/models":
                 self._send_json(200, app.models())
             elif path == "/health":
-                self._send_json(200, {"status": "ok"})
+                if app.accepting:
+                    self._send_json(200, {"status": "ok"})
+                else:
+                    self._send_json(503, {"status": "draining"})
             else:
                 self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
 
@@ -310,13 +396,18 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             raw = self.rfile.read(n)
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # ValueError: an integer too long to convert; RecursionError: nesting too deep
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
             if not isinstance(body, dict):
                 raise RequestError(400, "the body must be a JSON object")
             return body
 
         def do_POST(self):
+            with app.tracked():
+                self._post()
+
+        def _post(self):
             path = self.path.split("?", 1)[0].rstrip("/")
             kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
             try:
@@ -326,11 +417,8 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             except RequestError as e:
                 self.close_connection = True  # the body may be unread: do not reuse the connection,
                 return self._error(e, {"Connection": "close"})  # and say so, or a client may send on it again
-            if not app.admission.acquire(blocking=False):
-                return self._error(RequestError(429, f"server busy: {app.max_queue + 1} requests in flight; "
-                                                     "retry later", kind="rate_limit_error"), {"Retry-After": "1"})
             try:
-                mode, payload = app.run(kind, body)
+                mode, payload = app.run(kind, body, alive=self._client_alive)
                 if mode == "json":
                     self._send_json(200, payload)
                 else:
@@ -339,15 +427,13 @@ def make_handler(app: InferenceApp, quiet: bool = False):
                 self._error(e)
             except ValueError as e:  # a check inside generation
                 self._error(RequestError(400, str(e)))
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+            except (BrokenPipeError, ConnectionError):
+                self.close_connection = True  # the client is gone: its request was cancelled
             except Exception as e:  # noqa: BLE001 - an internal error still answers in JSON
                 self._error(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
-            finally:
-                app.admission.release()
 
         def _send_stream(self, chunks):
-            first = next(chunks)  # run validation-time errors before the 200 goes out
+            first = next(chunks)  # before the 200 goes out: a model error can still be a 500
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -357,9 +443,16 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             try:
                 self.wfile.write(b"data: " + json.dumps(first).encode() + b"\n\n")
                 self.wfile.flush()
-                for c in chunks:
-                    self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
-                    self.wfile.flush()
+                try:
+                    for c in chunks:
+                        self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - the 200 is out: the error goes into the stream
+                    err = RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+                    self.wfile.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                    return
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             finally:
@@ -368,10 +461,16 @@ def make_handler(app: InferenceApp, quiet: bool = False):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the listen backlog: 5 by default, too few for a burst of clients connecting at once
+
+
 def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, tokenizer=None,
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
-                  max_tokens_limit: int = 1024, max_queue: int = 8, cuda_graph: bool | None = None,
-                  compile: bool = False, quiet: bool = False) -> tuple[ThreadingHTTPServer, InferenceApp]:
+                  max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
+                  cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
+                  cache_len: int | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
     ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``."""
@@ -379,21 +478,67 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
 
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
     name = model_name or Path(ckpt).resolve().name
-    app = InferenceApp(Generator(model, tok, cuda_graph=cuda_graph, compile=compile), name, max_tokens_limit=max_tokens_limit,
-                       max_queue=max_queue)
-    httpd = ThreadingHTTPServer((host, port), make_handler(app, quiet=quiet))
-    httpd.daemon_threads = True
-    return httpd, app
+    generator = Generator(model, tok, cuda_graph=cuda_graph, compile=compile)
+    return bind(InferenceApp(generator, name, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
+                             max_batch=max_batch, cache_len=cache_len), host, port, quiet)
 
 
-def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
+def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False
+         ) -> tuple[ThreadingHTTPServer, InferenceApp]:
+    """An HTTP server for an app (not yet serving: ``serve_forever`` or :func:`run_server`)."""
+    return _Server((host, port), make_handler(app, quiet=quiet)), app
+
+
+def shutdown(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
+             hurry: threading.Event | None = None) -> int:
+    """Stop accepting, let requests finish for up to ``drain_timeout`` seconds (less once ``hurry`` is set), cancel
+    the rest, stop. Call it while ``serve_forever`` runs in another thread (``httpd.shutdown`` waits for that loop
+    to end). Returns the exit status: 0, or ``EXIT_CANCELLED`` when requests were cancelled."""
+    app.scheduler.stop_accepting()     # from now on a request on an open connection gets 503
+    httpd.shutdown()                   # the accept loop ends
+    httpd.server_close()               # and the listening socket closes: new connections are refused
+    deadline = time.monotonic() + drain_timeout
+    while app.scheduler.busy() and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+        app.scheduler.wait_idle(min(0.2, max(0.0, deadline - time.monotonic())))
+    cancelled = app.scheduler.drain(0.0)
+    app.wait_responses(5.0)            # the handler threads write their last chunks
+    app.close()
+    print(f"stopped: {cancelled} request(s) cancelled after the drain timeout of {drain_timeout:g} s"
+          if cancelled else "stopped: every request finished", file=sys.stderr, flush=True)
+    return EXIT_CANCELLED if cancelled else 0
+
+
+def run_server(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
+               signals=(signal.SIGTERM, signal.SIGINT)) -> int:
+    """Serve until one of ``signals`` arrives, then :func:`shutdown` (a second signal cancels at once). Run it in
+    the main thread (signal handlers live there). Returns the exit status."""
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame):
+        (hurry if stop.is_set() else stop).set()
+
+    previous = {s: signal.signal(s, on_signal) for s in signals}
+    thread = threading.Thread(target=httpd.serve_forever, name="z2all-http", daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(0.5):
+            if not thread.is_alive():  # the accept loop died: shut down as well
+                break
+        return shutdown(httpd, app, drain_timeout, hurry)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+          **kwargs) -> int:
+    """Load, bind, serve until SIGTERM / Ctrl-C, drain; returns the exit status (see the module docstring)."""
     httpd, app = create_server(ckpt, host, port, **kwargs)
     h, p = httpd.server_address[:2]
-    print(f"serving {app.model_name!r} on http://{h}:{p}/v1 (max_tokens <= {app.max_tokens_limit}, "
-          f"{app.max_queue} queued requests at most); Ctrl-C stops", flush=True)
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
+    print(f"serving {app.model_name!r} on http://{h}:{p}/v1 (max_tokens <= {app.max_tokens_limit}, context "
+          f"{app.context}; {app.max_batch} sequences at once, {app.max_queue} more may wait); SIGTERM or Ctrl-C "
+          f"stops after the running requests (at most {drain_timeout:g} s)", flush=True)
+    if app.max_tokens_limit > app.context:
+        print(f"note: the max_tokens limit {app.max_tokens_limit} is above the model's context of {app.context} "
+              "tokens: a request's prompt + max_tokens must fit the context", flush=True)
+    return run_server(httpd, app, drain_timeout)

@@ -1,0 +1,331 @@
+"""Serving under load: the OpenAI-compatible server with continuous batching, measured end to end over loopback HTTP.
+
+Starts the server in this process on a checkpoint (``--ckpt``) or on a randomly initialised preset (``--config
+tiny | z2all-1.1b | ...``, with a byte-level stand-in tokenizer, so no trained files are needed), or drives a
+server already running (``--url``). For each concurrency level of ``--clients``, that many clients each send
+``--requests`` streaming completions one after the other: a prompt of ``--prompt-len`` tokens (distinct per
+request), ``--max-tokens`` new tokens, greedy, with the ``"ignore_eos": true`` extension so that every request
+generates exactly that many tokens. The clients run in a separate process (asyncio, one connection per request), so
+that their work does not compete with the server for the interpreter lock; they time every streamed chunk.
+
+Per level::
+
+    req/s        completed requests / wall time of the level
+    tok/s        generated tokens (the usage chunk's completion_tokens) / wall time
+    TTFT         time to first token: request sent -> first chunk with text; p50 / p90 / p99 in ms
+    ITL          inter-token latency: the gaps between a request's consecutive text chunks; p50 / p90 / p99 in ms
+                 (one chunk per token, except where the detokeniser holds text back: multi-byte characters)
+    rows/step    generated tokens per decode step: how full the batch was (in-process servers only)
+    errors       failed requests by HTTP status ("conn": the connection failed, "stream": an error chunk)
+
+    python benchmarks/serve_load.py                                      # z2all-1.1b, random init, 1/4/16/64 clients
+    python benchmarks/serve_load.py --config z2all-1.1b --clients 1,16 --requests 8 --json serve_load.json
+    python benchmarks/serve_load.py --ckpt runs/demo/sft/final --clients 1,4,16
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 4
+    python benchmarks/serve_load.py --config tiny --device cpu --clients 1,4 --requests 2 --prompt-len 16 \\
+        --max-tokens 16                                                  # a CPU smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+from urllib.request import urlopen
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the checkout's package, also when run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+WORDS = ("the model reads every weight once per step so a batch of rows shares that cost while each row keeps "
+         "its own cache and sampling state").split()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the clients (run in a child process: ``serve_load.py --client-worker`` reads a job on stdin, writes results)
+
+
+async def _one(host: str, port: int, body: bytes) -> dict:
+    """One streamed request: its HTTP status, when it was sent, when each text chunk arrived, its usage."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+    except OSError:
+        return {"status": "conn"}
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        if not status_line:
+            return {"status": "conn"}
+        status = int(status_line.split()[1])
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+            pass
+        if status != 200:
+            return {"status": status}
+        times, usage = [], None
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                return {"status": "stream"}
+            if obj.get("choices"):
+                if obj["choices"][0].get("text"):
+                    times.append(now)
+            elif obj.get("usage"):
+                usage = obj["usage"]
+        return {"status": 200, "sent": t0, "times": times, "usage": usage}
+    except (OSError, ValueError, IndexError):
+        return {"status": "conn"}
+    finally:
+        writer.close()
+
+
+async def _level(host: str, port: int, bodies: list[list[bytes]]) -> dict:
+    """Every client sends its bodies one after the other; all clients at once."""
+    async def client(mine):
+        return [await _one(host, port, b) for b in mine]
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(client(mine) for mine in bodies))
+    return {"wall": time.perf_counter() - t0, "requests": [r for rs in results for r in rs]}
+
+
+def client_worker() -> int:
+    job = json.loads(sys.stdin.read())
+    bodies = [[b.encode() for b in mine] for mine in job["bodies"]]
+    out = asyncio.run(_level(job["host"], job["port"], bodies))
+    sys.stdout.write(json.dumps(out))
+    return 0
+
+
+def run_level(url: str, bodies: list[list[str]]) -> dict:
+    parts = urlsplit(url)
+    job = {"host": parts.hostname, "port": parts.port or 80, "bodies": bodies}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-worker"], input=json.dumps(job),
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client process failed:\n{proc.stderr}")
+    return json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# numbers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+
+
+def summarise(clients: int, level: dict, steps: int | None) -> dict:
+    reqs = level["requests"]
+    ok = [r for r in reqs if r["status"] == 200 and r.get("usage")]
+    errors: dict[str, int] = {}
+    for r in reqs:
+        if r not in ok:
+            key = str(r["status"] if r["status"] != 200 else "stream")
+            errors[key] = errors.get(key, 0) + 1
+    tokens = sum(r["usage"]["completion_tokens"] for r in ok)
+    ttft = [(r["times"][0] - r["sent"]) * 1e3 for r in ok if r["times"]]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    wall = level["wall"]
+    return {"clients": clients, "requests": len(reqs), "ok": len(ok), "wall_s": wall,
+            "req_per_s": len(ok) / wall, "tok_per_s": tokens / wall, "generated_tokens": tokens,
+            "prompt_tokens_mean": sum(r["usage"]["prompt_tokens"] for r in ok) / max(1, len(ok)),
+            "ttft_ms": {q: percentile(ttft, float(q[1:])) for q in ("p50", "p90", "p99")},
+            "itl_ms": {q: percentile(itl, float(q[1:])) for q in ("p50", "p90", "p99")},
+            "rows_per_step": tokens / steps if steps else None, "errors": errors}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| clients | requests | req/s | tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | rows/step "
+           "| errors |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
+        per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
+        out.append(f"| {r['clients']} | {r['ok']}/{r['requests']} | {r['req_per_s']:.2f} | {r['tok_per_s']:,.0f} | "
+                   f"{t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | {i['p50']:.2f} / {i['p90']:.2f} / "
+                   f"{i['p99']:.2f} | {per_step} | {errors} |")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the server
+
+
+class ByteStandIn:
+    """A tokenizer for randomly initialised presets: text is bytes (ids 0..255); any id decodes to a visible piece
+    (printable ASCII as itself, others as ``<id>``), so random weights stream one piece per token."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_id, self.pad_id, self.im_start_id, self.im_end_id = vocab_size - 1, 0, None, None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return "".join(chr(i) if 32 <= i < 127 else f"<{i}>" for i in ids)
+
+
+def start_server(args):
+    """(httpd, app, base URL) of an in-process server, serving on a free loopback port."""
+    import threading
+
+    import torch
+
+    from zero2all.infer.generate import Generator, load_for_inference
+    from zero2all.infer.server import InferenceApp, bind
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    if args.ckpt:
+        model, tok = load_for_inference(args.ckpt, device=device, dtype=dtype)
+        name = Path(args.ckpt).resolve().name
+    else:
+        from zero2all.config import load_config
+        from zero2all.model.z2all import build_model
+
+        cfg = load_config(args.config).model
+        model = build_model(cfg, device=device, seed=args.seed).to(getattr(torch, dtype)).eval()
+        tok, name = ByteStandIn(cfg.vocab_size), args.config
+    fused = {"auto": None, "fused": True, "generic": False}[args.decode]
+    generator = Generator(model, tok, fused=fused)
+    t0 = time.perf_counter()
+    app = InferenceApp(generator, name, max_tokens_limit=args.max_tokens, max_queue=args.max_queue,
+                       max_batch=args.max_batch)
+    setup = time.perf_counter() - t0
+    httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    host, port = httpd.server_address[:2]
+    session = app.scheduler.session
+    print(f"server: {name} on {device} ({dtype}), {model.num_params():,} parameters; {app.max_batch} rows x "
+          f"{app.scheduler.cache_len} slots; decode step: {'fused' if session.fused else 'generic'}"
+          f"{', CUDA graphs' if session.graphs else ''} (set up in {setup:.1f} s)", flush=True)
+    return httpd, app, f"http://{host}:{port}", tok
+
+
+def prompt_text(tokenizer, n_tokens: int, key: int) -> str:
+    """A distinct text of about ``n_tokens`` tokens (exactly, with a byte-level tokenizer), the separator the server
+    puts in front included; ``key`` makes it unique."""
+    words, text = [f"request {key}:"], ""
+    i = key
+    while True:
+        i = (i * 1103515245 + 12345) % (1 << 31)
+        candidate = " ".join(words + [WORDS[i % len(WORDS)]])
+        size = len(tokenizer.encode(candidate)) if tokenizer is not None else len(candidate) // 4
+        if size > n_tokens - 1:
+            break
+        words.append(WORDS[i % len(WORDS)])
+        text = candidate
+    if tokenizer is not None and isinstance(tokenizer, ByteStandIn):
+        text = (text + " " * n_tokens)[:n_tokens - 1]
+    return text or words[0]
+
+
+def main(argv=None) -> int:
+    if argv is None and sys.argv[1:] == ["--client-worker"]:
+        return client_worker()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--config", default=None, help="a preset, randomly initialised (default z2all-1.1b)")
+    src.add_argument("--ckpt", default=None, help="a checkpoint directory (with its tokenizer)")
+    src.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="with --url: the model id (default: the server's first)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--decode", default="auto", choices=["auto", "fused", "generic"],
+                    help="the decode step: auto (fused on CUDA where supported), fused kernels, or the model's own")
+    ap.add_argument("--max-batch", type=int, default=None, help="batch rows (default: 16 on CUDA, 8 on CPU)")
+    ap.add_argument("--max-queue", type=int, default=None, help="waiting sequences (default: the most clients)")
+    ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
+    ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
+    ap.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the numbers to this file")
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not levels or min(levels) < 1 or args.requests < 1 or args.prompt_len < 2 or args.max_tokens < 1:
+        ap.error("--clients, --requests, --max-tokens must be positive and --prompt-len at least 2")
+    if not (args.ckpt or args.url):
+        args.config = args.config or "z2all-1.1b"
+    if args.max_queue is None:
+        args.max_queue = max(levels)
+
+    httpd = app = tok = None
+    info: dict = {"python": platform.python_version()}
+    if args.url:
+        url = args.url.rstrip("/")
+        model = args.model or json.load(urlopen(f"{url}/v1/models"))["data"][0]["id"]
+    else:
+        import torch
+
+        httpd, app, url, tok = start_server(args)
+        model = app.model_name
+        info.update(torch=torch.__version__, device=torch.cuda.get_device_name() if app.generator.device.type
+                    == "cuda" else "cpu", max_batch=app.max_batch)
+        ctx = app.context
+        if args.prompt_len + args.max_tokens > ctx:
+            ap.error(f"--prompt-len + --max-tokens must fit the model's context of {ctx}")
+
+    def body(key: int) -> str:
+        return json.dumps({"model": model, "prompt": prompt_text(tok, args.prompt_len, key),
+                           "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}})
+
+    try:
+        if args.warmup:
+            run_level(url, [[body(10 ** 6 + i) for i in range(args.warmup)]])
+        results = []
+        for level, clients in enumerate(levels):
+            bodies = [[body(10_000 * level + 100 * c + r) for r in range(args.requests)] for c in range(clients)]
+            steps0 = app.scheduler.steps if app else None
+            out = run_level(url, bodies)
+            steps = app.scheduler.steps - steps0 if app else None
+            results.append(summarise(clients, out, steps))
+            r = results[-1]
+            print(f"  {clients} clients: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s", flush=True)
+    finally:
+        if httpd is not None:
+            from zero2all.infer.server import shutdown
+
+            shutdown(httpd, app, drain_timeout=5.0)
+    src = args.ckpt or args.config or args.url
+    print(f"\n{src}: prompt {args.prompt_len} tokens, {args.max_tokens} new tokens per request (greedy, ignore_eos), "
+          f"{args.requests} requests per client\n")
+    print(table(results))
+    if args.json:
+        payload = {**info, "source": src, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                   "requests_per_client": args.requests, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "results": results}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    failed = sum(r["requests"] - r["ok"] for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

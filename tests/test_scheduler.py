@@ -1,0 +1,324 @@
+"""Continuous batching (zero2all/infer/scheduler.py): rows joining and leaving a running batch compute what each
+prompt computes alone; per-row sampling; cancellation, errors and the queue bound."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from standin_tokenizer import ByteTokenizer, tiny_model_config
+from zero2all.infer.generate import DecodeSession, Generator, SamplingParams, sample_rows
+from zero2all.infer.scheduler import CANCELLED, QueueFull, Scheduler, ShuttingDown
+from zero2all.model.z2all import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a large init std gives peaked logits, so greedy choices are not decided by rounding
+    return build_model(tiny_model_config(initializer_range=0.3), seed=0).eval()
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0, stop_token_ids=[], **kw)
+
+
+def tokens_of(events):
+    """Token ids per sequence index (stop tokens and cancellation markers excluded)."""
+    out = {}
+    for ev in events:
+        out.setdefault(ev.index, [])
+        if ev.token_id >= 0 and not ev.stop_token:
+            out[ev.index].append(ev.token_id)
+    return [out[i] for i in sorted(out)]
+
+
+def reference(model, prompt, params):
+    return Generator(model).generate([prompt], params)[0].token_ids
+
+
+@pytest.fixture
+def make_scheduler(model):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("max_queue", 64)
+        s = Scheduler(Generator(model, ByteTokenizer()), **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def run_all(sched, jobs):
+    """Submit every (prompt, params) at once (they queue and join as rows free up); events per job, in order."""
+    subs = [sched.submit([p], params) for p, params in jobs]
+    return [list(sub.events()) for sub in subs]
+
+
+def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler):
+    """Ten sequences of different lengths and budgets through three rows of a 64-slot cache: rows join while
+    others run, the occupied span moves (right for a long prompt, left when the common padding grows), and every
+    sequence's greedy tokens equal those of its prompt generated alone."""
+    sched = make_scheduler(max_batch=3, cache_len=64, compact_min=4)
+    lengths = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20]
+    budgets = [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
+    jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m))
+            for i, (n, m) in enumerate(zip(lengths, budgets))]
+    results = run_all(sched, jobs)
+    for (prompt, params), events in zip(jobs, results):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+        assert events[-1].finish_reason == "length" and len(events) == params.max_new_tokens
+    stats = sched.stats()
+    assert stats["moves"] > 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["finished"] == {"length": len(jobs)}
+
+
+def test_rows_keep_their_own_parameters_in_one_batch(model, make_scheduler):
+    """Greedy rows with and without a repetition penalty, and seeded sampled rows, in one batch: the greedy ones
+    equal the one-prompt Generator, a seeded one gives the same tokens alone and among others."""
+    sched = make_scheduler(max_batch=4)
+    p1, p2, p3 = [5, 9, 200], list(range(30, 47)), [100, 101, 102]
+    penalised = greedy(max_new_tokens=16, repetition_penalty=1.5)
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=11, stop_token_ids=[])
+    alone = tokens_of(sched.generate([p3], sampled))
+    with sched.paused():  # all four join in the same iteration
+        subs = [sched.submit([p1], greedy(max_new_tokens=12)), sched.submit([p2], penalised),
+                sched.submit([p3], sampled), sched.submit([p3], SamplingParams(max_new_tokens=16, temperature=1.0,
+                                                                                seed=12, stop_token_ids=[]))]
+    got = [tokens_of(list(s.events())) for s in subs]
+    assert got[0] == [reference(model, p1, greedy(max_new_tokens=12))]
+    assert got[1] == [reference(model, p2, penalised)]
+    assert got[2] == alone
+    assert got[3] != alone  # another seed
+
+
+def test_prompt_list_seeds_each_prompt(model, make_scheduler):
+    """Prompt i of a seeded request draws from seed + i: the same prompt twice gives two different samples, and
+    the second equals the prompt alone with seed + 1."""
+    sched = make_scheduler(max_batch=4)
+    p = [5, 9, 200]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, stop_token_ids=[])
+    both = tokens_of(sched.generate([p, p], params))
+    assert both[0] != both[1]
+    assert both[1] == tokens_of(sched.generate([p], SamplingParams(**{**params.__dict__, "seed": 4})))[0]
+
+
+def test_sample_rows_follows_each_rows_distribution():
+    """Inverse-CDF draws over a grid of uniforms reproduce each row's filtered softmax; top-k 1 / a tiny top-p
+    are the argmax."""
+    V, N = 6, 6000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0, 0.3, 3.0, 0.1, 0.2, 1.0]])
+    u = (torch.arange(N) + 0.5) / N
+    for row, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 3, 1.0)]):
+        x = logits[row].expand(N, V)
+        draws = sample_rows(x, torch.full((N,), t), torch.full((N,), k), torch.full((N,), p), u)
+        expected = torch.softmax(logits[row] / t, -1)
+        if k:
+            expected = torch.where(logits[row] >= logits[row].topk(k).values[-1], expected, 0.0)
+            expected /= expected.sum()
+        freq = torch.bincount(draws, minlength=V).float() / N
+        torch.testing.assert_close(freq, expected, atol=2e-3, rtol=0)
+    # top-p: the smallest most likely set reaching p (here the first two tokens: 0.5 + 0.3 >= 0.8)
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    x = probs.log().expand(N, 4)
+    draws = sample_rows(x, torch.ones(N), torch.zeros(N, dtype=torch.long), torch.full((N,), 0.8), u)
+    assert set(draws.tolist()) == {0, 1}
+    one = sample_rows(logits, torch.ones(2), torch.tensor([1, 0]), torch.tensor([1.0, 1e-6]), torch.tensor([.9, .9]))
+    assert one.tolist() == logits.argmax(-1).tolist()
+
+
+def test_prefill_row_touches_only_its_row(model):
+    """A row prefilled at any slot gives the one-row session's logits and leaves the other rows' caches alone;
+    move_columns keeps a row's logits when the padding and the slot move with it."""
+    s = DecodeSession(model, 3, 48, cuda_graph=False)
+    s.prefill([[1, 2, 3], [4, 5, 6], [7, 8, 9]], 0)
+    before = [k.clone() for k in s.cache.k]
+    prompt = list(range(40, 52))
+    logits = s.prefill_row(1, prompt, end=30)
+    alone = DecodeSession(model, 1, 48, cuda_graph=False).prefill([prompt], 0)[0]
+    torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
+    for k, k0 in zip(s.cache.k, before):
+        assert torch.equal(k[[0, 2]], k0[[0, 2]]) and torch.equal(k[1, :, :18], k0[1, :, :18])
+    assert s.pad_len.tolist()[1] == 18
+    tok = torch.tensor([3, 7, 3])
+    s.set_pad_lens([30, 18, 30])
+    ref = s.decode(tok, 30)[1]
+    s.move_columns(18, 30, -10)  # the prompt's span (the step above wrote slot 30, rewritten below at 20)
+    s.set_pad_lens([20, 8, 20])
+    torch.testing.assert_close(s.decode(tok, 20)[1], ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        s.prefill_row(0, prompt, end=5)
+
+
+def test_cancel_frees_rows_and_queue_bound(model, make_scheduler):
+    """Cancelled sequences (running or waiting) end with "cancelled" and free their rows; the queue holds
+    max_queue sequences beyond the free rows; after drain nothing is accepted."""
+    sched = make_scheduler(max_batch=2, max_queue=1)
+    long = greedy(max_new_tokens=100)
+    with sched.paused():
+        a = sched.submit([[1, 2, 3]], long)
+        b = sched.submit([[4, 5]], long)
+        c = sched.submit([[6]], greedy(max_new_tokens=5))   # waits: both rows taken
+        with pytest.raises(QueueFull):
+            sched.submit([[7]], long)
+        a.cancel()
+        b.cancel()
+    assert [e.finish_reason for e in a.events()][-1] == CANCELLED
+    assert list(b.events())[-1].finish_reason == CANCELLED
+    assert tokens_of(list(c.events())) == [reference(model, [6], greedy(max_new_tokens=5))]
+    assert sched.wait_idle(10)
+    # a long request stopped by the drain
+    d = sched.submit([[8, 9]], long)
+    assert sched.drain(0.0) == 1
+    assert list(d.events())[-1].finish_reason == CANCELLED
+    with pytest.raises(ShuttingDown):
+        sched.submit([[1]], greedy(max_new_tokens=2))
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(model, make_scheduler, monkeypatch):
+    sched = make_scheduler(max_batch=2)
+    calls = {"n": 0}
+    decode = sched.session.decode
+
+    def flaky(tokens, slot):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return decode(tokens, slot)
+
+    monkeypatch.setattr(sched.session, "decode", flaky)
+    monkeypatch.setattr("traceback.print_exc", lambda **kw: None)
+    sub = sched.submit([[1, 2]], greedy(max_new_tokens=10))
+    with pytest.raises(RuntimeError, match="fell over"):
+        list(sub.events())
+    again = sched.generate([[1, 2]], greedy(max_new_tokens=10))
+    assert tokens_of(again) == [reference(model, [1, 2], greedy(max_new_tokens=10))]
+
+
+def test_requests_from_many_threads(model, make_scheduler):
+    """Submissions from several threads at once, some while others run: each gets exactly its own tokens."""
+    sched = make_scheduler(max_batch=4)
+    prompts = [[(11 * i + j) % 256 for j in range(1 + i % 7)] for i in range(12)]
+    out = [None] * len(prompts)
+
+    def client(i):
+        out[i] = tokens_of(sched.generate([prompts[i]], greedy(max_new_tokens=4 + i % 5)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts):
+        assert out[i] == [reference(model, p, greedy(max_new_tokens=4 + i % 5))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_fused_step_with_rows_joining(make_scheduler):
+    """The fused decode step (one slot for every row, each row's padding from the device) under joins and moves:
+    greedy tokens equal the generic step's one-prompt generation."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
+    m = build_model(cfg, device=device, seed=0).eval()
+    sched = Scheduler(Generator(m, ByteTokenizer(), fused=True, cuda_graph=False), max_batch=2, max_queue=8,
+                      cache_len=24, compact_min=2)
+    try:
+        assert sched.session.fused is not None
+        # the second prompt is longer than the slot the first one left: the first row moves right for it
+        jobs = [([5, 9, 200], greedy(max_new_tokens=3)), (list(range(30, 44)), greedy(max_new_tokens=3))]
+        results = run_all(sched, jobs)
+        generic = Generator(m, fused=False, cuda_graph=False)
+        for (prompt, params), events in zip(jobs, results):
+            assert tokens_of(events) == [generic.generate([prompt], params)[0].token_ids]
+        assert sched.stats()["moves"] > 0
+    finally:
+        sched.stop()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_stopping_early_with_and_without_a_step_in_flight(model, make_scheduler, pipelined):
+    """Rows that end on a stop token, a stop string or their budget, while others go on and new ones join; with
+    ``pipelined`` (as on CUDA) the next step is already queued when the host sees that a row has ended."""
+    tok = ByteTokenizer()
+    gen = Generator(model, tok)
+    sched = make_scheduler(max_batch=3, cache_len=96, compact_min=4, pipelined=pipelined)
+    jobs = []
+    for i in range(8):
+        prompt = [(13 * i + 5 * j) % 250 for j in range(2 + 3 * i)]
+        free = gen.generate([prompt], greedy(max_new_tokens=16))[0]
+        if i % 3 == 0:    # a stop token drawn mid-way
+            params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[free.token_ids[3 + i % 4]])
+        elif i % 3 == 1:  # a stop string
+            window = next((free.text[k:k + 2] for k in range(2, len(free.text) - 2)
+                           if "\ufffd" not in free.text[k:k + 2]), None)
+            params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[],
+                                    stop=(window,) if window else ())
+        else:
+            params = greedy(max_new_tokens=5 + i)
+        jobs.append((prompt, params))
+    results = run_all(sched, jobs)
+    for (prompt, params), events in zip(jobs, results):
+        ref = gen.generate([prompt], params)[0]
+        assert tokens_of(events) == [ref.token_ids]
+        assert "".join(e.text for e in events) == ref.text and events[-1].finish_reason == ref.finish_reason
+        assert len(events) == ref.num_generated
+    assert sched.stats()["running"] == 0
+
+
+def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler):
+    """Sequences that each fill the whole context, started at different times: with the default cache (twice the
+    context) each joins as soon as a row is free, so three of them share every step once all have joined."""
+    ctx = model.cfg.max_seq_len
+    sched = make_scheduler(max_batch=3)
+    assert sched.cache_len == 2 * ctx and sched.context == ctx
+    jobs = [([(3 * i + j) % 250 for j in range(ctx // 2)], greedy(max_new_tokens=ctx // 2)) for i in range(3)]
+    subs = [sched.submit([jobs[0][0]], jobs[0][1])]
+    for prompt, params in jobs[1:]:  # each joins while the ones before it are running
+        before = sched.stats()["steps"]
+        wait_until(lambda: sched.stats()["steps"] >= before + 5)
+        subs.append(sched.submit([prompt], params))
+        wait_until(lambda: sched.stats()["waiting"] == 0)  # admitted at the next iteration, not after the others
+        assert sched.stats()["running"] == len(subs)
+    for (prompt, params), sub in zip(jobs, subs):
+        assert tokens_of(list(sub.events())) == [reference(model, prompt, params)]
+
+
+def wait_until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.002)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused):
+    """On CUDA: the decode step as a CUDA graph (fused kernels or the model's own step), pipelined, with rows
+    joining, leaving and moving; float32, so greedy tokens equal the one-prompt Generator's."""
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
+    m = build_model(cfg, device="cuda", seed=0).eval()
+    sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=4, max_queue=32, cache_len=96,
+                      compact_min=4)
+    try:
+        assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == fused
+        lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
+        jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m_))
+                for i, (n, m_) in enumerate(zip(lengths, budgets))]
+        jobs.append(([5, 9, 200], SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.4,
+                                                 stop_token_ids=[])))
+        results = run_all(sched, jobs)
+        alone = Generator(m, fused=False, cuda_graph=False)
+        for (prompt, params), events in zip(jobs, results):
+            assert tokens_of(events) == [alone.generate([prompt], params)[0].token_ids]
+        assert sched.stats()["moves"] > 0
+        seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, stop_token_ids=[])
+        one = tokens_of(sched.generate([[1, 2, 3]], seeded))
+        busy = run_all(sched, [([1, 2, 3], seeded)] + jobs[:3])
+        assert tokens_of(busy[0]) == one
+    finally:
+        sched.stop()

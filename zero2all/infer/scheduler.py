@@ -1,0 +1,506 @@
+"""Continuous batching: one thread owns the model and a fixed pool of KV-cache rows that requests come and go from.
+
+The pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by ``cache_len`` slots, in the
+session's usual layout: every row writes its next token at the same cache slot (the *column*), and a row's
+padding (the slots before its first token) is hidden by the attention mask, while its RoPE positions start at 0 as
+if it were alone. So the decode step is unchanged (the same CUDA graph, the fused kernels on CUDA); what is new is
+that rows change between steps::
+
+    column ->        0    1    2    3    4    5    6    7
+    row 0 (old)      p    p    p    g    g    g    g  | next token at the column
+    row 1 (joined)   .    .    .    .    q    q    q  |   (its prompt ends just before it)
+    row 2 (free)     .    .    .    .    .    .    .  |   (computes garbage that nobody reads)
+
+Each scheduler iteration:
+
+1. drops the rows of cancelled requests (a client that went away, a shutdown);
+2. admits waiting sequences, in arrival order, into free rows: a sequence's prompt is prefilled alone into its row,
+   right-aligned to end just before the column (``DecodeSession.prefill_row``, which touches no other row), and
+   its first token is drawn from that prefill;
+3. draws the next token of every running row, each with its own parameters (temperature, top-k, top-p,
+   repetition penalty) and its own random stream (``random.Random(seed + prompt index)``, so a seeded sequence's
+   tokens do not depend on its neighbours: ``generate.sample_rows``);
+4. runs one decode step for all rows at the column (on CUDA it is queued before the host looks at the tokens, as
+   in ``Generator.stream``), then hands each row's token to its stop checks and streams the text; a finished row
+   is free for the next iteration.
+
+Fitting rows into the cache. Every row's span ends at the column, so a sequence with a prompt of n tokens and a
+budget of m new tokens can join at column c when c >= n (room for its prompt) and c + m <= cache_len (room for its
+tokens), and the rows already running must keep room for theirs. When that fails, the whole occupied span moves
+left or right (``DecodeSession.move_columns``: one copy per layer; positions are rotated into the cached keys, so
+a moved key stays valid); when even that cannot make room, the sequence waits for rows to finish (the first
+waiting sequence blocks the ones behind it, so that a long one is not overtaken forever). With a cache of twice
+the context (``default_cache_len``, when the memory allows) that never happens: the rows' current spans and their
+remaining budgets are each at most one context, so every sequence joins as soon as a row is free. With a cache of
+one context, sequences that each use up to half of it always fit together; longer ones may wait. The span is also
+moved left when the rows' common padding grows past a quarter of the column, so that the decode step reads only
+about as many slots as the longest row holds, whatever the cache's length.
+
+Numerics: a row computes the same thing as a one-row ``Generator`` (the same prompt prefill, the same masked
+decode step); rounding may still differ in the last bits where a kernel's reduction order depends on the batch
+(matrix products on a GPU), which can flip a greedy choice between two nearly equal logits. One exception to the
+rows' independence: a model with dynamic-NTK RoPE scaling rescales its frequencies by the longest position in the
+step, so there a row's numbers depend on the longest row beside it (as in a left-padded ``Generator`` batch).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from zero2all.infer.generate import (DecodeSession, GenerationEvent, Generator, SamplingParams, _RowText,
+                                     apply_repetition_penalty, argmax_rows, sample_rows, to_device)
+
+CANCELLED = "cancelled"  # the finish_reason of a sequence stopped before it ended (disconnect, shutdown)
+
+
+class QueueFull(Exception):
+    """More sequences wait than the queue holds: try again later."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler no longer accepts requests."""
+
+
+class Submission:
+    """A request's handle: :meth:`events` yields its sequences' events in order; :meth:`cancel` frees its rows."""
+
+    def __init__(self, scheduler: "Scheduler", n: int):
+        self._scheduler = scheduler
+        self.n = n                    # sequences (prompts) in the request
+        self.cancelled = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def cancel(self):
+        """Stop the request: its rows are freed at the scheduler's next iteration (each sequence then ends with
+        finish_reason "cancelled")."""
+        if not self.cancelled:
+            self.cancelled = True
+            self._scheduler._wake()
+
+    def events(self, poll: float = 0.5, alive: Callable[[], bool] | None = None) -> Iterator[GenerationEvent]:
+        """Events until each sequence has had its final one (``finish_reason`` set). Raises the error the model
+        ran into, if any. ``alive`` is asked every ``poll`` seconds while nothing arrives: when it says False the
+        request is cancelled and ``ConnectionAbortedError`` raised. Leaving the loop early cancels the request."""
+        left = self.n
+        try:
+            while left:
+                try:
+                    ev = self._queue.get(timeout=poll)
+                except queue.Empty:
+                    if alive is not None and not alive():
+                        raise ConnectionAbortedError("the client went away") from None
+                    continue
+                if isinstance(ev, BaseException):
+                    left = 0
+                    raise ev
+                if ev.finish_reason:
+                    left -= 1
+                yield ev
+        finally:
+            if left:
+                self.cancel()
+
+
+class _Seq:
+    """One prompt of a request, waiting or in a row."""
+
+    def __init__(self, sub: Submission, index: int, prompt: list[int], params: SamplingParams, stop_ids, rng,
+                 tokenizer):
+        self.sub, self.index, self.prompt, self.params = sub, index, prompt, params
+        self.stop_ids = stop_ids
+        self.rng = rng                # random.Random for a sampled sequence, None for a greedy one
+        self.text = _RowText(tokenizer, params.stop)
+        self.row = -1
+        self.pad = 0                  # its first cache slot
+        self.drawn = 0                # tokens drawn so far (a stop token included)
+
+    @property
+    def end(self) -> int:
+        """One past the last slot this sequence may need."""
+        return self.pad + len(self.prompt) + self.params.max_new_tokens
+
+    def emit(self, ev: GenerationEvent | BaseException):
+        self.sub._queue.put(ev)
+
+
+def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
+    """Twice the model's context when a cache that long takes at most half of the free GPU memory (``cpu_budget``
+    bytes on CPU), else the context (see the module docstring for what the second length costs)."""
+    cfg, w = model.cfg, model.embed_tokens.weight
+    per_slot = 2 * cfg.n_layers * max_batch * cfg.n_kv_heads * cfg.head_dim * w.element_size()  # keys + values
+    budget = torch.cuda.mem_get_info(w.device)[0] // 2 if w.device.type == "cuda" else cpu_budget
+    return 2 * cfg.max_seq_len if per_slot * 2 * cfg.max_seq_len <= budget else cfg.max_seq_len
+
+
+class Scheduler:
+    """Continuous batching over ``generator``'s model (see the module docstring); a background thread runs it.
+
+    ``max_batch`` rows, each ``cache_len`` slots (default: ``default_cache_len``); up to ``max_queue`` sequences
+    may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
+    ``pipelined`` (None: on CUDA): queue each decode step before the host reads the tokens drawn for it.
+    """
+
+    def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
+                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        model = generator.model
+        self.generator = generator
+        self.tokenizer = generator.tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.cache_len = cache_len or default_cache_len(model, max_batch)
+        self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
+        self.compact_min = compact_min
+        self.vocab = model.cfg.padded_vocab_size
+        self.device = generator.device
+        self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
+                                     compile=generator.compile, window=generator.attention_window,
+                                     fused=generator.use_fused(max_batch))
+        self.default_stop_ids = frozenset(generator.default_stop_ids())
+        self._cond = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._rows: list[_Seq | None] = [None] * max_batch
+        self._col = 0                 # the cache slot the next decode step writes
+        self._logits: torch.Tensor | None = None  # (B, V) float32: every running row's next-token logits
+        self._changed = True          # rows joined, left or moved: the per-row tensors are rebuilt
+        self._seen: torch.Tensor | None = None    # (B, V) bool, for repetition penalties
+        self._penalty = self._sampled = None
+        self._accepting, self._paused, self._stopping = True, False, False
+        self.steps = 0                # decode steps run
+        self.moves = 0                # times the occupied span was moved
+        self.finished: Counter = Counter()  # sequences ended, by finish_reason ("error" for a failed step)
+        on_cuda = self.device.type == "cuda"
+        self.pipelined = on_cuda if pipelined is None else pipelined
+        self._host = torch.empty(max_batch, dtype=torch.long, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None
+        self._thread = threading.Thread(target=self._run, name="z2all-scheduler", daemon=True)
+        if start:
+            self._thread.start()
+
+    # -- the requests' side ------------------------------------------------------------------------------------
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Submission:
+        """Queue one sequence per prompt (token ids); raises ValueError for what can never run, QueueFull,
+        ShuttingDown. Prompt i of a seeded request draws from ``random.Random(seed + i)``."""
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            raise ValueError("no prompt")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + params.max_new_tokens > self.context:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed "
+                                 f"the context of {self.context}")
+            bad = [t for t in p if not 0 <= t < self.vocab]
+            if bad:
+                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary (0..{self.vocab - 1})")
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts in one request; at most {self.max_batch} (the batch rows)")
+        stop_ids = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        sub = Submission(self, len(prompts))
+        seqs = []
+        for i, p in enumerate(prompts):
+            rng = None
+            if params.temperature > 0:
+                rng = random.Random(params.seed + i if params.seed is not None else os.urandom(16))
+            seqs.append(_Seq(sub, i, p, params, stop_ids, rng, self.tokenizer))
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            free = self._rows.count(None)
+            if len(self._waiting) + len(seqs) - free > self.max_queue:
+                raise QueueFull(f"server busy: {self.max_batch} running and {self.max_queue} waiting sequences at "
+                                "most; retry later")
+            self._waiting.extend(seqs)
+            self._cond.notify_all()
+        return sub
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationEvent]:
+        """Submit and wait: every event, in order (a convenience for tests and scripts)."""
+        return list(self.submit(prompts, params).events())
+
+    # -- control -----------------------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._waiting) or any(s is not None for s in self._rows)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
+                    "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing runs or waits; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._waiting or any(s is not None for s in self._rows):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def pause(self):
+        """No scheduler iteration starts until :meth:`resume` (requests queue up; cancellations are still
+        handled): for tests and maintenance."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self):
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def paused(self):
+        """:meth:`pause` for the duration of a ``with`` block."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
+    def stop_accepting(self):
+        with self._cond:
+            self._accepting = False
+
+    def drain(self, timeout: float) -> int:
+        """Stop accepting; let running and waiting sequences finish for up to ``timeout`` seconds, then cancel what
+        is left (finish_reason "cancelled"). Returns the number of requests cancelled."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy_locked() and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            subs = {id(s.sub): s.sub for s in (*self._rows, *self._waiting) if s is not None}
+            for sub in subs.values():
+                sub.cancelled = True
+            self._cond.notify_all()
+            end = time.monotonic() + 10.0  # the loop hands out the final events at its next iteration
+            while self._busy_locked() and time.monotonic() < end and self._thread.is_alive():
+                self._cond.wait(0.1)
+        return len(subs)
+
+    def stop(self, timeout: float = 10.0):
+        """Cancel everything and end the thread."""
+        with self._cond:
+            self._accepting, self._stopping = False, True
+            for s in (*self._rows, *self._waiting):
+                if s is not None:
+                    s.sub.cancelled = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _wake(self):
+        with self._cond:
+            self._cond.notify_all()
+
+    def _busy_locked(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._rows)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _run(self):
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while True:
+                        self._reap()
+                        if self._stopping and not self._busy_locked():
+                            return
+                        if not self._paused and self._busy_locked():
+                            break
+                        self._cond.wait()
+                    ops = self._admit()
+                try:
+                    self._step(ops)
+                except Exception as e:  # noqa: BLE001 - the requests in the batch fail, the server goes on
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail(e)
+
+    def _reap(self):
+        """(Lock held.) End the sequences of cancelled requests, running or waiting."""
+        for seq in self._rows:
+            if seq is not None and seq.sub.cancelled:
+                self._finish(seq, GenerationEvent(seq.index, -1, seq.text.finish(), CANCELLED))
+        if any(s.sub.cancelled for s in self._waiting):
+            for seq in [s for s in self._waiting if s.sub.cancelled]:
+                seq.emit(GenerationEvent(seq.index, -1, "", CANCELLED))
+                self.finished[CANCELLED] += 1
+            self._waiting = deque(s for s in self._waiting if not s.sub.cancelled)
+            self._cond.notify_all()
+
+    def _finish(self, seq: _Seq, ev: GenerationEvent):
+        seq.emit(ev)
+        self.finished[ev.finish_reason] += 1
+        self._rows[seq.row] = None
+        self._changed = True
+        self._cond.notify_all()
+
+    def _fail(self, cause: Exception):
+        """The step failed: every running sequence gets the error, its request is cancelled; the cache restarts.
+        The error is a RuntimeError whatever the cause (a ValueError from inside would read as the client's)."""
+        error = RuntimeError(f"generation failed: {type(cause).__name__}: {cause}")
+        error.__cause__ = cause
+        with self._cond:
+            for seq in self._rows:
+                if seq is not None:
+                    seq.sub.cancelled = True
+                    seq.emit(error)
+                    self.finished["error"] += 1
+                    self._rows[seq.row] = None
+            self._logits, self._changed = None, True
+            self._cond.notify_all()
+
+    def _placement(self, n: int, m: int) -> int | None:
+        """(Lock held.) How far to move the occupied span so that a prompt of n tokens with m new tokens fits
+        right-aligned at the column (0: it fits as is), or None when it cannot join now."""
+        running = [s for s in self._rows if s is not None]
+        if not running:
+            return n - self._col  # an empty cache: start over
+        c, L = self._col, self.cache_len
+        lo = max(n - c, -min(s.pad for s in running))              # room for its prompt; no row's start below 0
+        hi = min(L - m - c, L - max(s.end for s in running))      # room for its tokens and the others' tokens
+        if lo > hi:
+            return None
+        return 0 if lo <= 0 <= hi else (lo if lo > 0 else hi)
+
+    def _move(self, shift: int) -> tuple:
+        """(Lock held.) Move the occupied span (host bookkeeping now; the copy is an op for the step)."""
+        running = [s for s in self._rows if s is not None]
+        lo = min((s.pad for s in running), default=self._col)
+        op = ("move", lo, self._col, shift)
+        self.moves += bool(running)
+        for s in running:
+            s.pad += shift
+        self._col += shift
+        self._changed = True
+        return op
+
+    def _admit(self) -> list[tuple]:
+        """(Lock held.) Give free rows to waiting sequences in arrival order; returns the device ops to run."""
+        ops = []
+        while self._waiting and None in self._rows:
+            seq = self._waiting[0]
+            shift = self._placement(len(seq.prompt), seq.params.max_new_tokens)
+            if shift is None:
+                break
+            self._waiting.popleft()
+            if shift:
+                ops.append(self._move(shift))
+            seq.row = self._rows.index(None)
+            seq.pad = self._col - len(seq.prompt)
+            self._rows[seq.row] = seq
+            self._changed = True
+            ops.append(("prefill", seq, self._col))
+        running = [s for s in self._rows if s is not None]
+        if running:
+            common = min(s.pad for s in running)
+            if common >= max(self.compact_min, self._col // 4):  # slots that no row reads: drop them
+                ops.append(self._move(-common))
+        return ops
+
+    def _rebuild(self):
+        """The per-row tensors after rows joined, left or moved: padding, sampling parameters."""
+        rows, dev = self._rows, self.device
+        self.session.set_pad_lens([s.pad if s is not None else self._col for s in rows])  # free: see itself
+        sampled = [r for r, s in enumerate(rows) if s is not None and s.params.temperature > 0]
+        self._sampled = None
+        if sampled:
+            p = [rows[r].params for r in sampled]
+            self._sampled = (sampled, to_device(sampled, torch.long, dev),
+                             to_device([x.temperature for x in p], torch.float32, dev),
+                             to_device([min(x.top_k, self.vocab) for x in p], torch.long, dev),
+                             to_device([x.top_p for x in p], torch.float32, dev))
+        penalties = [s.params.repetition_penalty if s is not None else 1.0 for s in rows]
+        self._penalty = None
+        if any(p != 1.0 for p in penalties):
+            self._penalty = to_device(penalties, torch.float32, dev)[:, None]
+        self._changed = False
+
+    def _step(self, ops: list[tuple]):
+        S, B = self.session, self.max_batch
+        for op in ops:
+            if op[0] == "move":
+                S.move_columns(*op[1:])
+                continue
+            _, seq, end = op
+            row_logits = S.prefill_row(seq.row, seq.prompt, end)
+            if self._logits is None:
+                self._logits = torch.zeros(B, row_logits.numel(), dtype=torch.float32, device=self.device)
+            self._logits[seq.row] = row_logits
+            if seq.params.repetition_penalty != 1.0:
+                if self._seen is None:
+                    self._seen = torch.zeros(B, row_logits.numel(), dtype=torch.bool, device=self.device)
+                self._seen[seq.row] = False
+                self._seen[seq.row, to_device(seq.prompt, torch.long, self.device)] = True
+        if self._changed:
+            self._rebuild()
+        running = [s for s in self._rows if s is not None]
+        if not running:
+            return
+
+        logits = self._logits
+        if self._penalty is not None:
+            logits = apply_repetition_penalty(logits, self._seen, self._penalty)
+        tokens = argmax_rows(logits)                                                  # (B,): greedy rows
+        if self._sampled is not None:
+            rows, idx, temperature, top_k, top_p = self._sampled
+            u = to_device([self._rows[r].rng.random() for r in rows], torch.float32, self.device)
+            tokens[idx] = sample_rows(logits[idx], temperature, top_k, top_p, u)
+        if self._penalty is not None:
+            self._seen.scatter_(1, tokens[:, None], True)
+
+        on_cuda = self.device.type == "cuda"
+        launched = False
+        if self.pipelined:
+            # queue the next step before the host looks at the tokens (the GPU keeps busy meanwhile); rows that
+            # turn out to have finished just run along and are ignored
+            if on_cuda:
+                self._host.copy_(tokens, non_blocking=True)
+                self._copied.record()
+            if any(s.drawn + 1 < s.params.max_new_tokens for s in running):
+                self._logits, launched = S.decode(tokens, self._col), True
+            if on_cuda:
+                self._copied.synchronize()
+            host = self._host.tolist() if on_cuda else tokens.tolist()
+        else:
+            host = tokens.tolist()
+        with self._cond:
+            for seq in running:
+                if not seq.sub.cancelled:
+                    self._advance(seq, host[seq.row])
+            still = any(s is not None for s in self._rows)
+        if not self.pipelined and still:  # nothing runs ahead: step only for the rows that go on
+            self._logits, launched = S.decode(tokens, self._col), True
+        self.steps += launched
+        if launched:
+            self._col += 1
+        else:
+            self._logits = None
+
+    def _advance(self, seq: _Seq, tok: int):
+        """(Lock held.) One drawn token of a running sequence: stop checks and its streamed text."""
+        seq.drawn += 1
+        if tok in seq.stop_ids:
+            return self._finish(seq, GenerationEvent(seq.index, tok, seq.text.finish(), "stop", stop_token=True))
+        piece, hit_stop = seq.text.add(tok)
+        if hit_stop:
+            self._finish(seq, GenerationEvent(seq.index, tok, piece, "stop"))
+        elif seq.drawn >= seq.params.max_new_tokens:
+            self._finish(seq, GenerationEvent(seq.index, tok, piece + seq.text.finish(), "length"))
+        else:
+            seq.emit(GenerationEvent(seq.index, tok, piece))
