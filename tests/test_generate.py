@@ -1,9 +1,15 @@
 import pytest
 import torch
-
 from standin_tokenizer import ByteTokenizer, tiny_model_config
-from zero2all.infer.generate import (DecodeSession, Generator, SamplingParams, _RowText, apply_repetition_penalty,
-                                     filter_top_k_top_p)
+
+from zero2all.infer.generate import (
+    DecodeSession,
+    Generator,
+    SamplingParams,
+    _RowText,
+    apply_repetition_penalty,
+    filter_top_k_top_p,
+)
 from zero2all.model.z2all import build_model
 
 PROMPTS = [[5, 9, 200], list(range(30, 47)), [7], [100, 101, 102, 103, 104, 105, 106, 107, 108]]

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-
 from standin_tokenizer import ByteTokenizer, tiny_model_config
+
 from zero2all.infer.generate import DecodeSession, Generator, SamplingParams, sample_rows
 from zero2all.infer.scheduler import CANCELLED, QueueFull, Scheduler, ShuttingDown
 from zero2all.model.z2all import build_model

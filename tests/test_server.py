@@ -5,8 +5,8 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-
 from standin_tokenizer import ByteTokenizer, tiny_model_config
+
 from zero2all.infer.generate import Generator
 from zero2all.infer.server import InferenceApp, bind, create_server
 from zero2all.model.io import save_model

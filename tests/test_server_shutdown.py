@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from standin_tokenizer import ByteTokenizer, tiny_model_config
+
 from zero2all.infer.generate import Generator
 from zero2all.infer.server import EXIT_CANCELLED, InferenceApp, bind, shutdown
 from zero2all.model.io import save_model

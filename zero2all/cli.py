@@ -562,8 +562,13 @@ def _serve(p):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-queue", type=int, default=8,
-                   help="requests that may wait while one generates; more get HTTP 429")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="sequences that may wait for a batch row while all rows are busy; more get HTTP 429")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoded together, one KV-cache row each (default: 16 on CUDA, 8 on CPU)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C: seconds to let running and queued requests finish before cancelling "
+                        "them (exit status 143 if any was cancelled; a second signal cancels at once)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
@@ -572,9 +577,10 @@ def _serve(p):
     def run(args):
         from zero2all.infer.server import serve
 
-        serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
-              model_name=args.model_name, device=args.device, dtype=args.dtype,
-              max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, compile=args.compile)
+        return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
+                     model_name=args.model_name, device=args.device, dtype=args.dtype,
+                     max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
+                     drain_timeout=args.drain_timeout, compile=args.compile)
 
     return run
 

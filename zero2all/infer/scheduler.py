@@ -58,8 +58,17 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from zero2all.infer.generate import (DecodeSession, GenerationEvent, Generator, SamplingParams, _RowText,
-                                     apply_repetition_penalty, argmax_rows, sample_rows, to_device)
+from zero2all.infer.generate import (
+    DecodeSession,
+    GenerationEvent,
+    Generator,
+    SamplingParams,
+    _RowText,
+    apply_repetition_penalty,
+    argmax_rows,
+    sample_rows,
+    to_device,
+)
 
 CANCELLED = "cancelled"  # the finish_reason of a sequence stopped before it ended (disconnect, shutdown)
 
