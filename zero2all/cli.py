@@ -434,7 +434,7 @@ def _demo(p):
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
     p.add_argument("--sft-minutes", type=float, default=1.5,
                    help="time budget of the SFT stage on docstring instructions (0 = skip it)")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes; 0 = skip it)")
     _overrides(p)
 
     def run(args):
