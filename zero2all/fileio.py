@@ -460,6 +460,8 @@ def os_error_message(exc: OSError, path: str | os.PathLike, what: str = "write",
         line += f" (errno {exc.errno})"
     if exc.errno in _NO_SPACE:
         line += f"; free space or choose another {option}"
+    elif exc.errno in _NOT_WRITABLE and what == "read":
+        line += f"; check its permissions or choose another {option}"
     elif exc.errno in _NOT_WRITABLE:  # read-only file system, permission denied
         line += f"; choose a writable {option}"
     return line
