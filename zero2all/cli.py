@@ -217,9 +217,12 @@ def _reader_args(p: argparse.ArgumentParser):
 def _train_tokenizer(p):
     p.add_argument("--input", nargs="+", action="extend", default=None, metavar="PATH",
                    help="files, directories, globs, or 'stdlib' (the default); NAME=PATH also accepted")
-    p.add_argument("--vocab-size", type=int, required=True, help="total size incl. special tokens; rounded up to "
-                                                                  "a multiple of 64")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="total size incl. the 16 special tokens, at least 336 (337 with spm); rounded up to a "
+                        "multiple of 64 (said when it changes the number). A corpus too small for that many merges "
+                        "gives a smaller vocabulary, with a warning line naming the size obtained")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically; checked writable before "
+                                                "training starts)")
     p.add_argument("--backend", default="hf", choices=["hf", "spm"])
     p.add_argument("--max-memory-gb", type=float, default=8.0,
                    help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
