@@ -477,12 +477,18 @@ def _sampling_args(p, max_new_tokens: int, temperature: float):
 
 
 def _tokenizer_override(args):
-    """The tokenizer named by ``--tokenizer``, or None (then the checkpoint's own is used)."""
+    """The tokenizer named by ``--tokenizer``, or None (then the checkpoint's own is used). Checked against the
+    checkpoint first: an error when its ids exceed the model's vocabulary, a warning when it is not the tokenizer
+    the model was trained with."""
     if not args.tokenizer:
         return None
+    from zero2all.model.io import check_inference_tokenizer
     from zero2all.tokenizer import load_tokenizer
 
-    return load_tokenizer(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
+    for line in check_inference_tokenizer(args.ckpt, tok, args.tokenizer):
+        print(line, file=sys.stderr)
+    return tok
 
 
 def _load_generator(args):

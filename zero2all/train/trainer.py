@@ -48,7 +48,7 @@ from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
-from zero2all.model.io import copy_tokenizer_files, save_model
+from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, save_model
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
     MetricsLogger,
@@ -324,9 +324,9 @@ class Trainer:
     def _attach_tokenizer(self, tok) -> None:
         """The model must cover the tokenizer's ids; the special ids go into the model config (for export)."""
         m = self.cfg.model
-        if tok.vocab_size > m.padded_vocab_size:
-            raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
-                              f"({tok.vocab_size} ids, tokenizer {self.tokenizer_dir})")
+        warning = check_tokenizer_fits(tok, m, str(self.tokenizer_dir))  # more ids than rows: ConfigError
+        if warning:
+            self._print(warning)
         if m.eos_token_id is None and getattr(tok, "eos_id", None) is not None:
             m.eos_token_id = tok.eos_id
         if m.pad_token_id is None and getattr(tok, "pad_id", None) is not None:
