@@ -218,6 +218,12 @@ def test_strict_failure_leaves_the_output_as_it_was(corpus, tok_dir, tmp_path, c
     (existing / "README").write_text("keep")
     assert main(args + ["--out", str(existing)]) == 2
     assert _entries(existing) == ["README"] and (existing / "README").read_text() == "keep"
+    # --overwrite deletes the earlier output first; what the failed run wrote under the same names goes too
+    assert main(["prepare", "--input", str(corpus / "good.jsonl"), "--tokenizer", str(tok_dir), "--workers", "1",
+                 "--no-progress", "--chunk-mb", "0.002", "--shard-chunks", "1", "--out", str(existing)]) == 0
+    assert len(list(existing.glob("train_*.bin"))) > 2
+    assert main(args + ["--out", str(existing), "--overwrite"]) == 2
+    assert _entries(existing) == ["README"]
 
 
 # ---------------------------------------------------------------------------------------------------- demo

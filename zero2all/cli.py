@@ -712,8 +712,10 @@ def _option_naming(path: str, args) -> str | None:
     """The command-line option whose value ``path`` is or lies under (``--out``, ``--ckpt``, ...)."""
     best = None
     for dest, value in vars(args).items():
+        if dest.startswith("_") or dest in ("command", "overrides"):
+            continue
         for v in (value if isinstance(value, list) else [value]):
-            if not isinstance(v, str) or dest.startswith("_") or not v:
+            if not isinstance(v, str) or not v or not (dest == "out" or os.path.exists(v)):
                 continue
             try:
                 inside = os.path.commonpath([os.path.abspath(path), os.path.abspath(v)]) == os.path.abspath(v)

@@ -419,7 +419,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
     out = Path(out_dir)
     created = make_dirs(out)
-    before = set(os.listdir(out))
+    before = _snapshot(out)
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                              txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
@@ -429,9 +429,21 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
         # finished shard groups for a resume.
         if not isinstance(e, OSError) or isinstance(e, FileNotFoundError):
-            _remove_outputs(out, only={name for name in os.listdir(out) if name not in before})
+            now = _snapshot(out)
+            written = {name for name in now if before.get(name) != now[name]}  # new, or replaced (atomic writes)
+            _remove_outputs(out, keep={STATE_FILE} if STATE_FILE in before else set(), only=written)
             remove_empty_dirs(created)
         raise
+
+
+def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
+    """{name: (inode, size, mtime_ns)} of the files in ``out``: what a failed run compares to find what it wrote."""
+    snap = {}
+    for entry in os.scandir(out):
+        if entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            snap[entry.name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return snap
 
 
 def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
