@@ -148,6 +148,17 @@ def test_prepare_with_only_empty_or_held_out_documents_fails(tok_dir, tmp_path, 
     assert not out.exists()
 
 
+def test_pretrain_on_too_little_data_is_one_line(tok_dir, tmp_path, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"content": "ab"}\n')
+    prepare([str(one)], tok_dir, tmp_path / "data", workers=1, valid_fraction=0.0, log=_quiet)
+    assert main(["pretrain", "--config", "tiny", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                 "--no-progress", *TINY_MODEL, "model.vocab_size=512", "model.max_seq_len=16", *QUIET_RUN,
+                 "train.max_steps=1"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "pretrain")
+    assert "split 'train' has 3 tokens: fewer than world_size * seq_len + 1 = 17" in line
+
+
 SMALL_GROUPS = dict(workers=1, valid_fraction=0.05, chunk_bytes=2_000, shard_chunks=1, log=_quiet)
 
 
