@@ -368,6 +368,31 @@ def test_dpo_reference_modes_agree_and_match_the_formula(world, tmp_path):
     assert (pre / "reference_logprobs.pt").exists()
 
 
+def test_eval_report_follows_the_objective(world, tmp_path, capsys):
+    """DPO's loss is no per-token cross-entropy: its eval line and record carry the loss and the reward accuracy
+    and margin, no perplexity; SFT's keep the perplexity (exp of the mean loss)."""
+    run = ["train.max_steps=2", "train.eval_every=2", "train.eval_batches=1", "post.valid_fraction=0.3",
+           "train.micro_batch_size=3"]
+    dpo(dpo_cfg(world, tmp_path / "dpo", *run, f"post.ref='{world['other']}'"), show_progress=False)
+    sft(sft_cfg(world, tmp_path / "sft", *run), show_progress=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert len(lines) == 4  # before training and at step 2, for each run
+    dpo_lines, sft_lines = lines[:2], lines[2:]
+    for line in dpo_lines:
+        assert "perplexity" not in line and "| rewards/accuracy " in line and "| rewards/margin " in line, line
+    assert all("| perplexity " in line and "rewards" not in line for line in sft_lines), sft_lines
+    dpo_eval = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()
+                if json.loads(x)["kind"] == "eval"]
+    for rec in dpo_eval:
+        assert "ppl" not in rec and 0.0 <= rec["rewards/accuracy"] <= 1.0
+        assert rec["rewards/margin"] == pytest.approx(rec["rewards/chosen"] - rec["rewards/rejected"], abs=1e-5)
+    assert "perplexity" not in (tmp_path / "dpo" / "report.md").read_text()
+    sft_eval = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+                if json.loads(x)["kind"] == "eval"]
+    assert sft_eval[-1]["ppl"] == pytest.approx(math.exp(sft_eval[-1]["loss"]))
+    assert "perplexity" in (tmp_path / "sft" / "report.md").read_text()
+
+
 def test_prepared_dpo_pairs_equal_in_memory_and_train_the_same(world, tmp_path, capsys):
     """`z2all prepare-dpo` shards give the same batches as the jsonl path (truncation, dropping and the rank split
     included), the DPO run from the directory logs the same losses as from the jsonl, and the kinds are checked."""

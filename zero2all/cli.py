@@ -8,11 +8,18 @@ Commands that take dotted ``key=value`` config overrides accept them anywhere on
 (``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). Options that set a config key
 (``--out`` -> ``train.out_dir``) are passed to ``zero2all.config.build_config`` as typed values: they win over the
 ``--config`` file, and naming the same key with an option and an override is an error.
+
+Exit codes: 0 success; 2 bad usage, config or input (a missing file included), one ``error:`` line; 1 an operating
+system failure while reading or writing (read-only or full disk, permissions), one line naming the path, what failed
+and what to do (``zero2all.fileio.os_error_message``); 130 / 143 a training run stopped by SIGINT / SIGTERM after
+saving a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import re
 import sys
 from pathlib import Path
@@ -185,7 +192,7 @@ def _data_errors(name: str, fn):
 
         try:
             return fn(args)
-        except (BadInputError, ValueError, OSError) as e:
+        except (BadInputError, ValueError) as e:  # OS errors go to main: one line naming the path, exit code 1
             print(f"z2all {name}: error: {e}", file=sys.stderr)
             return 2
 
@@ -210,9 +217,12 @@ def _reader_args(p: argparse.ArgumentParser):
 def _train_tokenizer(p):
     p.add_argument("--input", nargs="+", action="extend", default=None, metavar="PATH",
                    help="files, directories, globs, or 'stdlib' (the default); NAME=PATH also accepted")
-    p.add_argument("--vocab-size", type=int, required=True, help="total size incl. special tokens; rounded up to "
-                                                                  "a multiple of 64")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="total size incl. the 16 special tokens, at least 336 (337 with spm); rounded up to a "
+                        "multiple of 64 (said when it changes the number). A corpus too small for that many merges "
+                        "gives a smaller vocabulary, with a warning line naming the size obtained")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically; checked writable before "
+                                                "training starts)")
     p.add_argument("--backend", default="hf", choices=["hf", "spm"])
     p.add_argument("--max-memory-gb", type=float, default=8.0,
                    help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
@@ -434,7 +444,7 @@ def _demo(p):
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
     p.add_argument("--sft-minutes", type=float, default=1.5,
                    help="time budget of the SFT stage on docstring instructions (0 = skip it)")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes; 0 = skip it)")
     _overrides(p)
 
     def run(args):
@@ -467,12 +477,18 @@ def _sampling_args(p, max_new_tokens: int, temperature: float):
 
 
 def _tokenizer_override(args):
-    """The tokenizer named by ``--tokenizer``, or None (then the checkpoint's own is used)."""
+    """The tokenizer named by ``--tokenizer``, or None (then the checkpoint's own is used). Checked against the
+    checkpoint first: an error when its ids exceed the model's vocabulary, a warning when it is not the tokenizer
+    the model was trained with."""
     if not args.tokenizer:
         return None
+    from zero2all.model.io import check_inference_tokenizer
     from zero2all.tokenizer import load_tokenizer
 
-    return load_tokenizer(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
+    for line in check_inference_tokenizer(args.ckpt, tok, args.tokenizer):
+        print(line, file=sys.stderr)
+    return tok
 
 
 def _load_generator(args):
@@ -681,6 +697,69 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errors that can only come from writing: without a file name they are blamed on the command's --out
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _final_name(path: str) -> str:
+    """``path`` with temporaries named as the file or directory they were to become: ``.config.json.<hex>.tmp``
+    (``zero2all.fileio``) -> ``config.json``, ``.tmp-ckpt-000200`` (a checkpoint being written) ->
+    ``ckpt-000200``."""
+    from zero2all.fileio import temporary_target
+
+    parts = list(Path(path).parts)
+    for i, part in enumerate(parts):
+        target = temporary_target(part)
+        parts[i] = target if target is not None else part[len(".tmp-"):] if part.startswith(".tmp-") else part
+    return str(Path(*parts)) if parts else path
+
+
+def _option_naming(path: str, args) -> str | None:
+    """The command-line option whose value ``path`` is or lies under (``--out``, ``--ckpt``, ...)."""
+    best = None
+    for dest, value in vars(args).items():
+        if dest.startswith("_") or dest in ("command", "overrides"):
+            continue
+        for v in (value if isinstance(value, list) else [value]):
+            if not isinstance(v, str) or not v or not (dest == "out" or os.path.exists(v)):
+                continue
+            try:
+                inside = os.path.commonpath([os.path.abspath(path), os.path.abspath(v)]) == os.path.abspath(v)
+            except ValueError:
+                continue
+            if inside and (best is None or dest == "out"):
+                best = dest
+    return "--" + best.replace("_", "-") if best else None
+
+
+def os_error_line(exc: OSError, args) -> str:
+    """One line for an OSError that reached the command: the path (the option's value when the error names none),
+    what failed and what to do."""
+    from zero2all.fileio import os_error_message
+
+    path = exc.filename if exc.filename is not None else exc.filename2
+    if path is None and exc.errno in _WRITE_ERRNOS and getattr(args, "out", None):
+        path = args.out
+    if path is None:
+        return f"{exc.strerror or exc}" + (f" (errno {exc.errno})" if exc.errno is not None else "")
+    path = _final_name(os.fsdecode(path))
+    option = _option_naming(path, args)
+    writing = exc.errno in _WRITE_ERRNOS or option == "--out" or (option is None and hasattr(args, "out"))
+    return os_error_message(exc, path, "write" if writing else "read", option or "--out")
+
+
+def _wrapped_os_error(exc: BaseException) -> OSError | None:
+    """The OSError inside an exception that collects per-rank failures (torch.distributed.checkpoint's
+    CheckpointException: ``failures`` = {rank: (exception, traceback)}), if there is one."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, OSError):
+                return inner
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -700,6 +779,15 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only or full disk, permissions: the writes are atomic, so nothing was damaged
+        print(f"z2all {args.command}: error: {os_error_line(e, args)}", file=sys.stderr)
+        return 1
+    except BaseException as e:
+        inner = _wrapped_os_error(e)
+        if inner is None:
+            raise
+        print(f"z2all {args.command}: error: {os_error_line(inner, args)}", file=sys.stderr)
+        return 1
     code = int(result or 0)
     dist_module = sys.modules.get("zero2all.distributed.env")
     if dist_module is not None:  # a torchrun worker leaves without gloo's teardown (see finish_process)

@@ -117,12 +117,15 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
              vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None,
              sft_minutes: float = 1.5, sft_steps: int | None = None) -> dict:
     from zero2all import checkpoint as ckpt_io
-    from zero2all.config import load_config
+    from zero2all.config import ConfigError, load_config
     from zero2all.corpus.readers import stdlib_files
     from zero2all.data.pretokenize import prepare
     from zero2all.tokenizer import load_tokenizer, train_tokenizer
     from zero2all.train.trainer import Trainer, pick_device, sample_continuation
 
+    if sft_steps is not None and sft_steps < 0:
+        raise ConfigError(f"--sft-steps {sft_steps}: must be >= 0 (0 skips the SFT stage)")
+    with_sft = sft_steps > 0 if sft_steps is not None else sft_minutes > 0  # 0 steps or 0 minutes: no SFT stage
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -184,7 +187,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     if "last_eval_loss" in summary:
         print(f"validation loss {summary['first_eval_loss']:.3f} (before training) -> "
               f"{summary['last_eval_loss']:.3f} (perplexity {summary['last_eval_ppl']:.1f}) at step {steps}")
-    if sft_minutes > 0 or sft_steps:
+    if with_sft:
         sft_summary = run_sft_stage(out, out / "final", summary.get("median_step_time_s") or 1.0, sft_minutes,
                                     sft_steps)
         if "last_eval_loss" in sft_summary:
@@ -193,5 +196,5 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     print(f"demo finished in {(time.time() - t_start) / 60:.1f} minutes. Outputs in {out}/: report.md, loss.png, "
           f"metrics.jsonl, tensorboard/, final/ (model + tokenizer), ckpt-*/ (resumable), tokenizer/, data/"
           + (", sft/ (the fine-tuned model: z2all chat --ckpt " + str(out / "sft" / "final") + "), sft-data/"
-             if sft_minutes > 0 or sft_steps else ""))
+             if with_sft else ""))
     return summary

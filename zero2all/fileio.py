@@ -388,6 +388,45 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def make_dirs(path: str | os.PathLike) -> list[Path]:
+    """``mkdir -p path``; returns the directories it created, outermost first (empty when ``path`` existed), so
+    that a command that fails can take them back (:func:`remove_empty_dirs`)."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Delete the directories ``make_dirs`` created, innermost first, as long as they are empty."""
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def check_writable(target: str | os.PathLike) -> list[Path]:
+    """Make sure ``target`` can be written before any long work: create its parent directory (returns what
+    :func:`make_dirs` created) and create and delete a probe file beside it (named as a temporary of ``target``,
+    so a leftover is cleaned like one). An OSError names ``target``."""
+    target = Path(target)
+    created = make_dirs(target.parent)
+    probe = temporary_path(target)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        remove_empty_dirs(created)
+        raise OSError(e.errno, e.strerror, os.fspath(target)) from e
+    return created
+
+
 def _remove(path: Path, ignore_errors: bool = False) -> None:
     """Delete a file, a link or a whole directory tree."""
     try:
@@ -421,6 +460,8 @@ def os_error_message(exc: OSError, path: str | os.PathLike, what: str = "write",
         line += f" (errno {exc.errno})"
     if exc.errno in _NO_SPACE:
         line += f"; free space or choose another {option}"
+    elif exc.errno in _NOT_WRITABLE and what == "read":
+        line += f"; check its permissions or choose another {option}"
     elif exc.errno in _NOT_WRITABLE:  # read-only file system, permission denied
         line += f"; choose a writable {option}"
     return line

@@ -80,9 +80,11 @@ class PackedDataset:
         self.num_tokens = int(self.shard_starts[-1])
         self.num_windows_total = max(self.num_tokens - 1, 0) // seq_len
         self.num_windows = self.num_windows_total // world_size
-        if self.num_windows == 0:
-            raise ValueError(f"{self.data_dir}: split {split!r} has {self.num_tokens:,} tokens: fewer than "
-                             f"world_size * seq_len + 1 = {world_size * seq_len + 1}; lower seq_len or add data")
+        if self.num_windows == 0:  # a ConfigError: the command says it in one line (exit code 2)
+            from zero2all.config import ConfigError
+
+            raise ConfigError(f"{self.data_dir}: split {split!r} has {self.num_tokens:,} tokens: fewer than "
+                              f"world_size * seq_len + 1 = {world_size * seq_len + 1}; lower seq_len or add data")
         self._maps: dict = {}
         self._pid = None
 

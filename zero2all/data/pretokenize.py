@@ -27,9 +27,19 @@ meta.json reports the realised token share of each source. Held-out documents ar
 ``< 1`` still subsamples them, so the valid split follows the mixture).
 
 **Resume.** A group is complete when its ``shard_XXXXX.json`` exists (written after its shards are renamed into
-place). Re-running the same command skips the chunks of complete groups (they are read but not tokenized); a
-run with a different tokenizer or settings is refused instead of mixing shards. Every file is written under a
-temporary name and renamed (``zero2all.fileio``); the temporaries a killed run leaves are deleted on resume.
+place). Re-running the same command skips the chunks of complete groups (they are read but not tokenized). A resume
+requires the same settings (sources, tokenizer, split, chunking) and the same input files (size and modification
+time); the groups carry that key, so no shard of another run is ever reused. What ``--out`` holds decides:
+
+- an unfinished run (``_state.json``) of other settings or inputs (a corrected rerun: another input list, another
+  tokenizer, a fixed file) is replaced: its shards are deleted and this run starts over;
+- a finished output (``meta.json``) of the same settings is left as is ("nothing to do"); of other settings it is
+  refused unless ``overwrite`` (``--overwrite``) deletes it first.
+
+A run that fails on its input (a ``--strict`` error, no text left for the train split, too few tokens for
+``seq_len``) deletes what it wrote and the directories it created, so ``--out`` is as it was; an interruption or an
+OS error (a full disk) keeps the finished groups for a resume. Every file is written under a temporary name and
+renamed (``zero2all.fileio``); the temporaries a killed run leaves are deleted on resume.
 """
 
 from __future__ import annotations
@@ -47,8 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
-from zero2all.fileio import AtomicFile, atomic_write, temporary_target
+from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
+from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_dirs, temporary_target
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"
@@ -58,6 +68,10 @@ FORMAT_VERSION = 1
 
 class TokenizerMismatchError(ValueError):
     """Shards were made with another tokenizer than the one in use."""
+
+
+class NoDocumentsError(ValueError):
+    """The inputs left no text for the train split (every record skipped or empty, or all held out)."""
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
@@ -196,27 +210,66 @@ def _fingerprint(specs, tokenizer_hash, valid_fraction, chunk_bytes, shard_chunk
             "shard_chunks": shard_chunks, "txt_mode": txt_mode, "dtype": str(dtype)}
 
 
-def _check_existing(out: Path, fingerprint: dict, overwrite: bool) -> dict | None:
-    """Refuse to mix with shards of another tokenizer or other settings; returns a complete meta if there is one."""
+def _input_stamp(specs: list[SourceSpec]) -> dict:
+    """{file: [size, mtime_ns]} of every input file: an unfinished run resumes only over the same files."""
+    stamp = {}
+    for s in specs:
+        for p in s.paths:
+            for f in expand_paths(str(p)):
+                st = os.stat(f)
+                stamp[f] = [st.st_size, st.st_mtime_ns]
+    return stamp
+
+
+def _run_key(fingerprint: dict, stamp: dict) -> str:
+    """What a resume must match: the settings (sources, tokenizer, split, chunking) and the input files as they
+    are now. Finished shard groups carry it; only groups with this run's key are reused."""
+    return _hash_obj({"fingerprint": fingerprint, "inputs": stamp})
+
+
+def _difference(old_fp: dict, fingerprint: dict, old_stamp: dict | None, stamp: dict) -> str:
+    diff = [k for k in fingerprint if old_fp.get(k) != fingerprint[k]]
+    if diff:
+        return f"settings ({', '.join(diff)} differ)"
+    changed = sorted(set(stamp) ^ set(old_stamp or {}) | {f for f in stamp if (old_stamp or {}).get(f) != stamp[f]})
+    if old_stamp is None or not changed:
+        return "inputs"
+    return f"input files ({changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} changed)"
+
+
+def _check_existing(out: Path, fingerprint: dict, stamp: dict, overwrite: bool, log) -> dict | None:
+    """What ``out`` holds decides: a FINISHED output (meta.json) of other settings is refused (``--overwrite``
+    replaces it) and one of the same settings is returned as is; an UNFINISHED run (``_state.json``) of other
+    settings or input files is replaced (its shards are deleted, never mixed with this run's)."""
     if overwrite:
         _remove_outputs(out)
         return None
-    for name in (META_FILE, STATE_FILE):
-        f = out / name
-        if not f.exists():
-            continue
-        old = json.loads(f.read_text(encoding="utf-8"))
+    meta_file = out / META_FILE
+    if meta_file.exists():
+        old = json.loads(meta_file.read_text(encoding="utf-8"))
         old_fp = old.get("fingerprint", {})
         if old_fp.get("tokenizer_hash") != fingerprint["tokenizer_hash"]:
             raise TokenizerMismatchError(
-                f"{f}: these shards were made with tokenizer {str(old_fp.get('tokenizer_hash'))[:16]}, not "
-                f"{fingerprint['tokenizer_hash'][:16]}; use another --out, or --overwrite to start over")
+                f"{out} holds a finished `z2all prepare` output made with tokenizer "
+                f"{str(old_fp.get('tokenizer_hash'))[:16]}, not {fingerprint['tokenizer_hash'][:16]}; use another "
+                f"--out, or --overwrite to replace it")
         if old_fp != fingerprint:
-            diff = [k for k in fingerprint if old_fp.get(k) != fingerprint[k]]
-            raise ValueError(f"{f}: {out} was prepared with other settings ({', '.join(diff)} differ); use another "
-                             f"--out, or --overwrite to start over")
-        if name == META_FILE:
-            return old
+            raise ValueError(f"{out} holds a finished `z2all prepare` output made with other "
+                             f"{_difference(old_fp, fingerprint, None, stamp)}; use another --out, or --overwrite "
+                             f"to replace it")
+        return old
+    state_file = out / STATE_FILE
+    if state_file.exists():
+        try:
+            old = json.loads(state_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = {}
+        if old.get("run_key") != _run_key(fingerprint, stamp):
+            groups = len(list(out.glob("shard_*.json")))
+            reason = _difference(old.get("fingerprint", {}), fingerprint, old.get("inputs"), stamp)
+            log(f"{out}: an unfinished run with other {reason} was here; replacing it ({groups} finished shard "
+                f"group{'s' if groups != 1 else ''} deleted)")
+            _remove_outputs(out)
     return None
 
 
@@ -236,17 +289,13 @@ def _is_temporary(name: str) -> bool:
     return (target is not None and _is_output(target)) or bool(_OLD_TEMPORARY.match(name))
 
 
-def _remove_outputs(out: Path) -> None:
-    """Delete what `prepare` writes (and only that: other files in the directory stay)."""
+def _remove_outputs(out: Path, keep: set[str] = frozenset(), only: set[str] | None = None) -> None:
+    """Delete what `prepare` writes (and only that: other files in the directory stay), except the names in
+    ``keep``; with ``only``, just the names in it."""
     for f in out.iterdir():
+        if f.name in keep or (only is not None and f.name not in only):
+            continue
         if f.is_file() and (_is_output(f.name) or _is_temporary(f.name)):
-            f.unlink()
-
-
-def _remove_temporaries(out: Path) -> None:
-    """Delete the half-written files a killed run left (the shard group it was writing is redone)."""
-    for f in out.iterdir():
-        if f.is_file() and _is_temporary(f.name):
             f.unlink()
 
 
@@ -281,7 +330,7 @@ class _GroupWriter:
                 acc[i] += x
         self.chunks += 1
 
-    def finish(self, fingerprint: dict) -> dict:
+    def finish(self, run_key: str) -> dict:
         info = {"group": self.g, "chunks": self.chunks, "per_source": dict(self.per_source)}
         for split in ("train", "valid"):
             lens = np.concatenate(self.lens[split]) if self.lens[split] else np.empty(0, np.int64)
@@ -293,7 +342,7 @@ class _GroupWriter:
             self.shards[split].commit()
             info[split] = {"bin": f"{base}.bin", "idx": f"{base}.idx.npy", "tokens": int(offsets[-1]),
                            "docs": int(len(lens))}
-        info["fingerprint_hash"] = _hash_obj(fingerprint)
+        info["run_key"] = run_key
         with atomic_write(self.out / f"shard_{self.g:05d}.json") as f:
             json.dump(info, f, indent=1)
         return info
@@ -308,13 +357,12 @@ def _hash_obj(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _completed_groups(out: Path, fingerprint: dict) -> dict[int, dict]:
+def _completed_groups(out: Path, run_key: str) -> dict[int, dict]:
     done = {}
-    fp = _hash_obj(fingerprint)
     for f in sorted(out.glob("shard_*.json")):
         info = json.loads(f.read_text(encoding="utf-8"))
         files_ok = all((out / info[s]["bin"]).exists() and (out / info[s]["idx"]).exists() for s in ("train", "valid"))
-        if info.get("fingerprint_hash") == fp and files_ok:
+        if info.get("run_key") == run_key and files_ok:
             done[info["group"]] = info
     return done
 
@@ -368,16 +416,51 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     specs = _parse_sources(inputs, weights, text_field)
     workers = max(1, workers or os.cpu_count() or 1)
     fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
+    stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    complete = _check_existing(out, fingerprint, overwrite)
+    created = make_dirs(out)
+    before = _snapshot(out)
+    try:
+        return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
+                             txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
+                             t0, _stop_after_groups)
+    except Exception as e:
+        # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
+        # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
+        # finished shard groups for a resume.
+        if not isinstance(e, OSError) or isinstance(e, FileNotFoundError):
+            now = _snapshot(out)
+            written = {name for name in now if before.get(name) != now[name]}  # new, or replaced (atomic writes)
+            _remove_outputs(out, keep={STATE_FILE} if STATE_FILE in before else set(), only=written)
+            remove_empty_dirs(created)
+        raise
+
+
+def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
+    """{name: (inode, size, mtime_ns)} of the files in ``out``: what a failed run compares to find what it wrote."""
+    snap = {}
+    for entry in os.scandir(out):
+        if entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            snap[entry.name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return snap
+
+
+def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
+                  strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
+                  _stop_after_groups) -> dict:
+    complete = _check_existing(out, fingerprint, stamp, overwrite, log)
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
         return complete
-    _remove_temporaries(out)
+    run_key = _run_key(fingerprint, stamp)
+    done = _completed_groups(out, run_key)
+    # what is not a finished group of this run goes: the temporaries a killed run left, shards of other runs
+    _remove_outputs(out, keep={STATE_FILE} | {f"shard_{g:05d}.json" for g in done}
+                    | {info[s][k] for info in done.values() for s in ("train", "valid") for k in ("bin", "idx")})
     with atomic_write(out / STATE_FILE) as f:
-        json.dump({"fingerprint": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
-    done = _completed_groups(out, fingerprint)
+        json.dump({"fingerprint": fingerprint, "run_key": run_key, "inputs": stamp,
+                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
     if done:
         log(f"{out}: resuming; {len(done)} shard groups already complete")
 
@@ -398,7 +481,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         nonlocal writer, tokenized_chunks
         g = r.index // shard_chunks
         if writer is not None and writer.g != g:
-            groups[writer.g] = writer.finish(fingerprint)
+            groups[writer.g] = writer.finish(run_key)
             writer = None
             if _stop_after_groups is not None and len(groups) - len(done) >= _stop_after_groups:
                 raise KeyboardInterrupt(f"stopped after {_stop_after_groups} groups (test hook)")
@@ -416,7 +499,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         else:
             _run_pool(workers, init_args, todo(), consume)
         if writer is not None:
-            groups[writer.g] = writer.finish(fingerprint)
+            groups[writer.g] = writer.finish(run_key)
             writer = None
     except BaseException:
         if writer is not None:
@@ -424,6 +507,11 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         bar.close()
         raise
     bar.close()
+    nothing = _nothing_useful(groups, specs, stats, valid_fraction)
+    if nothing:
+        if stats.bad:
+            log(stats.report())
+        raise NoDocumentsError(f"{nothing}; nothing written to {out}")
     seconds = time.time() - t0
     meta = _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds,
                        command, seq_len, tokenized_chunks, bar)
@@ -436,6 +524,31 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         f"{va['tokens']:,} tokens / {va['docs']:,} docs ({dtype.name}); {meta['throughput']['mb_per_s']:.1f} MB/s, "
         f"{meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {workers} workers")
     return meta
+
+
+def _nothing_useful(groups: dict, specs: list[SourceSpec], stats: ReadStats, valid_fraction: float) -> str | None:
+    """Why the train split holds no text to train on (None when it does)."""
+    train_tokens = sum(g["train"]["tokens"] for g in groups.values())
+    train_docs = sum(g["train"]["docs"] for g in groups.values())
+    if train_tokens > train_docs:  # more than the separator after each document
+        return None
+    if stats.records == 0:
+        why = f"no documents survived: {stats.skipped:,} skipped"
+        if stats.bad:
+            why += f" ({', '.join(f'{k}={v}' for k, v in sorted(stats.bad.items()))})"
+        why += f", 0 read from {stats.files:,} file{'s' if stats.files != 1 else ''}"
+        if stats.examples:
+            why += f"; the first: {stats.examples[0]}"
+        return why + "; fix the inputs (or --text-field) and run again"
+    if stats.bytes == 0:
+        return f"the {stats.records:,} documents read hold no text (every one is empty)"
+    if train_docs == 0:
+        valid_docs = sum(g["valid"]["docs"] for g in groups.values())
+        weights = [f"{s.name}={s.weight:g}" for s in specs if s.weight < 1]
+        return (f"the train split is empty: of {stats.records:,} documents read, {valid_docs:,} went to the valid "
+                f"split (--valid-fraction {valid_fraction:g}) and the rest were sampled away by the --source weights"
+                f" ({', '.join(weights) or 'none below 1'})")
+    return f"the train split holds no text: its {train_docs:,} documents are empty"
 
 
 def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:

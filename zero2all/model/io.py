@@ -134,6 +134,81 @@ def _check_same_architecture(want: ModelConfig, have: ModelConfig, source: Path)
         raise ConfigError(f"{source}: the weights do not fit the requested architecture:\n  " + "\n  ".join(diff))
 
 
+def weights_dir(path: str | Path) -> Path:
+    """The directory holding the base weights of checkpoint ``path``: ``path`` itself, or for a lone LoRA adapter
+    directory the base its ``base_model_name_or_path`` names."""
+    from zero2all.model import lora
+
+    path = Path(path)
+    adapter = lora.find_adapter_dir(path)
+    if adapter is None or _has_weights(path):
+        return path
+    _, raw = lora.read_adapter_config(adapter)
+    base = Path(raw.get("base_model_name_or_path") or "")
+    if not str(base) or not _has_weights(base):
+        raise FileNotFoundError(f"{adapter / 'adapter_config.json'}: base_model_name_or_path {str(base)!r} is "
+                                f"not a model directory (and {path} holds no base weights)")
+    return base
+
+
+def check_tokenizer_fits(tokenizer, cfg: ModelConfig, tokenizer_name: str, model_name: str = "",
+                         training: bool = True) -> str | None:
+    """The one check of a tokenizer against a model's vocabulary (training, and ``--tokenizer`` at inference).
+
+    Raises ConfigError when the tokenizer's ids reach past the model's embedding rows; returns a ``warning:`` line
+    when the model's vocabulary is larger than the tokenizer's (rows no id reaches: never trained, and ids the
+    tokenizer cannot decode when generating), else None. Sizes compare as ``tokenizer.vocab_size`` (a multiple of
+    64) against ``model.vocab_size`` (and its padded row count)."""
+    n = int(tokenizer.vocab_size)
+    model = f" {model_name}" if model_name else ""
+    if n > cfg.padded_vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.vocab_size} is smaller than the tokenizer's vocabulary ({n} ids, "
+                          f"tokenizer {tokenizer_name}): the model{model} has no embedding for ids >= "
+                          f"{cfg.padded_vocab_size}; use the model's own tokenizer or a model with "
+                          f"model.vocab_size >= {n}")
+    if n < cfg.vocab_size:
+        if training:
+            return (f"warning: tokenizer {tokenizer_name} has {n} ids but the model{model} has a vocabulary of "
+                    f"{cfg.vocab_size} (model.vocab_size): rows {n}..{cfg.vocab_size - 1} of the embedding and the "
+                    f"LM head are never trained; set model.vocab_size={n} to leave them out")
+        return (f"warning: tokenizer {tokenizer_name} has {n} ids but the model{model} has a vocabulary of "
+                f"{cfg.vocab_size}: ids it generates from {n} on cannot be decoded")
+    return None
+
+
+def stored_tokenizer_hash(path: str | Path) -> tuple[str | None, str]:
+    """(hash, where it was found) of the tokenizer checkpoint ``path`` was trained with: ``z2all.json``'s
+    ``tokenizer_hash``, else the hash of the ``tokenizer.json`` stored with it; (None, "") when neither exists."""
+    from zero2all.tokenizer.hf import canonical_hash
+
+    path = Path(path)
+    if is_our_dir(path):
+        stored = json.loads((path / OUR_CONFIG).read_text(encoding="utf-8")).get("tokenizer_hash")
+        if stored:
+            return stored, f"{path / OUR_CONFIG} tokenizer_hash"
+    if (path / "tokenizer.json").exists():
+        return canonical_hash((path / "tokenizer.json").read_text(encoding="utf-8")), str(path / "tokenizer.json")
+    return None, ""
+
+
+def check_inference_tokenizer(ckpt: str | Path, tokenizer, tokenizer_name: str) -> list[str]:
+    """A tokenizer given instead of checkpoint ``ckpt``'s own (``--tokenizer`` of generate / chat / serve), checked
+    before any weights are loaded: ConfigError when its ids exceed the model's vocabulary; ``warning:`` lines when
+    it is not the tokenizer the checkpoint was trained with (both hashes named) or is smaller than the model's
+    vocabulary."""
+    ckpt = Path(ckpt)
+    warnings = []
+    line = check_tokenizer_fits(tokenizer, read_model_config(weights_dir(ckpt)), tokenizer_name, str(ckpt),
+                                training=False)
+    stored, where = stored_tokenizer_hash(ckpt)
+    if stored is not None and stored != tokenizer.hash:
+        warnings.append(f"warning: tokenizer {tokenizer_name} (hash {tokenizer.hash[:16]}) is not the one {ckpt} "
+                        f"was trained with (hash {stored[:16]}, from {where}): its ids may stand for other text")
+    if line:
+        warnings.append(line)
+    return warnings
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                ops: dict | None = None, config: ModelConfig | None = None, merge_lora: bool = True) -> Z2all:
     """THE model loader: every command and function that needs weights from a directory calls this one.
@@ -153,13 +228,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     path = Path(path)
     adapter = lora.find_adapter_dir(path)
-    base = path
-    if adapter is not None and not _has_weights(path):
-        _, raw = lora.read_adapter_config(adapter)
-        base = Path(raw.get("base_model_name_or_path") or "")
-        if not str(base) or not _has_weights(base):
-            raise FileNotFoundError(f"{adapter / 'adapter_config.json'}: base_model_name_or_path {str(base)!r} is "
-                                    f"not a model directory (and {path} holds no base weights)")
+    base = weights_dir(path)
     stored = read_model_config(base)
     cfg = copy.deepcopy(config) if config is not None else stored
     if config is not None:

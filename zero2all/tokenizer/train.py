@@ -46,6 +46,7 @@ import time
 from typing import Iterator
 
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
+from zero2all.fileio import check_writable, remove_empty_dirs
 from zero2all.tokenizer.hf import (
     N_RESERVED,
     VOCAB_MULTIPLE,
@@ -156,17 +157,37 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
                     seed: int = 0, min_frequency: int = 2, n_reserved: int = N_RESERVED,
                     log=print) -> Tokenizer:
     """Train a tokenizer on ``inputs`` (paths, globs, ``"stdlib"``, ``NAME=PATH`` specs) and save it to
-    ``out_dir`` (when given). ``vocab_size`` is rounded up to a multiple of 64 and includes the special tokens.
-    ``max_memory_gb`` caps the trainer's memory (None or 0: no cap, everything is fed). Returns the Tokenizer;
-    its ``meta["training"]`` holds time, peak RSS, bytes fed and the bad-input report."""
+    ``out_dir`` (when given; checked writable before training). ``vocab_size`` includes the special tokens and is
+    rounded up to a multiple of 64 (logged when that changes it); it must be at least 256 bytes + the specials + 64.
+    A corpus that supports fewer merges gives a smaller vocabulary (the learned tokens padded with reserved ones to
+    a multiple of 64) and a ``warning:`` line saying so. ``max_memory_gb`` caps the trainer's memory (None or 0: no
+    cap, everything is fed). Returns the Tokenizer; its ``meta["training"]`` holds time, peak RSS, bytes fed and
+    the bad-input report."""
     if backend not in ("hf", "spm"):
         raise ValueError(f"backend: {backend!r} is not one of hf, spm")
-    target = round_up(vocab_size, VOCAB_MULTIPLE)
     specials = special_tokens(n_reserved)
-    min_size = len(specials) + 256 + (1 if backend == "spm" else 0) + VOCAB_MULTIPLE
-    if target < min_size:
-        raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 bytes + {len(specials)} "
-                         f"special tokens + room to learn merges)")
+    base = len(specials) + 256 + (1 if backend == "spm" else 0)  # specials, the bytes (+ spm's unknown piece)
+    min_size = base + VOCAB_MULTIPLE
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 byte tokens + {base - 256} "
+                         f"special tokens + {VOCAB_MULTIPLE} tokens to learn)")
+    target = round_up(vocab_size, VOCAB_MULTIPLE)
+    # a read-only or unwritable --out fails now, not after the training: an OSError naming out_dir
+    created = check_writable(out_dir) if out_dir is not None else []
+    try:
+        return _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict,
+                      max_memory_gb, seed, min_frequency, n_reserved, log)
+    except BaseException:
+        remove_empty_dirs(created)
+        raise
+
+
+def _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict, max_memory_gb,
+           seed, min_frequency, n_reserved, log) -> Tokenizer:
+    base = len(specials) + 256 + (1 if backend == "spm" else 0)
+    if target != vocab_size:
+        log(f"vocab_size {vocab_size} rounded up to {target} (a multiple of {VOCAB_MULTIPLE}: the model's "
+            f"embedding rows)")
     t0 = time.time()
     texts = _SampledTexts(_normalise_inputs(inputs), text_field, txt_mode, strict,
                           text_budget_bytes(max_memory_gb, backend), seed, log)
@@ -187,7 +208,7 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
         "training": {
             "inputs": [str(x) if not isinstance(x, SourceSpec) else f"{x.name}={','.join(x.paths)}"
                        for x in _normalise_inputs(inputs)],
-            "vocab_size_requested": vocab_size, "reserved_padding": n_pad,
+            "vocab_size_requested": vocab_size, "vocab_size_target": target, "reserved_padding": n_pad,
             "max_memory_gb": max_memory_gb, "corpus_bytes": texts.corpus_bytes, "sampling_rate": texts.rate,
             "fed_bytes": texts.fed_bytes, "fed_docs": texts.fed_docs, "seconds": round(seconds, 2),
             "peak_rss_mb": round(peak_rss_mb(), 1), "seed": seed, "read": texts.stats.to_dict()},
@@ -198,6 +219,18 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
     log(f"trained {backend} tokenizer: vocab {tok.vocab_size} ({n_pad} reserved padding), "
         f"{texts.fed_docs:,} docs / {texts.fed_bytes / 1e6:,.1f} MB in {seconds:.1f}s, "
         f"peak RSS {peak_rss_mb():,.0f} MB")
+    size = tok.vocab_size
+    if size < target:
+        learned = size - n_pad - base
+        if backend == "hf":
+            why = (f"byte-level BPE found no more pairs occurring at least --min-frequency {min_frequency} times "
+                   f"after {learned:,} merges")
+            more = "add text" + (" or lower --min-frequency" if min_frequency > 1 else "")
+        else:
+            why = f"SentencePiece found no more pieces to learn after {learned:,}"
+            more = "add text"
+        log(f"warning: the corpus supports a vocabulary of {size}, not the {target} asked for: {why} (the rest up "
+            f"to a multiple of {VOCAB_MULTIPLE} is {n_pad} reserved tokens); {more} to get a larger one")
     if out_dir is not None:
         tok.save(out_dir)
         log(f"wrote {out_dir} (hash {tok.hash[:16]})")

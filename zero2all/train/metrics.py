@@ -222,7 +222,8 @@ def summarize(records: list[dict]) -> dict:
     if evals:
         out["first_eval_loss"] = evals[0]["loss"]
         out["last_eval_loss"] = evals[-1]["loss"]
-        out["last_eval_ppl"] = evals[-1]["ppl"]
+        if "ppl" in evals[-1]:  # objectives whose loss is a per-token cross-entropy
+            out["last_eval_ppl"] = evals[-1]["ppl"]
         best = min(evals, key=lambda r: r["loss"])
         out["best_eval_loss"], out["best_eval_step"] = best["loss"], best["step"]
     return out
@@ -252,8 +253,8 @@ def write_run_report(path: str | Path, header: dict, records: list[dict], sample
         lines.append(f"| skipped steps (non-finite gradients) | {s['skipped_steps']} |")
     if "last_eval_loss" in s:
         lines.append(f"| validation loss, first eval | {s['first_eval_loss']:.4f} |")
-        lines.append(f"| validation loss, last eval | {s['last_eval_loss']:.4f} (perplexity "
-                     f"{s['last_eval_ppl']:.2f}) |")
+        ppl = f" (perplexity {s['last_eval_ppl']:.2f})" if "last_eval_ppl" in s else ""
+        lines.append(f"| validation loss, last eval | {s['last_eval_loss']:.4f}{ppl} |")
         lines.append(f"| best validation loss | {s['best_eval_loss']:.4f} at step {s['best_eval_step']} |")
     if loss_png:
         lines += ["", "## Loss curve", "", f"![loss curve]({loss_png})"]

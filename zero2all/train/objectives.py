@@ -24,7 +24,9 @@ An objective turns one micro-batch into a scalar loss::
 - The metrics dict holds extra 0-dim tensors (detached) or floats to log, e.g. DPO's reward margin; the trainer
   averages each over the micro-batches of an update and logs it as ``train/<name>`` (no host sync per micro-batch).
 - ``eval_loss(model, batch)`` defaults to ``loss``; the trainer calls it under ``torch.no_grad()`` with the model in
-  eval mode on validation batches and reports the mean and ``exp`` of it (perplexity).
+  eval mode on validation batches and records the mean loss and the mean of each metric. ``loss_is_token_nll``
+  (True unless the objective says otherwise) means the loss is a mean per-token cross-entropy, so its ``exp`` is
+  reported as the perplexity; ``eval_printed`` names the metrics shown on the eval line.
 - Anything stage-specific the objective needs (a frozen reference model, a beta, a z-loss weight) is given to its
   constructor; objectives keep no state the trainer must checkpoint.
 """
@@ -38,6 +40,8 @@ class Objective:
     """Base class; see the module docstring for the contract."""
 
     name = "objective"
+    loss_is_token_nll = True                 # the loss is a mean per-token cross-entropy: exp(loss) is a perplexity
+    eval_printed: tuple[str, ...] = ()       # eval metrics shown on the eval line (all of them are recorded)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError(f"{type(self).__name__}.loss")
@@ -100,6 +104,8 @@ class DPOObjective(Objective):
     """
 
     name = "dpo"
+    loss_is_token_nll = False  # -log sigmoid of a reward margin per pair: exp of it means nothing
+    eval_printed = ("rewards/accuracy", "rewards/margin")
 
     def __init__(self, beta: float = 0.1, reference_model: torch.nn.Module | None = None):
         if beta <= 0:

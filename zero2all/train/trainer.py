@@ -48,7 +48,7 @@ from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
-from zero2all.model.io import copy_tokenizer_files, save_model
+from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, save_model
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
     MetricsLogger,
@@ -324,9 +324,9 @@ class Trainer:
     def _attach_tokenizer(self, tok) -> None:
         """The model must cover the tokenizer's ids; the special ids go into the model config (for export)."""
         m = self.cfg.model
-        if tok.vocab_size > m.padded_vocab_size:
-            raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
-                              f"({tok.vocab_size} ids, tokenizer {self.tokenizer_dir})")
+        warning = check_tokenizer_fits(tok, m, str(self.tokenizer_dir))  # more ids than rows: ConfigError
+        if warning:
+            self._print(warning)
         if m.eos_token_id is None and getattr(tok, "eos_id", None) is not None:
             m.eos_token_id = tok.eos_id
         if m.pad_token_id is None and getattr(tok, "pad_id", None) is not None:
@@ -561,28 +561,36 @@ class Trainer:
     # -- evaluation and samples -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """Mean validation loss over ``eval_batches`` fixed batches (the same ones every time) and exp of it."""
+        """Mean validation loss and metrics over ``eval_batches`` fixed batches (the same ones every time); the
+        perplexity (exp of the loss) when the objective's loss is a per-token cross-entropy."""
         if self.eval_data is None or self.tcfg.eval_batches == 0:
             return None
         self.model.eval()
         it = self.eval_data.iterator(self.tcfg.micro_batch_size, seed=self.tcfg.seed)
-        losses = []
+        losses, metrics = [], {}
         for _ in range(self.tcfg.eval_batches):
             try:
                 batch = self._to_device(next(it))
             except StopIteration:
                 break
             with self.autocast():
-                loss, _ = self.objective.eval_loss(self.model, batch)
+                loss, extra = self.objective.eval_loss(self.model, batch)
             losses.append(loss.float())
+            for key, value in extra.items():
+                metrics.setdefault(key, []).append(value)
         self.model.train()
         if not losses:
             return None
         mean = zd.all_reduce_mean(float(torch.stack(losses).mean()), self.dist)
-        rec = {"kind": "eval", "step": self.step, "loss": mean, "ppl": math.exp(min(mean, 50.0)),
-               "batches": len(losses)}
+        rec = {"kind": "eval", "step": self.step, "loss": mean, "batches": len(losses)}
+        if self.objective.loss_is_token_nll:  # a per-token cross-entropy: its exp is the perplexity
+            rec["ppl"] = math.exp(min(mean, 50.0))
+        for key, values in metrics.items():
+            rec[key] = zd.all_reduce_mean(sum(float(v) for v in values) / len(values), self.dist)
         self.logger.log(rec)
-        self._print(f"eval  step {self.step:>6d} | val loss {mean:.4f} | perplexity {rec['ppl']:.2f}")
+        shown = ([f"perplexity {rec['ppl']:.2f}"] if "ppl" in rec else []) + \
+            [f"{key} {rec[key]:.4f}" for key in self.objective.eval_printed if key in rec]
+        self._print(f"eval  step {self.step:>6d} | val loss {mean:.4f}" + "".join(f" | {x}" for x in shown))
         return rec
 
     def _sample_prompts(self) -> list[tuple[str, list[int]]]:
