@@ -40,6 +40,7 @@ from zero2all.checkpoint.files import (
     all_files,
     checkpoint_name,
     describe_files,
+    hash_threads,
     is_checkpoint,
     legacy_kind,
     list_checkpoints,
@@ -96,7 +97,8 @@ def save(path: Path, parts: dict[str, Any], env: DistEnv, meta: dict,
         tmp.mkdir()
     barrier(env)
     with collective_timeout(env, f"saving checkpoint {path}"), _one_process_is_fine():
-        dcp.save(parts, checkpoint_id=str(tmp))
+        # several shard files per rank, written and then hashed in parallel
+        dcp.save(parts, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=hash_threads()))
     # each rank hashes the shard files it wrote (DCP names them __<rank>_<i>.distcp), in parallel
     mine = describe_files(tmp, sorted(p.name for p in tmp.glob(f"__{env.rank}_*.distcp")))
     described: dict[str, dict] = {}
