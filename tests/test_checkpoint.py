@@ -232,41 +232,54 @@ def test_resuming_an_older_checkpoint_starts_a_new_line(tmp_path, capsys):
     assert json.loads((tmp_path / "ckpt-000024" / "config.json").read_text())["train"]["lr"] == 1e-5
 
 
-@pytest.mark.parametrize("signum, code", [(2, 130), (15, 143)])
-def test_signal_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, signum, code):
-    """SIGINT / SIGTERM during training: the update in flight finishes, a checkpoint is saved, the exit is
-    130 / 143 with one line, and --resume auto continues the uninterrupted sequence exactly."""
-    args = ["train.max_steps=6", "train.ckpt_every=0"]
+SIGNAL_DRIVER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from test_trainer import tiny_overrides
+    from zero2all import checkpoint as ckpt_io
+    from zero2all.cli import main
+    from zero2all.train.trainer import Trainer
+
+    where, signum = {where!r}, {signum}
+
+    def hit(name, original, when):
+        def wrapped(self, *args, **kwargs):
+            if when(self):
+                os.kill(os.getpid(), signum)   # arrives while this runs
+            return original(self, *args, **kwargs)
+        setattr(Trainer, name, wrapped)
+
+    if where == "update":
+        hit("train_step", Trainer.train_step, lambda t: t.step == 3)           # during update 4
+    elif where == "eval":
+        hit("evaluate", Trainer.evaluate, lambda t: t.step == 2)               # during the step-2 evaluation
+    elif where == "save":
+        hit("save_checkpoint", Trainer.save_checkpoint, lambda t: t.step == 2)  # during the step-2 checkpoint
+    sys.exit(main(["pretrain", "--config", {empty!r}, "--no-progress", *tiny_overrides({out!r}, *{args!r})]))
+""")
+
+
+@pytest.mark.parametrize("where, signum, code, stopped_at", [("update", 2, 130, 4), ("update", 15, 143, 4),
+                                                             ("eval", 2, 130, 2), ("save", 15, 143, 2)])
+def test_signal_saves_a_checkpoint_and_resume_continues_exactly(tmp_path, where, signum, code, stopped_at):
+    """SIGINT / SIGTERM during an update, an evaluation or a checkpoint save: the work in flight finishes, one
+    checkpoint is saved, the exit is 130 / 143 with one line, and --resume auto continues the uninterrupted loss
+    sequence exactly."""
+    args = ["train.max_steps=6", "train.ckpt_every=2" if where == "save" else "train.ckpt_every=0",
+            "train.eval_every=2" if where == "eval" else "train.eval_every=0", "train.eval_batches=1"]
     straight = tmp_path / "straight"
     Trainer(tiny_cfg(straight, *args), show_progress=False).fit()
     out = tmp_path / "run"
+    (tmp_path / "empty.toml").write_text("")
     script = tmp_path / "interrupt_driver.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_trainer import tiny_cfg
-        from zero2all.cli import main
-        from zero2all.train.trainer import Trainer
-
-        original = Trainer.train_step
-
-        def train_step(self):
-            if self.step == 3:
-                os.kill(os.getpid(), {signum})   # arrives in the middle of update 4
-            return original(self)
-
-        Trainer.train_step = train_step
-        sys.exit(main(["pretrain", "--config", "tiny", "--out", {str(out)!r}, "--no-progress",
-                       "model.n_layers=2", "model.hidden_dim=32", "model.intermediate_size=64", "model.n_heads=4",
-                       "model.n_kv_heads=2", "model.vocab_size=96", "model.max_seq_len=24", "train.micro_batch_size=2",
-                       "train.eval_every=0", "train.num_samples=0", "train.precision='fp32'", "train.device='cpu'",
-                       "train.warmup_steps=2", "train.lr=3e-3", "train.tensorboard=false",
-                       "train.max_steps=6", "train.ckpt_every=0"]))
-    """))
+    script.write_text(SIGNAL_DRIVER.format(tests=os.path.dirname(__file__), where=where, signum=signum,
+                                           empty=str(tmp_path / "empty.toml"), out=str(out), args=args))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "interrupted by" in proc.stderr and "ckpt-000004" in proc.stderr
-    assert [s for s, _ in list_checkpoints(out)] == [4]
+    assert "interrupted by" in proc.stderr and f"ckpt-{stopped_at:06d}" in proc.stderr
+    assert [s for s, _ in list_checkpoints(out)][-1] == stopped_at
+    Trainer(tiny_cfg(out, *args, "train.resume='auto'"), show_progress=False).fit()
+    assert train_losses(out) == train_losses(straight)
 
 
 def test_second_ctrl_c_aborts_at_once():

@@ -19,12 +19,16 @@ TINY_MODEL = ["model.vocab_size=96", "model.hidden_dim=32", "model.intermediate_
               "model.ops.rope='torch'", "model.ops.swiglu='torch'", "model.ops.cross_entropy='torch'"]
 
 
-def tiny_cfg(out_dir, *overrides):
-    base = TINY_MODEL + [f"train.out_dir='{out_dir}'", "train.device='cpu'", "train.precision='fp32'",
+def tiny_overrides(out_dir, *overrides) -> list[str]:
+    """The key=value overrides of the tests' tiny run (on top of the defaults, no preset)."""
+    return TINY_MODEL + [f"train.out_dir='{out_dir}'", "train.device='cpu'", "train.precision='fp32'",
                          "train.tensorboard=false", "train.max_steps=6", "train.warmup_steps=2", "train.lr=3e-3",
                          "train.min_lr=3e-4", "train.eval_every=0", "train.ckpt_every=0", "train.num_samples=0",
-                         "train.log_every=0"]
-    return load_config(None, base + list(overrides))
+                         "train.log_every=0"] + list(overrides)
+
+
+def tiny_cfg(out_dir, *overrides):
+    return load_config(None, tiny_overrides(out_dir, *overrides))
 
 
 def weights(model):
