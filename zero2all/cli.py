@@ -160,7 +160,7 @@ def _convert_checkpoint(p):
     p.add_argument("--out", default=None, help="where to write the converted checkpoint (default: CKPT-v2)")
 
     def run(args):
-        from zero2all.checkpoint.convert import convert_checkpoint
+        from zero2all.train.convert import convert_checkpoint
 
         convert_checkpoint(args.ckpt, args.out)
 

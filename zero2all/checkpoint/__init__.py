@@ -20,8 +20,8 @@ replaced whole). A process killed at any moment leaves the previous checkpoints 
 Resuming reads the pieces each rank needs whatever wrote them: saved by DDP, resumed by FSDP2 or one process, or
 the reverse, with any number of processes. Model and optimizer tensors are resharded by DCP; the data iterator
 rescales its own position (``zero2all/data/protocol.py``); RNG states of ranks that did not exist come from rank
-0. Files: ``state.py`` (the Stateful parts), ``files.py`` (manifest, verification, lines, pruning), ``convert.py``
-(earlier formats).
+0. Files: ``state.py`` (the Stateful parts), ``files.py`` (manifest, verification, lines, pruning), ``compat.py``
+(what must match to resume). Converting earlier formats: ``zero2all/train/convert.py``.
 """
 
 from __future__ import annotations
@@ -136,15 +136,3 @@ def read_run_config(path: Path) -> dict:
         return json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{f} is unreadable ({e})") from None
-
-
-def load_model_weights(path: Path, model) -> None:
-    """The model part of a training checkpoint into ``model`` (plain, one process: inference and export)."""
-    import torch.distributed.checkpoint as dcp
-
-    sd = model.state_dict()
-    with _one_process_is_fine():
-        dcp.load({"model": sd}, checkpoint_id=str(path))
-    model.load_state_dict(sd)
-
-

@@ -117,6 +117,20 @@ def is_training_checkpoint(path: str | Path) -> bool:
     return (Path(path) / ".metadata").exists() and is_our_dir(path)
 
 
+def load_checkpoint_weights(path: Path, model: Z2all) -> None:
+    """The ``model`` part of a training checkpoint (torch.distributed.checkpoint files written by any number of
+    processes) into ``model``, in this one process."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    sd = model.state_dict()
+    with warnings.catch_warnings():  # no process group: one process reads every shard, by design
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(path))
+    model.load_state_dict(sd)
+
+
 def _has_weights(path: Path) -> bool:
     return is_our_dir(path) or is_hf_dir(path)
 
@@ -239,9 +253,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     model = build_model(cfg, device="meta").to_empty(device=device)
     model.tie_weights()
     if is_training_checkpoint(base):
-        from zero2all.checkpoint import load_model_weights
-
-        load_model_weights(base, model)
+        load_checkpoint_weights(base, model)
     elif is_our_dir(base):
         from safetensors.torch import load_file
 
