@@ -600,6 +600,55 @@ def _serve(p):
 
     return run
 
+# ---------------------------------------------------------------------------------------------------- evaluation
+# (eval)
+
+
+@command("eval", "token loss, perplexity and bits per byte of a model on text files, overall and per source",
+         "  z2all eval --ckpt runs/demo/final --data valid.jsonl\n"
+         "  z2all eval --ckpt runs/demo/final --data en=en.jsonl zh=zh.jsonl --json eval.json --max-docs 500\n"
+         "  z2all eval --ckpt hf/llama --data docs/*.txt --device cuda --dtype bfloat16 --stride 512")
+def _eval(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, HF Llama, or with a LoRA adapter)")
+    p.add_argument("--data", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
+                   help="json / jsonl / parquet / txt files, directories or globs; NAME=PATH names a source "
+                        "(default: a record's data_src field, else the file stem)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file")
+    p.add_argument("--max-docs", type=int, default=None, help="score at most this many documents")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--context", type=int, default=None, help="window length (default: the model's max_seq_len)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="ids a window moves over a long document (default context // 2): every token is scored "
+                        "once with at least context - stride ids of left context")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.eval.perplexity import evaluate_files, write_json
+
+        if args.max_docs is not None and args.max_docs < 1:
+            raise ValueError(f"--max-docs: {args.max_docs} must be at least 1")
+        result = evaluate_files(args.ckpt, args.data, max_docs=args.max_docs, device=args.device,
+                                dtype=args.dtype, context=args.context, stride=args.stride,
+                                batch_size=args.batch_size, tokenizer=_tokenizer_override(args),
+                                progress=False if args.no_progress else None, text_field=args.text_field,
+                                txt_mode=args.txt_mode)
+        if result.overall.docs == 0:
+            raise ValueError(f"--data {' '.join(args.data)}: no document with text to score")
+        s = result.settings
+        print(f"{args.ckpt}: context {s['context']}, stride {s['stride']}, {s['dtype']} on {s['device']}")
+        print(result.table())
+        if args.json:
+            write_json(result, args.json)
+            print(f"wrote {args.json}")
+
+    return _data_errors("eval", run)
+
+
 # ---------------------------------------------------------------------------------------------------- accounting
 # (estimate)
 
