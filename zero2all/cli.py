@@ -181,6 +181,22 @@ def _import_hf(p):
     return run
 
 
+@command("resize-vocab", "give a checkpoint the embedding / LM-head rows of an extended tokenizer (new rows: the "
+         "mean of their old pieces)",
+         "  z2all resize-vocab --ckpt runs/imported --tokenizer runs/tok-zh --out runs/imported-zh")
+def _resize_vocab(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory with its tokenizer files")
+    p.add_argument("--tokenizer", required=True, help="the new tokenizer (it must keep every id of the old one)")
+    p.add_argument("--out", required=True, help="output directory: our model format with the new tokenizer files")
+
+    def run(args):
+        from zero2all.model.resize import resize_vocab
+
+        resize_vocab(args.ckpt, args.tokenizer, args.out)
+
+    return _data_errors("resize-vocab", run)
+
+
 # ---------------------------------------------------------------------------------------------------- data
 # (train-tokenizer, prepare)
 
@@ -241,6 +257,28 @@ def _train_tokenizer(p):
               f"transformers.AutoTokenizer.from_pretrained('{args.out}')")
 
     return _data_errors("train-tokenizer", run)
+
+
+@command("extend-tokenizer", "add up to N byte-level BPE tokens learned on a new corpus to a tokenizer (old ids kept)",
+         "  z2all extend-tokenizer --base runs/tok --input zh.jsonl --add 2000 --out runs/tok-zh --base-text en.jsonl")
+def _extend_tokenizer(p):
+    p.add_argument("--base", required=True, help="byte-level BPE tokenizer directory (or a checkpoint carrying one)")
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="PATH",
+                   help="corpus to learn the new tokens on (every 10th document is held out for the report)")
+    p.add_argument("--add", type=int, required=True, help="tokens to add (at most)")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--base-text", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="text of the base's own domain: bytes/token before/after is reported on it")
+    p.add_argument("--min-frequency", type=int, default=2, help="least count of a learned pair")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.tokenizer.extend import extend_tokenizer
+
+        extend_tokenizer(args.base, args.input, args.add, args.out, base_text=args.base_text,
+                         min_frequency=args.min_frequency, text_field=args.text_field, txt_mode=args.txt_mode)
+
+    return _data_errors("extend-tokenizer", run)
 
 
 @command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
