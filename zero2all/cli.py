@@ -181,6 +181,22 @@ def _import_hf(p):
     return run
 
 
+@command("resize-vocab", "give a checkpoint the embedding / LM-head rows of an extended tokenizer (new rows: the "
+         "mean of their old pieces)",
+         "  z2all resize-vocab --ckpt runs/imported --tokenizer runs/tok-zh --out runs/imported-zh")
+def _resize_vocab(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory with its tokenizer files")
+    p.add_argument("--tokenizer", required=True, help="the new tokenizer (it must keep every id of the old one)")
+    p.add_argument("--out", required=True, help="output directory: our model format with the new tokenizer files")
+
+    def run(args):
+        from zero2all.model.resize import resize_vocab
+
+        resize_vocab(args.ckpt, args.tokenizer, args.out)
+
+    return _data_errors("resize-vocab", run)
+
+
 # ---------------------------------------------------------------------------------------------------- data
 # (train-tokenizer, prepare)
 
@@ -241,6 +257,28 @@ def _train_tokenizer(p):
               f"transformers.AutoTokenizer.from_pretrained('{args.out}')")
 
     return _data_errors("train-tokenizer", run)
+
+
+@command("extend-tokenizer", "add up to N byte-level BPE tokens learned on a new corpus to a tokenizer (old ids kept)",
+         "  z2all extend-tokenizer --base runs/tok --input zh.jsonl --add 2000 --out runs/tok-zh --base-text en.jsonl")
+def _extend_tokenizer(p):
+    p.add_argument("--base", required=True, help="byte-level BPE tokenizer directory (or a checkpoint carrying one)")
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="PATH",
+                   help="corpus to learn the new tokens on (every 10th document is held out for the report)")
+    p.add_argument("--add", type=int, required=True, help="tokens to add (at most)")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--base-text", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="text of the base's own domain: bytes/token before/after is reported on it")
+    p.add_argument("--min-frequency", type=int, default=2, help="least count of a learned pair")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.tokenizer.extend import extend_tokenizer
+
+        extend_tokenizer(args.base, args.input, args.add, args.out, base_text=args.base_text,
+                         min_frequency=args.min_frequency, text_field=args.text_field, txt_mode=args.txt_mode)
+
+    return _data_errors("extend-tokenizer", run)
 
 
 @command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
@@ -599,6 +637,55 @@ def _serve(p):
                      drain_timeout=args.drain_timeout, compile=args.compile)
 
     return run
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+# (eval)
+
+
+@command("eval", "token loss, perplexity and bits per byte of a model on text files, overall and per source",
+         "  z2all eval --ckpt runs/demo/final --data valid.jsonl\n"
+         "  z2all eval --ckpt runs/demo/final --data en=en.jsonl zh=zh.jsonl --json eval.json --max-docs 500\n"
+         "  z2all eval --ckpt hf/llama --data docs/*.txt --device cuda --dtype bfloat16 --stride 512")
+def _eval(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, HF Llama, or with a LoRA adapter)")
+    p.add_argument("--data", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
+                   help="json / jsonl / parquet / txt files, directories or globs; NAME=PATH names a source "
+                        "(default: a record's data_src field, else the file stem)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file")
+    p.add_argument("--max-docs", type=int, default=None, help="score at most this many documents")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--context", type=int, default=None, help="window length (default: the model's max_seq_len)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="ids a window moves over a long document (default context // 2): every token is scored "
+                        "once with at least context - stride ids of left context")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _reader_args(p)
+
+    def run(args):
+        from zero2all.eval.perplexity import evaluate_files, write_json
+
+        if args.max_docs is not None and args.max_docs < 1:
+            raise ValueError(f"--max-docs: {args.max_docs} must be at least 1")
+        result = evaluate_files(args.ckpt, args.data, max_docs=args.max_docs, device=args.device,
+                                dtype=args.dtype, context=args.context, stride=args.stride,
+                                batch_size=args.batch_size, tokenizer=_tokenizer_override(args),
+                                progress=False if args.no_progress else None, text_field=args.text_field,
+                                txt_mode=args.txt_mode)
+        if result.overall.docs == 0:
+            raise ValueError(f"--data {' '.join(args.data)}: no document with text to score")
+        s = result.settings
+        print(f"{args.ckpt}: context {s['context']}, stride {s['stride']}, {s['dtype']} on {s['device']}")
+        print(result.table())
+        if args.json:
+            write_json(result, args.json)
+            print(f"wrote {args.json}")
+
+    return _data_errors("eval", run)
+
 
 # ---------------------------------------------------------------------------------------------------- accounting
 # (estimate)

@@ -264,6 +264,10 @@ class TrainConfig:
     # in out_dir, else fresh) | a checkpoint directory
     resume: str = ""
     z_loss: float = 0.0            # pretraining: weight of the PaLM z-loss (0 = off)
+    # continued pretraining: start from this checkpoint's weights and architecture ("" = a fresh model), and train
+    # all | new_embeddings (only embedding / LM-head rows a `z2all resize-vocab` added) | embeddings+norms
+    init: str = ""
+    trainable: str = "all"
     # sampled continuations at eval time and at the end ("" prompts = the first tokens of validation rows)
     num_samples: int = 3
     sample_new_tokens: int = 64
@@ -299,7 +303,14 @@ class TrainConfig:
         _check_choice(self, "precision", PRECISIONS, prefix)
         _check_choice(self, "schedule", SCHEDULES, prefix)
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
+        _check_choice(self, "trainable", TRAINABLE, prefix)
         _check_str_list(self, "sample_prompts", prefix)
+        if self.trainable == "new_embeddings" and not self.init:
+            raise ConfigError(f"{prefix}.trainable: new_embeddings needs {prefix}.init (a `z2all resize-vocab` "
+                              f"output: it says which rows are new)")
+
+
+TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")

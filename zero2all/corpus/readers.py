@@ -246,7 +246,8 @@ class _Reader:
         if not isinstance(text, str):
             self.bad("non_string", where, f"field {key!r} is {type(text).__name__}, not a string")
             return None
-        known = {"gid", "id", "data_src", "category", "title", "desc", "others", key}
+        # an input's own "data_src" stays in others (the record's data_src is the reader's source name)
+        known = {"gid", "id", "category", "title", "desc", "others", key}
         others = dict(obj.get("others") or {}) if isinstance(obj.get("others"), dict) else {}
         others.update({k: v for k, v in obj.items() if k not in known})
         return self.make(text, where=where, id=str(obj.get("id", default_id)),

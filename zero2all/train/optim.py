@@ -42,6 +42,8 @@ def is_decayed(name: str, param: torch.Tensor, module: nn.Module, decay_embeddin
     """True for parameters that get weight decay: matrices of linear layers (and embeddings if asked)."""
     if param.ndim < 2:  # norm gains and biases
         return False
+    if getattr(param, "_z2all_no_weight_decay", False):  # train.trainable = new_embeddings (train/trainable.py)
+        return False
     if isinstance(module, nn.Embedding):
         return decay_embeddings
     return True

@@ -48,7 +48,7 @@ from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
-from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, save_model
+from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_model, save_model
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
     MetricsLogger,
@@ -72,6 +72,7 @@ from zero2all.train.optim import (
     grad_norm_and_clip,
     set_lr,
 )
+from zero2all.train.trainable import apply_trainable
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
@@ -289,9 +290,13 @@ class Trainer:
         if tokenizer is not None:
             self._attach_tokenizer(tokenizer)
 
+        if model is None and self.tcfg.init:  # continued pretraining (cfg.model was read from it: pretrain())
+            model = load_model(self.tcfg.init, device=self.device, config=cfg.model).train()
         if model is None:
             model = build_model(cfg.model, device=self.device, seed=self.tcfg.seed)
         self.raw_model = model.to(self.device)
+        if self.tcfg.trainable != "all":
+            self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
         fsdp = cfg.parallel.resolved_mode(self.dist.world_size) == "fsdp"
@@ -365,6 +370,8 @@ class Trainer:
             lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
                          f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
         lines += describe_groups(self.optimizer.param_groups)
+        if getattr(self, "trainable_line", None):
+            lines.append(self.trainable_line)
         fused = bool(self.optimizer.defaults.get("fused"))
         lines.append(f"optimizer: AdamW{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
                      f"({t.beta1}, {t.beta2}), weight decay {t.weight_decay} | schedule {t.schedule}, warmup "
@@ -749,6 +756,12 @@ class Trainer:
 
 def pretrain(cfg: Config, show_progress: bool = True) -> dict:
     """``z2all pretrain``: the shared trainer with the next-token objective."""
+    if cfg.train.init:  # continued pretraining: the architecture is the init checkpoint's (ops from the config)
+        from zero2all.model.io import read_model_config, weights_dir
+
+        stored = read_model_config(weights_dir(cfg.train.init))
+        stored.ops = cfg.model.ops
+        cfg.model = stored
     summary = Trainer(cfg, PretrainObjective(z_loss=cfg.train.z_loss), show_progress=show_progress).fit()
     zd.destroy_distributed()  # after a failure torchrun ends the processes (and restarts them with --max-restarts)
     return summary
