@@ -98,7 +98,8 @@ def save(path: Path, parts: dict[str, Any], env: DistEnv, meta: dict,
     barrier(env)
     with collective_timeout(env, f"saving checkpoint {path}"), _one_process_is_fine():
         # several shard files per rank, written and then hashed in parallel
-        dcp.save(parts, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=hash_threads()))
+        dcp.save(parts, checkpoint_id=str(tmp),
+                 storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=hash_threads()))
     # each rank hashes the shard files it wrote (DCP names them __<rank>_<i>.distcp), in parallel
     mine = describe_files(tmp, sorted(p.name for p in tmp.glob(f"__{env.rank}_*.distcp")))
     described: dict[str, dict] = {}
