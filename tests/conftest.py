@@ -24,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def config_only_init(tmp_path):
+    """A directory that reads as our model directory for building a post-training config (its model section
+    only: no weights are needed to build a config)."""
+    import json
+
+    from zero2all.config import ModelConfig, OpsConfig, to_dict
+
+    d = tmp_path / "init"
+    d.mkdir()
+    cfg = ModelConfig(vocab_size=128, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=32, ops=OpsConfig.plain())
+    (d / "z2all.json").write_text(json.dumps({"model": to_dict(cfg)}))
+    return d

@@ -10,7 +10,6 @@ import pytest
 
 import zero2all
 from zero2all.cli import build_parser, main, split_overrides
-from zero2all.config import ModelConfig, OpsConfig, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,14 +109,8 @@ def test_pretrain_nan_lr_exits_2_in_a_subprocess():
 
 
 @pytest.fixture
-def init_dir(tmp_path):
-    """A directory that reads as our checkpoint for the config (its model section; no weights are needed)."""
-    d = tmp_path / "init"
-    d.mkdir()
-    cfg = ModelConfig(vocab_size=128, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=32, ops=OpsConfig.plain())
-    (d / "z2all.json").write_text(json.dumps({"model": to_dict(cfg)}))
-    return d
+def init_dir(config_only_init):
+    return config_only_init
 
 
 @pytest.fixture

@@ -1,21 +1,15 @@
 """The run config of `z2all sft` / `z2all dpo` (``posttrain_config``), built without training."""
 
-import json
 
 import pytest
 
-from zero2all.config import ConfigError, ModelConfig, OpsConfig, to_dict
+from zero2all.config import ConfigError
 from zero2all.train.posttrain import DPO_TRAIN_DEFAULTS, SFT_TRAIN_DEFAULTS, posttrain_config
 
 
 @pytest.fixture
-def init(tmp_path):
-    d = tmp_path / "init"
-    d.mkdir()
-    cfg = ModelConfig(vocab_size=128, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=32, ops=OpsConfig.plain())
-    (d / "z2all.json").write_text(json.dumps({"model": to_dict(cfg)}))
-    return str(d)
+def init(config_only_init):
+    return str(config_only_init)
 
 
 def test_stage_defaults_file_values_overrides(init, tmp_path):

@@ -32,10 +32,9 @@ import torch
 
 from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
 from zero2all.data.protocol import (
-    check_kind,
+    check_epoch_position,
     check_run_states,
     check_same_data,
-    check_same_layout,
     rescaled_epoch_position,
 )
 
@@ -209,16 +208,8 @@ class PackedIterator:
 
     def _check_fits(self, state: dict) -> tuple[int, int]:
         """``state``'s (epoch, position) after checking that it was taken in this iterator's layout."""
-        check_kind(state, KIND, "packed data")
-        check_same_layout(state, self.state_dict(), self.POSITION_KEYS, "packed data")
-        for key in self.POSITION_KEYS:
-            if key not in state:
-                raise ValueError(f"packed data: the data state has no {key!r}")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < len(self.ds):
-            raise ValueError(f"packed data: epoch {epoch}, position {position}: the position is outside "
-                             f"[0, {len(self.ds)}) or the epoch is negative")
-        return epoch, position
+        return check_epoch_position(state, self.state_dict(), KIND, self.POSITION_KEYS, len(self.ds),
+                                    "packed data")
 
     def load_state_dict(self, sd: dict) -> None:
         """Continue where ``sd`` was taken. The data layout must be the same (else the batches would differ)."""

@@ -157,3 +157,20 @@ def rescaled_epoch_position(first: dict, count_key: str, count_now: int, what: s
     if not 0 <= position < count_then:
         raise ValueError(f"{what}: position {position} is outside [0, {count_then}) ({count_key} {count_then})")
     return epoch, position * count_now // count_then
+
+
+def check_epoch_position(state: dict, mine: dict, kind: str, position_keys: Iterable[str], length: int,
+                         what: str) -> tuple[int, int]:
+    """``state``'s (epoch, position) after checking that it was taken in the layout ``mine`` describes, of an
+    iterator over ``length`` items (the shared check of the epoch/position iterators)."""
+    check_kind(state, kind, what)
+    check_same_layout(state, mine, position_keys, what)
+    for key in position_keys:
+        if key not in state:
+            raise ValueError(f"{what}: the data state has no {key!r}")
+    epoch, position = int(state["epoch"]), int(state["position"])
+    if epoch < 0 or not 0 <= position < length:
+        raise ValueError(f"{what}: epoch {epoch}, position {position}: the position is outside [0, {length}) or the "
+                         f"epoch is negative")
+    return epoch, position
+
