@@ -154,6 +154,69 @@ def test_prefill_row_touches_only_its_row(model):
         s.prefill_row(0, prompt, end=5)
 
 
+@pytest.mark.parametrize("rows", [[1, 2, 3], [3, 0, 2]])
+def test_prefill_rows_together_equal_each_prompt_alone(model, rows):
+    """Prompts of different lengths prefilled in one forward, into consecutive rows (a view of the cache) or
+    scattered ones (a scratch cache copied in): each row's logits and decode steps are its prompt's alone, each row
+    keeps its padding, and a row not named keeps its cache."""
+    s = DecodeSession(model, 4, 48, cuda_graph=False)
+    s.prefill([[1, 2, 3]] * 4, 0)
+    other = ({0, 1, 2, 3} - set(rows)).pop()
+    before = [k[other].clone() for k in s.cache.k]
+    prompts = [list(range(40, 52)), [7, 9], list(range(100, 120))[:5]]
+    logits = s.prefill_rows(rows, prompts, end=30)
+    assert logits.shape == (3, model.cfg.padded_vocab_size)
+    for r, p, got in zip(rows, prompts, logits):
+        alone = DecodeSession(model, 1, 48, cuda_graph=False)
+        ref = alone.prefill([p], 0)[0]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert s.pad_len.tolist()[r] == 30 - len(p)
+    for k, k0 in zip(s.cache.k, before):
+        assert torch.equal(k[other], k0)
+    # a decode step after the joint prefill: every joined row continues as its prompt alone
+    tok = torch.tensor([5, 6, 7, 8])
+    step = s.decode(tok, 30)
+    for r, p in zip(rows, prompts):
+        alone = DecodeSession(model, 1, 48, cuda_graph=False)
+        alone.prefill([p], 0)
+        torch.testing.assert_close(step[r], alone.decode(tok[r:r + 1], len(p))[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        s.prefill_rows([0, 1], [[1] * 31, [2]], end=30)
+
+
+def test_sequences_admitted_together_are_prefilled_together(model, make_scheduler, monkeypatch):
+    """Sequences that join in the same iteration share one forward per group of similar prompt lengths (a long
+    prompt is not padded to with short ones), and each still generates what its prompt generates alone."""
+    sched = make_scheduler(max_batch=6, cache_len=128)
+    calls = []
+    prefill_rows = sched.session.prefill_rows
+
+    def counted(rows, prompts, end):
+        calls.append(sorted(len(p) for p in prompts))
+        return prefill_rows(rows, prompts, end)
+
+    monkeypatch.setattr(sched.session, "prefill_rows", counted)
+    lengths = [70, 40, 5, 66, 3, 9]
+    jobs = [([(5 * i + 11 * j) % 250 for j in range(n)], greedy(max_new_tokens=6)) for i, n in enumerate(lengths)]
+    with sched.paused():
+        subs = [sched.submit([p], params) for p, params in jobs]
+    for (prompt, params), sub in zip(jobs, subs):
+        assert tokens_of(list(sub.events())) == [reference(model, prompt, params)]
+    assert sorted(calls) == [[3, 5, 9], [40, 66, 70]]
+
+
+def test_a_consumer_that_fell_behind_gets_the_queued_events_at_once(model, make_scheduler):
+    """``Submission.batches`` hands over every event already queued in one list (a streaming handler writes them
+    together); ``events`` gives the same events one by one."""
+    sched = make_scheduler(max_batch=2)
+    params = greedy(max_new_tokens=7)
+    sub = sched.submit([[4, 5, 6], [7, 8]], params)
+    assert sched.wait_idle(20)
+    batches = list(sub.batches())
+    assert len(batches) == 1 and len(batches[0]) == 14
+    assert tokens_of(batches[0]) == tokens_of(sched.generate([[4, 5, 6], [7, 8]], params))
+
+
 def test_cancel_frees_rows_and_queue_bound(model, make_scheduler):
     """Cancelled sequences (running or waiting) end with "cancelled" and free their rows; the queue holds
     max_queue sequences beyond the free rows; after drain nothing is accepted."""

@@ -28,10 +28,10 @@ is cut before it), or after ``max_new_tokens``. Text is streamed in pieces that 
 back while it could still be the start of a stop string or ends inside a multi-byte character.
 
 The server's continuous batching (``infer/scheduler.py``) keeps one session of this layout and lets requests come
-and go between steps: a request joins with its prompt right-aligned to the current slot (``DecodeSession.prefill_row``
-writes only its own row, so its padding is simply the slots before its prompt), and the occupied span of every row
-is moved left now and then (``DecodeSession.move_columns``) so that the slot does not run off the cache. Each row
-there has its own sampling parameters (``sample_rows``).
+and go between steps: a request joins with its prompt right-aligned to the current slot (``DecodeSession.prefill_rows``
+writes only the joining rows, several in one forward, so a row's padding is simply the slots before its prompt), and
+the occupied span of every row is moved left now and then (``DecodeSession.move_columns``) so that the slot does
+not run off the cache. Each row there has its own sampling parameters (``sample_rows``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from zero2all.model.z2all import Z2all
 
@@ -251,8 +252,17 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)  # the pinned block is not reused before the copy is done
 
 
+# The SDPA backends a prefill's attention may use: not cuDNN, which builds an execution plan for every new input
+# shape (the rows prefilled together times the prompt length: nearly every prefill of a server is a new one). On an
+# H100 (torch 2.11, z2all-1.1b) a prefill of a shape not seen before took 0.9-1.4 s with cuDNN, against 30-105 ms
+# without it (the memory-efficient kernel takes the mask with no such setup); a repeated shape costs about the same
+# either way.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) -> int:
-    """Prompt tokens per prefill chunk so that the chunk's logits (batch, chunk, vocab) stay under the budget."""
+    """Prompt tokens per prefill chunk so that a (batch, chunk, vocab)-sized intermediate stays under the budget
+    (the vocabulary stands in for the widest one: the attention scores of a long prompt are about as wide)."""
     return max(16, budget_elements // max(1, batch * vocab))
 
 
@@ -353,26 +363,35 @@ class DecodeSession:
         pad = [P - len(p) for p in prompts]
         tokens = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, prompts)], dtype=torch.long)
         self.pad_len.copy_(torch.tensor(pad, dtype=torch.long))
-        return self._prefill(self.cache, tokens.to(self.device), self.pad_len)
+        return self._prefill(self.cache, tokens.to(self.device), self.pad_len, padded=any(pad))
 
-    def _prefill(self, cache: StaticKVCache, tokens: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, cache: StaticKVCache, tokens: torch.Tensor, pad_len: torch.Tensor, padded: bool = True
+                 ) -> torch.Tensor:
         """Run tokens (B, P), left-padded by ``pad_len`` (B,), into ``cache`` from slot 0 in chunks; the last
-        position's logits (B, V), float32."""
+        position's logits (B, V), float32. ``padded`` False says that no row has padding: a chunk from slot 0 is
+        then plain causal attention, with no mask and positions 0.. shared by the rows (fewer ops than the masked
+        form, whose every layer expands the mask). Attention runs on any SDPA backend but cuDNN
+        (``PREFILL_ATTENTION``)."""
         B, P = tokens.shape
         chunk = prefill_chunk_len(B, self.model.cfg.padded_vocab_size)
+        plain_ok = not padded and self.model.cfg.ops.attention != "flex"  # flex compiles per shape: masked SDPA
         logits = None
         for start in range(0, P, chunk):
             end = min(P, start + chunk)
             slots = torch.arange(start, end, device=self.device)
             cache.slots, cache.visible_len = slots, end
-            q = slots[None, :, None]                                     # (1, T, 1) query slots
-            k = torch.arange(end, device=self.device)[None, None, :]     # (1, 1, end) key slots
-            pad = pad_len[:, None, None]
-            # a padding query sees only itself, so no row of the mask is empty (an empty row gives NaN)
-            visible = (k <= q) & ((k >= pad) | (k == q))                 # (B, T, end)
-            positions = (slots[None, :] - pad_len[:, None]).clamp_min(0)
-            out, _ = self.model(tokens[:, start:end], kv_cache=cache, position_ids=positions,
-                                attn_mask=visible[:, None])
+            if plain_ok and start == 0:
+                positions = mask = None                                  # causal over slots [0, end)
+            else:
+                q = slots[None, :, None]                                 # (1, T, 1) query slots
+                k = torch.arange(end, device=self.device)[None, None, :]  # (1, 1, end) key slots
+                pad = pad_len[:, None, None]
+                # a padding query sees only itself, so no row of the mask is empty (an empty row gives NaN)
+                mask = ((k <= q) & ((k >= pad) | (k == q)))[:, None]     # (B, 1, T, end)
+                positions = (slots[None, :] - pad_len[:, None]).clamp_min(0)
+            with sdpa_kernel(PREFILL_ATTENTION):
+                out, _ = self.model(tokens[:, start:end], kv_cache=cache, position_ids=positions, attn_mask=mask,
+                                    logits_to_keep=1)
             logits = out[:, -1]
         return logits.float()
 
@@ -385,17 +404,54 @@ class DecodeSession:
         The prompt runs alone over a view of the row's span, so it computes exactly what a one-row session does
         from slot 0, whatever the other rows hold; the decode step at slot ``end`` then carries on from it.
         """
-        n = len(prompt)
-        start = end - n
-        if not 0 <= row < self.batch_size or n < 1 or start < 0 or end > self.max_len:
-            raise ValueError(f"decode session: a {n}-token prompt ending at slot {end} in row {row} does not fit "
-                             f"({self.batch_size}, {self.max_len})")
-        view = StaticKVCache.over([k[row:row + 1, :, start:end] for k in self.cache.k],
-                                  [v[row:row + 1, :, start:end] for v in self.cache.v])
-        tokens = to_device([list(prompt)], torch.long, self.device)
-        logits = self._prefill(view, tokens, torch.zeros(1, dtype=torch.long, device=self.device))
-        self.pad_len[row] = start
-        return logits[0]
+        return self.prefill_rows([row], [prompt], end)[0]
+
+    @torch.inference_mode()
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], end: int) -> torch.Tensor:
+        """Prefill several rows in one forward, each prompt ending just before slot ``end``: the prompts are
+        left-padded to the longest, P tokens, and run as one batch over slots [end - P, end) of their rows (a
+        shorter prompt's row gets its padding in the slots before its prompt, which its mask hides); the rows not
+        named are untouched. Sets each row's padding to ``end - len(prompt)``. Returns the next-token logits
+        (len(rows), V), float32.
+
+        Each prompt computes what it computes alone from slot 0 (its own positions from 0, its padding masked),
+        up to rounding where a product's reduction order depends on the batch. Rows that are consecutive
+        (r, r + 1, ...) are written through a view of the cache; others run over a scratch cache of P slots that
+        is then copied into their rows (one copy per layer).
+        """
+        R = len(rows)
+        lengths = [len(p) for p in prompts]
+        P = max(lengths, default=0)
+        if (R == 0 or R != len(prompts) or min(lengths) < 1 or end - P < 0 or end > self.max_len
+                or len(set(rows)) != R or not all(0 <= r < self.batch_size for r in rows)):
+            raise ValueError(f"decode session: a prefill of prompts of {lengths} tokens ending at slot {end} in rows "
+                             f"{list(rows)} does not fit ({self.batch_size}, {self.max_len})")
+        start = end - P
+        rows = list(rows)
+        pad = [P - n for n in lengths]
+        tokens = to_device([[0] * k + list(p) for k, p in zip(pad, prompts)], torch.long, self.device)
+        pad_len = (to_device(pad, torch.long, self.device) if any(pad)
+                   else torch.zeros(R, dtype=torch.long, device=self.device))
+        consecutive = rows == list(range(rows[0], rows[0] + R))
+        if consecutive:
+            r0 = rows[0]
+            view = StaticKVCache.over([k[r0:r0 + R, :, start:end] for k in self.cache.k],
+                                      [v[r0:r0 + R, :, start:end] for v in self.cache.v])
+        else:
+            shape = (R, *self.cache.k[0].shape[1:2], P, self.cache.k[0].size(3))
+            view = StaticKVCache.over([torch.empty(shape, dtype=k.dtype, device=k.device) for k in self.cache.k],
+                                      [torch.empty(shape, dtype=v.dtype, device=v.device) for v in self.cache.v])
+        logits = self._prefill(view, tokens, pad_len, padded=any(pad))
+        if not consecutive:
+            index = to_device(rows, torch.long, self.device)
+            for dst, src in zip((*self.cache.k, *self.cache.v), (*view.k, *view.v)):
+                dst[index, :, start:end] = src
+        if R == 1:
+            self.pad_len[rows[0]] = end - lengths[0]
+        else:
+            self.pad_len[to_device(rows, torch.long, self.device)] = to_device([end - n for n in lengths],
+                                                                              torch.long, self.device)
+        return logits
 
     @torch.inference_mode()
     def move_columns(self, lo: int, hi: int, shift: int):

@@ -14,9 +14,11 @@ that rows change between steps::
 Each scheduler iteration:
 
 1. drops the rows of cancelled requests (a client that went away, a shutdown);
-2. admits waiting sequences, in arrival order, into free rows: a sequence's prompt is prefilled alone into its row,
-   right-aligned to end just before the column (``DecodeSession.prefill_row``, which touches no other row), and
-   its first token is drawn from that prefill;
+2. admits waiting sequences, in arrival order, into free rows: each prompt goes into its row right-aligned to end
+   just before the column, and its first token is drawn from that prefill. The sequences admitted together are
+   prefilled together, in one forward per group of similar prompt lengths (``DecodeSession.prefill_rows``, which
+   touches no other row; ``Scheduler.prefill_groups``): a prefill stalls every running row, so sixteen prompts
+   arriving at once cost one stall, not sixteen;
 3. draws the next token of every running row, each with its own parameters (temperature, top-k, top-p,
    repetition penalty) and its own random stream (``random.Random(seed + prompt index)``, so a seeded sequence's
    tokens do not depend on its neighbours: ``generate.sample_rows``);
@@ -101,7 +103,19 @@ class Submission:
         """Events until each sequence has had its final one (``finish_reason`` set). Raises the error the model
         ran into, if any. ``alive`` is asked every ``poll`` seconds while nothing arrives: when it says False the
         request is cancelled and ``ConnectionAbortedError`` raised. Leaving the loop early cancels the request."""
+        batches = self.batches(poll, alive)
+        try:
+            for batch in batches:
+                yield from batch
+        finally:
+            batches.close()
+
+    def batches(self, poll: float = 0.5, alive: Callable[[], bool] | None = None
+                ) -> Iterator[list[GenerationEvent]]:
+        """:meth:`events` in lists: waits for the next event, then takes every event already queued behind it, so
+        that a consumer that fell behind by a few steps catches up with one write instead of one per event."""
         left = self.n
+        error = None
         try:
             while left:
                 try:
@@ -110,12 +124,24 @@ class Submission:
                     if alive is not None and not alive():
                         raise ConnectionAbortedError("the client went away") from None
                     continue
-                if isinstance(ev, BaseException):
-                    left = 0
-                    raise ev
-                if ev.finish_reason:
-                    left -= 1
-                yield ev
+                batch = []
+                while True:
+                    if isinstance(ev, BaseException):
+                        left, error = 0, ev
+                        break
+                    batch.append(ev)
+                    if ev.finish_reason:
+                        left -= 1
+                    if not left:
+                        break
+                    try:
+                        ev = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             if left:
                 self.cancel()
@@ -440,22 +466,54 @@ class Scheduler:
             self._penalty = to_device(penalties, torch.float32, dev)[:, None]
         self._changed = False
 
+    @staticmethod
+    def prefill_groups(seqs: list[_Seq], short: int = 64) -> list[list[_Seq]]:
+        """Sequences joining at the same column, in groups prefilled together (one forward each): longest prompt
+        first, a group takes prompts of at least half its longest one's length (or any, while that one is at most
+        ``short`` tokens), so that padding is at most about half of a group's computed tokens."""
+        groups: list[list[_Seq]] = []
+        for seq in sorted(seqs, key=lambda s: -len(s.prompt)):
+            if groups and (2 * len(seq.prompt) >= len(groups[-1][0].prompt) or len(groups[-1][0].prompt) <= short):
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        for g in groups:
+            g.sort(key=lambda s: s.row)  # consecutive rows are prefilled through a view of the cache
+        return groups
+
+    def _prefill(self, seqs: list[_Seq], end: int):
+        """The joining sequences' prompts into their rows (ending just before ``end``); their next-token logits."""
+        S, B, dev = self.session, self.max_batch, self.device
+        for group in self.prefill_groups(seqs):
+            logits = S.prefill_rows([s.row for s in group], [s.prompt for s in group], end)
+            if self._logits is None:
+                self._logits = torch.zeros(B, logits.size(-1), dtype=torch.float32, device=dev)
+            if len(group) == 1:
+                self._logits[group[0].row] = logits[0]
+            else:
+                self._logits[to_device([s.row for s in group], torch.long, dev)] = logits
+        for seq in seqs:
+            if seq.params.repetition_penalty != 1.0:
+                if self._seen is None:
+                    self._seen = torch.zeros(B, self._logits.size(-1), dtype=torch.bool, device=dev)
+                self._seen[seq.row] = False
+                self._seen[seq.row, to_device(seq.prompt, torch.long, dev)] = True
+
     def _step(self, ops: list[tuple]):
-        S, B = self.session, self.max_batch
+        S = self.session
+        joining: list[_Seq] = []  # the prefills between two moves (all at the same column) run together
+        end = self._col
         for op in ops:
             if op[0] == "move":
+                if joining:
+                    self._prefill(joining, end)
+                    joining = []
                 S.move_columns(*op[1:])
                 continue
             _, seq, end = op
-            row_logits = S.prefill_row(seq.row, seq.prompt, end)
-            if self._logits is None:
-                self._logits = torch.zeros(B, row_logits.numel(), dtype=torch.float32, device=self.device)
-            self._logits[seq.row] = row_logits
-            if seq.params.repetition_penalty != 1.0:
-                if self._seen is None:
-                    self._seen = torch.zeros(B, row_logits.numel(), dtype=torch.bool, device=self.device)
-                self._seen[seq.row] = False
-                self._seen[seq.row, to_device(seq.prompt, torch.long, self.device)] = True
+            joining.append(seq)
+        if joining:
+            self._prefill(joining, end)
         if self._changed:
             self._rebuild()
         running = [s for s in self._rows if s is not None]

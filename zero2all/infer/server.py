@@ -22,14 +22,16 @@ apply): every such request produces the same number of tokens, for load tests.
 
 Concurrency: continuous batching (``infer/scheduler.py``). One background thread owns the model and a pool of
 ``max_batch`` KV-cache rows; each decode step advances every running sequence by one token, a new sequence joins
-the batch between two steps (its prompt is prefilled into a free row, the other rows untouched) and a finished or
-cancelled one leaves it, its row reused at once. Each sequence keeps its own sampling parameters, random stream
-(a seeded request gives the same text whatever else runs), stop strings, budget and stream; a prompt list in one
-completions request is one sequence per prompt. Up to ``max_queue`` sequences wait for a row in arrival order; a
-request beyond that is refused at once with 429 and a ``Retry-After`` header rather than piling up threads. A
-client that disconnects cancels its request (noticed at the next write, or within half a second while it waits).
+the batch between two steps (its prompt is prefilled into a free row, the other rows untouched; prompts that arrive
+together are prefilled together, in one forward) and a finished or cancelled one leaves it, its row reused at once.
+Each sequence keeps its own sampling parameters, random stream (a seeded request gives the same text whatever else
+runs), stop strings, budget and stream; a prompt list in one completions request is one sequence per prompt. Up to
+``max_queue`` sequences wait for a row in arrival order; a request beyond that is refused at once with 429 and a
+``Retry-After`` header rather than piling up threads. A client that disconnects cancels its request (noticed at the
+next write, or within half a second while it waits).
 The HTTP side stays one thread per connection (``ThreadingHTTPServer``): those threads only parse, wait for their
-request's events and write.
+request's events (blocked on a queue, not polling) and write; a stream's events that are ready at once (a handler
+that fell behind the steps) go out in one write.
 
 Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops accepting (the listening socket closes; a request on a
 kept-alive connection gets 503), lets the running and waiting requests finish for up to ``drain_timeout`` seconds
@@ -299,6 +301,8 @@ class InferenceApp:
                         "choices": choices, "usage": usage}
 
     def _stream(self, chat: bool, rid: str, prompts, sub, include_usage: bool, alive):
+        """The chunks of a streamed response, in lists: each list is what is ready at once (the events of the
+        steps run since the handler last wrote), to be written together."""
         created = int(time.time())
         drawn = 0
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -314,15 +318,19 @@ class InferenceApp:
         done = False
         try:
             if chat:
-                yield chunk(0, "", None, first=True)
-            for ev in sub.events(alive=alive):
-                drawn += ev.token_id >= 0
-                if ev.text or ev.finish_reason:
-                    if chat and ev.text and ev.finish_reason:
-                        yield chunk(ev.index, ev.text, None)
-                        yield chunk(ev.index, "", ev.finish_reason)
-                    else:
-                        yield chunk(ev.index, ev.text, ev.finish_reason)
+                yield [chunk(0, "", None, first=True)]
+            for events in sub.batches(alive=alive):
+                out = []
+                for ev in events:
+                    drawn += ev.token_id >= 0
+                    if ev.text or ev.finish_reason:
+                        if chat and ev.text and ev.finish_reason:
+                            out.append(chunk(ev.index, ev.text, None))
+                            out.append(chunk(ev.index, "", ev.finish_reason))
+                        else:
+                            out.append(chunk(ev.index, ev.text, ev.finish_reason))
+                if out:
+                    yield out
             done = True
         finally:
             if not done:  # the client went away (or the stream was dropped): free the rows
@@ -330,12 +338,17 @@ class InferenceApp:
         if include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
             usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": drawn}
             usage["total_tokens"] = usage["prompt_tokens"] + drawn
-            yield {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                   "usage": usage}
+            yield [{"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                    "usage": usage}]
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "zero2all"}]}
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    """Server-sent events, one ``data:`` line per chunk."""
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
 
 
 def make_handler(app: InferenceApp, quiet: bool = False):
@@ -433,6 +446,7 @@ def make_handler(app: InferenceApp, quiet: bool = False):
                 self._error(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
         def _send_stream(self, chunks):
+            """Server-sent events: each list of chunks from ``chunks`` goes out in one write."""
             first = next(chunks)  # before the 200 goes out: a model error can still be a 500
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -440,12 +454,16 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
+            try:  # small writes go out at once rather than wait for the client's acknowledgement (Nagle)
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):  # not a TCP socket
+                pass
             try:
-                self.wfile.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+                self.wfile.write(_sse(first))
                 self.wfile.flush()
                 try:
-                    for c in chunks:
-                        self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+                    for batch in chunks:
+                        self.wfile.write(_sse(batch))
                         self.wfile.flush()
                 except (BrokenPipeError, ConnectionError):
                     raise

@@ -211,7 +211,8 @@ class Z2all(nn.Module):
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 start_pos: int = 0, doc_ids: torch.Tensor | None = None, z_loss: float = 0.0,
-                position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                logits_to_keep: int = 0):
         """tokens (B, T) int64 -> (logits (B, T, padded_vocab), loss or None).
 
         ``position_ids`` (B, T): RoPE positions per row (default start_pos + arange(T)); packed SFT samples restart
@@ -222,6 +223,9 @@ class Z2all(nn.Module):
         With ``targets`` (B, T) the mean cross-entropy over targets != -100 is returned as well. When the fused
         linear+cross-entropy op is selected (``ops.cross_entropy`` = fused, or auto on a GPU) the logits are never
         materialised and ``None`` is returned in their place.
+
+        ``logits_to_keep`` n > 0 (without ``targets``): logits of the last n positions only, (B, n, padded_vocab)
+        (a prefill needs just the last one; the LM head is then a product of n rows, not T).
         """
         B, T = tokens.shape
         cos, sin = self.rope_tables(start_pos, T, tokens.device, position_ids)
@@ -231,7 +235,7 @@ class Z2all(nn.Module):
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, self.cfg.rms_norm_eps, self.cfg.residual_in_fp32,
                                impl=self.cfg.ops.rmsnorm)
         if targets is None:
-            return self.lm_head(h), None
+            return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
         if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
             return None, ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
         logits = self.lm_head(h)
