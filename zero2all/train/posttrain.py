@@ -408,7 +408,9 @@ class PostTrainer(Trainer):
 
 
 def _prepare(cfg: Config, stage: str):
-    """Check resume settings, join the process group (under torchrun), load tokenizer and model (+ LoRA)."""
+    """Check resume settings, join the process group (under torchrun), load tokenizer and model (+ LoRA). The
+    environment is handed to the trainer, which joins no group of its own; the precision is the trainer's rule
+    (``resolve_precision``), needed here for DPO's reference log-probs before the trainer exists."""
     check_resume_compatible(cfg, stage)
     env = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
     device, out_dir = env.device, Path(cfg.train.out_dir)
@@ -429,7 +431,7 @@ def sft(cfg: Config, show_progress: bool = True) -> dict:
     env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "sft")
     train, valid = build_sft_data(cfg, tok, env.rank, env.world_size)
     trainer = PostTrainer(cfg, SFTObjective(), init_dir=cfg.post.init, model=model, train_data=train,
-                          eval_data=valid, tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress)
+                          eval_data=valid, tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress, env=env)
     summary = trainer.fit()
     zd.destroy_distributed()
     return summary
@@ -460,7 +462,7 @@ def dpo(cfg: Config, show_progress: bool = True) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     objective = DPOObjective(beta=p.beta, reference_model=reference)
-    trainer = PostTrainer(cfg, objective, init_dir=p.init, model=model, train_data=train, eval_data=valid,
+    trainer = PostTrainer(cfg, objective, init_dir=p.init, model=model, train_data=train, eval_data=valid, env=env,
                           tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress)
     summary = trainer.fit()
     zd.destroy_distributed()

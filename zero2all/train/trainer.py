@@ -262,10 +262,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
                  train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
-                 rank: int = 0, world_size: int = 1, show_progress: bool = True):
+                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None):
         self.cfg, self.tcfg = cfg, cfg.train
         # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
-        self.dist = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
+        # (``env``: a caller that already joined it, e.g. post-training, which loads its model first)
+        self.dist = env or zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
         if self.dist.is_distributed:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
