@@ -460,10 +460,10 @@ def read_gguf_tensors(reader, path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def tokenizer_from_gguf(reader, path: str):
+def tokenizer_from_gguf(reader, path: str, pretokenize_regex: str | None = None):
     """Our Tokenizer rebuilt from ``tokenizer.ggml.*`` metadata through HF `tokenizers`' BPE (gpt2: vocab +
-    merges + byte-level pre-tokenization; llama: pieces ranked by score, byte fallback). None when the file has
-    no tokenizer."""
+    merges + byte-level pre-tokenization by ``pretokenize_regex``, default the file's own regex, else llama.cpp's
+    "llama-bpe" one; llama: pieces ranked by score, byte fallback). None when the file has no tokenizer."""
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as _HFTokenizer
 
@@ -484,7 +484,7 @@ def tokenizer_from_gguf(reader, path: str):
     meta: dict = {}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in f.need("tokenizer.ggml.merges")]
-        regex = f.get(PRETOKENIZE_KEY) or LLAMA_BPE_REGEX
+        regex = pretokenize_regex or f.get(PRETOKENIZE_KEY) or LLAMA_BPE_REGEX
         bpe = models.BPE(vocab=vocab, merges=merges)
         tok = _HFTokenizer(bpe)
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
