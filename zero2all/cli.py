@@ -151,6 +151,31 @@ def _export_hf(p):
     return run
 
 
+@command("export-gguf", "write a checkpoint as one GGUF file (llama.cpp, Ollama, LM Studio) with its tokenizer",
+         "  z2all export-gguf --ckpt runs/demo/final --out demo.gguf                # float32\n"
+         "  z2all export-gguf --ckpt runs/demo/final --out demo-q8.gguf --dtype q8_0\n"
+         "  llama-cli -m demo.gguf -p 'def main():'                                  # then any GGUF runtime")
+def _export_gguf(p):
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, a training checkpoint, or HF Llama)")
+    p.add_argument("--out", required=True, help="output .gguf file (written beside it, then renamed onto it)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="matrix type; norms stay f32 (default: f32)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the weights first")
+
+    def run(args):
+        from zero2all.model.gguf import export_gguf
+        from zero2all.model.io import load_model
+
+        model = load_model(args.ckpt, merge_lora=args.merge_lora)
+        out = export_gguf(args.ckpt, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer, model=model,
+                          log=lambda m: print(m, file=sys.stderr))
+        size = os.path.getsize(out) / 1e6
+        print(f"wrote {out} ({size:.1f} MB, {args.dtype}; run it with llama.cpp: llama-cli -m {out})")
+
+    return run
+
+
 @command("convert-checkpoint", "rewrite a training checkpoint of an earlier zero2all version in the current format",
          "  z2all convert-checkpoint runs/old/ckpt-000400            # writes runs/old/ckpt-000400-v2\n"
          "  z2all convert-checkpoint runs/old/ckpt-000400 --out runs/new/ckpt-000400\n"
