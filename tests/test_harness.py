@@ -60,12 +60,14 @@ def test_multiple_choice_equals_harness_hf_model(ckpt, in_fixtures):
 
     from zero2all.eval.harness import Z2allLM
 
-    manager = TaskManager(include_path=[str(FIXTURES)])
+    manager = TaskManager(include_path=[str(FIXTURES)], include_defaults=False)
     ours = simple_evaluate(model="z2all", model_args={"pretrained": str(ckpt / "ours"), "device": "cpu"},
-                           tasks=["z2all_tiny_mc"], task_manager=manager, batch_size=3, log_samples=True)
+                           tasks=["z2all_tiny_mc"], task_manager=manager, batch_size=3, log_samples=True,
+                           bootstrap_iters=0)
     ref = simple_evaluate(model="hf", model_args={"pretrained": str(ckpt / "hf"), "dtype": "float32",
                                                   "device": "cpu"},
-                          tasks=["z2all_tiny_mc"], task_manager=manager, batch_size=3, log_samples=True)
+                          tasks=["z2all_tiny_mc"], task_manager=manager, batch_size=3, log_samples=True,
+                           bootstrap_iters=0)
     a, b = per_item(ours, "z2all_tiny_mc"), per_item(ref, "z2all_tiny_mc")
     assert len(a) == 8 * 3 and a.keys() == b.keys()
     for k in a:
@@ -95,7 +97,7 @@ def test_cli_tasks_and_rolling_equals_z2all_eval(ckpt, in_fixtures, tmp_path, ca
 
     out = tmp_path / "tasks.json"
     assert main(["eval", "--ckpt", str(ckpt / "ours"), "--tasks", "z2all_tiny_mc,z2all_tiny_ppl", "--include-path",
-                 str(FIXTURES), "--json", str(out), "--device", "cpu"]) == 0
+                 str(FIXTURES), "--json", str(out), "--device", "cpu", "--bootstrap-iters", "0"]) == 0
     printed = capsys.readouterr().out
     assert "z2all_tiny_mc" in printed and "bits_per_byte" in printed
     got = json.loads(out.read_text())["results"]
@@ -118,7 +120,11 @@ def test_cli_tasks_and_rolling_equals_z2all_eval(ckpt, in_fixtures, tmp_path, ca
     assert abs(got["z2all_tiny_ppl"]["bits_per_byte,none"] - whole.nll / math.log(2) / whole.bytes) < 1e-4
 
 
-def test_generate_until_stops_and_errors(ckpt, capsys):
+def test_generate_until_stops_and_errors(ckpt, capsys, monkeypatch):
+    import functools
+
+    import lm_eval.tasks
+
     from zero2all.cli import main
     from zero2all.eval.harness import Z2allLM
 
@@ -138,7 +144,11 @@ def test_generate_until_stops_and_errors(ckpt, capsys):
     long_prompt = " ".join(["the model reads text"] * 20)
     assert isinstance(lm.generate_until([Req(long_prompt, {"max_gen_toks": 40})])[0], str)
 
-    assert main(["eval", "--ckpt", str(ckpt / "ours"), "--tasks", "no_such_task_xyz"]) == 2
+    # (the harness's own task index takes half a minute to build: left out here)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,
+                                                                         include_defaults=False))
+    assert main(["eval", "--ckpt", str(ckpt / "ours"), "--tasks", "no_such_task_xyz", "--include-path",
+                 str(FIXTURES)]) == 2
     assert "unknown task 'no_such_task_xyz'" in capsys.readouterr().err
     assert main(["eval", "--ckpt", str(ckpt / "ours")]) == 2
     assert "--data" in capsys.readouterr().err

@@ -663,6 +663,8 @@ def _eval(p):
                    help="--tasks: at most this many examples per task (a fraction if below 1)")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")
     p.add_argument("--seed", type=int, default=1234, help="--tasks: seed of few-shot sampling and generation")
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="--tasks: bootstrap resamples for the standard errors (0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file")
     p.add_argument("--max-docs", type=int, default=None, help="score at most this many documents")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -715,7 +717,8 @@ def _eval_tasks(args):
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = harness.evaluate_tasks(args.ckpt, tasks, include_path=args.include_path, limit=limit,
                                      num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device,
-                                     dtype=args.dtype, tokenizer=_tokenizer_override(args), seed=args.seed)
+                                     dtype=args.dtype, tokenizer=_tokenizer_override(args), seed=args.seed,
+                                     bootstrap_iters=args.bootstrap_iters)
     print(harness.results_table(results))
     if args.json:
         harness.write_results(results, args.json)

@@ -206,7 +206,7 @@ if MODEL_NAME not in model_registry:  # once per process, also when this file ru
 def evaluate_tasks(ckpt: str | None, tasks: Sequence[str], include_path: Sequence[str] | None = None,
                    limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 8,
                    device: str = "auto", dtype: str = "auto", tokenizer=None, log_samples: bool = False,
-                   lm: Z2allLM | None = None, seed: int = 1234) -> dict:
+                   lm: Z2allLM | None = None, seed: int = 1234, bootstrap_iters: int = 100000) -> dict:
     """The harness's ``simple_evaluate`` on ``tasks`` (names, or task YAML found under ``include_path``) with
     checkpoint ``ckpt`` (or an already built ``lm``); returns the harness's results dict."""
     from lm_eval import simple_evaluate
@@ -215,13 +215,21 @@ def evaluate_tasks(ckpt: str | None, tasks: Sequence[str], include_path: Sequenc
     if lm is None:
         lm = Z2allLM(pretrained=str(ckpt), device=device, dtype=dtype, batch_size=batch_size, tokenizer=tokenizer,
                      seed=seed)
-    manager = TaskManager(include_path=[str(p) for p in include_path] if include_path else None)
+    paths = [str(p) for p in include_path] if include_path else None
+    manager = None
+    if paths:  # indexing the harness's own thousands of task files takes a while: only when needed
+        manager = TaskManager(include_path=paths, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = None
+    if manager is None:
+        manager = TaskManager(include_path=paths)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
         where = f" (nor under --include-path {' '.join(map(str, include_path))})" if include_path else ""
         raise ValueError(f"--tasks: unknown task {missing[0]!r}: not a harness task{where}")
     return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                            task_manager=manager, log_samples=log_samples, random_seed=seed,
+                           bootstrap_iters=bootstrap_iters,
                            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
 
