@@ -259,17 +259,20 @@ def _train_tokenizer(p):
     return _data_errors("train-tokenizer", run)
 
 
-@command("extend-tokenizer", "add up to N byte-level BPE tokens learned on a new corpus to a tokenizer (old ids kept)",
+@command("extend-tokenizer", "add up to N tokens learned on a new corpus to a tokenizer, byte-level BPE or "
+         "SentencePiece (old ids kept)",
          "  z2all extend-tokenizer --base runs/tok --input zh.jsonl --add 2000 --out runs/tok-zh --base-text en.jsonl")
 def _extend_tokenizer(p):
-    p.add_argument("--base", required=True, help="byte-level BPE tokenizer directory (or a checkpoint carrying one)")
+    p.add_argument("--base", required=True,
+                   help="tokenizer directory, byte-level BPE or SentencePiece BPE (spm backend, with its "
+                        "tokenizer.model), or a checkpoint carrying one")
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="PATH",
                    help="corpus to learn the new tokens on (every 10th document is held out for the report)")
     p.add_argument("--add", type=int, required=True, help="tokens to add (at most)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--base-text", nargs="+", action="extend", default=[], metavar="PATH",
                    help="text of the base's own domain: bytes/token before/after is reported on it")
-    p.add_argument("--min-frequency", type=int, default=2, help="least count of a learned pair")
+    p.add_argument("--min-frequency", type=int, default=2, help="byte-level BPE: least count of a learned pair")
     _reader_args(p)
 
     def run(args):
