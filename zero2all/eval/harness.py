@@ -3,10 +3,13 @@
 Importing this module registers :class:`Z2allLM` with the harness's model registry under ``z2all``. The harness
 (0.4.x) has no plugin hook for models, so its own ``lm_eval`` command cannot see the name; run it through
 
-    python -m zero2all.eval.harness --model z2all --model_args pretrained=DIR --tasks NAMES --include_path TASKS
+    python -m zero2all.eval.harness --model z2all --model_args pretrained=DIR --tasks NAMES --include_path TASKS \
+        --device cpu
 
-(the same arguments as ``lm_eval``; this module registers the model, then hands over to the harness's CLI), or
-``z2all eval --ckpt DIR --tasks NAMES [--include-path TASKS]``, or in Python ``simple_evaluate(model=Z2allLM(...))``.
+(the same arguments as ``lm_eval``; ``--device`` goes to the harness, not into ``--model_args``: its default is
+cuda:0, which falls back to the CPU where CUDA is missing; this module registers the model, then hands over to the
+harness's CLI), or ``z2all eval --ckpt DIR --tasks NAMES [--include-path TASKS]``, or in Python
+``simple_evaluate(model=Z2allLM(...))``.
 
 The three request types:
 
@@ -26,6 +29,7 @@ The three request types:
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -65,7 +69,12 @@ class Z2allLM(LM):
             from zero2all.infer.generate import load_for_inference
             from zero2all.tokenizer import load_tokenizer
 
-            model, tok = load_for_inference(str(pretrained), device=str(device or "auto"), dtype=str(dtype),
+            device = str(device or "auto")
+            if device.startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default: cuda:0
+                print(f"warning: device {device} asked for but CUDA is not available: running on the CPU",
+                      file=sys.stderr)
+                device = "cpu"
+            model, tok = load_for_inference(str(pretrained), device=device, dtype=str(dtype),
                                             tokenizer=load_tokenizer(tokenizer) if isinstance(tokenizer, str)
                                             else tokenizer)
             tokenizer = tok
@@ -256,8 +265,6 @@ def write_results(results: dict, path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m zero2all.eval.harness ARGS``: the harness's CLI with the ``z2all`` model registered."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
