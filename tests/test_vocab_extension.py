@@ -156,3 +156,51 @@ def test_new_embeddings_trains_only_the_new_rows(toks, tmp_path):
             assert not torch.equal(after[name][old:], t[old:]), name
         else:
             assert torch.equal(after[name], t), name
+
+
+def test_sentencepiece_extension_compresses_chinese_and_keeps_english(tmp_path, capsys):
+    """The SentencePiece (spm) backend: pieces learned on Chinese appended to the base's model proto."""
+    import sentencepiece as spm
+
+    from zero2all.cli import main
+    from zero2all.tokenizer import load_tokenizer, train_tokenizer
+
+    rng = random.Random(1)
+    en = write_jsonl(tmp_path / "en.jsonl", [english(rng, 80) for _ in range(150)])
+    zh = write_jsonl(tmp_path / "zh.jsonl", [chinese(rng, 100) for _ in range(110)])
+    train_tokenizer([str(en)], 512, tmp_path / "base", backend="spm", log=lambda *a: None)
+    assert main(["extend-tokenizer", "--base", str(tmp_path / "base"), "--input", str(zh), "--add", "600",
+                 "--out", str(tmp_path / "ext"), "--base-text", str(en)]) == 0
+    assert "added 600 tokens" in capsys.readouterr().out
+    base, ext = load_tokenizer(tmp_path / "base"), load_tokenizer(tmp_path / "ext")
+    assert ext.backend == "spm" and ext.meta["extended"]["added"] == 600 and ext.vocab_size % 64 == 0
+    rng = random.Random(321)
+    zh_texts = [chinese(rng, 60) for _ in range(20)]
+    en_texts = [english(rng, 60) for _ in range(20)]
+    n_base, n_ext = sum(len(base.encode(t)) for t in zh_texts), sum(len(ext.encode(t)) for t in zh_texts)
+    assert n_base >= 1.5 * n_ext, (n_base, n_ext)
+    changed = total = 0
+    for t in en_texts:
+        a, b = base.encode(t), ext.encode(t)
+        total += len(a)
+        changed += len(a) if len(a) != len(b) else sum(x != y for x, y in zip(a, b))
+    assert changed <= 0.01 * total
+    n_old = base._full.get_vocab_size(with_added_tokens=True)
+    assert all(base.id_to_token(i) == ext.id_to_token(i) for i in range(n_old))
+    assert ext.special_ids.items() >= base.special_ids.items()
+    # the extended proto: base pieces at their ids, new ones scored below every base piece; SentencePiece itself
+    # encodes like the converted pipeline
+    sp_base = spm.SentencePieceProcessor(model_file=str(tmp_path / "base" / "tokenizer.model"))
+    sp_ext = spm.SentencePieceProcessor(model_file=str(tmp_path / "ext" / "tokenizer.model"))
+    assert sp_ext.get_piece_size() == ext.vocab_size
+    assert all(sp_base.id_to_piece(i) == sp_ext.id_to_piece(i) for i in range(sp_base.get_piece_size()))
+    lowest = min(sp_base.get_score(i) for i in range(sp_base.get_piece_size()) if sp_base.get_score(i) != 0)
+    assert all(sp_ext.get_score(i) < lowest for i in range(n_old, n_old + 600))
+    for t in zh_texts[:3] + en_texts[:3]:
+        line = t.rstrip("\n")
+        assert sp_ext.encode(line) == ext.encode(line)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "ext")
+    for t in zh_texts[:3] + en_texts[:3] + ["mixed 中文 text <|endoftext|> 😀\n  two  spaces"]:
+        assert ext.decode(ext.encode(t)) == t
+    for t in zh_texts[:3] + en_texts[:3]:
+        assert auto(t, add_special_tokens=False).input_ids == ext.encode(t)

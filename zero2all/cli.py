@@ -284,17 +284,20 @@ def _train_tokenizer(p):
     return _data_errors("train-tokenizer", run)
 
 
-@command("extend-tokenizer", "add up to N byte-level BPE tokens learned on a new corpus to a tokenizer (old ids kept)",
+@command("extend-tokenizer", "add up to N tokens learned on a new corpus to a tokenizer, byte-level BPE or "
+         "SentencePiece (old ids kept)",
          "  z2all extend-tokenizer --base runs/tok --input zh.jsonl --add 2000 --out runs/tok-zh --base-text en.jsonl")
 def _extend_tokenizer(p):
-    p.add_argument("--base", required=True, help="byte-level BPE tokenizer directory (or a checkpoint carrying one)")
+    p.add_argument("--base", required=True,
+                   help="tokenizer directory, byte-level BPE or SentencePiece BPE (spm backend, with its "
+                        "tokenizer.model), or a checkpoint carrying one")
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="PATH",
                    help="corpus to learn the new tokens on (every 10th document is held out for the report)")
     p.add_argument("--add", type=int, required=True, help="tokens to add (at most)")
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--base-text", nargs="+", action="extend", default=[], metavar="PATH",
                    help="text of the base's own domain: bytes/token before/after is reported on it")
-    p.add_argument("--min-frequency", type=int, default=2, help="least count of a learned pair")
+    p.add_argument("--min-frequency", type=int, default=2, help="byte-level BPE: least count of a learned pair")
     _reader_args(p)
 
     def run(args):
@@ -667,15 +670,29 @@ def _serve(p):
 # (eval)
 
 
-@command("eval", "token loss, perplexity and bits per byte of a model on text files, overall and per source",
+@command("eval", "token loss, perplexity and bits per byte of a model on text files, overall and per source; "
+         "or lm-evaluation-harness tasks (--tasks)",
          "  z2all eval --ckpt runs/demo/final --data valid.jsonl\n"
          "  z2all eval --ckpt runs/demo/final --data en=en.jsonl zh=zh.jsonl --json eval.json --max-docs 500\n"
-         "  z2all eval --ckpt hf/llama --data docs/*.txt --device cuda --dtype bfloat16 --stride 512")
+         "  z2all eval --ckpt hf/llama --data docs/*.txt --device cuda --dtype bfloat16 --stride 512\n"
+         "  z2all eval --ckpt runs/demo/final --tasks my_task --include-path tasks/ --limit 100   # pip install "
+         "'zero2all[eval]'")
 def _eval(p):
     p.add_argument("--ckpt", required=True, help="checkpoint directory (ours, HF Llama, or with a LoRA adapter)")
-    p.add_argument("--data", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
+    p.add_argument("--data", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
                    help="json / jsonl / parquet / txt files, directories or globs; NAME=PATH names a source "
                         "(default: a record's data_src field, else the file stem)")
+    p.add_argument("--tasks", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="lm-evaluation-harness tasks (names or comma lists) instead of --data: the harness's "
+                        "simple_evaluate with this model (needs pip install 'zero2all[eval]')")
+    p.add_argument("--include-path", nargs="+", action="extend", default=None, metavar="DIR",
+                   help="--tasks: directories of task YAML files (local tasks, e.g. over a local jsonl)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="--tasks: at most this many examples per task (a fraction if below 1)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")
+    p.add_argument("--seed", type=int, default=1234, help="--tasks: seed of few-shot sampling and generation")
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="--tasks: bootstrap resamples for the standard errors (0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file")
     p.add_argument("--max-docs", type=int, default=None, help="score at most this many documents")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -691,6 +708,10 @@ def _eval(p):
     _reader_args(p)
 
     def run(args):
+        if (args.data is None) == (args.tasks is None):
+            raise ValueError("give either --data (bits per byte on text files) or --tasks (harness tasks)")
+        if args.tasks is not None:
+            return _eval_tasks(args)
         from zero2all.eval.perplexity import evaluate_files, write_json
 
         if args.max_docs is not None and args.max_docs < 1:
@@ -710,6 +731,26 @@ def _eval(p):
             print(f"wrote {args.json}")
 
     return _data_errors("eval", run)
+
+
+def _eval_tasks(args):
+    """``z2all eval --tasks``: lm-evaluation-harness tasks through ``zero2all.eval.harness``."""
+    try:
+        from zero2all.eval import harness
+    except ImportError as e:
+        raise ValueError(f"--tasks: {e}") from None
+    tasks = [t for item in args.tasks for t in item.split(",") if t]
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit: {args.limit} must be positive")
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    results = harness.evaluate_tasks(args.ckpt, tasks, include_path=args.include_path, limit=limit,
+                                     num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device,
+                                     dtype=args.dtype, tokenizer=_tokenizer_override(args), seed=args.seed,
+                                     bootstrap_iters=args.bootstrap_iters)
+    print(harness.results_table(results))
+    if args.json:
+        harness.write_results(results, args.json)
+        print(f"wrote {args.json}")
 
 
 # ---------------------------------------------------------------------------------------------------- accounting

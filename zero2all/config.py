@@ -254,6 +254,10 @@ class TrainConfig:
     # evaluation / logging / checkpoints
     eval_every: int = 200
     eval_batches: int = 20
+    # bits per byte on text files at each evaluation (`z2all eval`'s rules, per source: files, globs, NAME=PATH),
+    # logged as eval/<source>/bits_per_byte; at most eval_data_max_docs documents in all
+    eval_data: list[str] = field(default_factory=list)
+    eval_data_max_docs: int = 200
     sample_every: int = 0          # 0 = only at the end
     log_every: int = 1
     ckpt_every: int = 500
@@ -305,6 +309,9 @@ class TrainConfig:
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
         _check_choice(self, "trainable", TRAINABLE, prefix)
         _check_str_list(self, "sample_prompts", prefix)
+        _check_str_list(self, "eval_data", prefix)
+        if self.eval_data_max_docs < 1:
+            raise ConfigError(f"{prefix}.eval_data_max_docs: must be at least 1, got {self.eval_data_max_docs}")
         if self.trainable == "new_embeddings" and not self.init:
             raise ConfigError(f"{prefix}.trainable: new_embeddings needs {prefix}.init (a `z2all resize-vocab` "
                               f"output: it says which rows are new)")

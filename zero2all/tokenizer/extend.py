@@ -7,6 +7,14 @@ is appended to the base's merges when ``a + b`` is not a token of the base yet a
 text is first merged exactly as by the base and only then by the new merges: text of the base's own domain changes
 little. Every id of the base keeps its token (special tokens included); the new tokens take the ids after the
 base's, and the vocabulary is padded with reserved special tokens to a multiple of 64.
+
+SentencePiece BPE tokenizers (``backend="spm"``, stored with their ``tokenizer.model``) are extended in the
+model proto (:func:`extend_spm`): a SentencePiece BPE is trained on the corpus with the base's settings, and its
+pieces that the base lacks are appended to the base proto in the order learned, each with a score below every
+base piece's (so their merges rank after the base's), a multi-character piece only when it splits into two pieces
+already there (its parts are added first); the base's reserved padding tokens become control pieces at their ids
+first, so every base id (user pieces, byte pieces and special tokens included) keeps its piece. The tokenizer.json
+is converted from the extended proto, as for a freshly trained one.
 """
 
 from __future__ import annotations
@@ -93,6 +101,106 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
     return Tokenizer(text, meta=meta), meta["extended"]
 
 
+def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0) -> tuple[Tokenizer, dict]:
+    """The SentencePiece base tokenizer with up to ``n_add`` pieces learned on ``texts`` (see the module
+    docstring); returns (tokenizer, info)."""
+    import io
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from zero2all.tokenizer.hf import sentencepiece_to_tokenizer_json
+    from zero2all.tokenizer.train import SPM_MAX_SENTENCE_BYTES, _spm_sentences
+
+    if n_add < 1:
+        raise ValueError(f"--add: {n_add} must be at least 1")
+    data = base._extra_files.get("tokenizer.model")
+    if data is None:
+        raise ValueError("--base: a SentencePiece tokenizer (backend spm) without its tokenizer.model; the "
+                         "proto is needed to extend it")
+    proto = pb.ModelProto()
+    proto.ParseFromString(data)
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
+        raise ValueError("--base: tokenizer.model is not a SentencePiece BPE model (trainer_spec.model_type)")
+    Piece = pb.ModelProto.SentencePiece
+    n_base = base._full.get_vocab_size(with_added_tokens=True)
+    # the base's reserved padding (added tokens after the proto's pieces) enters the proto as control pieces
+    for i in range(len(proto.pieces), n_base):
+        name = base.id_to_token(i)
+        if name is None or name not in base.special_ids:
+            raise ValueError(f"--base: id {i} ({name!r}) of tokenizer.json is neither a piece of tokenizer.model "
+                             f"nor a special token: the two files do not belong together")
+        proto.pieces.add(piece=name, score=0.0, type=Piece.CONTROL)
+    have = {p.piece for p in proto.pieces}
+    mergeable = {p.piece for p in proto.pieces if p.type == Piece.NORMAL}
+    lowest = min((p.score for p in proto.pieces if p.type == Piece.NORMAL), default=0.0)
+
+    # learn on the corpus with the base's own settings
+    spec = proto.trainer_spec
+    chars = {c for t in texts for c in t if c != "\n"}
+    model = io.BytesIO()
+    if hasattr(spm, "set_random_generator_seed"):
+        spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_spm_sentences(texts), model_writer=model, model_type="bpe",
+        vocab_size=len(chars) + 2 * n_add + 300, hard_vocab_limit=False, byte_fallback=True, unk_id=0, bos_id=-1,
+        eos_id=-1, pad_id=-1, normalization_rule_name="identity",
+        add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
+        remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
+        allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces, split_digits=spec.split_digits,
+        character_coverage=spec.character_coverage, max_sentence_length=SPM_MAX_SENTENCE_BYTES,
+        input_sentence_size=0, shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
+    learned = pb.ModelProto()
+    learned.ParseFromString(model.getvalue())
+    pieces = [p.piece for p in learned.pieces if p.type == Piece.NORMAL]
+    known = set(pieces)
+    added: list[str] = []
+
+    def add(piece: str) -> bool:
+        """Make ``piece`` a piece (its parts first); False when the budget is spent or it cannot be reached."""
+        if piece in have:
+            return piece in mergeable
+        if len(added) >= n_add:
+            return False
+        if len(piece) > 1:
+            for k in range(1, len(piece)):
+                a, b = piece[:k], piece[k:]
+                if (a in mergeable or a in known) and (b in mergeable or b in known):
+                    if add(a) and add(b):
+                        break
+            else:
+                return False
+            if len(added) >= n_add:
+                return False
+        proto.pieces.add(piece=piece, score=lowest - 1.0 - len(added), type=Piece.NORMAL)
+        have.add(piece)
+        mergeable.add(piece)
+        added.append(piece)
+        return True
+
+    for piece in pieces:
+        if len(added) >= n_add:
+            break
+        add(piece)
+    n_new = len(proto.pieces)
+    taken, k = set(have), 0
+    for _ in range(round_up(n_new) - n_new):
+        while reserved_token(k) in taken:
+            k += 1
+        taken.add(reserved_token(k))
+        proto.pieces.add(piece=reserved_token(k), score=0.0, type=Piece.CONTROL)
+    proto.trainer_spec.vocab_size = len(proto.pieces)
+    new_proto = proto.SerializeToString()
+    specials = [p.piece for p in proto.pieces if p.type == Piece.CONTROL]
+    text, extra = sentencepiece_to_tokenizer_json(new_proto, specials)
+    meta = dict(base.meta)
+    meta.pop("hash", None)
+    meta.update(extra)
+    meta["extended"] = {"base_hash": base.hash, "base_ids": n_base, "added": len(added), "asked": n_add,
+                        "reserved_padding": len(proto.pieces) - n_new}
+    return Tokenizer(text, meta=meta, extra_files={"tokenizer.model": new_proto}), meta["extended"]
+
+
 def bytes_per_token(tok: Tokenizer, texts: Sequence[str]) -> float:
     n_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     n_tok = sum(len(ids) for ids in tok.encode_batch(list(texts)))
@@ -120,7 +228,10 @@ def extend_tokenizer(base_dir: str | os.PathLike, inputs: Sequence[str], n_add: 
         train = [d for i, d in enumerate(docs) if i % heldout_every]
     else:
         heldout, train = docs, docs
-    tok, info = extend_bpe(base, train, n_add, min_frequency=min_frequency)
+    if base.backend == "spm":
+        tok, info = extend_spm(base, train, n_add)
+    else:
+        tok, info = extend_bpe(base, train, n_add, min_frequency=min_frequency)
     report = {**info, "heldout": {"docs": len(heldout), "bytes_per_token_before": bytes_per_token(base, heldout),
                                   "bytes_per_token_after": bytes_per_token(tok, heldout)}}
     if base_text:
@@ -142,5 +253,5 @@ def extend_tokenizer(base_dir: str | os.PathLike, inputs: Sequence[str], n_add: 
     return report
 
 
-__all__ = ["extend_bpe", "extend_tokenizer", "bytes_per_token"]
+__all__ = ["extend_bpe", "extend_spm", "extend_tokenizer", "bytes_per_token"]
 

@@ -159,7 +159,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 def plot_loss_curve(records: list[dict], path: str | Path, title: str = "") -> Path | None:
     """Training loss (raw and smoothed) and validation loss against step, saved as a PNG (written atomically)."""
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and math.isfinite(r["loss"])]
-    evals = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
+    evals = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval" and "loss" in r]
     if not train:
         return None
     import matplotlib
@@ -203,7 +203,7 @@ def summarize(records: list[dict]) -> dict:
     """Numbers for the run report: first / last / best losses, median throughput (first logged step excluded,
     it includes warm-up), skipped steps."""
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    evals = [r for r in records if r.get("kind") == "eval" and "loss" in r]  # not the bits-per-byte records
     steady = train[1:] if len(train) > 1 else train
     out: dict = {"steps": train[-1]["step"] if train else 0}
     if train:

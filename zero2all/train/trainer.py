@@ -569,6 +569,47 @@ class Trainer:
     # -- evaluation and samples -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict | None:
+        """The validation loss (:meth:`evaluate_loss`), then bits per byte on ``train.eval_data``
+        (:meth:`evaluate_text`); returns the validation-loss record."""
+        rec = self.evaluate_loss()
+        self.evaluate_text()
+        return rec
+
+    def evaluate_text(self) -> dict | None:
+        """Bits per byte, loss and perplexity of the model on the documents of ``train.eval_data``, per source
+        (``zero2all/eval/perplexity.py``: the rules of ``z2all eval``), logged as one ``eval`` record with keys
+        ``<source>/bits_per_byte`` etc. (TensorBoard ``eval/<source>/bits_per_byte``). Every process computes it
+        (sharded parameters need all of them in each forward pass); the main one logs it."""
+        if not self.tcfg.eval_data:
+            return None
+        from zero2all.eval.perplexity import evaluate_texts, iter_documents
+
+        if self.tokenizer is None:
+            raise ConfigError("train.eval_data: needs the run's tokenizer (data.tokenizer) to encode the text")
+        if getattr(self, "_eval_docs", None) is None:  # read once: the same documents at every evaluation
+            try:
+                self._eval_docs = list(iter_documents(self.tcfg.eval_data, max_docs=self.tcfg.eval_data_max_docs))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"train.eval_data: {e}") from e
+            if not self._eval_docs:
+                raise ConfigError(f"train.eval_data: no document with text in {self.tcfg.eval_data}")
+        self.raw_model.eval()
+        with self.autocast():
+            result = evaluate_texts(self.raw_model, self.tokenizer, self._eval_docs,
+                                    context=min(self.raw_model.cfg.max_seq_len, self.seq_len),
+                                    batch_size=self.tcfg.micro_batch_size, progress=False)
+        self.raw_model.train()
+        rec: dict = {"kind": "eval", "step": self.step}
+        for name, totals in [*result.sources.items(), ("overall", result.overall)]:
+            d = totals.to_dict()
+            for key in ("bits_per_byte", "loss", "ppl"):
+                rec[f"{name}/{key}"] = d[key]
+        self.logger.log(rec)
+        self._print(f"eval  step {self.step:>6d} | bits/byte " + " | ".join(
+            f"{name} {t.to_dict()['bits_per_byte']:.4f}" for name, t in result.sources.items()))
+        return rec
+
+    def evaluate_loss(self) -> dict | None:
         """Mean validation loss and metrics over ``eval_batches`` fixed batches (the same ones every time); the
         perplexity (exp of the loss) when the objective's loss is a per-token cross-entropy."""
         if self.eval_data is None or self.tcfg.eval_batches == 0:
