@@ -546,6 +546,20 @@ class _RowText:
         return piece
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, vocab: int) -> None:
+    """Raise ValueError naming the first prompt that can never run: empty, longer than the context with its new
+    tokens, or holding an id outside the vocabulary."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) + max_new_tokens > context:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed the model's "
+                             f"context of {context}")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+
+
 class Generator:
     """Generates from a model (and optionally a tokenizer, for text prompts, stop strings and text output).
 
@@ -637,17 +651,8 @@ class Generator:
         ids = [self.encode(p) for p in prompts]
         if not ids:
             return
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + params.max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed "
-                                 f"the model's context of {self.max_seq_len}")
         vocab = self.model.cfg.padded_vocab_size
-        for i, p in enumerate(ids):
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+        check_prompts(ids, params.max_new_tokens, self.max_seq_len, vocab)
         stop_ids = set(self.default_stop_ids() if params.stop_token_ids is None else params.stop_token_ids)
         B, P = len(ids), max(len(p) for p in ids)
         pad_id = getattr(self.tokenizer, "pad_id", None) if self.tokenizer is not None else None

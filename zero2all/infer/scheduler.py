@@ -68,6 +68,7 @@ from zero2all.infer.generate import (
     _RowText,
     apply_repetition_penalty,
     argmax_rows,
+    check_prompts,
     sample_rows,
     to_device,
 )
@@ -233,15 +234,7 @@ class Scheduler:
         prompts = [[int(t) for t in p] for p in prompts]
         if not prompts:
             raise ValueError("no prompt")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + params.max_new_tokens > self.context:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed "
-                                 f"the context of {self.context}")
-            bad = [t for t in p if not 0 <= t < self.vocab]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary (0..{self.vocab - 1})")
+        check_prompts(prompts, params.max_new_tokens, self.context, self.vocab)
         if len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts in one request; at most {self.max_batch} (the batch rows)")
         stop_ids = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
