@@ -54,7 +54,7 @@ RULES = ("empty",
          "exact_duplicate", "near_duplicate")
 
 _SENTENCE_END = re.compile(r"[.!?。！？]+(?=\s|$|[\"”’'])")
-_ALNUM = re.compile(r"[^\W_]")
+_NOT_ALNUM = bytes(c for c in range(256) if not chr(c).isalnum() or c > 127)
 _STRIP = ".,;:!?\"'()[]{}<>«»“”‘’—–-…"
 
 
@@ -189,7 +189,9 @@ def code_filter(text: str, cfg) -> str | None:
         return "code_max_line_length"
     if sum(lens) / len(lines) > cfg.max_mean_line_length:
         return "code_mean_line_length"
-    if len(_ALNUM.findall(text)) / max(len(text), 1) < cfg.min_alnum_fraction:
+    # ASCII letters and digits / characters (non-ASCII letters do not count: code is nearly all ASCII)
+    if len(text.encode("utf-8", "surrogatepass").translate(None, _NOT_ALNUM)) / max(len(text), 1) \
+            < cfg.min_alnum_fraction:
         return "code_alnum_fraction"
     if cfg.autogen_markers:
         head = "\n".join(lines[:cfg.autogen_head_lines]).lower()
