@@ -221,7 +221,8 @@ def run_datatrove(data: Path, work: Path, bands: int, rows: int) -> dict:
     from datatrove.utils.text import TextNormConfig
 
     cfg = MinhashConfig(n_grams=5, num_buckets=bands, hashes_per_bucket=rows, seed=1,
-                        hash_config=HashConfig(precision=64),
+                        # sha1: its xxhash path passes str, which xxhash 4.x refuses
+                        hash_config=HashConfig(hash_fc="sha1", precision=64),
                         norm_config=TextNormConfig(lowercase=True, norm_whitespace=True, remove_punctuation=True))
     tok = _Tokens().tok
     t = time.time()

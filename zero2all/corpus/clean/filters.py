@@ -134,7 +134,7 @@ def gopher_repetition(text: str, words: list[str], cfg) -> str | None:
         grams = list(zip(*(words[i:] for i in range(n))))
         counts = Counter(grams)
         if len(counts) == len(grams):
-            continue  # no n-gram repeats (nor any longer one)
+            break  # no n-gram repeats, so no longer one does either
         covered = bytearray(len(words))
         for i, g in enumerate(grams):
             if counts[g] > 1:
