@@ -389,10 +389,10 @@ def test_config_file_overrides_and_errors(tmp_path):
 
 def test_cli_clean_and_dry_run(tmp_path, capsys):
     path = _small_corpus(tmp_path, n=20)
-    assert main(["clean", "--input", path, "--out", str(tmp_path / "dry"), "--dry-run", "--workers", "1",
+    assert main(["clean", "--input", f"web={path}", "--out", str(tmp_path / "dry"), "--dry-run", "--workers", "1",
                  "gopher.enabled=false"]) == 0
     text = capsys.readouterr().out
-    assert "bands x" in text and "at s=0.5" in text and "| exact_duplicate | 1 | 1 |" in text
+    assert "bands x" in text and "at s=0.5" in text and "| exact_duplicate | 1 | 1 |" in text and "| web |" in text
     assert not (tmp_path / "dry").exists()
     assert main(["clean", "--input", path, "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
     assert (tmp_path / "out" / "clean-00000.jsonl").exists() and (tmp_path / "out" / "report.md").exists()

@@ -289,7 +289,8 @@ def _prepare(p):
          "dedup.threshold=0.7\n"
          "  z2all clean --input data --out clean --config clean.toml --dry-run   # sample decisions, write nothing")
 def _clean(p):
-    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
+    # nargs="*": a NAME=PATH source looks like a key=value override and is taken out before parsing (see run)
+    p.add_argument("--input", nargs="*", action="extend", required=True, metavar="[NAME=]PATH",
                    help="sources: files, directories, globs or 'stdlib'; NAME=PATH names a source")
     p.add_argument("--out", required=True, help="output directory: clean-NNNNN.jsonl shards and report.{json,md,png}; "
                                                 "re-running resumes an interrupted run")
@@ -303,14 +304,22 @@ def _clean(p):
     _overrides(p)
 
     def run(args):
-        from zero2all.corpus.clean import clean, load_clean_config
+        import dataclasses
+
+        from zero2all.corpus.clean import CleanConfig, clean, load_clean_config
         from zero2all.corpus.clean.report import render_markdown
 
-        cfg = load_clean_config(args.config, args.overrides)
+        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override
+        keys = {f.name for f in dataclasses.fields(CleanConfig)} | {"clean"}
+        overrides = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] in keys]
+        inputs = list(args.input) + [o for o in args.overrides if o not in overrides]
+        if not inputs:
+            raise ValueError("--input: no source given")
+        cfg = load_clean_config(args.config, overrides)
         if args.workers is not None:
             cfg.workers = args.workers
             cfg.validate()
-        report = clean(args.input, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
+        report = clean(inputs, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
                        strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs)
         if args.dry_run:
             print(render_markdown(report), end="")
