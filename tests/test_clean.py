@@ -189,6 +189,16 @@ def test_minhash_estimates_jaccard():
     assert m.signature("...") is None and m.signature("中文", "char") is not None
 
 
+def test_long_documents_are_hashed_in_segments(monkeypatch):
+    from zero2all.corpus.clean import minhash
+
+    m = MinHasher()
+    text = " ".join(f"w{i}" for i in range(3000))
+    whole = m.shingles(text)
+    monkeypatch.setattr(minhash, "_SEGMENT", 1000)
+    assert np.array_equal(m.shingles(text), whole)
+
+
 # ---------------------------------------------------------------------------------------------------- rules
 
 CFG = CleanConfig()
@@ -353,6 +363,7 @@ def test_resume_after_kill_gives_the_same_output(tmp_path):
         clean([path], tmp_path / "run", cfg, on_chunk_done=kill_after_three, verbose=False)
     assert len(list((tmp_path / "run" / ".work").glob("chunk-*.json"))) == 3
     seen = []
+    cfg.workers = 2  # the number of processes is no part of the result: the finished units are kept
     rep = clean([path], tmp_path / "run", cfg, on_chunk_done=seen.append, verbose=False)
     assert seen == list(range(3, 8))  # the three finished units were not redone
     for name in ref["shards"]:

@@ -105,6 +105,18 @@ class _Powers:
 
 
 _POWERS = _Powers()
+_SEGMENT = 1 << 20
+
+
+def _word_hashes(cp: np.ndarray, word: np.ndarray) -> np.ndarray:
+    """One mixed 64-bit hash per run of word characters: prefix sums of ``c_i * B^i``, then
+    ``(H[end] - H[start]) * B^-start`` (all mod 2^64), plus the length."""
+    edges = np.diff(np.concatenate([[False], word, [False]]).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    pw, inv = _POWERS.get(len(cp) + 1)
+    with np.errstate(over="ignore"):
+        prefix = np.concatenate([[_U64(0)], np.cumsum(cp.astype(_U64) * pw[:len(cp)], dtype=_U64)])
+        return _mix((prefix[ends] - prefix[starts]) * inv[starts] + (ends - starts).astype(_U64))
 
 
 class MinHasher:
@@ -132,11 +144,15 @@ class MinHasher:
                 word = ~_SEP[small]
                 if not word.any():
                     return np.zeros(0, dtype=_U64)
-                edges = np.diff(np.concatenate([[False], word, [False]]).astype(np.int8))
-                starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-                pw, inv = _POWERS.get(len(cp) + 1)
-                prefix = np.concatenate([[_U64(0)], np.cumsum(cp.astype(_U64) * pw[:len(cp)], dtype=_U64)])
-                units = _mix((prefix[ends] - prefix[starts]) * inv[starts] + (ends - starts).astype(_U64))
+                # segments of at most _SEGMENT code points cut at a separator, so that the power tables (and
+                # the temporaries) stay bounded however long the document
+                cuts, at = [0], 0
+                while len(cp) - at > _SEGMENT:
+                    seps = np.flatnonzero(~word[at + _SEGMENT // 2:at + _SEGMENT])
+                    at = at + _SEGMENT // 2 + int(seps[-1]) if len(seps) else at + _SEGMENT
+                    cuts.append(at)
+                cuts.append(len(cp))
+                units = np.concatenate([_word_hashes(cp[a:b], word[a:b]) for a, b in zip(cuts[:-1], cuts[1:])])
                 n = self.word_ngram
             m = len(units)
             if m == 0:

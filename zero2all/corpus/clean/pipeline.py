@@ -8,8 +8,8 @@ surviving document's exact-content hash (64-bit BLAKE2b of the final text) and M
 
 Stage 2 (one process): exact duplicates (sort of the hashes; the first occurrence in input order is kept), then
 near duplicates among the rest (:func:`zero2all.corpus.clean.minhash.find_clusters` over a memory-mapped
-signature file). Memory: 8 bytes (hash) + ~40 bytes (one band at a time) per document, plus the mapped
-signatures (``num_perm * 4`` bytes per document on disk).
+signature file). Memory: about 60 bytes per document (hash, source, size, decision, union-find parent, one
+band's keys and sort order at a time), plus the mapped signatures (``num_perm * 4`` bytes per document on disk).
 
 Stage 3: the kept records go to ``clean-NNNNN.jsonl`` shards (``shard_chunks`` units each, written atomically),
 then ``report.json``, ``report.md`` and ``report.png``; ``.work`` is removed.
@@ -226,7 +226,8 @@ def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
 
 
 def _fingerprint(inputs, cfg: CleanConfig, read_kwargs: dict, max_docs) -> str:
-    blob = json.dumps({"inputs": list(map(str, inputs)), "cfg": cfg.to_dict(), "read": read_kwargs,
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in ("workers", "examples", "dry_run_docs")}
+    blob = json.dumps({"inputs": list(map(str, inputs)), "cfg": settings, "read": read_kwargs,
                        "max_docs": max_docs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
