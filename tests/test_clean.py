@@ -260,6 +260,48 @@ def test_gopher_repetition_rules(text, rule):
     assert gopher_repetition(text, text.split(), CFG.repetition) == rule
 
 
+def _reference_ngram_rule(words, cfg):
+    """Table A1's n-gram rules written plainly (Counter of tuples), to check the numpy version against."""
+    from collections import Counter
+
+    lens = [len(w) for w in words]
+    total = sum(lens)
+    for n in range(2, 11):
+        grams = list(zip(*(words[i:] for i in range(n))))
+        if not grams:
+            return None
+        counts = Counter(grams)
+        if n <= 4:
+            c, chars = max((c, sum(map(len, g))) for g, c in counts.items())  # ties: the most characters
+            if c > 1 and c * chars / total > cfg.max_top_ngram_fractions[n - 2]:
+                return f"rep_top_{n}gram"
+            continue
+        covered = [False] * len(words)
+        for i, g in enumerate(grams):
+            if counts[g] > 1:
+                covered[i:i + n] = [True] * n
+        if sum(l for l, c in zip(lens, covered) if c) / total > cfg.max_dup_ngram_fractions[n - 5]:
+            return f"rep_dup_{n}gram"
+    return None
+
+
+def test_ngram_rules_match_a_plain_implementation():
+    from zero2all.corpus.clean.filters import _ngram_repetition
+
+    rng = random.Random(9)
+    outcomes = set()
+    for trial in range(120):
+        words = [rng.choice(VOCAB[:rng.choice([5, 30, 300, 2000])]) for _ in range(rng.randint(20, 300))]
+        if trial % 3 == 0:  # plant a repeated span
+            a = rng.randrange(len(words) - 10)
+            span = words[a:a + rng.randint(5, 10)]
+            words += span * rng.randint(1, 4)
+        got, want = _ngram_repetition(words, CFG.repetition), _reference_ngram_rule(words, CFG.repetition)
+        assert got == want, (trial, got, want)
+        outcomes.add(got)
+    assert len(outcomes) >= 4  # several different rules fired
+
+
 def test_repetition_passes_varied_text():
     assert gopher_repetition(GOOD, GOOD.split(), CFG.repetition) is None
 

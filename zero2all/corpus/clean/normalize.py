@@ -31,10 +31,13 @@ def normalize_text(text: str, form: str = "NFC", strip_control: bool = True, col
         text = unicodedata.normalize(form, text)
     if strip_control:
         text = _CONTROL.sub("", text)
-    if collapse_spaces and not code:
+    # each substitution only where a cheap substring test says it can change something (they scan every character)
+    ascii_ = text.isascii()
+    if collapse_spaces and not code and ("  " in text or "\t" in text or not ascii_):
         text = _SPACES.sub(" ", text)
-    text = _TRAILING.sub("", text)
-    if max_blank_lines >= 0:
+    if " \n" in text or "\t\n" in text or text.endswith((" ", "\t")) or (not ascii_ and "\u3000" in text):
+        text = _TRAILING.sub("", text)
+    if max_blank_lines >= 0 and "\n" * (max_blank_lines + 2) in text:
         text = re.sub(r"\n{%d,}" % (max_blank_lines + 2), "\n" * (max_blank_lines + 1), text)
     return text.strip("\n") if not code else text.strip("\n") + "\n"
 
