@@ -422,7 +422,21 @@ def test_bad_input_counted_not_fatal(tmp_path):
     assert rep["read"]["bad"] == {"malformed_json": 1, "missing_field": 1, "non_string": 1, "invalid_utf8": 1}
     assert any("bad.jsonl:2" in e for e in rep["read"]["examples"])
     assert rep["sources"]["bad"]["docs_in"] == 1 and rep["totals"]["docs_out"] > 0
-    assert "malformed_json=1" in (tmp_path / "out" / "report.md").read_text()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "malformed_json=1" in md and "- T = 5.0: `--source small=" in md and " --source bad=0`" in md
+
+
+def test_temperature_weights():
+    """Arivazhagan et al. 2019: p_i ~ q_i^(1/T); weights w_i = p_i / q_i keep the total size."""
+    from zero2all.corpus.clean import temperature_weights
+
+    sizes = {"en": 900.0, "zh": 90.0, "code": 10.0, "empty": 0.0}
+    assert temperature_weights(sizes, 1.0) == pytest.approx({"en": 1.0, "zh": 1.0, "code": 1.0, "empty": 0.0})
+    w = temperature_weights(sizes, 5.0)
+    assert sum(w[k] * sizes[k] for k in sizes) == pytest.approx(1000.0)
+    assert w["en"] < 1 < w["zh"] < w["code"] and w["empty"] == 0.0
+    p = {k: w[k] * sizes[k] / 1000 for k in sizes}
+    assert p["zh"] / p["code"] == pytest.approx((90 / 10) ** (1 / 5))
 
 
 def test_config_file_overrides_and_errors(tmp_path):

@@ -140,6 +140,7 @@ class CleanConfig:
     shard_chunks: int = 16          # work units per output shard
     examples: int = 3               # removed documents kept as examples per rule
     dry_run_docs: int = 5000
+    temperatures: list[float] = field(default_factory=lambda: [2.0, 5.0])  # source weights printed in the report
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     gopher: GopherConfig = field(default_factory=GopherConfig)
@@ -164,6 +165,8 @@ class CleanConfig:
                 raise ConfigError(f"{prefix}.{key}: must be >= 1, got {getattr(self, key)}")
         if self.chunk_mb <= 0:
             raise ConfigError(f"{prefix}.chunk_mb: must be positive, got {self.chunk_mb}")
+        if not all(isinstance(t, float) and t > 0 for t in self.temperatures):
+            raise ConfigError(f"{prefix}.temperatures: expected positive numbers, got {self.temperatures}")
         if self.examples < 0:
             raise ConfigError(f"{prefix}.examples: must be >= 0, got {self.examples}")
         if self.normalize.form not in _FORMS:

@@ -37,6 +37,7 @@ from zero2all.corpus.clean.filters import filter_document
 from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters, s_curve, verify_bar
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
+from zero2all.corpus.clean.sampling import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
 from zero2all.fileio import atomic_write, save_json
 
@@ -297,6 +298,9 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
     report["seconds"] = {"stage1_filter_hash": round(t1 - t0, 2), "stage2_dedup": round(t2 - t1, 2),
                          "total": round(time.time() - t0, 2)}
     report["workers"] = workers
+    sizes = {name: s["bytes_out"] for name, s in report["sources"].items()}
+    report["sampling"] = {str(t): {k: round(v, 4) for k, v in temperature_weights(sizes, t).items()}
+                          for t in cfg.temperatures} if len(sizes) > 1 else {}
     report["inputs"] = list(map(str, inputs))
     from zero2all.corpus.clean.report import write_report
 

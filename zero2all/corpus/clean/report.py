@@ -47,6 +47,12 @@ def render_markdown(report: dict) -> str:
         for r in rules:
             lines.append(f"| {r} | " + " | ".join(f"{report['sources'][n]['removed'].get(r, 0):,}" for n in names)
                          + f" | {report['removed'][r]:,} |")
+    if report.get("sampling"):
+        lines += ["", "Temperature sampling over the cleaned sources (weights for `z2all prepare`, same total size):",
+                  ""]
+        for t, weights in report["sampling"].items():
+            flags = " ".join(f"--source {k}={v:g}" for k, v in weights.items())
+            lines.append(f"- T = {t}: `{flags}`")
     bad = report["read"]["bad"]
     lines += ["", "Bad input skipped: " + (", ".join(f"{k}={v}" for k, v in sorted(bad.items())) or "none")]
     lines += [f"  {e}" for e in report["read"]["examples"]]
