@@ -414,6 +414,36 @@ def test_resume_after_kill_gives_the_same_output(tmp_path):
     assert {"exact_duplicate", "near_duplicate", "gopher_word_count"} <= set(rep["removed"])
 
 
+def test_resume_after_sigkill_of_the_command(tmp_path):
+    """A real kill (SIGKILL, so no cleanup runs) part-way through stage 1; the rerun gives the reference output."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = _small_corpus(tmp_path, n=200)
+    args = ["--input", path, "--workers", "1", "chunk_docs=4"]
+    assert main(["clean", *args, "--out", str(tmp_path / "ref")]) == 0
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "zero2all.cli", "clean", *args, "--out", str(tmp_path / "run")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work = tmp_path / "run" / ".work"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(work.glob("chunk-*.json"))) < 5:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(work.glob("chunk-*.json")))
+    assert 5 <= done < 51, done  # killed part-way
+    assert main(["clean", *args, "--out", str(tmp_path / "run")]) == 0
+    ref = sorted(p.name for p in (tmp_path / "ref").glob("clean-*.jsonl"))
+    assert ref == sorted(p.name for p in (tmp_path / "run").glob("clean-*.jsonl"))
+    for name in ref:
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    assert not work.exists()
+
+
 def test_bad_input_counted_not_fatal(tmp_path):
     good = _small_corpus(tmp_path, n=10)
     bad = tmp_path / "bad.jsonl"
