@@ -349,6 +349,51 @@ def _prepare(p):
 
     return _data_errors("prepare", run)
 
+@command("clean", "clean corpora: normalise, drop exact and near duplicates, apply quality rules, mask PII",
+         "  z2all clean --input stdlib --out runs/clean\n"
+         "  z2all clean --input web=data/web --input zh=data/zh.jsonl.zst --out clean --workers 8 "
+         "dedup.threshold=0.7\n"
+         "  z2all clean --input data --out clean --config clean.toml --dry-run   # sample decisions, write nothing")
+def _clean(p):
+    # nargs="*": a NAME=PATH source looks like a key=value override and is taken out before parsing (see run)
+    p.add_argument("--input", nargs="*", action="extend", required=True, metavar="[NAME=]PATH",
+                   help="sources: files, directories, globs or 'stdlib'; NAME=PATH names a source")
+    p.add_argument("--out", required=True, help="output directory: clean-NNNNN.jsonl shards and report.{json,md,png}; "
+                                                "re-running resumes an interrupted run")
+    p.add_argument("--config", default=None, help=".toml file with a [clean] table (default: the published "
+                                                  "thresholds)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: clean.workers, 0 = all cores)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run on the first clean.dry_run_docs records and print the decisions; write nothing")
+    p.add_argument("--max-docs", type=int, default=None, help="stop after this many input records")
+    _reader_args(p)
+    _overrides(p)
+
+    def run(args):
+        import dataclasses
+
+        from zero2all.corpus.clean import CleanConfig, clean, load_clean_config
+        from zero2all.corpus.clean.report import render_markdown
+
+        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override
+        keys = {f.name for f in dataclasses.fields(CleanConfig)} | {"clean"}
+        overrides = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] in keys]
+        inputs = list(args.input) + [o for o in args.overrides if o not in overrides]
+        if not inputs:
+            raise ValueError("--input: no source given")
+        cfg = load_clean_config(args.config, overrides)
+        if args.workers is not None:
+            cfg.workers = args.workers
+            cfg.validate()
+        report = clean(inputs, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
+                       strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs)
+        if args.dry_run:
+            print(render_markdown(report), end="")
+        else:
+            print(f"wrote {len(report['shards'])} shard(s), report.md, report.json and report.png to {args.out}")
+
+    return _data_errors("clean", run)
+
 # ---------------------------------------------------------------------------------------------------- training
 # (pretrain, sft, dpo, demo)
 
