@@ -37,3 +37,30 @@ def write_dpo_file(path: Path, n: int = 5) -> Path:
     path.write_text("".join(json.dumps({"prompt": "p" * (i + 1), "chosen": "yes", "rejected": "no!"}) + "\n"
                             for i in range(n)))
     return path
+
+
+ENGLISH_WORDS = ("the model reads text and predicts the next token of every document it sees while the tokenizer "
+                 "splits words into pieces that are learned from a corpus of plain english sentences").split()
+
+
+def english(rng, n_words: int) -> str:
+    """A sentence of ``n_words`` words drawn by ``rng`` (a ``random.Random``) from :data:`ENGLISH_WORDS`."""
+    return " ".join(rng.choice(ENGLISH_WORDS) for _ in range(n_words)) + "."
+
+
+def exported_tiny_model(d: Path, rng) -> Path:
+    """A 384-token tokenizer trained on 40 English sentences drawn by ``rng``, a 2-layer model saved with it in
+    ``d / "ours"`` (our format) and exported to ``d / "hf"`` (transformers); returns ``d``."""
+    from zero2all.config import ModelConfig, OpsConfig
+    from zero2all.model.io import export_hf, save_model
+    from zero2all.model.z2all import build_model
+    from zero2all.tokenizer import train_tokenizer
+
+    corpus = d / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": english(rng, 60)}) + "\n" for _ in range(40)))
+    tok = train_tokenizer([str(corpus)], 384, d / "tok", log=lambda *a: None)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4,
+                      n_kv_heads=2, max_seq_len=32, initializer_range=0.2, ops=OpsConfig.plain())
+    save_model(build_model(cfg, seed=3).eval(), d / "ours", tokenizer_dir=d / "tok")
+    export_hf(d / "ours", d / "hf")
+    return d

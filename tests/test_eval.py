@@ -6,36 +6,17 @@ import random
 
 import pytest
 import torch
+from data_helpers import english, exported_tiny_model
 
-from zero2all.config import ModelConfig, OpsConfig
 from zero2all.eval.perplexity import evaluate_texts, windows
-from zero2all.model.io import export_hf, save_model
-from zero2all.model.z2all import build_model
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = ("the model reads text and predicts the next token of every document it sees while the tokenizer "
-         "splits words into pieces that are learned from a corpus of plain english sentences").split()
-
-
-def english(rng, n_words):
-    return " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from zero2all.tokenizer import train_tokenizer
-
     d = tmp_path_factory.mktemp("eval")
     rng = random.Random(0)
-    corpus = d / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": english(rng, 60)}) + "\n" for _ in range(40)))
-    tok = train_tokenizer([str(corpus)], 384, d / "tok", log=lambda *a: None)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4,
-                      n_kv_heads=2, max_seq_len=32, initializer_range=0.2, ops=OpsConfig.plain())
-    model = build_model(cfg, seed=3).eval()
-    save_model(model, d / "ours", tokenizer_dir=d / "tok")
-    export_hf(d / "ours", d / "hf")
+    exported_tiny_model(d, rng)
     data = d / "valid.jsonl"
     docs = [{"text": english(rng, 5), "data_src": "short"},
             {"text": english(rng, 9), "data_src": "short"},

@@ -11,31 +11,14 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'zero2all[eval]')")
 
-from zero2all.config import ModelConfig, OpsConfig  # noqa: E402
-from zero2all.model.io import export_hf, save_model  # noqa: E402
-from zero2all.model.z2all import build_model  # noqa: E402
+from data_helpers import exported_tiny_model  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness"
-WORDS = ("the model reads text and predicts the next token of every document it sees while the tokenizer "
-         "splits words into pieces that are learned from a corpus of plain english sentences").split()
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from zero2all.tokenizer import train_tokenizer
-
-    d = tmp_path_factory.mktemp("harness")
-    rng = random.Random(0)
-    corpus = d / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(60)) + "."}) + "\n"
-                              for _ in range(40)))
-    tok = train_tokenizer([str(corpus)], 384, d / "tok", log=lambda *a: None)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4,
-                      n_kv_heads=2, max_seq_len=32, initializer_range=0.2, ops=OpsConfig.plain())
-    model = build_model(cfg, seed=3).eval()
-    save_model(model, d / "ours", tokenizer_dir=d / "tok")
-    export_hf(d / "ours", d / "hf")
-    return d
+    return exported_tiny_model(tmp_path_factory.mktemp("harness"), random.Random(0))
 
 
 @pytest.fixture
