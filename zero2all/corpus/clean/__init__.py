@@ -11,7 +11,7 @@ from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
 from zero2all.corpus.clean.pipeline import clean, lsh_parameters
-from zero2all.corpus.clean.sampling import temperature_weights
+from zero2all.corpus.mixture import temperature_weights
 
 __all__ = ["RULES", "CleanConfig", "MinHasher", "choose_bands", "clean", "detect_language", "filter_document",
            "find_clusters", "load_clean_config", "lsh_parameters", "mask_pii", "normalize_text", "s_curve",

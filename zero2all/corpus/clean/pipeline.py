@@ -37,7 +37,7 @@ from zero2all.corpus.clean.filters import filter_document
 from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters, s_curve, verify_bar
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
-from zero2all.corpus.clean.sampling import temperature_weights
+from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
 from zero2all.fileio import atomic_write, save_json
 
