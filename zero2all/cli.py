@@ -312,7 +312,9 @@ def _extend_tokenizer(p):
 @command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
          "  z2all prepare --input stdlib --tokenizer runs/tok --out runs/data\n"
          "  z2all prepare --input zh=data/zh --input code=data/code.jsonl.zst --source zh=0.4 --source code=2 \\\n"
-         "      --tokenizer tok --out data/mix --valid-fraction 0.005 --workers 16")
+         "      --tokenizer tok --out data/mix --valid-fraction 0.005 --workers 16\n"
+         "  z2all prepare --input web=data/web --input zh=data/zh --input code=data/code --temperature 5 "
+         "--max-epochs 4 --tokenizer tok --out data/mix")
 def _prepare(p):
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
                    help="sources: files, directories, globs or 'stdlib'; NAME=PATH names a source "
@@ -322,6 +324,14 @@ def _prepare(p):
     p.add_argument("--source", action="append", default=[], metavar="NAME=WEIGHT",
                    help="mixture weight of a source: expected copies of each of its documents (0.4 keeps a 40%% "
                         "sample, 2 repeats it twice)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="source sampling: shares proportional to size^(1/T) (1 = natural, larger = flatter); weights "
+                        "from a counting pass; explicit --source weights win for their sources")
+    p.add_argument("--target-mb", type=float, default=None,
+                   help="expected MB of text in the output (default: the corpus size)")
+    p.add_argument("--max-epochs", type=float, default=None,
+                   help="cap on the copies of any document (temperature weights above it are clipped)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-document sampling draw (0 = content hash)")
     p.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out")
     p.add_argument("--seq-len", type=int, default=None, help="check the train split has at least one window")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
@@ -345,7 +355,8 @@ def _prepare(p):
                 weights=weights, text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
                 chunk_bytes=int(args.chunk_mb * (1 << 20)), shard_chunks=args.shard_chunks, seq_len=args.seq_len,
                 overwrite=args.overwrite, progress=False if args.no_progress else None,
-                command="z2all " + " ".join(sys.argv[1:]))
+                command="z2all " + " ".join(sys.argv[1:]), temperature=args.temperature, target_mb=args.target_mb,
+                max_epochs=args.max_epochs, seed=args.seed)
 
     return _data_errors("prepare", run)
 

@@ -24,7 +24,21 @@ source's documents in the train split, realised by sampling: ``floor(w)`` copies
 ``w - floor(w)`` (a second hash of the document), so ``zh=0.4`` keeps a 40 % sample of ``zh`` and ``code=2`` shows
 code twice. For a target token share ``f_s`` per source with ``T_s`` tokens, use ``w_s = f_s * T / T_s``;
 meta.json reports the realised token share of each source. Held-out documents are kept at most once (weight
-``< 1`` still subsamples them, so the valid split follows the mixture).
+``< 1`` still subsamples them, so the valid split follows the mixture). ``seed`` (``--seed``, default 0 = the
+content hash alone) is mixed into the sampling draw: another seed, another sample; the split does not change.
+
+**Source sampling** (``--temperature T``, ``--target-mb M``, ``--max-epochs E``): the weights are computed from
+the source sizes ``n_i``, the UTF-8 bytes of their documents' text, counted by a first pass over the records (file
+sizes would misjudge compressed and JSON-wrapped inputs). The pass is bounded: past ``size_sample_mb`` of text in a
+source it stops at the next file boundary and extrapolates the rest of that source from the text bytes per on-disk
+byte of the files read (a bound in bytes, not seconds, so the weights are the same on every machine and on a
+resume, which reuses the sizes kept in ``_state.json``). Target shares ``p_i ~ n_i^(1/T)``
+(:func:`zero2all.corpus.mixture.temperature_weights`) become weights ``w_i = p_i * B / n_i`` with the budget ``B``
+the corpus size (or ``M`` MB of text). An explicit ``--source NAME=W`` wins for that source: its ``W * n`` is taken
+from the budget first and the rest is shared by temperature. ``E`` caps the copies per document: a temperature
+weight above it is clipped and its excess budget goes to the other sources (a printed line says so); an explicit
+weight above it is refused. meta.json's ``mixture`` and ``sources`` report sizes, weights, effective epochs and the
+shares before and after.
 
 **Resume.** A group is complete when its ``shard_XXXXX.json`` exists (written after its shards are renamed into
 place). Re-running the same command skips the chunks of complete groups (they are read but not tokenized). A resume
@@ -57,6 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
 from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_dirs, temporary_target
 
@@ -78,10 +93,16 @@ def shard_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _unit_hashes(source: str, text: str) -> tuple[float, float]:
-    """Two independent uniforms in [0, 1) from the document's content: (split, sampling)."""
-    h = hashlib.blake2b(source.encode() + b"\0" + text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    return int.from_bytes(h[:8], "little") / 2**64, int.from_bytes(h[8:], "little") / 2**64
+def _unit_hashes(source: str, text: str, seed: int = 0) -> tuple[float, float]:
+    """Two independent uniforms in [0, 1) from the document's content: (split, sampling). A non-zero ``seed``
+    changes the sampling draw only."""
+    key = source.encode() + b"\0" + text.encode("utf-8", "surrogatepass")
+    h = hashlib.blake2b(key, digest_size=16).digest()
+    u_sample = int.from_bytes(h[8:], "little") / 2**64
+    if seed:
+        h2 = hashlib.blake2b(key, digest_size=8, salt=seed.to_bytes(16, "little", signed=True)).digest()
+        u_sample = int.from_bytes(h2, "little") / 2**64
+    return int.from_bytes(h[:8], "little") / 2**64, u_sample
 
 
 def copies_of(weight: float, u: float) -> int:
@@ -95,16 +116,17 @@ def copies_of(weight: float, u: float) -> int:
 
 
 _WORKER: dict = {}
+_NSTATS = 7  # per-source counters, see ChunkResult.per_source
 
 
-def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float,
+def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float, seed: int = 0,
                  tok=None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if tok is None:
         from zero2all.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
-    _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction,
+    _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction, seed=seed,
                    dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id)
 
 
@@ -115,7 +137,8 @@ class ChunkResult:
     train_lens: np.ndarray     # int64 length (incl. eos) of each train document copy
     valid: np.ndarray
     valid_lens: np.ndarray
-    per_source: dict           # name -> [docs, docs_train, docs_valid, tokens_train, tokens_valid, bytes]
+    per_source: dict           # name -> [docs, docs_train, docs_valid, tokens_train, tokens_valid, bytes,
+    #                                     docs not held out (train candidates)]
     text_bytes: int
 
 
@@ -124,10 +147,10 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
     w = _WORKER
     tok, names, weights, vf, dtype, eos = w["tok"], w["names"], w["weights"], w["valid_fraction"], w["dtype"], w["eos"]
     plan = []  # (text position, copies, is_valid)
-    per_source = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+    per_source = collections.defaultdict(lambda: [0] * _NSTATS)
     text_bytes = 0
     for i, (text, s) in enumerate(zip(texts, sources)):
-        u_split, u_sample = _unit_hashes(names[s], text)
+        u_split, u_sample = _unit_hashes(names[s], text, w.get("seed", 0))
         is_valid = u_split < vf
         n = copies_of(weights[s], u_sample)
         if is_valid:
@@ -137,6 +160,7 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
         stats = per_source[names[s]]
         stats[0] += 1
         stats[5] += nbytes
+        stats[6] += not is_valid
         if n:
             plan.append((i, n, is_valid))
     encoded = tok.encode_batch([texts[i] for i, _, _ in plan]) if plan else []
@@ -185,6 +209,92 @@ def _parse_sources(inputs, weights: dict | None, text_field: str | None) -> list
             raise ValueError(f"--source {name}={w}: the weight must be a finite number >= 0")
         next(s for s in specs if s.name == name).weight = float(w)
     return specs
+
+
+def measure_sources(specs: list[SourceSpec], txt_mode: str = "file", sample_bytes: int | None = None) -> dict:
+    """{source: {"bytes", "docs", "estimated"}}: the UTF-8 text bytes and documents of each source, counted over its
+    records. Past ``sample_bytes`` of text the count stops at the next file boundary and the remaining files are
+    extrapolated from the text (and documents) per on-disk byte of the files read (``estimated`` is then True)."""
+    sizes = {}
+    for spec in specs:
+        stats = ReadStats()
+        files = [f for p in spec.paths for f in expand_paths(str(p))]
+        nbytes = docs = 0
+        read_files, stopped, last_file = len(files), False, 0
+        for rec in iter_records(spec, txt_mode=txt_mode, stats=stats):
+            if sample_bytes is not None and nbytes >= sample_bytes and stats.files > last_file:
+                read_files, stopped = stats.files - 1, True  # this record opens a new file: stop before it
+                break
+            nbytes += len(rec["content"].encode("utf-8", "surrogatepass"))
+            docs += 1
+            last_file = stats.files
+        entry = {"bytes": nbytes, "docs": docs, "estimated": False}
+        if stopped and read_files < len(files):
+            disk_read = sum(os.path.getsize(f) for f in files[:read_files])
+            disk_rest = sum(os.path.getsize(f) for f in files[read_files:])
+            if disk_read > 0:
+                entry = {"bytes": round(nbytes + nbytes / disk_read * disk_rest),
+                         "docs": round(docs + docs / disk_read * disk_rest), "estimated": True}
+        sizes[spec.name] = entry
+    return sizes
+
+
+def plan_mixture(sizes: dict[str, float], explicit: dict[str, float], temperature: float | None = None,
+                 target_bytes: float | None = None, max_epochs: float | None = None) -> tuple[dict, list[str]]:
+    """({source: weight}, notes): temperature weights for the sources without an explicit weight, scaled so that
+    the expected output (sum of weight * size) is ``target_bytes`` (default: the corpus size), explicit weights
+    taken as given, copies per document capped at ``max_epochs`` (the clipped budget goes to the other sources)."""
+    if temperature is not None and not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"--temperature {temperature}: must be a finite number > 0")
+    if max_epochs is not None and not (max_epochs >= 1 and math.isfinite(max_epochs)):
+        raise ValueError(f"--max-epochs {max_epochs}: must be a finite number >= 1")
+    if target_bytes is not None and not (target_bytes > 0 and math.isfinite(target_bytes)):
+        raise ValueError(f"--target-mb {target_bytes / 1e6:g}: must be a finite number > 0")
+    notes: list[str] = []
+    for name, w in explicit.items():
+        if max_epochs is not None and w > max_epochs:
+            raise ValueError(f"--source {name}={w:g}: above --max-epochs {max_epochs:g} (copies per document); lower "
+                             f"one of them")
+    weights = {name: float(w) for name, w in explicit.items()}
+    free = [k for k in sizes if k not in explicit]
+    if not free:
+        return weights, notes
+    if temperature is None and target_bytes is None:
+        return {**{k: 1.0 for k in free}, **weights}, notes
+    budget = float(target_bytes) if target_bytes is not None else float(sum(sizes.values()))
+    remaining = budget - sum(weights[k] * sizes[k] for k in weights)
+    if remaining < 0:
+        raise ValueError(f"--target-mb {budget / 1e6:g}: the explicit --source weights alone give "
+                         f"{(budget - remaining) / 1e6:g} MB; raise --target-mb or lower them")
+    sized = [k for k in free if sizes[k] > 0]
+    temp_w = temperature_weights({k: sizes[k] for k in sized}, temperature or 1.0)
+    total_free = sum(sizes[k] for k in sized)
+    share = {k: temp_w[k] * sizes[k] / total_free for k in sized}  # target share of the free budget
+    capped: dict[str, float] = {}
+    active = list(sized)
+    first: dict[str, float] = {}
+    while active:
+        rest = remaining - sum(max_epochs * sizes[k] for k in capped)
+        norm = sum(share[k] for k in active)
+        for k in active:
+            weights[k] = rest * share[k] / norm / sizes[k] if norm > 0 else 0.0
+            first.setdefault(k, weights[k])
+        over = [k for k in active if max_epochs is not None and weights[k] > max_epochs]
+        if not over:
+            break
+        for k in over:
+            capped[k] = weights[k] = float(max_epochs)
+            active.remove(k)
+    for k in capped:
+        notes.append(f"--max-epochs {max_epochs:g}: {k} capped at {max_epochs:g} copies per document (the temperature "
+                     f"asked for {first[k]:.3g}); its excess goes to the other sources")
+    planned = sum(weights[k] * sizes[k] for k in weights if k in sizes)
+    if capped and not active and planned < budget * (1 - 1e-9):
+        notes.append(f"--max-epochs {max_epochs:g}: every source is capped; the output is {planned / 1e6:.3g} MB of "
+                     f"text, not the {budget / 1e6:.3g} MB budget")
+    for k in free:
+        weights.setdefault(k, 1.0)  # an empty source: nothing to sample
+    return weights, notes
 
 
 def _chunks(specs: list[SourceSpec], chunk_bytes: int, stats: ReadStats, txt_mode: str, strict: bool):
@@ -317,7 +427,7 @@ class _GroupWriter:
             self.abort()
             raise
         self.lens = {"train": [], "valid": []}
-        self.per_source: dict = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+        self.per_source: dict = collections.defaultdict(lambda: [0] * _NSTATS)
         self.chunks = 0
 
     def add(self, r: ChunkResult) -> None:
@@ -399,10 +509,13 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
             weights: dict | None = None, text_field: str | None = None, txt_mode: str = "file",
             strict: bool = False, chunk_bytes: int = 1 << 20, shard_chunks: int = 256, seq_len: int | None = None,
             overwrite: bool = False, progress: bool | None = None, command: str | None = None, log=print,
-            _stop_after_groups: int | None = None) -> dict:
+            temperature: float | None = None, target_mb: float | None = None, max_epochs: float | None = None,
+            seed: int = 0, size_sample_mb: float = 256.0, _stop_after_groups: int | None = None) -> dict:
     """Tokenize ``inputs`` with the tokenizer in ``tokenizer_dir`` into shards in ``out_dir`` (see the module
     docstring). ``workers``: processes (default: all cores; 1 = in this process). ``weights``: {source name:
-    mixture weight}. ``seq_len`` (optional) checks each split has at least one window. Returns meta.json's dict.
+    mixture weight}; ``temperature`` / ``target_mb`` / ``max_epochs`` / ``seed``: source sampling (see the module
+    docstring; ``size_sample_mb`` bounds the size pass per source). ``seq_len`` (optional) checks each split has
+    at least one window. Returns meta.json's dict.
     ``_stop_after_groups`` simulates an interruption (tests)."""
     from zero2all.tokenizer import load_tokenizer
 
@@ -414,8 +527,18 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         raise ValueError(f"{tokenizer_dir}: the tokenizer has no <|endoftext|> / eos token to separate documents")
     dtype = shard_dtype(tok.vocab_size)
     specs = _parse_sources(inputs, weights, text_field)
+    explicit = {k: float(v) for k, v in (weights or {}).items()}
+    plan_mixture({}, explicit, temperature, None if target_mb is None else target_mb * 1e6, max_epochs)  # checks
+    if not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError(f"--seed {seed}: must be an integer in [0, 2^63)")
+    if not size_sample_mb > 0:
+        raise ValueError(f"size_sample_mb: must be > 0, got {size_sample_mb}")
+    mix = {"temperature": temperature, "target_mb": target_mb, "max_epochs": max_epochs, "seed": seed,
+           "explicit": sorted(explicit), "size_sample_mb": size_sample_mb}
     workers = max(1, workers or os.cpu_count() or 1)
     fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
+    if temperature is not None or target_mb is not None or max_epochs is not None or seed:
+        fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
     out = Path(out_dir)
     created = make_dirs(out)
@@ -423,7 +546,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                              txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
-                             t0, _stop_after_groups)
+                             t0, _stop_after_groups, mix, explicit)
     except Exception as e:
         # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
@@ -448,25 +571,26 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
 
 def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
                   strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                  _stop_after_groups) -> dict:
+                  _stop_after_groups, mix, explicit) -> dict:
     complete = _check_existing(out, fingerprint, stamp, overwrite, log)
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
         return complete
     run_key = _run_key(fingerprint, stamp)
+    mixture = _plan_sources(out, specs, run_key, mix, explicit, txt_mode, log)
     done = _completed_groups(out, run_key)
     # what is not a finished group of this run goes: the temporaries a killed run left, shards of other runs
     _remove_outputs(out, keep={STATE_FILE} | {f"shard_{g:05d}.json" for g in done}
                     | {info[s][k] for info in done.values() for s in ("train", "valid") for k in ("bin", "idx")})
     with atomic_write(out / STATE_FILE) as f:
-        json.dump({"fingerprint": fingerprint, "run_key": run_key, "inputs": stamp,
+        json.dump({"fingerprint": fingerprint, "run_key": run_key, "inputs": stamp, "sizes": mixture["sizes"],
                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
     if done:
         log(f"{out}: resuming; {len(done)} shard groups already complete")
 
     stats = ReadStats()
     names = [s.name for s in specs]
-    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction)
+    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction, mix["seed"])
     bar = _Progress(progress if progress is not None else sys.stderr.isatty())
     groups: dict[int, dict] = dict(done)
     writer: _GroupWriter | None = None
@@ -514,7 +638,7 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
         raise NoDocumentsError(f"{nothing}; nothing written to {out}")
     seconds = time.time() - t0
     meta = _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds,
-                       command, seq_len, tokenized_chunks, bar)
+                       command, seq_len, tokenized_chunks, bar, mixture)
     (out / STATE_FILE).unlink(missing_ok=True)
     if stats.bad:
         log(stats.report())
@@ -523,7 +647,46 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
     log(f"wrote {out}: train {tr['tokens']:,} tokens / {tr['docs']:,} docs in {shards}, valid "
         f"{va['tokens']:,} tokens / {va['docs']:,} docs ({dtype.name}); {meta['throughput']['mb_per_s']:.1f} MB/s, "
         f"{meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {workers} workers")
+    for line in _source_lines(meta):
+        log(line)
     return meta
+
+
+def _source_lines(meta: dict) -> list[str]:
+    lines = ["per source: documents and MB of text in, weight (expected copies per document), effective epochs "
+             "(train copies per train document), share of the input bytes -> share of the train tokens"]
+    for name, v in meta["sources"].items():
+        lines.append(f"  {name}: {v['docs_read']:,} docs, {v['bytes'] / 1e6:,.2f} MB; weight {v['weight']:.4g} "
+                     f"({v['weight_from']}); {v['effective_epochs']:.3g} epochs; share {v['share_in']:.1%} -> "
+                     f"{v['train_share']:.1%}")
+    return lines
+
+
+def _plan_sources(out: Path, specs: list[SourceSpec], run_key: str, mix: dict, explicit: dict, txt_mode: str,
+                  log) -> dict:
+    """Set each spec's weight from the source sampling settings; returns what meta.json reports of it. The sizes
+    are measured once: a resume reuses those its unfinished run kept in ``_state.json``."""
+    sizes, notes = None, []
+    if mix["temperature"] is not None or mix["target_mb"] is not None:
+        try:
+            state = json.loads((out / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            state = {}
+        if state.get("run_key") == run_key and state.get("sizes"):
+            sizes = state["sizes"]
+        else:
+            log(f"measuring {len(specs)} source{'s' if len(specs) != 1 else ''} for --temperature/--target-mb "
+                f"(a pass over the records, bounded to ~{mix['size_sample_mb']:g} MB of text per source)")
+            sizes = measure_sources(specs, txt_mode, int(mix["size_sample_mb"] * 1e6))
+    weights, notes = plan_mixture({k: v["bytes"] for k, v in (sizes or {}).items()}, explicit, mix["temperature"],
+                                  None if mix["target_mb"] is None else mix["target_mb"] * 1e6, mix["max_epochs"])
+    for s in specs:
+        s.weight = weights.get(s.name, s.weight)
+    for line in notes:
+        log(line)
+    origin = {s.name: "explicit" if s.name in explicit else
+              "temperature" if sizes is not None else "default" for s in specs}
+    return {**{k: v for k, v in mix.items() if k != "explicit"}, "sizes": sizes, "notes": notes, "origin": origin}
 
 
 def _nothing_useful(groups: dict, specs: list[SourceSpec], stats: ReadStats, valid_fraction: float) -> str | None:
@@ -571,7 +734,7 @@ def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
 
 
 def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds, command,
-                seq_len, tokenized_chunks, bar) -> dict:
+                seq_len, tokenized_chunks, bar, mixture) -> dict:
     splits = {}
     for split in ("train", "valid"):
         shards = [groups[g][split] for g in sorted(groups)]
@@ -580,7 +743,7 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
         if seq_len and split == "train" and splits[split]["tokens"] < seq_len + 1:
             raise ValueError(f"the {split} split has {splits[split]['tokens']} tokens, fewer than seq_len+1="
                              f"{seq_len + 1}: add data or lower --seq-len")
-    per_source = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+    per_source = collections.defaultdict(lambda: [0] * _NSTATS)
     for g in groups.values():
         for name, v in g["per_source"].items():
             for i, x in enumerate(v):
@@ -588,11 +751,17 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
     total_train = max(splits["train"]["tokens"], 1)
     sources = {}
     for s in specs:
-        docs, d_tr, d_va, t_tr, t_va, nbytes = per_source[s.name]
+        docs, d_tr, d_va, t_tr, t_va, nbytes, cand = per_source[s.name]
         sources[s.name] = {"paths": [str(p) for p in s.paths], "text_field": s.text_field, "weight": s.weight,
-                           "docs_read": docs, "bytes": nbytes, "docs_train": d_tr, "docs_valid": d_va,
-                           "tokens_train": t_tr, "tokens_valid": t_va, "train_share": round(t_tr / total_train, 6)}
+                           "weight_from": mixture["origin"][s.name], "docs_read": docs, "bytes": nbytes,
+                           "docs_train": d_tr, "docs_valid": d_va, "tokens_train": t_tr, "tokens_valid": t_va,
+                           "effective_epochs": round(d_tr / cand, 6) if cand else 0.0,
+                           "train_share": round(t_tr / total_train, 6)}
     total_bytes = sum(v["bytes"] for v in sources.values())
+    planned = sum(v["weight"] * v["bytes"] for v in sources.values())
+    for v in sources.values():
+        v["share_in"] = round(v["bytes"] / max(total_bytes, 1), 6)
+        v["share_planned"] = round(v["weight"] * v["bytes"] / planned, 6) if planned > 0 else 0.0
     total_tokens = splits["train"]["tokens"] + splits["valid"]["tokens"]
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION,
@@ -600,6 +769,7 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
                       "eos_id": tok.eos_id, "backend": tok.backend},
         "dtype": dtype.name, "separator": "eos after every document",
         "valid_fraction": valid_fraction, "splits": splits, "sources": sources,
+        "mixture": {k: v for k, v in mixture.items() if k != "origin"},
         "bytes_per_token": round(total_bytes / max(total_tokens, 1), 4),
         "read": stats.to_dict(),
         "fingerprint": fingerprint,
