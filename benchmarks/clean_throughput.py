@@ -5,7 +5,11 @@ copies as near duplicates, exact copies, a few low-quality pages) as jsonl, then
 (peak RSS = that process and its workers):
 
 * ours, full pipeline (normalise, rules, PII, exact + near dedup, write), at ``--mb`` and half of it;
-* ours, near dedup alone (every rule, PII and exact dedup off), on the ``--compare-mb`` subset, 1 worker;
+* ours, near dedup alone (every rule, PII and exact dedup off), on the ``--compare-mb`` subset, 1 worker, with
+  candidate verification on (the default) and off (``verify = false``: every LSH candidate removed, as the peers do);
+* datatrove's full pipeline on the same subset: JsonlReader -> Gopher quality, Gopher repetition, C4 quality filters
+  (English documents; parameters set to our defaults) -> PII formatter (email + IP) -> JsonlWriter + MinHash
+  signatures, then buckets, cluster, filter -> JsonlWriter, 1 task at a time;
 * datatrove's 4-stage MinHash pipeline (signatures, buckets, cluster, filter), 1 task at a time, same subset,
   same bands x rows and 5-gram shingles over the same tokens;
 * datasketch's MinHashLSH (``update_batch`` per document, query-then-insert in input order), same subset,
@@ -166,11 +170,12 @@ def input_mb(data: Path) -> float:
 # ---------------------------------------------------------------------------------------------------- runners
 
 
-def run_ours(data: Path, out: Path, workers: int, near_only: bool, num_perm: int, threshold: float) -> dict:
+def run_ours(data: Path, out: Path, workers: int, near_only: bool, num_perm: int, threshold: float,
+             verify: bool = True) -> dict:
     from zero2all.corpus.clean import CleanConfig, clean
 
     cfg = CleanConfig(workers=workers)
-    cfg.dedup.num_perm, cfg.dedup.threshold = num_perm, threshold
+    cfg.dedup.num_perm, cfg.dedup.threshold, cfg.dedup.verify = num_perm, threshold, verify
     if near_only:
         for sec in (cfg.gopher, cfg.repetition, cfg.c4, cfg.zh, cfg.code, cfg.pii):
             sec.enabled = False
@@ -184,7 +189,7 @@ def run_ours(data: Path, out: Path, workers: int, near_only: bool, num_perm: int
             kept |= {json.loads(line)["id"] for line in f}
     removed = sorted(set(input_ids(data)) - kept) if near_only else []
     return {"seconds": secs, "removed": removed, "report_removed": rep["removed"], "dedup": rep["dedup"],
-            "stage_seconds": rep["seconds"]}
+            "stage_seconds": rep["seconds"], "kept": len(kept)}
 
 
 class _Tokens:
@@ -206,10 +211,89 @@ class _Tokens:
         self.tok = Tok("custom")
 
 
+def _minhash_config(bands: int, rows: int):
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
+    from datatrove.utils.text import TextNormConfig
+
+    return MinhashConfig(n_grams=5, num_buckets=bands, hashes_per_bucket=rows, seed=1,
+                         # sha1: its xxhash path passes str, which xxhash 4.x refuses
+                         hash_config=HashConfig(hash_fc="sha1", precision=64),
+                         norm_config=TextNormConfig(lowercase=True, norm_whitespace=True, remove_punctuation=True))
+
+
+def run_datatrove_full(data: Path, work: Path, bands: int, rows: int) -> dict:
+    """datatrove's closest equivalent of our full pipeline, timed as a whole.
+
+    Filters (English documents only, as ours; Chinese and code pass through, datatrove has no rules of ours for
+    them), parameters set to our defaults where the two differ:
+
+    * GopherQualityFilter: its defaults (= ours): 50..100,000 words, mean word length 3..10, symbol/word <= 0.1,
+      bullet lines <= 0.9, ellipsis lines <= 0.3, alphabetic words >= 0.8, >= 2 stop words;
+    * GopherRepetitionFilter: its defaults (= ours): duplicate lines / paragraphs 0.3 / 0.3, their characters
+      0.2 / 0.2, top 2/3/4-gram 0.20/0.18/0.16, duplicate 5..10-gram 0.15..0.10;
+    * C4QualityFilter: min_words_per_line=5, min_num_sentences=3 (ours; its defaults 3 and 5), split_paragraph,
+      terminal punctuation, lorem ipsum, javascript, curly bracket on; remove_citations and filter_policy off
+      (no such rules in ours);
+    * PIIFormatter: email + public IP (its defaults);
+
+    then JsonlWriter (the filtered text) + MinhashDedupSignature in the same pass, buckets, cluster, and
+    JsonlReader -> MinhashDedupFilter -> JsonlWriter. Word tokenizer: the regex one of the dedup comparison for
+    every step (datatrove's English tokenizer needs spaCy, which is slower).
+    """
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.filters.base_filter import BaseFilter
+    from datatrove.pipeline.formatters import PIIFormatter
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    class EnglishOnly(BaseFilter):
+        """Applies ``inner`` to documents whose ``lang`` is English; others pass."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.name = inner, inner.name
+
+        def filter(self, doc):
+            return doc.metadata.get("lang", "en") != "en" or self.inner.filter(doc)
+
+    cfg = _minhash_config(bands, rows)
+    tok = _Tokens().tok
+    filters = [GopherQualityFilter(language=tok), GopherRepetitionFilter(language=tok),
+               C4QualityFilter(min_words_per_line=5, min_num_sentences=3, remove_citations=False,
+                               filter_policy=False, language=tok)]
+    t = time.time()
+    LocalPipelineExecutor([JsonlReader(str(data)), *[EnglishOnly(f) for f in filters], PIIFormatter(),
+                           JsonlWriter(str(work / "filtered"), compression=None),
+                           MinhashDedupSignature(str(work / "sigs"), config=cfg, language=tok)],
+                          tasks=1, workers=1, logging_dir=str(work / "logs1")).run()
+    t1 = time.time()
+    LocalPipelineExecutor([MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=cfg)],
+                          tasks=bands, workers=1, logging_dir=str(work / "logs2")).run()
+    LocalPipelineExecutor([MinhashDedupCluster(str(work / "buckets"), str(work / "remove"), config=cfg)],
+                          tasks=1, workers=1, logging_dir=str(work / "logs3")).run()
+    LocalPipelineExecutor([JsonlReader(str(work / "filtered")), MinhashDedupFilter(str(work / "remove")),
+                           JsonlWriter(str(work / "out"), compression=None)],
+                          tasks=1, workers=1, logging_dir=str(work / "logs4")).run()
+    secs = time.time() - t
+    kept = 0
+    for p in (work / "out").glob("*.jsonl"):
+        with open(p) as f:
+            kept += sum(1 for _ in f)
+    return {"seconds": secs, "removed": [], "kept": kept, "stage_seconds": {"filters+signatures": t1 - t,
+                                                                           "dedup": time.time() - t1}}
+
+
 def run_datatrove(data: Path, work: Path, bands: int, rows: int) -> dict:
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup.minhash import (
-        MinhashConfig,
         MinhashDedupBuckets,
         MinhashDedupCluster,
         MinhashDedupFilter,
@@ -217,13 +301,8 @@ def run_datatrove(data: Path, work: Path, bands: int, rows: int) -> dict:
     )
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
-    from datatrove.utils.hashing import HashConfig
-    from datatrove.utils.text import TextNormConfig
 
-    cfg = MinhashConfig(n_grams=5, num_buckets=bands, hashes_per_bucket=rows, seed=1,
-                        # sha1: its xxhash path passes str, which xxhash 4.x refuses
-                        hash_config=HashConfig(hash_fc="sha1", precision=64),
-                        norm_config=TextNormConfig(lowercase=True, norm_whitespace=True, remove_punctuation=True))
+    cfg = _minhash_config(bands, rows)
     tok = _Tokens().tok
     t = time.time()
     LocalPipelineExecutor([JsonlReader(str(data)), MinhashDedupSignature(str(work / "sigs"), config=cfg,
@@ -274,8 +353,12 @@ def child(args) -> None:
         res = run_ours(data, out, args.workers, False, args.num_perm, args.threshold)
     elif tool == "ours-near":
         res = run_ours(data, out, 1, True, args.num_perm, args.threshold)
+    elif tool == "ours-near-noverify":
+        res = run_ours(data, out, 1, True, args.num_perm, args.threshold, verify=False)
     elif tool == "datatrove":
         res = run_datatrove(data, out, args.bands, args.rows)
+    elif tool == "datatrove-full":
+        res = run_datatrove_full(data, out, args.bands, args.rows)
     else:
         res = run_datasketch(data, args.num_perm, args.bands, args.rows, args.threshold)
     res["peak_rss_mb"], res["peak_rss_workers_mb"] = peak_rss_mb()
@@ -311,7 +394,8 @@ def main() -> None:
     ap.add_argument("--bands", type=int, default=0)
     ap.add_argument("--rows", type=int, default=0)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    ap.add_argument("--skip", default="", help="comma-separated: full,half,near,datatrove,datasketch")
+    ap.add_argument("--skip", default="", help="comma-separated: full,half,ours-near,ours-near-noverify,"
+                    "datatrove,datasketch,ours-small,datatrove-full")
     ap.add_argument("--child", default=None)
     ap.add_argument("--data", default=None)
     ap.add_argument("--work", default=None)
@@ -328,7 +412,7 @@ def main() -> None:
     results, t0 = {}, time.time()
     sets = {"small": args.compare_mb, "half": args.mb / 2, "full": args.mb}
     for name, mb in sets.items():
-        if not (root / name).exists():
+        if name not in skip and not (root / name).exists():
             t = time.time()
             generate(root / name, mb, seed={"small": 1, "half": 2, "full": 3}[name])
             print(f"generated {name}: {mb:.0f} MB in {time.time() - t:.0f} s", flush=True)
@@ -337,7 +421,7 @@ def main() -> None:
     small = root / "small"
     small_mb = input_mb(small)
     truth = json.loads((root / "truth-small.json").read_text())
-    for tool in ("ours-near", "datatrove", "datasketch", "ours-small"):
+    for tool in ("ours-near", "ours-near-noverify", "datatrove", "datasketch", "ours-small", "datatrove-full"):
         if tool in skip:
             continue
         w = root / f"work-{tool}"
@@ -365,8 +449,11 @@ def main() -> None:
     print("| run | data | MB/s (wall) | MB per CPU-second | peak RSS (main / workers) | near-dup recall | "
           "false removals |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for tool, label in (("ours-small", "ours, full pipeline, 1 worker"), ("ours-near", "ours, near dedup alone, 1 "
-                        "worker"), ("datatrove", "datatrove MinHash (4 stages), 1 task"),
+    for tool, label in (("ours-small", "ours, full pipeline, 1 worker"),
+                        ("datatrove-full", "datatrove, full pipeline (filters + PII + MinHash), 1 task"),
+                        ("ours-near", "ours, near dedup alone, verify on, 1 worker"),
+                        ("ours-near-noverify", "ours, near dedup alone, verify off, 1 worker"),
+                        ("datatrove", "datatrove MinHash (4 stages), 1 task"),
                         ("datasketch", "datasketch MinHashLSH, 1 process")):
         r = results.get(tool)
         if not r:
@@ -375,8 +462,9 @@ def main() -> None:
             print(f"| {label} | {small_mb:.0f} MB | failed: {r['error']} | | | | |")
             continue
         rem = set(r.get("removed", []))
-        rec = f"{len(rem & near) / max(len(near), 1):.3f}" if tool != "ours-small" else "-"
-        fr = f"{len(rem & far) / max(len(far), 1):.4f}" if tool != "ours-small" else "-"
+        full = tool in ("ours-small", "datatrove-full")
+        rec = "-" if full else f"{len(rem & near) / max(len(near), 1):.3f}"
+        fr = "-" if full else f"{len(rem & far) / max(len(far), 1):.4f}"
         mbs = small_mb / r["seconds"]
         print(f"| {label} | {small_mb:.0f} MB | {mbs:.2f} | {small_mb / r['cpu_seconds']:.2f} | "
               f"{r['peak_rss_mb']:.0f} / {r['peak_rss_workers_mb']:.0f} MB | {rec} | {fr} |")
@@ -391,7 +479,12 @@ def main() -> None:
               f"{r['mb'] / r['cpu_seconds']:.2f} | {r['peak_rss_mb']:.0f} / {r['peak_rss_workers_mb']:.0f} MB "
               "| - | - |")
     print()
-    tools = [t for t in ("ours-near", "datatrove", "datasketch") if t in results and "error" not in results[t]]
+    for tool in ("ours-small", "datatrove-full"):
+        if tool in results and "error" not in results[tool]:
+            print(f"{tool}: {results[tool]['kept']:,} documents kept of {len(truth):,}; stage seconds "
+                  f"{results[tool]['stage_seconds']}")
+    tools = [t for t in ("ours-near", "ours-near-noverify", "datatrove", "datasketch")
+             if t in results and "error" not in results[t]]
     for i, a in enumerate(tools):
         for b in tools[i + 1:]:
             print(f"agreement of removed near duplicates (Jaccard of the removed-id sets), {a} vs {b}: "
