@@ -44,11 +44,6 @@ class DistEnv:
     def is_distributed(self) -> bool:
         return self.backend is not None and dist.is_available() and dist.is_initialized()
 
-    def print(self, *args, **kwargs) -> None:
-        """``print`` on rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs, flush=True)
-
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
