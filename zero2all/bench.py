@@ -26,6 +26,11 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
                               (seq, batch, hidden); the two differ only in the layout
     use_all_flash / use_all_cudnn   use_all with that SDPA backend first in the priority order
+    use_all_fp8        use_all with the blocks' projections on FP8 GEMMs, rowwise scaling (linear_precision =
+                       fp8_rowwise; LM head and embedding stay bf16); use_all_fp8_mb16 the same at micro-batch 16;
+                       use_all_fp8_tensorwise with tensorwise scaling (fp8 = the three). The override
+                       model.ops.linear_precision=fp8_rowwise runs every other row of ours with FP8 linears
+                       (the ablation table in FP8)
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", 
                  "no_fused_linear", "no_adamw", "use_all_compile"]
 PEER_ROWS = ["hf", "hf_compile", "hf_liger"]
 EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
+FP8_ROWS = ["use_all_fp8", "use_all_fp8_mb16", "use_all_fp8_tensorwise"]
 ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
               "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
               "no_fused_linear": "w/o fused_linear",
@@ -53,7 +59,8 @@ ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-att
               "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
               "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
               "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
-              "use_all_cudnn": "use_all, SDPA cuDNN first"}
+              "use_all_cudnn": "use_all, SDPA cuDNN first", "use_all_fp8": "use_all FP8 rowwise",
+              "use_all_fp8_mb16": "use_all FP8 rowwise mb16", "use_all_fp8_tensorwise": "use_all FP8 tensorwise"}
 
 
 @dataclass
@@ -88,6 +95,8 @@ def _ops_for(row: str):
         fused["fused_linear"] = "torch"
     if row == "no_cross_entropy":
         fused["cross_entropy"] = "torch"
+    if row in FP8_ROWS:
+        fused["linear_precision"] = "fp8_tensorwise" if row.endswith("tensorwise") else "fp8_rowwise"
     return OpsConfig(**fused)
 
 
@@ -138,7 +147,14 @@ def layout_forward(model, tokens, targets, layout: str):
 def _build_ours(base_cfg, row: str, device):
     from zero2all.model.z2all import build_model
 
-    cfg = dataclasses.replace(base_cfg, ops=_ops_for("use_all" if row in EXTRA_ROWS else row))
+    ops = _ops_for("use_all" if row in EXTRA_ROWS else row)
+    if row not in FP8_ROWS:  # model.ops.linear_precision=... on the command line applies to every row of ours
+        ops.linear_precision = base_cfg.ops.linear_precision
+    cfg = dataclasses.replace(base_cfg, ops=ops)
+    if cfg.ops.linear_precision != "bf16":
+        from zero2all.kernels.fp8_ref import FP8_STATS
+
+        FP8_STATS.read()  # start the row's saturation counts afresh
     model = build_model(cfg, device=device, seed=0)
     if row.startswith("layout_"):
         layout = row.split("_")[1]
@@ -308,7 +324,7 @@ def add_arguments(p) -> None:
     """The options of ``z2all bench train`` and ``benchmarks/train_throughput.py``."""
     p.add_argument("--config", default="z2all-1.1b", help="preset or .toml (default z2all-1.1b)")
     p.add_argument("--rows", default="all",
-                   help="comma-separated rows, or all / ablations / peers / extras (default all): "
+                   help="comma-separated rows, or all / ablations / fp8 / peers / extras (default all): "
                         + ", ".join(ROW_LABELS))
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -346,7 +362,9 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
     for part in rows.split(","):
         part = part.strip()
         if part == "all":
-            names += ABLATION_ROWS + PEER_ROWS + EXTRA_ROWS
+            names += ABLATION_ROWS + FP8_ROWS + PEER_ROWS + EXTRA_ROWS
+        elif part == "fp8":
+            names += FP8_ROWS
         elif part == "ablations":
             names += ABLATION_ROWS
         elif part == "peers":
@@ -368,7 +386,7 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
     profiled = set(p for p in profile.split(",") if p)
     for name in names:
         mb, s = micro_batch, seq
-        if name == "mb16":
+        if name in ("mb16", "use_all_fp8_mb16"):
             mb = 16
         elif name == "seq8192":
             s, mb = 8192, max(1, micro_batch * seq // 8192)

@@ -96,6 +96,10 @@ class OpsConfig:
     SwiGLU + down, o) that keep far less for backward; they carry their own RMSNorm and SwiGLU kernels, so inside
     the blocks they take the place of ``rmsnorm`` / ``swiglu``. Used only where the projections are plain
     ``nn.Linear`` (not under LoRA).
+    Linear precision: ``bf16`` runs the blocks' projections in the compute dtype; ``fp8_rowwise`` /
+    ``fp8_tensorwise`` run their GEMMs on FP8 operands with dynamic per-row / per-tensor scales
+    (``zero2all/kernels/fp8.py``; GPUs of compute capability >= 8.9, a float32 emulation on CPU). The LM head and
+    the embedding stay in the compute dtype.
     """
 
     rmsnorm: str = "auto"
@@ -104,6 +108,7 @@ class OpsConfig:
     cross_entropy: str = "auto"
     attention: str = "sdpa"
     fused_linear: str = "auto"
+    linear_precision: str = "bf16"
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -112,6 +117,7 @@ class OpsConfig:
         "cross_entropy": ("torch", "fused", "auto"),
         "attention": ("naive", "sdpa", "flex"),
         "fused_linear": ("torch", "triton", "auto"),
+        "linear_precision": ("bf16", "fp8_rowwise", "fp8_tensorwise"),
     }
 
     def validate(self, prefix: str = "model.ops") -> None:

@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 import triton
 
-from zero2all.kernels import grid_programs
+from zero2all.kernels import fp8, fp8_ref, grid_programs
 from zero2all.kernels.rmsnorm import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel, _residual_dtype, _warps
 from zero2all.kernels.swiglu import _BLOCK as _SWIGLU_BLOCK
 from zero2all.kernels.swiglu import _rows, _swiglu_bwd_kernel, _swiglu_fwd_kernel
@@ -72,27 +72,66 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
 
 
+def _no_counts(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty((0,), dtype=torch.int64)
+
+
+def _fake_counts(t: torch.Tensor, precision: str) -> torch.Tensor:
+    return t.new_empty((0,) if precision == "bf16" else (2,), dtype=torch.int64)
+
+
 def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
-            lead_shape) -> torch.Tensor:
+            lead_shape, precision: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """a (..., K) @ W^T + b in ``dtype`` as a new (*lead_shape, M) tensor, the parameters cast here (the copies
     die with this call). The result is written into its own buffer (not a view of a flattened GEMM output), so
-    that autograd, and FSDP's hooks on a block's outputs, see a plain tensor."""
+    that autograd, and FSDP's hooks on a block's outputs, see a plain tensor. With an FP8 ``precision`` the GEMM
+    runs on FP8 operands (``kernels/fp8.py``). Returns (out, FP8 cast counts; empty in bf16)."""
     M = weight.shape[0]
     out = torch.empty((*lead_shape, M), dtype=dtype, device=a.device)
+    if precision != "bf16":
+        _, counts = fp8_ref.linear_forward(a.reshape(-1, a.shape[-1]), weight, precision, dtype,
+                                           quant=fp8.quantize, out=out.view(-1, M))
+        if bias is not None:
+            out += bias.to(dtype)
+        return out, counts
     a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), weight.to(dtype).t()
     with torch.autocast(a.device.type, enabled=False):
         if bias is None:
             torch.mm(a2, w_t, out=out.view(-1, M))
         else:
             torch.addmm(bias.to(dtype), a2, w_t, out=out.view(-1, M))
-    return out
+    return out, _no_counts(a)
 
 
-def _param_grads(g2: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, want_dweight: bool, want_dbias: bool):
-    """d W = g^T inp (compute dtype, returned in W's dtype) and d b = sum over rows of g (float32 accumulation)."""
-    dw = _matmul(g2.t(), inp).to(weight.dtype) if want_dweight else weight.new_empty((0,))
-    db = g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
-    return dw, db
+class _Backward:
+    """The backward GEMMs of ``out = inp @ W^T`` from the output gradient ``g2`` (rows, M): in the compute dtype
+    ``cdt``, or with FP8 operands (the gradient quantised once for both GEMMs). Parameter gradients come back in
+    the parameters' dtypes, d b summed in float32; ``counts`` are the FP8 casts' (empty in bf16)."""
+
+    def __init__(self, g2: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype, precision: str, want_dinp: bool,
+                 want_dweight: bool):
+        self.weight, self.cdt = weight, cdt
+        self.fp8 = None if precision == "bf16" else fp8_ref.LinearBackward(g2, precision, want_dinp, want_dweight,
+                                                                                 quant=fp8.quantize)
+        self.g2 = g2 if self.fp8 is not None else g2.to(cdt)
+        self.counts = self.fp8.counts if self.fp8 is not None else _no_counts(g2)
+
+    def grad_input(self) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.grad_input(self.weight, self.cdt)
+        return _matmul(self.g2, self.weight.to(self.cdt))
+
+    def param_grads(self, inp: torch.Tensor, want_dweight: bool, want_dbias: bool):
+        """d W = g^T inp and d b = sum over rows of g."""
+        weight = self.weight
+        if not want_dweight:
+            dw = weight.new_empty((0,))
+        elif self.fp8 is not None:
+            dw = self.fp8.grad_weight(inp, weight.dtype)
+        else:
+            dw = _matmul(self.g2.t(), inp).to(weight.dtype)
+        db = self.g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
+        return dw, db
 
 
 def _fake_param_grads(weight, want_dweight, want_dbias):
@@ -106,6 +145,12 @@ def _out_grad(grad_out, shape, dtype, device):
     return grad_out if grad_out is not None else torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _check_precision(precision: str, x: torch.Tensor) -> None:
+    if precision != "bf16":
+        fp8_ref.scaling_of(precision)
+        fp8_ref.check_fp8_device(x.device)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # norm_linear: residual add + RMSNorm + projection
 
@@ -113,7 +158,8 @@ def _out_grad(grad_out, shape, dtype, device):
 @torch.library.custom_op("z2all::norm_linear_fwd", mutates_args=())
 def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                      residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     compute_dtype: torch.dtype, precision: str, kind: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N = x.shape[-1]
     x2 = x.reshape(-1, N).contiguous()
     rows = x2.shape[0]
@@ -128,28 +174,30 @@ def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_wei
         _add_rmsnorm_fwd_kernel[(rows,)](x2, res2, norm_weight.contiguous(), normed, res_out, rstd, yhat, N, eps,
                                          HAS_RESIDUAL=residual is not None, BLOCK=block, WRITE_Y=True,
                                          num_warps=_warps(block))
-    out = _linear(normed, weight, bias, compute_dtype, x.shape[:-1])       # normed dies here
-    return out, res_out, yhat, rstd
+    out, counts = _linear(normed, weight, bias, compute_dtype, x.shape[:-1], precision)     # normed dies here
+    return out, res_out, yhat, rstd, counts
 
 
 @_norm_linear_fwd.register_fake
-def _(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, compute_dtype):
+def _(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, compute_dtype, precision, kind):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype),
             x.new_empty(x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32)),
-            x.new_empty(x.shape, dtype=compute_dtype), x.new_empty((rows,), dtype=torch.float32))
+            x.new_empty(x.shape, dtype=compute_dtype), x.new_empty((rows,), dtype=torch.float32),
+            _fake_counts(x, precision))
 
 
 @torch.library.custom_op("z2all::norm_linear_bwd", mutates_args=())
 def _norm_linear_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], yhat: torch.Tensor,
                      rstd: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype,
-                     residual_dtype: torch.dtype, want_dres: bool, want_dweight: bool, want_dbias: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     residual_dtype: torch.dtype, want_dres: bool, want_dweight: bool, want_dbias: bool,
+                     precision: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N = yhat.shape[-1]
     y2 = yhat.reshape(-1, N)
     rows, cdt = y2.shape[0], yhat.dtype
-    g2 = grad_out.reshape(rows, -1).to(cdt)
-    grad_normed = _matmul(g2, weight.to(cdt))                               # (rows, N), the cast dies here
+    bwd = _Backward(grad_out.reshape(rows, -1), weight, cdt, precision, True, want_dweight)
+    grad_normed = bwd.grad_input()                                          # (rows, N), the cast dies here
     dx = torch.empty(yhat.shape, dtype=x_dtype, device=y2.device)
     dres = torch.empty(yhat.shape, dtype=residual_dtype, device=y2.device) if want_dres else dx.new_empty((0,))
     normed = torch.empty((rows, N), dtype=cdt, device=y2.device) if want_dweight else grad_normed
@@ -163,52 +211,56 @@ def _norm_linear_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], y
                                           HAS_GRES=grad_res is not None, WRITE_DRES=want_dres, BLOCK=block,
                                           FROM_Y=True, WRITE_NORMED=want_dweight, num_warps=_warps(block))
     dnorm_w = partial.sum(0).to(norm_weight.dtype)
-    dw, db = _param_grads(g2, normed, weight, want_dweight, want_dbias)
-    return dx, dres, dnorm_w, dw, db
+    dw, db = bwd.param_grads(normed, want_dweight, want_dbias)
+    return dx, dres, dnorm_w, dw, db, bwd.counts
 
 
 @_norm_linear_bwd.register_fake
 def _(grad_out, grad_res, yhat, rstd, norm_weight, weight, x_dtype, residual_dtype, want_dres, want_dweight,
-      want_dbias):
+      want_dbias, precision):
     dx = yhat.new_empty(yhat.shape, dtype=x_dtype)
     dres = yhat.new_empty(yhat.shape, dtype=residual_dtype) if want_dres else dx.new_empty((0,))
-    return (dx, dres, torch.empty_like(norm_weight), *_fake_param_grads(weight, want_dweight, want_dbias))
+    return (dx, dres, torch.empty_like(norm_weight), *_fake_param_grads(weight, want_dweight, want_dbias),
+            _fake_counts(yhat, precision))
 
 
 def _norm_linear_setup(ctx, inputs, output):
-    x, residual, norm_weight, _, _, weight, bias, _ = inputs
-    _, _, yhat, rstd = output
+    x, residual, norm_weight, _, _, weight, bias, _, precision, kind = inputs
+    _, _, yhat, rstd, counts = output
     ctx.save_for_backward(yhat, rstd, norm_weight, weight)
-    ctx.mark_non_differentiable(yhat, rstd)
+    ctx.mark_non_differentiable(yhat, rstd, counts)
+    ctx.precision, ctx.kind = precision, kind
     ctx.set_materialize_grads(False)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.has_bias = bias is not None
 
 
-def _norm_linear_backward(ctx, grad_out, grad_res, _grad_yhat, _grad_rstd):
+def _norm_linear_backward(ctx, grad_out, grad_res, _grad_yhat, _grad_rstd, _grad_counts):
     yhat, rstd, norm_weight, weight = ctx.saved_tensors
-    need = ctx.needs_input_grad       # x, residual, norm_weight, eps, residual_in_fp32, weight, bias, dtype
+    need = ctx.needs_input_grad       # x, residual, norm_weight, eps, residual_in_fp32, weight, bias, dtype, ...
     grad_out = _out_grad(grad_out, (*yhat.shape[:-1], weight.shape[0]), yhat.dtype, yhat.device)
     has_res = ctx.residual_dtype is not None
-    dx, dres, dnorm_w, dw, db = _norm_linear_bwd(
+    dx, dres, dnorm_w, dw, db, counts = _norm_linear_bwd(
         grad_out, grad_res, yhat, rstd, norm_weight, weight, ctx.x_dtype,
-        ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6])
+        ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6], ctx.precision)
+    _record(ctx.kind, grad_out.numel() * (1 + need[5]), counts)
     return (dx, dres if has_res else None, dnorm_w, None, None, dw if need[5] else None,
-            db if ctx.has_bias and need[6] else None, None)
+            db if ctx.has_bias and need[6] else None, None, None, None)
 
 
 _norm_linear_fwd.register_autograd(_norm_linear_backward, setup_context=_norm_linear_setup)
 
 
 def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                       residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       precision: str = "bf16", kind: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, new_residual)``: ``ops.add_rmsnorm_torch`` followed by ``F.linear(normed, weight, bias)``, keeping
     only round_c(y), rstd and the parameters for backward (see the module docstring).
 
     x (..., N); residual (..., N) or None; norm_weight (N,); weight (M, N); bias (M,) or None. ``out`` is
-    (..., M) in the compute dtype; the new residual as in ``triton_add_rmsnorm``.
+    (..., M) in the compute dtype; the new residual as in ``triton_add_rmsnorm``. ``precision``: bf16 (the
+    compute dtype) or an FP8 recipe for the GEMMs; ``kind`` names the projection in the FP8 statistics.
     """
     N = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
@@ -217,8 +269,10 @@ def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
         raise ValueError(f"norm_linear: norm weight shape {tuple(norm_weight.shape)} != ({N},)")
     if weight.dim() != 2 or weight.shape[1] != N:
         raise ValueError(f"norm_linear: weight shape {tuple(weight.shape)} does not take inputs of width {N}")
-    out, res_out, _, _ = _norm_linear_fwd(x, residual, norm_weight, float(eps), bool(residual_in_fp32), weight,
-                                          bias, compute_dtype(x, weight))
+    _check_precision(precision, x)
+    out, res_out, _, _, counts = _norm_linear_fwd(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
+                                                  weight, bias, compute_dtype(x, weight), precision, kind)
+    _record(kind, x.numel() + weight.numel(), counts)
     return out, res_out
 
 
@@ -228,67 +282,73 @@ def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
 
 @torch.library.custom_op("z2all::swiglu_linear_fwd", mutates_args=())
 def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       compute_dtype: torch.dtype) -> torch.Tensor:
+                       compute_dtype: torch.dtype, precision: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     I = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
     a = torch.empty((gu.shape[0], I), dtype=compute_dtype, device=gate_up.device)
     if gu.shape[0] and I:
         block = min(_SWIGLU_BLOCK, triton.next_power_of_2(I))
         _swiglu_fwd_kernel[(gu.shape[0], triton.cdiv(I, block))](gu, a, I, gu.stride(0), BLOCK=block, num_warps=4)
-    return _linear(a, weight, bias, compute_dtype, gate_up.shape[:-1])      # a dies here
+    return _linear(a, weight, bias, compute_dtype, gate_up.shape[:-1], precision)   # a dies here
 
 
 @_swiglu_linear_fwd.register_fake
-def _(gate_up, weight, bias, compute_dtype):
-    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]), dtype=compute_dtype)
+def _(gate_up, weight, bias, compute_dtype, precision, kind):
+    return (gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]), dtype=compute_dtype),
+            _fake_counts(gate_up, precision))
 
 
 @torch.library.custom_op("z2all::swiglu_linear_bwd", mutates_args=())
 def _swiglu_linear_bwd(grad_out: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
-                       compute_dtype: torch.dtype, want_dweight: bool, want_dbias: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       compute_dtype: torch.dtype, want_dweight: bool, want_dbias: bool, precision: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     I = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
     rows = gu.shape[0]
-    g2 = grad_out.reshape(rows, -1).to(compute_dtype)
-    grad_a = _matmul(g2, weight.to(compute_dtype)).contiguous()             # (rows, I)
+    bwd = _Backward(grad_out.reshape(rows, -1), weight, compute_dtype, precision, True, want_dweight)
+    grad_a = bwd.grad_input().contiguous()                                  # (rows, I)
     dgu = torch.empty((rows, 2 * I), dtype=gate_up.dtype, device=gate_up.device)
     a = torch.empty((rows, I), dtype=compute_dtype, device=gate_up.device) if want_dweight else grad_a
     if rows and I:
         block = min(_SWIGLU_BLOCK, triton.next_power_of_2(I))
         _swiglu_bwd_kernel[(rows, triton.cdiv(I, block))](grad_a, gu, dgu, a, I, gu.stride(0), BLOCK=block,
                                                           WRITE_A=want_dweight, num_warps=4)
-    dw, db = _param_grads(g2, a, weight, want_dweight, want_dbias)
-    return dgu.view(gate_up.shape), dw, db
+    dw, db = bwd.param_grads(a, want_dweight, want_dbias)
+    return dgu.view(gate_up.shape), dw, db, bwd.counts
 
 
 @_swiglu_linear_bwd.register_fake
-def _(grad_out, gate_up, weight, compute_dtype, want_dweight, want_dbias):
-    return (gate_up.new_empty(gate_up.shape), *_fake_param_grads(weight, want_dweight, want_dbias))
+def _(grad_out, gate_up, weight, compute_dtype, want_dweight, want_dbias, precision):
+    return (gate_up.new_empty(gate_up.shape), *_fake_param_grads(weight, want_dweight, want_dbias),
+            _fake_counts(gate_up, precision))
 
 
 def _save_input_and_weight(ctx, inputs, output):
     """setup_context of swiglu_linear and lean_linear: both keep their input (gate_up / x) and the weight."""
-    x, weight, bias, cdt = inputs
+    x, weight, bias, cdt, precision, kind = inputs
     ctx.save_for_backward(x, weight)
+    ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
-    ctx.compute_dtype = cdt
+    ctx.compute_dtype, ctx.precision, ctx.kind = cdt, precision, kind
     ctx.has_bias = bias is not None
 
 
-def _swiglu_linear_backward(ctx, grad_out):
+def _swiglu_linear_backward(ctx, grad_out, _grad_counts):
     gate_up, weight = ctx.saved_tensors
-    need = ctx.needs_input_grad                                             # gate_up, weight, bias, dtype
+    need = ctx.needs_input_grad                                 # gate_up, weight, bias, dtype, precision, kind
     want_db = ctx.has_bias and need[2]
-    dgu, dw, db = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db)
-    return dgu, (dw if need[1] else None), (db if want_db else None), None
+    grad_out = _out_grad(grad_out, (*gate_up.shape[:-1], weight.shape[0]), ctx.compute_dtype, gate_up.device)
+    dgu, dw, db, counts = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db,
+                                             ctx.precision)
+    _record(ctx.kind, grad_out.numel() * (1 + need[1]), counts)
+    return dgu, (dw if need[1] else None), (db if want_db else None), None, None, None
 
 
 _swiglu_linear_fwd.register_autograd(_swiglu_linear_backward, setup_context=_save_input_and_weight)
 
 
-def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-                         ) -> torch.Tensor:
+def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         precision: str = "bf16", kind: str = "") -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up`` (..., 2 I) laid out as [gate | up], weight
     (M, I); keeps only gate_up and the parameters for backward. Returns (..., M) in the compute dtype."""
     if gate_up.shape[-1] % 2:
@@ -296,7 +356,10 @@ def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Opti
     if weight.dim() != 2 or weight.shape[1] != gate_up.shape[-1] // 2:
         raise ValueError(f"swiglu_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
                          f"{gate_up.shape[-1] // 2}")
-    return _swiglu_linear_fwd(gate_up, weight, bias, compute_dtype(gate_up, weight))
+    _check_precision(precision, gate_up)
+    out, counts = _swiglu_linear_fwd(gate_up, weight, bias, compute_dtype(gate_up, weight), precision, kind)
+    _record(kind, gate_up.numel() // 2 + weight.numel(), counts)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -305,48 +368,59 @@ def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Opti
 
 @torch.library.custom_op("z2all::lean_linear_fwd", mutates_args=())
 def _lean_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     compute_dtype: torch.dtype) -> torch.Tensor:
-    return _linear(x, weight, bias, compute_dtype, x.shape[:-1])
+                     compute_dtype: torch.dtype, precision: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _linear(x, weight, bias, compute_dtype, x.shape[:-1], precision)
 
 
 @_lean_linear_fwd.register_fake
-def _(x, weight, bias, compute_dtype):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype)
+def _(x, weight, bias, compute_dtype, precision, kind):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype), _fake_counts(x, precision)
 
 
 @torch.library.custom_op("z2all::lean_linear_bwd", mutates_args=())
 def _lean_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
-                     want_dx: bool, want_dweight: bool, want_dbias: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g2 = grad_out.reshape(-1, weight.shape[0]).to(compute_dtype)
-    if want_dx:
-        dx = _matmul(g2, weight.to(compute_dtype)).to(x.dtype).view(x.shape)
-    else:
-        dx = x.new_empty((0,))
-    dw, db = _param_grads(g2, x.reshape(-1, x.shape[-1]).to(compute_dtype), weight, want_dweight, want_dbias)
-    return dx, dw, db
+                     want_dx: bool, want_dweight: bool, want_dbias: bool, precision: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    bwd = _Backward(grad_out.reshape(-1, weight.shape[0]), weight, compute_dtype, precision, want_dx, want_dweight)
+    dx = bwd.grad_input().to(x.dtype).view(x.shape) if want_dx else x.new_empty((0,))
+    x2 = x.reshape(-1, x.shape[-1])
+    dw, db = bwd.param_grads(x2 if precision != "bf16" else x2.to(compute_dtype), want_dweight, want_dbias)
+    return dx, dw, db, bwd.counts
 
 
 @_lean_linear_bwd.register_fake
-def _(grad_out, x, weight, compute_dtype, want_dx, want_dweight, want_dbias):
+def _(grad_out, x, weight, compute_dtype, want_dx, want_dweight, want_dbias, precision):
     dx = x.new_empty(x.shape) if want_dx else x.new_empty((0,))
-    return (dx, *_fake_param_grads(weight, want_dweight, want_dbias))
+    return (dx, *_fake_param_grads(weight, want_dweight, want_dbias), _fake_counts(x, precision))
 
 
-def _lean_linear_backward(ctx, grad_out):
+def _lean_linear_backward(ctx, grad_out, _grad_counts):
     x, weight = ctx.saved_tensors
-    need = ctx.needs_input_grad                                             # x, weight, bias, dtype
+    need = ctx.needs_input_grad                                 # x, weight, bias, dtype, precision, kind
     want_db = ctx.has_bias and need[2]
-    dx, dw, db = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db)
-    return (dx if need[0] else None), (dw if need[1] else None), (db if want_db else None), None
+    grad_out = _out_grad(grad_out, (*x.shape[:-1], weight.shape[0]), ctx.compute_dtype, x.device)
+    dx, dw, db, counts = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db,
+                                          ctx.precision)
+    _record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts)
+    return (dx if need[0] else None), (dw if need[1] else None), (db if want_db else None), None, None, None
 
 
 _lean_linear_fwd.register_autograd(_lean_linear_backward, setup_context=_save_input_and_weight)
 
 
-def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, precision: str = "bf16",
+                kind: str = "") -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the compute dtype, keeping x and the parameters (not a cast copy)."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"lean_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
                          f"{x.shape[-1]}")
-    return _lean_linear_fwd(x, weight, bias, compute_dtype(x, weight))
+    _check_precision(precision, x)
+    out, counts = _lean_linear_fwd(x, weight, bias, compute_dtype(x, weight), precision, kind)
+    _record(kind, x.numel() + weight.numel(), counts)
+    return out
+
+
+def _record(kind: str, numel: int, counts: torch.Tensor) -> None:
+    """Add an FP8 op's saturation / underflow counts to the statistics (nothing in bf16)."""
+    if counts.numel():
+        fp8_ref.FP8_STATS.add(kind or None, numel, counts)

@@ -165,41 +165,58 @@ def swiglu(gate_up, impl="auto"):
 # keep far less for backward; see the kernel module's docstring.
 
 
-def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None):
+def linear_torch(x, weight, bias=None, precision="bf16"):
+    """``F.linear``; with an FP8 ``precision`` (fp8_rowwise / fp8_tensorwise) the same linear with its three GEMMs
+    on FP8 operands, quantised by the PyTorch reference of ``kernels/fp8.py``'s rule (``torch._scaled_mm`` on a
+    GPU, a float32 emulation on CPU). Under autocast the output is in autocast's dtype, as F.linear's."""
+    if precision == "bf16":
+        return F.linear(x, weight, bias)
+    from zero2all.kernels.fp8_ref import fp8_linear
+
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=False)
+
+
+def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16"):
     normed, residual = add_rmsnorm_torch(x, residual, norm_weight, eps, residual_in_fp32)
-    return F.linear(normed, weight, bias), residual
+    return linear_torch(normed, weight, bias, precision), residual
 
 
-def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, impl="auto"):
-    """``(F.linear(normed, weight, bias), new_residual)`` with ``normed, new_residual = add_rmsnorm(...)``."""
+def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, impl="auto", precision="bf16",
+                kind=""):
+    """``(F.linear(normed, weight, bias), new_residual)`` with ``normed, new_residual = add_rmsnorm(...)``.
+
+    ``precision``: bf16 (the compute dtype) or an FP8 recipe for the GEMMs; ``kind`` (qkv, gate_up) names the
+    projection in the FP8 statistics."""
     if use_triton(impl, x):
         from zero2all.kernels.fused_linear import triton_norm_linear
 
-        return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
-    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
+        return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
+    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision)
 
 
-def swiglu_linear_torch(gate_up, weight, bias=None):
-    return F.linear(swiglu_torch(gate_up), weight, bias)
+def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16"):
+    return linear_torch(swiglu_torch(gate_up), weight, bias, precision)
 
 
-def swiglu_linear(gate_up, weight, bias=None, impl="auto"):
+def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(silu(gate) * up, weight, bias)``."""
     if use_triton(impl, gate_up):
         from zero2all.kernels.fused_linear import triton_swiglu_linear
 
-        return triton_swiglu_linear(gate_up, weight, bias)
-    return swiglu_linear_torch(gate_up, weight, bias)
+        return triton_swiglu_linear(gate_up, weight, bias, precision, kind)
+    return swiglu_linear_torch(gate_up, weight, bias, precision)
 
 
-def lean_linear(x, weight, bias=None, impl="auto"):
+def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(x, weight, bias)``; the fused version casts the weight again in backward instead of keeping
     autocast's copy."""
     if use_triton(impl, x):
         from zero2all.kernels.fused_linear import lean_linear as triton_lean_linear
 
-        return triton_lean_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return triton_lean_linear(x, weight, bias, precision, kind)
+    return linear_torch(x, weight, bias, precision)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -120,23 +120,29 @@ class Block(nn.Module):
         """The lean fused projections (``ops.fused_linear``) apply when selected and the projections are plain
         ``nn.Linear`` (a LoRA-wrapped projection keeps the plain path)."""
         attn, mlp = self.self_attn, self.mlp
-        return ops.use_triton(self.cfg.ops.fused_linear, x) and all(
-            isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        plain = all(isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        if self.cfg.ops.linear_precision != "bf16":  # FP8 GEMMs live in these functions (kernels or reference)
+            if not plain:
+                raise ValueError(f"model.ops.linear_precision = {self.cfg.ops.linear_precision!r} needs plain "
+                                 "nn.Linear projections (not LoRA-wrapped ones); use 'bf16'")
+            return True
+        return ops.use_triton(self.cfg.ops.fused_linear, x) and plain
 
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
         if self.uses_fused_linear(x):
             # the same math; norm + qkv, o, norm + gate|up and SwiGLU + down as lean fused functions
-            attn, mlp, impl = self.self_attn, self.mlp, c.ops.fused_linear
+            attn, mlp, impl, prec = self.self_attn, self.mlp, c.ops.fused_linear, c.ops.linear_precision
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
-                                            c.residual_in_fp32, attn.qkv_proj.weight, attn.qkv_proj.bias, impl)
+                                            c.residual_in_fp32, attn.qkv_proj.weight, attn.qkv_proj.bias, impl,
+                                            prec, "qkv")
             y = attn.attend(qkv, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
-            h = ops.lean_linear(y, attn.o_proj.weight, attn.o_proj.bias, impl)
+            h = ops.lean_linear(y, attn.o_proj.weight, attn.o_proj.bias, impl, prec, "o")
             h = F.dropout(h, c.dropout1, self.training) if c.dropout1 else h
             gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm.weight, c.rms_norm_eps,
                                                 c.residual_in_fp32, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                                impl)
-            h = ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, impl)
+                                                impl, prec, "gate_up")
+            h = ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, impl, prec, "down")
             h = F.dropout(h, c.dropout2, self.training) if c.dropout2 else h
             return h, residual
         h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, c.rms_norm_eps,

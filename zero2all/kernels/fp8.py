@@ -1,0 +1,207 @@
+"""FP8 linears for training: dynamic scaling, our fused amax + scale + cast kernels, GEMMs on ``torch._scaled_mm``.
+
+Formats (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``)::
+
+    E4M3: 3 mantissa bits, largest 448,   smallest normal 2^-6,  smallest subnormal 2^-9
+    E5M2: 2 mantissa bits, largest 57344, smallest normal 2^-14, smallest subnormal 2^-16
+
+Scaling rule (dynamic, recomputed from the operand itself at every cast). For a group G of elements (one row for
+axiswise scaling, the whole tensor for tensorwise) with amax = max |x| over G (clamped below at 1e-12)::
+
+    r = FMAX / amax                 the multiplier (FMAX = 448 or 57344)
+    q = round_fp8(clamp(x * r, -FMAX, FMAX))     round to nearest, ties to even
+    s = amax / FMAX                 the dequantisation scale: x ~= q * s
+
+The GEMM ``out = (A_q * s_A) @ (B_q * s_B)^T`` runs on FP8 tensor cores (``torch._scaled_mm``, float32
+accumulation, the scales applied in its epilogue). Every operand is quantised along its *contraction* axis, so
+each of the three GEMMs of a linear ``y = x W^T`` (x: M x K tokens, W: N x K) gets its own casts::
+
+    forward       y  = x  @ W^T       x: per row (token) over K          W: per row (output channel) over K
+    grad input    dx = dy @ W         dy: per row over N                  W^T: per column of W, over N
+    grad weight   dW = dy^T @ x       dy^T: per column of dy, over M      x^T: per column of x, over M
+
+"Rowwise" (``fp8_rowwise``, the default FP8 recipe) scales axiswise as above; "tensorwise" (``fp8_tensorwise``)
+uses one scale per tensor for every cast. Forward operands are E4M3. Gradients: E4M3 with rowwise scaling (a
+per-row scale already absorbs the gradients' range across tokens, so the extra mantissa bit buys precision:
+about half the quantisation error of E5M2), E5M2 with tensorwise scaling (one scale for a whole gradient tensor
+needs the range: E4M3 would flush the small rows to zero). ``tests/test_fp8_numerics.py`` measures both.
+
+Kernels (one read of the operand from memory each):
+
+    _rowwise_cast_kernel   one program per row: amax, scale, cast, write q and s. The row is read twice, the
+                           second time from cache (a row is a few KiB).
+    _amax_kernel           per-row and per-column (or whole-tensor) amax of a tile grid, by atomic max
+    _cast_kernel           cast a tile once and write it twice: q (row or tensor scaled) and the transposed
+                           copy q^T (column or tensor scaled), the layout the backward GEMMs consume
+
+So a rowwise cast of a forward input is one pass; where backward needs the transposed, column-scaled copy too
+(the gradient dy, for both backward GEMMs) the amax pass comes first and one cast pass writes both copies.
+
+Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
+atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer
+reads them once per logging window. Under torch.compile the counts are not collected (they are accumulated
+outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear``
+are in ``fp8_ref.py`` (no Triton needed there).
+
+Bit exactness: the kernels round to the FP8 grid in float32 arithmetic before the cast (the value is then exactly
+representable, so the cast is exact), which makes them agree bit for bit with torch's own float8 casts, on GPU and
+under the Triton interpreter alike.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, Quantized, _rows2d
+
+# (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
+_GRID = {E4M3: (3, -6), E5M2: (2, -14)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round float32 ``y`` (already within +-FMAX) to the nearest FP8 value, ties to even: the spacing of the grid
+    at y is ulp = 2^(max(e, MIN_EXP) - MANT) (e: y's binary exponent), and (v + 1.5 * 2^23) - 1.5 * 2^23 rounds
+    v = y / ulp to an integer in float32's round-to-nearest-even."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    inv_ulp = ((127 + MANT - e) << 23).to(tl.float32, bitcast=True)
+    ulp = ((127 - MANT + e) << 23).to(tl.float32, bitcast=True)
+    return ((y * inv_ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _rowwise_cast_kernel(X, Q, S, CNT, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
+                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    a = tl.maximum(tl.max(amax, 0), 1e-12)
+    fmax = tl.full([], FMAX, tl.float32)
+    r = tl.math.div_rn(fmax, a)
+    tl.store(S + row, tl.math.div_rn(a, fmax))
+    sat = tl.zeros([BLOCK], dtype=tl.int32)
+    under = tl.zeros([BLOCK], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = cols < K
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+        tl.store(Q + row * K + cols, q.to(Q.dtype.element_ty), mask=mask)
+        if COUNT:
+            sat += (tl.abs(q) >= FMAX).to(tl.int32)
+            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
+    if COUNT:
+        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
+
+
+@triton.jit
+def _amax_kernel(X, ROW_AMAX, COL_AMAX, M, K, stride_x, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 TENSOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask, cmask = rows < M, cols < K
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0)
+    x = tl.abs(x.to(tl.float32))
+    if TENSOR:
+        tl.atomic_max(ROW_AMAX, tl.max(tl.max(x, 1), 0))
+    else:
+        if ROWS:
+            tl.atomic_max(ROW_AMAX + rows, tl.max(x, 1), mask=rmask)
+        if COLS:
+            tl.atomic_max(COL_AMAX + cols, tl.max(x, 0), mask=cmask)
+
+
+@triton.jit
+def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
+                 MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, TENSOR: tl.constexpr,
+                 COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
+    # scaled per column of X by COL_AMAX (or the tensor's amax)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask, cmask = rows < M, cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    fmax = tl.full([], FMAX, tl.float32)
+    sat = tl.zeros([BM, BK], dtype=tl.int32)
+    under = tl.zeros([BM, BK], dtype=tl.int32)
+    if WRITE_Q:
+        if TENSOR:
+            r = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
+            q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+        else:
+            ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
+            r = tl.math.div_rn(tl.zeros([BM], dtype=tl.float32) + fmax, ra)
+            q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+        tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        if COUNT:
+            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
+            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
+    if WRITE_QT:
+        if TENSOR:
+            c = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
+            qt = _to_grid(tl.clamp(x * c, -FMAX, FMAX), MANT, MIN_EXP)
+        else:
+            ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
+            c = tl.math.div_rn(tl.zeros([BK], dtype=tl.float32) + fmax, ca)
+            qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
+        tl.store(QT + cols.to(tl.int64)[None, :] * M + rows64[:, None], qt.to(QT.dtype.element_ty), mask=mask)
+        if COUNT:
+            sat += ((tl.abs(qt) >= FMAX) & mask).to(tl.int32)
+            under += ((x != 0.0) & (qt == 0.0)).to(tl.int32)
+    if COUNT:
+        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantisation with the kernels
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
+             ) -> Quantized:
+    """Quantise a 2-D tensor with the Triton kernels. ``scaling``: ``axis`` (q per row, qt per column) or
+    ``tensor`` (one scale for both)."""
+    x = _rows2d(x)
+    M, K = x.shape
+    mant, min_exp = _GRID[dtype]
+    fmax = float(torch.finfo(dtype).max)
+    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
+    q = torch.empty((M, K), dtype=dtype, device=x.device) if want_q else None
+    qt = torch.empty((K, M), dtype=dtype, device=x.device) if want_qt else None
+    if scaling == "axis" and not want_qt:
+        s = torch.empty(M, dtype=torch.float32, device=x.device)
+        if M and K:
+            block = min(4096, triton.next_power_of_2(K))
+            _rowwise_cast_kernel[(M,)](x, q, s, counts, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
+                                       BLOCK=block, COUNT=True, num_warps=8 if block >= 2048 else 4)
+        return Quantized(q, s, None, None, counts)
+    tensor = scaling == "tensor"
+    row_amax = torch.zeros(1 if tensor else M, dtype=torch.float32, device=x.device)
+    col_amax = torch.zeros(0 if tensor else K, dtype=torch.float32, device=x.device)
+    BM, BK = 64, 64
+    grid = (triton.cdiv(M, BM), triton.cdiv(K, BK))
+    if M and K:
+        _amax_kernel[grid](x, row_amax, col_amax, M, K, x.stride(0), ROWS=want_q, COLS=want_qt, TENSOR=tensor,
+                           BM=BM, BK=BK, num_warps=4)
+        _cast_kernel[grid](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax, counts, M, K,
+                           x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt,
+                           TENSOR=tensor, COUNT=True, BM=BM, BK=BK, num_warps=4)
+    if tensor:
+        s = row_amax.clamp_min(AMAX_FLOOR).div(fmax).reshape(())
+        return Quantized(q, s if want_q else None, qt, s if want_qt else None, counts)
+    q_s = row_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_q else None
+    qt_s = col_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_qt else None
+    return Quantized(q, q_s, qt, qt_s, counts)

@@ -1,0 +1,276 @@
+"""FP8 linears, the parts that need no Triton: formats, the scaling rule's PyTorch reference, the GEMM
+(``torch._scaled_mm`` on a GPU, a float32 emulation elsewhere), the three GEMMs of a linear, an autograd Function
+and the saturation statistics. ``zero2all/kernels/fp8.py`` has the rules in full and the Triton kernels of the
+same quantisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+RECIPES = ("fp8_rowwise", "fp8_tensorwise")
+KINDS = ("qkv", "o", "gate_up", "down")
+AMAX_FLOOR = 1e-12
+FAST_ACCUM_FORWARD = True       # the forward GEMM only; the gradient GEMMs accumulate with full promotion
+
+
+
+def grad_dtype(recipe: str) -> torch.dtype:
+    """The FP8 format of gradients: E4M3 with rowwise scaling, E5M2 with tensorwise (see the module docstring)."""
+    return E4M3 if recipe == "fp8_rowwise" else E5M2
+
+
+def scaling_of(recipe: str) -> str:
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8: recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+    return "axis" if recipe == "fp8_rowwise" else "tensor"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_check(index: int) -> None:
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 9):
+        raise RuntimeError(
+            f"model.ops.linear_precision: FP8 needs a GPU with FP8 tensor cores (compute capability >= 8.9: Ada, "
+            f"Hopper or newer); {torch.cuda.get_device_name(index)} has {major}.{minor}. Use linear_precision = "
+            f"'bf16'")
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse FP8 on a GPU without FP8 tensor cores. On CPU the GEMMs are a float32 emulation (allowed)."""
+    if device.type == "cuda":
+        _device_check(device.index if device.index is not None else torch.cuda.current_device())
+
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantisation: the reference
+
+
+@dataclass
+class Quantized:
+    """An operand in FP8. ``q`` (M, K) row-scaled by ``q_scale`` (M,) (or one scale, shape ()); ``qt`` (K, M), the
+    transposed copy, column-scaled by ``qt_scale`` (K,) (or ()); either may be None when not asked for.
+    ``counts`` (2,) int64: saturated and underflowed elements over the casts written."""
+
+    q: Optional[torch.Tensor]
+    q_scale: Optional[torch.Tensor]
+    qt: Optional[torch.Tensor]
+    qt_scale: Optional[torch.Tensor]
+    counts: torch.Tensor
+
+
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"fp8 quantize: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _cast_torch(xf: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    fmax = torch.finfo(dtype).max
+    a = amax.clamp_min(AMAX_FLOOR)
+    r = torch.full_like(a, fmax) / a        # a true division (``fmax / a`` would be reciprocal(a) * fmax)
+    q = (xf * r).clamp(-fmax, fmax).to(dtype)
+    qf = q.float()
+    counts = torch.stack([(qf.abs() >= fmax).sum(), ((xf != 0) & (qf == 0)).sum()])
+    return q, a / fmax, counts
+
+
+def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
+                   ) -> Quantized:
+    """The reference of ``quantize``: the same rule in PyTorch (torch's float8 casts round to nearest even)."""
+    xf = _rows2d(x).float()
+    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
+    q = q_s = qt = qt_s = None
+    if scaling == "tensor":
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        if want_q:
+            q, q_s, c = _cast_torch(xf, amax, dtype)
+            counts += c
+        if want_qt:
+            qt, qt_s, c = _cast_torch(xf.t(), amax, dtype)
+            qt, counts = qt.contiguous(), counts + c
+        return Quantized(q, q_s, qt, qt_s, counts)
+    if want_q:
+        amax = xf.abs().amax(1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+        q, q_s, c = _cast_torch(xf, amax[:, None], dtype)
+        q_s, counts = q_s[:, 0], counts + c
+    if want_qt:
+        amax = xf.abs().amax(0) if xf.shape[0] else xf.new_zeros(xf.shape[1])
+        qt, qt_s, c = _cast_torch(xf.t(), amax[:, None], dtype)
+        qt, qt_s, counts = qt.contiguous(), qt_s[:, 0], counts + c
+    return Quantized(q, q_s, qt, qt_s, counts)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the GEMM
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[:t.shape[0], :t.shape[1]] = t
+    return out
+
+
+def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, bt_scale: torch.Tensor,
+           out_dtype: torch.dtype, out: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+    """``(a * a_scale[:, None]) @ (bt * bt_scale[:, None])^T`` for FP8 ``a`` (M, K) and ``bt`` (N, K), both
+    row-major, scales per row (M,) / (N,) or one per tensor (shape ()); written into ``out`` (M, N) when given.
+
+    On a GPU: ``torch._scaled_mm`` (float32 accumulation; ``fast_accum`` lets the tensor cores keep partial sums
+    at their own precision between promotions, as is usual for the forward GEMM); dims that are not multiples of
+    16 are zero-padded. Elsewhere: the float32 emulation of the same product."""
+    M, K = a.shape
+    N = bt.shape[0]
+    if not a.is_cuda:
+        af = a.float() * (a_scale[:, None] if a_scale.dim() else a_scale)
+        bf = bt.float() * (bt_scale[:, None] if bt_scale.dim() else bt_scale)
+        res = (af @ bf.t()).to(out_dtype)
+        return out.copy_(res) if out is not None else res
+    rowwise = a_scale.dim() == 1
+    Mp, Np, Kp = (-(-n // 16) * 16 for n in (M, N, K))
+    padded = (Mp, Np, Kp) != (M, N, K)
+    if padded:
+        a, bt = _pad_to(a, Mp, Kp), _pad_to(bt, Np, Kp)
+        if rowwise:
+            a_scale = torch.nn.functional.pad(a_scale, (0, Mp - M), value=1.0)
+            bt_scale = torch.nn.functional.pad(bt_scale, (0, Np - N), value=1.0)
+    # rowwise scaling writes bfloat16 only; tensorwise writes the asked dtype
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    sa = a_scale[:, None].contiguous() if rowwise else a_scale.reshape(())
+    sb = bt_scale[None, :].contiguous() if rowwise else bt_scale.reshape(())
+    if out is not None and not padded and out.dtype == mm_dtype and out.is_contiguous():
+        return torch._scaled_mm(a, bt.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype, use_fast_accum=fast_accum,
+                                out=out)
+    res = torch._scaled_mm(a, bt.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype, use_fast_accum=fast_accum)
+    if padded:
+        res = res[:M, :N]
+    if out is not None:
+        return out.copy_(res)
+    return res.to(out_dtype) if not padded else res.to(out_dtype).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the three GEMMs of a linear (used by the lean fused projections in fused_linear.py and by FP8Linear below)
+
+
+def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dtype: torch.dtype,
+                   quant=quantize_torch, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,))."""
+    scaling = scaling_of(recipe)
+    qa = quant(a2d, E4M3, scaling)
+    qw = quant(weight, E4M3, scaling)
+    y = fp8_mm(qa.q, qa.q_scale, qw.q, qw.q_scale, out_dtype, out=out, fast_accum=FAST_ACCUM_FORWARD)
+    return y, qa.counts + qw.counts
+
+
+class LinearBackward:
+    """The two backward GEMMs of ``y = a W^T`` from one quantisation of the gradient ``g`` (M, N): ``q`` (row
+    scaled) for d a = g W, ``qt`` (column scaled, transposed) for d W = g^T a. ``counts`` covers g's casts."""
+
+    def __init__(self, g2d: torch.Tensor, recipe: str, want_da: bool, want_dw: bool, quant=quantize_torch):
+        self.recipe, self.scaling, self.quant = recipe, scaling_of(recipe), quant
+        self.g = quant(g2d, grad_dtype(recipe), self.scaling, want_q=want_da, want_qt=want_dw)
+        self.counts = self.g.counts
+
+    def grad_input(self, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        wt = self.quant(weight, E4M3, self.scaling, want_q=False, want_qt=True)          # W^T (K, N)
+        return fp8_mm(self.g.q, self.g.q_scale, wt.qt, wt.qt_scale, out_dtype)
+
+    def grad_weight(self, a2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        at = self.quant(a2d, E4M3, self.scaling, want_q=False, want_qt=True)             # a^T (K, M)
+        return fp8_mm(self.g.qt, self.g.qt_scale, at.qt, at.qt_scale, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# monitoring
+
+
+class Fp8Stats:
+    """Saturated and underflowed FP8 elements per layer kind, summed on the device between reads.
+
+    ``add(kind, numel, counts)`` after each op (counts: (2,) int64 on the device; numel: elements cast);
+    ``read()`` returns {"fp8_saturated_<kind>": fraction, "fp8_underflow_<kind>": fraction} for the kinds seen
+    since the last read (one device-to-host copy) and starts a new window.
+    """
+
+    def __init__(self):
+        self.enabled = True
+        self._counts: dict[str, torch.Tensor] = {}
+        self._numel: dict[str, int] = {}
+
+    def add(self, kind: Optional[str], numel: int, counts: torch.Tensor) -> None:
+        if not self.enabled or kind is None or torch.compiler.is_compiling():
+            return
+        if kind in self._counts:
+            self._counts[kind] += counts
+        else:
+            self._counts[kind] = counts.clone()
+        self._numel[kind] = self._numel.get(kind, 0) + numel
+
+    def read(self) -> dict[str, float]:
+        out = {}
+        if self._counts:
+            kinds = list(self._counts)
+            values = torch.stack([self._counts[k] for k in kinds]).cpu().tolist()
+            for kind, (sat, under) in zip(kinds, values):
+                n = max(self._numel[kind], 1)
+                out[f"fp8_saturated_{kind}"] = sat / n
+                out[f"fp8_underflow_{kind}"] = under / n
+        self._counts, self._numel = {}, {}
+        return out
+
+
+FP8_STATS = Fp8Stats()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a plain FP8 linear (the reference path of ops.fp8_linear_torch, and any linear outside the fused blocks)
+
+
+class FP8Linear(torch.autograd.Function):
+    """``y = x W^T + b`` with the three GEMMs in FP8 (rules above); ``quant`` picks the quantiser (the Triton
+    kernels or ``quantize_torch``). Saves x and W (not their casts); the output is in ``out_dtype``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, out_dtype, quant):
+        x2 = x.reshape(-1, x.shape[-1])
+        out, _ = linear_forward(x2, weight, recipe, out_dtype, quant)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.quant, ctx.out_dtype, ctx.has_bias = recipe, quant, out_dtype, bias is not None
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, weight.shape[0])
+        bwd = LinearBackward(g2, ctx.recipe, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.quant)
+        dx = bwd.grad_input(weight, x.dtype).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if ctx.needs_input_grad[1] else None
+        db = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+def _triton_quantize():
+    from zero2all.kernels.fp8 import quantize
+
+    return quantize
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
+               out_dtype: Optional[torch.dtype] = None, use_triton: bool = True) -> torch.Tensor:
+    """``F.linear`` with FP8 GEMMs (``recipe``: fp8_rowwise / fp8_tensorwise)."""
+    scaling_of(recipe)
+    check_fp8_device(x.device)
+    quant = _triton_quantize() if use_triton else quantize_torch
+    return FP8Linear.apply(x, weight, bias, recipe, out_dtype or x.dtype, quant)
