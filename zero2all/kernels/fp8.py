@@ -28,8 +28,8 @@ needs the range: E4M3 would flush the small rows to zero). ``tests/test_fp8_nume
 
 Kernels (one read of the operand from memory each):
 
-    _rowwise_cast_kernel   one program per row: amax, scale, cast, write q and s. The row is read twice, the
-                           second time from cache (a row is a few KiB).
+    _rowwise_cast_kernel   a few rows per program: amax, scale, cast, write q and s. The rows are read twice,
+                           the second time from cache (a row is a few KiB).
     _amax_kernel           per-row and per-column (or whole-tensor) amax of a tile grid, by atomic max
     _cast_kernel           cast a tile once and write it twice: q (row or tensor scaled) and the transposed
                            copy q^T (column or tensor scaled), the layout the backward GEMMs consume
@@ -76,32 +76,36 @@ def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _rowwise_cast_kernel(X, Q, S, CNT, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
-                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
+def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
+                         MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
+    # BM rows per program, BLOCK columns at a time
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    amax = tl.zeros([BM, BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    a = tl.maximum(tl.max(amax, 0), 1e-12)
-    fmax = tl.full([], FMAX, tl.float32)
+    a = tl.maximum(tl.max(amax, 1), 1e-12)
+    fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
     r = tl.math.div_rn(fmax, a)
-    tl.store(S + row, tl.math.div_rn(a, fmax))
-    sat = tl.zeros([BLOCK], dtype=tl.int32)
-    under = tl.zeros([BLOCK], dtype=tl.int32)
+    tl.store(S + rows, tl.math.div_rn(a, fmax), mask=rmask)
+    sat = tl.zeros([BM, BLOCK], dtype=tl.int32)
+    under = tl.zeros([BM, BLOCK], dtype=tl.int32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
-        mask = cols < K
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
-        tl.store(Q + row * K + cols, q.to(Q.dtype.element_ty), mask=mask)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+        tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
         if COUNT:
-            sat += (tl.abs(q) >= FMAX).to(tl.int32)
+            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
             under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
     if COUNT:
-        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
+        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
 
 
 @triton.jit
@@ -184,9 +188,11 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     if scaling == "axis" and not want_qt:
         s = torch.empty(M, dtype=torch.float32, device=x.device)
         if M and K:
-            block = min(4096, triton.next_power_of_2(K))
-            _rowwise_cast_kernel[(M,)](x, q, s, counts, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
-                                       BLOCK=block, COUNT=True, num_warps=8 if block >= 2048 else 4)
+            block = min(2048, triton.next_power_of_2(K))
+            bm = min(16, max(1, 4096 // block))
+            _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, q, s, counts, M, K, x.stride(0), FMAX=fmax, MANT=mant,
+                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, COUNT=True,
+                                                        num_warps=8)
         return Quantized(q, s, None, None, counts)
     tensor = scaling == "tensor"
     row_amax = torch.zeros(1 if tensor else M, dtype=torch.float32, device=x.device)

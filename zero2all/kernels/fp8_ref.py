@@ -208,7 +208,8 @@ class Fp8Stats:
         self._numel: dict[str, int] = {}
 
     def add(self, kind: Optional[str], numel: int, counts: torch.Tensor) -> None:
-        if not self.enabled or kind is None or torch.compiler.is_compiling():
+        # under torch.compile (tracing: counts is then a fake or functional tensor subclass) nothing is recorded
+        if not self.enabled or kind is None or torch.compiler.is_compiling() or type(counts) is not torch.Tensor:
             return
         if kind in self._counts:
             self._counts[kind] += counts

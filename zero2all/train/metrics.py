@@ -263,3 +263,59 @@ def write_run_report(path: str | Path, header: dict, records: list[dict], sample
         for smp in samples:
             lines += [f"Prompt: `{smp['prompt']!r}`", "", "```", smp["prompt"] + smp["completion"], "```", ""]
     return write_text(path, "\n".join(lines) + "\n")
+
+
+class NumericsMonitor:
+    """Numerics per logging window, with a warning when a trend rises (watch the overflow ratio early, as it
+    usually climbs before a run diverges).
+
+    At the end of each window ``window(rec)`` adds to the step's record:
+
+    * ``skip_ratio``: updates skipped for non-finite gradients (fp16 overflow) / updates in the window, and
+      ``loss_scale`` where a loss scaler runs (fp16);
+    * with FP8 linears, ``fp8_saturated_<kind>`` and ``fp8_underflow_<kind>`` for kind in qkv, o, gate_up, down:
+      the fraction of elements cast in the window that landed on the format's largest value, or that were
+      non-zero and became zero (counted by the cast kernels; one device-to-host read per window).
+
+    A key's trend "rises" when each of its last ``patience`` windows is higher than the one before and the latest
+    is at least twice the value ``patience`` windows earlier and above ``floor``; ``window`` returns one warning
+    line per such key (once per rise).
+    """
+
+    def __init__(self, patience: int = 3, floor: float = 1e-4):
+        self.patience, self.floor = patience, floor
+        self.history: dict[str, list[float]] = {}
+        self._updates = self._skipped = 0
+        self._warned: set[str] = set()
+
+    def observe(self, rec: dict) -> None:
+        """Count one update (every step, whether or not it ends a window)."""
+        self._updates += 1
+        self._skipped += bool(rec.get("skipped"))
+
+    def window(self, rec: dict) -> list[str]:
+        from zero2all.kernels.fp8_ref import FP8_STATS
+
+        values = {"skip_ratio": self._skipped / max(self._updates, 1)}
+        values.update(FP8_STATS.read())
+        self._updates = self._skipped = 0
+        rec.update(values)
+        warnings = []
+        for key, value in values.items():
+            series = self.history.setdefault(key, [])
+            series.append(value)
+            del series[:-(self.patience + 1)]
+            if self._rising(series):
+                if key not in self._warned:
+                    warnings.append(f"warning: {key} is rising: " + " -> ".join(f"{v:.3g}" for v in series)
+                                    + f" over the last {self.patience} logging windows")
+                    self._warned.add(key)
+            else:
+                self._warned.discard(key)
+        return warnings
+
+    def _rising(self, series: list[float]) -> bool:
+        if len(series) <= self.patience:
+            return False
+        steps_up = all(b > a for a, b in zip(series, series[1:]))
+        return steps_up and series[-1] >= 2 * series[0] and series[-1] > self.floor

@@ -52,6 +52,7 @@ from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_m
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
     MetricsLogger,
+    NumericsMonitor,
     compute_mfu,
     detect_peak_flops,
     format_count,
@@ -321,6 +322,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
         self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main)
+        self.numerics = NumericsMonitor()
 
     # -- setup helpers ----------------------------------------------------------------------------------------
     def _check_config(self) -> None:
@@ -739,8 +741,12 @@ class Trainer:
             with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
                 rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
             if self.is_main:
+                self.numerics.observe(rec)
+                window_end = bool(t.log_every) and self.step % t.log_every == 0
+                for warning in self.numerics.window(rec) if window_end else ():
+                    self._print(warning)
                 self.logger.log(rec)
-                if rec["skipped"] or (t.log_every and self.step % t.log_every == 0):
+                if rec["skipped"] or window_end:
                     self._print(format_step_line(rec)
                                 + (f" | mem/rank {rec['mem_per_rank']}" if "mem_per_rank" in rec else ""))
                 if self._bar is not None:
