@@ -116,3 +116,8 @@ def test_torchtitan_flavour_has_our_shape():
         with torch.device("meta"):
             model = Transformer(bench_peers.titan_model_args(cfg, 256))
         assert sum(p.numel() for p in model.parameters()) == param_counts(cfg).total
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    jc = bench_peers.titan_job_config(mb=8, seq=2048, accum=4, dp=1, float8="tensorwise")
+    assert jc.model.converters == [bench_peers.FLOAT8_CONVERTER] and jc.quantize.linear.float8.recipe_name is None
+    assert bench_peers.FLOAT8_CONVERTER in _registry_model_converter_cls

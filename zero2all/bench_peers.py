@@ -46,6 +46,7 @@ REQUIRES = {"hf_ao_fp8": ["transformers", "torchao"], "tt_compile": ["torchtitan
 # the float8 recipe of each torchtitan row (None = bf16)
 TT_FLOAT8 = {"tt_compile": None, "tt_fp8": "rowwise", "tt_fp8_tensorwise": "tensorwise"}
 WHEELS_HINT = "carry the peer wheels: see benchmarks/peer_wheels.sh"
+FLOAT8_CONVERTER = "quantize.linear.float8"  # torchtitan 0.2.2's registered name of its float8 linear converter
 
 
 def missing_reason(row: str, find_spec=importlib.util.find_spec) -> str | None:
@@ -169,7 +170,7 @@ def titan_job_config(*, mb: int, seq: int, accum: int, dp: int, tp: int = 1, pp:
     p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree = tp, pp, cp
     p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size = "1F1B", 1
     if float8:
-        jc.model.converters = ["float8"]
+        jc.model.converters = [FLOAT8_CONVERTER]
         jc.quantize.linear.float8.recipe_name = None if float8 == "tensorwise" else float8
         jc.quantize.linear.float8.filter_fqns = ["output"]  # the LM head stays bf16
     return jc
