@@ -31,11 +31,14 @@ def test_opcheck_custom_ops():
     t = torch.tensor([1, 2, -100, 4, 5, 32])
     opcheck(_linear_cross_entropy, (h, W, t, -100, 0.0, True), test_utils=("test_schema", "test_faketensor"))
     Wq, b = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
-    opcheck(_norm_linear_fwd, (x, r, w, 1e-5, True, Wq, b, torch.float32), test_utils=tests)
-    opcheck(_norm_linear_fwd, (x, None, w, 1e-5, False, Wq, None, torch.float32), test_utils=tests)
     Wd = torch.randn(16, 15, requires_grad=True)
-    opcheck(_swiglu_linear_fwd, (torch.randn(4, 30, requires_grad=True), Wd, None, torch.float32), test_utils=tests)
-    opcheck(_lean_linear_fwd, (x, Wq, b, torch.float32), test_utils=tests)
+    for precision in ("bf16", "fp8_rowwise", "fp8_tensorwise"):  # bf16 = the compute dtype; FP8 GEMMs
+        opcheck(_norm_linear_fwd, (x, r, w, 1e-5, True, Wq, b, torch.float32, precision, "qkv"), test_utils=tests)
+        opcheck(_norm_linear_fwd, (x, None, w, 1e-5, False, Wq, None, torch.float32, precision, ""),
+                test_utils=tests)
+        opcheck(_swiglu_linear_fwd, (torch.randn(4, 30, requires_grad=True), Wd, None, torch.float32, precision,
+                                     "down"), test_utils=tests)
+        opcheck(_lean_linear_fwd, (x, Wq, b, torch.float32, precision, "o"), test_utils=tests)
 
 
 @pytest.mark.parametrize("fused_linear,amp", [("torch", False), ("triton", False), ("triton", True)])
