@@ -242,24 +242,27 @@ class FP8Linear(torch.autograd.Function):
     kernels or ``quantize_torch``). Saves x and W (not their casts); the output is in ``out_dtype``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, out_dtype, quant):
+    def forward(ctx, x, weight, bias, recipe, out_dtype, quant, kind):
         x2 = x.reshape(-1, x.shape[-1])
-        out, _ = linear_forward(x2, weight, recipe, out_dtype, quant)
+        out, counts = linear_forward(x2, weight, recipe, out_dtype, quant)
+        FP8_STATS.add(kind, x2.numel() + weight.numel(), counts)
         if bias is not None:
             out = out + bias.to(out_dtype)
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.quant, ctx.out_dtype, ctx.has_bias = recipe, quant, out_dtype, bias is not None
+        ctx.recipe, ctx.quant, ctx.out_dtype, ctx.has_bias, ctx.kind = recipe, quant, out_dtype, bias is not None, kind
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, weight.shape[0])
-        bwd = LinearBackward(g2, ctx.recipe, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.quant)
-        dx = bwd.grad_input(weight, x.dtype).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if ctx.needs_input_grad[1] else None
-        db = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        need = ctx.needs_input_grad
+        bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant)
+        FP8_STATS.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
+        dx = bwd.grad_input(weight, x.dtype).view(x.shape) if need[0] else None
+        dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if need[1] else None
+        db = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need[2] else None
+        return dx, dw, db, None, None, None, None
 
 
 def _triton_quantize():
@@ -269,9 +272,11 @@ def _triton_quantize():
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
-               out_dtype: Optional[torch.dtype] = None, use_triton: bool = True) -> torch.Tensor:
-    """``F.linear`` with FP8 GEMMs (``recipe``: fp8_rowwise / fp8_tensorwise)."""
+               out_dtype: Optional[torch.dtype] = None, use_triton: bool = True, kind: Optional[str] = None
+               ) -> torch.Tensor:
+    """``F.linear`` with FP8 GEMMs (``recipe``: fp8_rowwise / fp8_tensorwise); ``kind`` names the layer in
+    ``FP8_STATS`` (None: not counted)."""
     scaling_of(recipe)
     check_fp8_device(x.device)
     quant = _triton_quantize() if use_triton else quantize_torch
-    return FP8Linear.apply(x, weight, bias, recipe, out_dtype or x.dtype, quant)
+    return FP8Linear.apply(x, weight, bias, recipe, out_dtype or x.dtype, quant, kind)

@@ -165,7 +165,7 @@ def swiglu(gate_up, impl="auto"):
 # keep far less for backward; see the kernel module's docstring.
 
 
-def linear_torch(x, weight, bias=None, precision="bf16"):
+def linear_torch(x, weight, bias=None, precision="bf16", kind=""):
     """``F.linear``; with an FP8 ``precision`` (fp8_rowwise / fp8_tensorwise) the same linear with its three GEMMs
     on FP8 operands, quantised by the PyTorch reference of ``kernels/fp8.py``'s rule (``torch._scaled_mm`` on a
     GPU, a float32 emulation on CPU). Under autocast the output is in autocast's dtype, as F.linear's."""
@@ -175,12 +175,13 @@ def linear_torch(x, weight, bias=None, precision="bf16"):
 
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
-        return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=False)
+        return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=False, kind=kind or None)
 
 
-def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16"):
+def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16",
+                      kind=""):
     normed, residual = add_rmsnorm_torch(x, residual, norm_weight, eps, residual_in_fp32)
-    return linear_torch(normed, weight, bias, precision), residual
+    return linear_torch(normed, weight, bias, precision, kind), residual
 
 
 def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, impl="auto", precision="bf16",
@@ -193,11 +194,11 @@ def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=No
         from zero2all.kernels.fused_linear import triton_norm_linear
 
         return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
-    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision)
+    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
 
 
-def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16"):
-    return linear_torch(swiglu_torch(gate_up), weight, bias, precision)
+def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16", kind=""):
+    return linear_torch(swiglu_torch(gate_up), weight, bias, precision, kind)
 
 
 def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind=""):
@@ -206,7 +207,7 @@ def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kin
         from zero2all.kernels.fused_linear import triton_swiglu_linear
 
         return triton_swiglu_linear(gate_up, weight, bias, precision, kind)
-    return swiglu_linear_torch(gate_up, weight, bias, precision)
+    return swiglu_linear_torch(gate_up, weight, bias, precision, kind)
 
 
 def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
@@ -216,7 +217,7 @@ def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
         from zero2all.kernels.fused_linear import lean_linear as triton_lean_linear
 
         return triton_lean_linear(x, weight, bias, precision, kind)
-    return linear_torch(x, weight, bias, precision)
+    return linear_torch(x, weight, bias, precision, kind)
 
 
 # --------------------------------------------------------------------------------------------------------------
