@@ -44,6 +44,13 @@ Gradients of the parameters come back in the parameters' dtypes. Each function i
 (``z2all::*_fwd`` / ``z2all::*_bwd``, fake implementations, registered autograd): under torch.compile they stay
 opaque, so what is saved is exactly what is listed above.
 
+FP8: each function takes ``precision`` (``bf16`` = the compute dtype, or ``fp8_rowwise`` / ``fp8_tensorwise``).
+With FP8 the three GEMMs of each projection run on FP8 operands (``kernels/fp8.py``): the forward casts its input
+and W rowwise, backward quantises d out once (row-scaled for d input, transposed and column-scaled for d W), W
+again as W^T, and the rebuilt input (normed', a, or x) transposed. What is saved for backward is unchanged. The ops
+also return the casts' saturation / underflow counts, which the wrappers add to ``fp8_ref.FP8_STATS`` under
+``kind`` (qkv, o, gate_up, down).
+
 For z2all-1.1b in bf16 a block then keeps 46,216 instead of 73,864 bytes per token, and none of the 1.98 GB of
 weight copies (``accounting.activation_bytes_per_token_per_layer(..., fused_linear=True)``).
 """
