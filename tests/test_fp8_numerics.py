@@ -135,7 +135,9 @@ def test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision(rec
     loss, grads = loss_and_grads(tiny(recipe, "triton"), tokens)           # our kernels (interpreter on CPU)
     stats = FP8_STATS.read()
     ref_loss, ref_grads = loss_and_grads(tiny(recipe, "torch"), tokens)    # the PyTorch reference of the rule
+    ref_stats = FP8_STATS.read()
     full_loss, full_grads = loss_and_grads(tiny("bf16", "torch"), tokens)  # no FP8 at all (float32)
+    assert FP8_STATS.read() == {}                                          # bf16 casts nothing
     assert abs(loss - ref_loss) < 1e-4 * abs(ref_loss)
     assert abs(loss - full_loss) < 0.01 * abs(full_loss)
     for name, grad in grads.items():
@@ -150,6 +152,8 @@ def test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision(rec
     for key, value in stats.items():
         assert 0.0 <= value < 0.2, (key, value)
     assert stats["fp8_saturated_qkv"] > 0                   # each row's or tensor's largest element lands on FMAX
+    assert ref_stats.keys() == stats.keys()                 # the reference path counts the same casts
+    assert all(abs(ref_stats[k] - stats[k]) < 0.01 for k in stats), (ref_stats, stats)
     assert FP8_STATS.read() == {}                           # read() starts a new window
 
 
