@@ -56,9 +56,9 @@ ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-att
               "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
               "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
               "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
-              "use_all_cudnn": "use_all, SDPA cuDNN first", "hf_ao_fp8": "HF + torchao fp8 rowwise + compile",
-              "tt_compile": "torchtitan + compile", "tt_fp8": "torchtitan fp8 rowwise + compile",
-              "tt_fp8_tensorwise": "torchtitan fp8 tensorwise + compile"}
+              "use_all_cudnn": "use_all, SDPA cuDNN first", "hf_ao_fp8": "HF + torchao fp8 rw + compile",
+              "tt_compile": "torchtitan + compile", "tt_fp8": "torchtitan fp8 rw + compile",
+              "tt_fp8_tensorwise": "torchtitan fp8 tw + compile"}  # rw / tw: rowwise / tensorwise scaling
 
 
 @dataclass
