@@ -63,8 +63,8 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from importlib import resources
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
