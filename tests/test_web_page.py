@@ -1,10 +1,8 @@
 """The chat page in a real browser: headless Chromium (Debian package ``chromium``) against a real ``z2all serve``.
 
-The served model is written by hand so that its output is known: its blocks add nothing to the residual stream
-(``o_proj`` and ``down_proj`` are zero), so the next token depends on the current token only, and its embedding and
-LM head encode the cycle "\\n" -> ``<script>`` -> ``<script>`` -> ... (one token after the other): every reply is an
-endless run of ``<script>`` tags, the worst thing a model could send a page, produced through the real tokenizer,
-server, stream and page code. The test types with the keyboard only (text, Enter, Escape).
+The served model is written by hand (``scripted_model``): every reply is an endless run of ``<script>`` tags, the
+worst thing a model could send a page, produced through the real tokenizer, server, stream and page code. The test
+uses the keyboard only (text, Enter, Escape).
 """
 
 import json
@@ -18,13 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from data_helpers import exported_tiny_model
 from headless_chromium import Chromium, find_chromium
+from scripted_model import scripted_model
 
-from zero2all.config import ModelConfig, OpsConfig
-from zero2all.model.io import save_model
-from zero2all.model.z2all import build_model
 from zero2all.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(find_chromium() is None,
@@ -36,37 +31,11 @@ PAYLOAD = "<script>"
 CONTEXT = 4096
 
 
-def scripted_model(tok, out: Path, start_text: str = "\n") -> Path:
-    """A model whose greedy continuation of ``start_text`` is ``PAYLOAD`` repeated forever (see the module)."""
-    cycle = tok.encode(PAYLOAD)
-    start = tok.encode(start_text)[-1]
-    chain = [start] + cycle + [cycle[0]]
-    successor = {}
-    for a, b in zip(chain, chain[1:]):
-        assert successor.setdefault(a, b) == b, f"token {a} would need two successors: pick another PAYLOAD"
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=64, intermediate_size=96, n_layers=2, n_heads=4,
-                      n_kv_heads=2, max_seq_len=CONTEXT, ops=OpsConfig.plain())
-    model = build_model(cfg, seed=0).eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.lm_head.weight.zero_()
-        for dim, (a, b) in enumerate(successor.items()):  # token a is the unit vector `dim`; it votes for b
-            model.embed_tokens.weight[a] = 0
-            model.embed_tokens.weight[a, dim] = 1
-            model.lm_head.weight[b, dim] = 10
-    save_model(model, out, tokenizer_dir=tok.source_dir)
-    return out
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``z2all serve`` of the scripted model on a free loopback port, with an API key from the environment."""
     d = exported_tiny_model(tmp_path_factory.mktemp("page"), random.Random(0))
-    tok = load_tokenizer(d / "tok")
-    tok.source_dir = d / "tok"
-    ckpt = scripted_model(tok, d / "scripted")
+    ckpt = scripted_model(load_tokenizer(d / "tok"), d / "tok", d / "scripted", PAYLOAD, max_seq_len=CONTEXT)
     log = open(d / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "zero2all.cli", "serve", "--ckpt", str(ckpt), "--port", "0",
                              "--device", "cpu", "--max-tokens-limit", str(CONTEXT - 64), "--model-name", "scripted"],
