@@ -656,11 +656,11 @@ def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, drain_tim
     h, p = httpd.server_address[:2]
     if warning := exposure_warning(host, kwargs.get("api_key")):
         print(warning, file=sys.stderr, flush=True)
-    print(f"chat page: http://{h}:{p}/" + ("  (it asks for the API key once per tab)" if kwargs.get("api_key")
-                                          else ""), flush=True)
     print(f"serving {app.model_name!r} on http://{h}:{p}/v1 (max_tokens <= {app.max_tokens_limit}, context "
           f"{app.context}; {app.max_batch} sequences at once, {app.max_queue} more may wait); SIGTERM or Ctrl-C "
           f"stops after the running requests (at most {drain_timeout:g} s)", flush=True)
+    print(f"chat page: http://{h}:{p}/" + ("  (it asks for the API key once per tab)" if kwargs.get("api_key")
+                                          else ""), flush=True)
     if app.max_tokens_limit > app.context:
         print(f"note: the max_tokens limit {app.max_tokens_limit} is above the model's context of {app.context} "
               "tokens: a request's prompt + max_tokens must fit the context", flush=True)
