@@ -246,7 +246,7 @@ async function sendChat(text) {
   body.parentElement.dataset.finish = finish || "error";
   if (finish === "stopped" || finish === "length") noteFinish(body.parentElement, finish);
   if (reply) state.history.push({role: "assistant", content: reply});
-  else if (!finish) state.history.pop();  // the request failed: do not keep a question without an answer
+  else state.history.pop();  // failed or stopped before any text: do not send a question without its answer again
 }
 
 function noteFinish(box, finish) {
