@@ -97,7 +97,14 @@ def test_chat_page_end_to_end(served, browser, tmp_path):
     assert b.evaluate("document.querySelectorAll('#log script, #log img, #log b').length") == 0
     assert b.evaluate(js_text("#log code")) == ["print('<b>hi</b>')\n"]
     assert b.evaluate(js_text(".code-bar span")) == ["python"]
-    assert b.evaluate("typeof window.alertCalled") == "undefined"
+    # the copy button, reached and pressed with the keyboard, puts the code (not the fence) on the clipboard
+    b.send("Browser.grantPermissions", {"origin": served, "permissions": ["clipboardReadWrite",
+                                                                          "clipboardSanitizedWrite"]})
+    b.evaluate("document.querySelector('.copy').focus()")
+    b.press("Enter", key_code=13, text="\r")
+    b.wait_for("document.querySelector('.copy').textContent === 'Copied'", what="the copy button")
+    assert b.evaluate("navigator.clipboard.readText()") == "print('<b>hi</b>')\n"
+    b.evaluate("document.getElementById('input').focus()")
     b.screenshot(tmp_path / "light.png")
     b.color_scheme("dark")
     assert b.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(21, 22, 26)"
@@ -150,3 +157,4 @@ def test_chat_page_end_to_end(served, browser, tmp_path):
     assert text.startswith("<img src=x onerror=alert(2)>\n" + PAYLOAD), text
     assert b.evaluate("document.querySelectorAll('#document img, #document script').length") == 0
     assert health(served)["running"] == 0
+    assert not [e for e in b.events if e.get("method") == "Page.javascriptDialogOpening"]  # no alert() ran
