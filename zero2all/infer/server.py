@@ -53,6 +53,7 @@ kept-alive connection gets 503), lets the running and waiting requests finish fo
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import math
 import select
@@ -391,8 +392,6 @@ def page_file(name: str) -> bytes:
 
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server reachable from this machine only."""
-    import ipaddress
-
     if host in ("localhost", ""):
         return host == "localhost"
     try:
