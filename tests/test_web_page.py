@@ -130,9 +130,9 @@ def test_chat_page_end_to_end(served, browser, tmp_path):
     deadline = time.monotonic() + 5
     while health(served)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert health(served) == {"status": "ok", "running": 0, "waiting": 0}
+    assert health(served) == {"status": "ok", "running": 0, "waiting": 0, "cancelled": 1}  # cut, not finished
     stopped = b.evaluate(js_text(".message.assistant .body"))[1]
-    assert streamed <= len(stopped) < len(PAYLOAD) * (CONTEXT - 200) and stopped.startswith(PAYLOAD)
+    assert len(stopped) >= streamed and stopped.startswith(PAYLOAD)
     assert b.evaluate("document.getElementById('send').disabled") is False
 
     # reload: the conversation is gone, the key stays for this tab, nothing else is stored

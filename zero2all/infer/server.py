@@ -9,8 +9,8 @@ Endpoints::
                                 (a prompt starts a new document: the end-of-text separator goes in front)
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", ... as above}
-    GET  /health                {"status": "ok", "running", "waiting"} (503 {"status": "draining"} while
-                                shutting down)
+    GET  /health                {"status": "ok", "running", "waiting", "cancelled"} (sequences decoding,
+                                waiting for a row, cancelled so far; 503 {"status": "draining"} while shutting down)
     GET  /                      the chat page (``infer/web/``: index.html, app.js, style.css; no build step)
 
 ``/v1/models`` also gives ``context_length`` (the model's context) and ``max_tokens_limit`` (this server's limit).
@@ -363,7 +363,8 @@ class InferenceApp:
         if not self.accepting:
             return 503, {"status": "draining"}
         stats = self.scheduler.stats()
-        return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"]}
+        return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
+                     "cancelled": stats["finished"].get("cancelled", 0)}
 
 
 # the chat page's files and their content types; served from the package (zero2all/infer/web/)
