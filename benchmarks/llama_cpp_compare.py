@@ -65,7 +65,7 @@ def main():
     print(json.dumps({"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
                       "prompt_tokens": len(prompt), "vocab": tok.vocab_size}))
     f32 = llama_cpp.GGML_TYPE_F32
-    for dtype, cache in (("f32", "f32"), ("f32", "f16"), ("f16", "f32"), ("f16", "f16")):
+    for dtype, cache in (("f32", "f32"), ("f32", "f16"), ("f16", "f32"), ("f16", "f16"), ("q8_0", "f32")):
         path = export_gguf(work / "ck", work / f"tiny-{dtype}.gguf", dtype=dtype, log=lambda *a: None)
         # ours on the file's own weights (rounded to f16 for an f16 file): the same numbers llama.cpp reads
         ours, greedy = run_ours(load_gguf(path)[0].float().eval())
