@@ -145,6 +145,7 @@ function askKey(refused) {
     dialog.addEventListener("close", () => {
       const key = $("key-input").value.trim();
       if (key) sessionStorage.setItem(KEY_STORE, key);
+      $("input").focus();  // back to the message box, ready to type
       resolve();
     }, {once: true});
     dialog.showModal();
