@@ -690,8 +690,10 @@ def _chat(p):
     return run
 
 
-@command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions",
-         "  z2all serve --ckpt runs/demo/sft/final --port 8000 --model-name sft\n"
+@command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions and a "
+         "chat page at /",
+         "  z2all serve --ckpt runs/demo/sft/final --port 8000 --model-name sft   (then open http://127.0.0.1:8000/)\n"
+         "  Z2ALL_API_KEY=$(openssl rand -hex 16) z2all serve --ckpt runs/demo/sft/final --host 0.0.0.0\n"
          "  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
          "       -d '{\"model\": \"sft\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
 def _serve(p):
@@ -711,14 +713,23 @@ def _serve(p):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true", help="CUDA: compile the decode step before capturing it")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: the Z2ALL_API_KEY "
+                        "environment variable; none: open, which is fine on 127.0.0.1 only)")
+    p.add_argument("--cors-origin", default=None,
+                   help="let pages of this one origin (e.g. https://tools.example.org) call the API from a browser; "
+                        "default: no CORS header (only the page served here can)")
 
     def run(args):
+        import os
+
         from zero2all.infer.server import serve
 
         return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
                      model_name=args.model_name, device=args.device, dtype=args.dtype,
                      max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
-                     drain_timeout=args.drain_timeout, compile=args.compile)
+                     drain_timeout=args.drain_timeout, compile=args.compile,
+                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin)
 
     return run
 

@@ -246,7 +246,7 @@ class Z2all(nn.Module):
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` leaves out the input embedding only: the LM
-        head does matmul work and counts (as in the MFU formula of the README)."""
+        head does matmul work and counts (as in the MFU formula of docs/accounting.md)."""
         seen, n = set(), 0
         for p in self.parameters():
             if id(p) not in seen:
