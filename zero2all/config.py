@@ -410,9 +410,9 @@ class ParallelConfig:
     ep: int = 1                    # expert parallel: experts divided over this many ranks (mesh dims ("dp", "ep"))
 
     def resolved_mode(self, world_size: int) -> str:
-        """``auto`` -> ddp when several processes run, else none."""
+        """``auto`` -> fsdp with expert parallelism, ddp when several processes run, else none."""
         if self.mode == "auto":
-            return "ddp" if world_size > 1 else "none"
+            return "fsdp" if self.ep > 1 else "ddp" if world_size > 1 else "none"
         return self.mode
 
     def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
@@ -435,6 +435,9 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.ep: must be >= 1, got {self.ep}")
         if world_size is not None and world_size % self.ep:
             raise ConfigError(f"{prefix}.ep={self.ep} does not divide the {world_size} processes")
+        if self.ep > 1 and self.resolved_mode(world_size or self.ep) != "fsdp":
+            raise ConfigError(f"{prefix}.ep={self.ep} needs {prefix}.mode = fsdp (or auto): the non-expert "
+                              f"parameters are FSDP2-sharded over all ranks, the experts over the dp ranks")
         mode = self.resolved_mode(world_size or 1)
         if self.comm_hook != "none" and mode not in ("ddp", "zero1") and (world_size or self.mode != "auto"):
             raise ConfigError(f"{prefix}.comm_hook={self.comm_hook!r} needs {prefix}.mode = ddp or zero1 (got "
@@ -512,6 +515,9 @@ class Config:
         self.data.validate("data")
         self.parallel.validate(world_size, "parallel")
         self.post.validate("post")
+        if self.parallel.ep > 1 and self.model.moe.n_experts % self.parallel.ep:
+            raise ConfigError(f"parallel.ep={self.parallel.ep} does not divide model.moe.n_experts="
+                              f"{self.model.moe.n_experts} (every ep rank holds the same number of experts)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self
