@@ -36,6 +36,7 @@ from zero2all.distributed.env import (
     DistributedTimeoutError,
     all_gather_object,
     all_reduce_mean,
+    all_reduce_sum,
     all_true,
     any_true,
     barrier,
@@ -52,8 +53,9 @@ from zero2all.distributed.env import (
 )
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
-__all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",
-           "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
+__all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean",
+           "all_reduce_sum", "all_true", "any_true", "apply_activation_checkpointing", "attention_core_policy",
+           "barrier", "broadcast_object",
            "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
            "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
            "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device",

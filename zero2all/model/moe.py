@@ -77,7 +77,7 @@ class Router(nn.Module):
 
 def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
     """Switch / GShard: E * sum_e f_e P_e (f from the hard assignments, no gradient; P carries it)."""
-    f = torch.bincount(routing.experts.reshape(-1), minlength=n_experts).float() / routing.experts.numel()
+    f = expert_counts(routing.experts, n_experts).float() / routing.experts.numel()
     probs = routing.probs / routing.probs.sum(-1, keepdim=True)  # sigmoid scores normalised like softmax's
     return n_experts * (f * probs.mean(0)).sum()
 
@@ -89,6 +89,13 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
     """ceil(c * N * k / E): the assignments one expert keeps when ``capacity_factor`` c > 0."""
     return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, (E,) int64, without a host sync (``bincount`` reads the maximum on the host; a
+    scatter-add keeps decoding capturable in a CUDA graph)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 @dataclass
@@ -105,7 +112,7 @@ def permute(experts: torch.Tensor, n_experts: int, capacity: int = 0) -> Permuta
     """Sort the flat assignments by expert (stable); with ``capacity`` > 0 keep each expert's first ``capacity``."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = expert_counts(flat, n_experts)
     if capacity:
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
@@ -203,7 +210,8 @@ class MoE(nn.Module):
         # running sums since the last read (metrics) / bias update: tokens per expert, dropped, aux terms
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("step_load", torch.zeros(m.n_experts), persistent=False)
-        self.register_buffer("sums", torch.zeros(4), persistent=False)  # aux, z, dropped, assignments
+        # [aux loss, z-loss, dropped, assignments, forwards]
+        self.register_buffer("sums", torch.zeros(5), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.cfg.moe
@@ -227,26 +235,24 @@ class MoE(nn.Module):
         return out.view(B, T, H).to(x.dtype)
 
     def _account(self, routing: Routing, perm: Permutation) -> None:
+        """This forward's weighted auxiliary losses into ``aux_loss``; in training, the window's statistics."""
         m = self.cfg.moe
-        aux = load_balancing_loss(routing, m.n_experts) if m.aux_loss_coef or not self.training else None
-        z = router_z_loss(routing.logits) if m.z_loss_coef or not self.training else None
-        total = None
-        if self.training:
-            if m.aux_loss_coef:
-                total = m.aux_loss_coef * aux
-            if m.z_loss_coef:
-                total = m.z_loss_coef * z if total is None else total + m.z_loss_coef * z
-        self.aux_loss = total
+        self.aux_loss = None
+        if not self.training:
+            return
+        aux = load_balancing_loss(routing, m.n_experts)
+        z = router_z_loss(routing.logits)
+        if m.aux_loss_coef:
+            self.aux_loss = m.aux_loss_coef * aux
+        if m.z_loss_coef:
+            self.aux_loss = m.z_loss_coef * z if self.aux_loss is None else self.aux_loss + m.z_loss_coef * z
         with torch.no_grad():
             counts = perm.counts.float()
             self.load += counts
-            if self.training:
-                self.step_load += counts
-            dropped = perm.n_assignments - perm.order.numel()
-            zero = counts.new_zeros(())
-            self.sums += torch.stack([aux.detach() if aux is not None else zero,
-                                      z.detach() if z is not None else zero,
-                                      zero + dropped, zero + perm.n_assignments])
+            self.step_load += counts
+            dropped = float(perm.n_assignments - perm.order.numel())
+            self.sums += torch.stack([aux.detach(), z.detach(), aux.new_tensor(dropped),
+                                      aux.new_tensor(float(perm.n_assignments)), aux.new_tensor(1.0)])
 
     @torch.no_grad()
     def update_bias(self, step_load: torch.Tensor) -> None:
@@ -273,6 +279,36 @@ def update_router_biases(model: nn.Module, all_reduce=None) -> None:
         load = moe.step_load if all_reduce is None else all_reduce(moe.step_load.clone())
         moe.update_bias(load)
         moe.step_load.zero_()
+
+
+@torch.no_grad()
+def moe_window_metrics(model: nn.Module, all_reduce_sum=None) -> dict[str, float]:
+    """Per MoE layer i, over the training forwards since the last call (summed over ranks by ``all_reduce_sum``),
+    then the counters restart::
+
+        moe/layer{i}/load_max, load_min   max_e / mean, min_e / mean of the tokens per expert (1 = balanced)
+        moe/layer{i}/load_entropy         -sum p_e log p_e / log E of the load shares (1 = uniform)
+        moe/layer{i}/aux_loss, z_loss     mean unweighted load-balancing loss and router z-loss per forward
+        moe/layer{i}/dropped              fraction of the (token, expert) assignments dropped by the capacity
+    """
+    out = {}
+    for i, moe in moe_layers(model):
+        load, sums = moe.load.clone().double(), moe.sums.clone().double()
+        if all_reduce_sum is not None:
+            load, sums = all_reduce_sum(load), all_reduce_sum(sums)
+        moe.load.zero_()
+        moe.sums.zero_()
+        if load.sum() <= 0:
+            continue
+        mean, share = load.mean(), load / load.sum()
+        entropy = -(share * share.clamp_min(1e-30).log()).sum() / math.log(load.numel())
+        forwards = max(float(sums[4]), 1.0)
+        key = f"moe/layer{i}"
+        out.update({f"{key}/load_max": float(load.max() / mean), f"{key}/load_min": float(load.min() / mean),
+                    f"{key}/load_entropy": float(entropy), f"{key}/aux_loss": float(sums[0]) / forwards,
+                    f"{key}/z_loss": float(sums[1]) / forwards,
+                    f"{key}/dropped": float(sums[2]) / max(float(sums[3]), 1.0)})
+    return out
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
