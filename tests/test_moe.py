@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from zero2all.config import ConfigError, ModelConfig, MoEConfig, OpsConfig, load_config
+from zero2all.model.io import load_model
 from zero2all.model.moe import (
     MoE,
     Router,
@@ -160,8 +161,8 @@ def test_trainer_logs_moe_metrics(tmp_path):
     from zero2all.train.trainer import Trainer
 
     c = tiny_cfg(tmp_path / "run", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.router='sigmoid'",
-                 "model.moe.expert_intermediate_size=24", "model.moe.z_loss_coef=0.001", "model.ops.grouped_gemm='loop'",
-                 "train.log_every=3", "train.max_steps=6", "train.micro_batch_size=4")
+                 "model.moe.expert_intermediate_size=24", "model.moe.z_loss_coef=0.001",
+                 "model.ops.grouped_gemm='loop'", "train.log_every=3", "train.max_steps=6", "train.micro_batch_size=4")
     Trainer(c, show_progress=False).fit()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
@@ -170,7 +171,7 @@ def test_trainer_logs_moe_metrics(tmp_path):
     r = train[-1]
     assert r["moe/layer1/load_max"] >= 1 >= r["moe/layer1/load_min"] >= 0 and 0 < r["moe/layer1/load_entropy"] <= 1
     assert r["moe/layer1/dropped"] == 0  # dropless
-    model = __import__("zero2all.model.io", fromlist=["load_model"]).load_model(tmp_path / "run" / "final")
+    model = load_model(tmp_path / "run" / "final")
     assert isinstance(model.layers[0].mlp, MoE)
     assert model.layers[0].mlp.router.expert_bias.abs().sum() > 0  # the balancing bias was saved with the model
 
