@@ -23,22 +23,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zero2all.accounting_moe import moe_param_counts  # noqa: E402
 from zero2all.config import load_config  # noqa: E402
 from zero2all.model.z2all import build_model  # noqa: E402
 
 PEAK = 989e12
-
-
-def active_params(cfg) -> int:
-    m, H, L = cfg.moe, cfg.hidden_dim, cfg.n_layers
-    attn = H * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * H
-    ffn = 0
-    for i in range(L):
-        if m.is_moe_layer(i):
-            ffn += m.n_experts * H + (m.top_k + m.n_shared_experts) * 3 * H * cfg.expert_intermediate_size
-        else:
-            ffn += 3 * H * cfg.intermediate_size
-    return L * attn + ffn + cfg.padded_vocab_size * H
 
 
 def sync():
@@ -95,7 +84,7 @@ def hf_mixtral(cfg, impl, compile_=False):
 def bench_train(args, results):
     seq, mb = 2048, args.micro_batch
     base = load_config("z2all-moe-1b").model
-    n_act = active_params(base) - base.padded_vocab_size * base.hidden_dim
+    n_act = moe_param_counts(base).active_non_embedding  # N_active of the MFU formula (LM head counts)
     flops_tok = 6 * n_act + 12 * base.n_layers * base.hidden_dim * seq
     rows = [("ours triton", lambda: ours(["model.ops.grouped_gemm=triton"])),
             ("ours torch._grouped_mm", lambda: ours(["model.ops.grouped_gemm=torch"])),

@@ -188,3 +188,26 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="parallel.ep=2 needs parallel.mode = fsdp"):
         load_config("tiny-moe", ["parallel.ep=2", "parallel.mode='ddp'"])
     assert load_config("tiny-moe").model.moe.enabled and not load_config("tiny").model.moe.enabled
+
+
+def test_estimate_counts_match_the_model_and_the_cli_prints_them(capsys):
+    from zero2all.accounting_moe import moe_estimate, moe_param_counts
+    from zero2all.cli import main
+
+    for c in (cfg(first_dense_layers=1, moe_every=2), cfg(shared_expert_gate=True), load_config("z2all-moe-1b").model):
+        model = build_model(c, device="meta")
+        p = moe_param_counts(c)
+        assert p.total == model.num_params()
+        experts = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for _, m in moe_layers(model))
+        assert p.experts == experts
+        k, E = c.moe.top_k, c.moe.n_experts
+        assert p.active == p.total - experts + experts * k // E  # the routed share a token uses: k of E
+    est = moe_estimate(load_config("z2all-moe-1b").model, gpus=8, ep=4, micro_batch=2, seq_len=128)
+    # 16 MoE layers x 256 tokens x top-2 x 1024 x 2 bytes, 4 exchanges, 3/4 of the rows leave the GPU
+    assert est["communication"]["all_to_all_bytes_per_step_per_gpu"] == 4 * 16 * 256 * 2 * 1024 * 2 * 3 / 4
+    assert est["memory_per_gpu"]["experts_per_gpu"] == 4
+    with pytest.raises(ConfigError, match="--ep 3"):
+        moe_estimate(load_config("z2all-moe-1b").model, gpus=8, ep=3)
+    main(["estimate", "--config", "z2all-moe-1b", "--gpus", "8", "--ep", "8"])
+    out = capsys.readouterr().out
+    assert "parameters total / active" in out and "987,661,312 / 283,018,240" in out and "all-to-all" in out
