@@ -108,6 +108,7 @@ def bench_train(args, results):
             rec = {"row": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(json.dumps(rec), flush=True)
         results["train"].append(rec)
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))  # kept if a later row hangs
         model = call = None
         gc.collect()
         torch.cuda.empty_cache()

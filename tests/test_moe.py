@@ -211,3 +211,34 @@ def test_estimate_counts_match_the_model_and_the_cli_prints_them(capsys):
     main(["estimate", "--config", "z2all-moe-1b", "--gpus", "8", "--ep", "8"])
     out = capsys.readouterr().out
     assert "parameters total / active" in out and "987,661,312 / 283,018,240" in out and "all-to-all" in out
+
+
+def test_generation_and_continuous_batching_with_a_moe_model():
+    from standin_tokenizer import ByteTokenizer
+
+    from zero2all.infer.generate import Generator, SamplingParams
+    from zero2all.infer.scheduler import Scheduler
+
+    c = ModelConfig(vocab_size=260, hidden_dim=32, intermediate_size=40, n_layers=2, n_heads=4, n_kv_heads=2,
+                    max_seq_len=64, initializer_range=0.3, ops=OpsConfig.plain(),
+                    moe=MoEConfig(n_experts=4, top_k=2, n_shared_experts=1, expert_intermediate_size=16))
+    model = build_model(c, seed=0).eval()
+    prompts = [[5, 9, 200], list(range(30, 41)), [7]]
+    params = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=[])
+
+    def alone(prompt):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+        return seq[len(prompt):]
+
+    want = [alone(p) for p in prompts]
+    assert [o.token_ids for o in Generator(model).generate(prompts, params)] == want
+    sched = Scheduler(Generator(model, ByteTokenizer()), max_batch=2, cache_len=32, max_queue=8)
+    try:
+        subs = [sched.submit([p], params) for p in prompts]
+        got = [[e.token_id for e in sub.events()] for sub in subs]
+    finally:
+        sched.stop()
+    assert got == want
