@@ -22,8 +22,9 @@ all ranks. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors u
 (``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
 
 Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
-mesh that also has tp/pp/cp dimensions passes its data-parallel and ep dimensions (``mesh["dp", "ep"]``) to
-:func:`apply_expert_parallel`, with the non-expert FSDP over the flattened data-parallel ranks.
+mesh that also has tp/pp/cp dimensions passes ``mesh["dp", "ep"]`` to :func:`apply_expert_parallel`. The
+non-expert FSDP2 here spans all ranks, right while dp and ep are the only dimensions; with tp/pp/cp it must span
+the flattened ("dp", "ep") ranks instead.
 """
 
 from __future__ import annotations
