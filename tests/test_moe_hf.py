@@ -110,3 +110,21 @@ def test_peft_lora_on_attention_of_a_moe_model(tmp_path):
         mine = model.eval()(x)[0]
         torch.testing.assert_close(hf(input_ids=x).logits, mine, atol=2e-5, rtol=1e-4)
         assert (mine - load_model(tmp_path / "base")(x)[0]).abs().max() > 1e-2
+
+
+def test_import_reads_the_fused_expert_layout(tmp_path):
+    """transformers 5 keeps the experts fused in memory (mlp.experts.gate_up_proj / down_proj); a checkpoint
+    written from that state dict loads as well."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("qwen2_moe"), experts_implementation="eager").eval()
+    randomize(hf, 3)
+    hf.save_pretrained(tmp_path / "hf")
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in sd
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"))
+    x = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "hf")(x)[0], hf(x).logits, atol=1e-5, rtol=0)
