@@ -76,8 +76,8 @@ def triton_usable(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-# ``auto`` on a GPU: torch._grouped_mm, 1.7x faster than our Triton kernel at the 1B preset's shapes on an H100
-# (BENCHMARKS.md); Triton where _grouped_mm cannot run (older torch, pre-sm90 GPUs)
+# ``auto`` on a GPU: torch._grouped_mm, ~1.4-1.7x faster than our Triton kernel at the 1B preset's shapes on an
+# H100 and faster in compiled training (BENCHMARKS.md); Triton where _grouped_mm cannot run (older torch, pre-sm90)
 AUTO_GPU = "torch"
 
 
