@@ -130,15 +130,21 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     o = q_dim * h + (h if bias else 0)
     mlp = 3 * h * I
     norms_layer = 2 * h
-    per_layer = q + k + v + o + mlp + norms_layer
+    mlp_all = l * mlp
+    if cfg.moe.enabled:  # MoE layers: router + routed and shared experts (zero2all/accounting_moe.py)
+        from zero2all.accounting_moe import mlp_params_all_layers
+
+        mlp_all = mlp_params_all_layers(cfg)
+    layers = l * (q + k + v + o + norms_layer) + mlp_all
+    per_layer = layers // l
     embedding = V * h
     lm_head = 0 if cfg.tie_word_embeddings else V * h
-    total = embedding + l * per_layer + h + lm_head
+    total = embedding + layers + h + lm_head
     non_embedding = total - embedding if not cfg.tie_word_embeddings else total
-    matmul = l * (q + k + v + o + mlp) + V * h
+    matmul = l * (q + k + v + o) + mlp_all + V * h
     return ParamCounts(embedding=embedding, attention_q=l * q, attention_k=l * k, attention_v=l * v,
-                       attention_o=l * o, mlp=l * mlp, norms=l * norms_layer + h, lm_head=lm_head,
-                       per_layer=per_layer, layers=l * per_layer, total=total, non_embedding=non_embedding,
+                       attention_o=l * o, mlp=mlp_all, norms=l * norms_layer + h, lm_head=lm_head,
+                       per_layer=per_layer, layers=layers, total=total, non_embedding=non_embedding,
                        matmul=matmul, rule_of_thumb=12 * l * h * h)
 
 

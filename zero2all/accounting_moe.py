@@ -37,23 +37,30 @@ class MoEParams:
     per_moe_layer_active: int
 
 
+def _moe_layer_parts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(router, routed experts, shared experts + gate) parameters of one MoE layer."""
+    m, h, ie = cfg.moe, cfg.hidden_dim, cfg.expert_intermediate_size
+    return m.n_experts * h, m.n_experts * 3 * h * ie, m.n_shared_experts * 3 * h * ie + (
+        h if m.shared_expert_gate else 0)
+
+
+def mlp_params_all_layers(cfg: ModelConfig) -> int:
+    """MLP parameters over all layers: dense SwiGLU (3 h I) or MoE (router + routed + shared)."""
+    n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    return (cfg.n_layers - n_moe) * 3 * cfg.hidden_dim * cfg.intermediate_size + n_moe * sum(_moe_layer_parts(cfg))
+
+
 def moe_param_counts(cfg: ModelConfig) -> MoEParams:
-    """Exact counts, equal to ``build_model(cfg, device="meta").num_params()`` for the total."""
-    m, h = cfg.moe, cfg.hidden_dim
-    dense = param_counts(cfg)  # counts every layer with a dense MLP of intermediate_size
+    """Exact counts; the total equals ``build_model(cfg, device="meta").num_params()``."""
+    m = cfg.moe
+    counts = param_counts(cfg)
     n_moe = sum(m.is_moe_layer(i) for i in range(cfg.n_layers))
-    mlp_dense = 3 * h * cfg.intermediate_size
-    ie = cfg.expert_intermediate_size
-    gate = h if m.shared_expert_gate else 0
-    routed = m.n_experts * 3 * h * ie
-    shared = m.n_shared_experts * 3 * h * ie + gate
-    router = m.n_experts * h
-    total = dense.total + n_moe * (router + routed + shared - mlp_dense)
-    active_layer = router + m.top_k * 3 * h * ie + shared
-    active = total - n_moe * (router + routed + shared) + n_moe * active_layer
-    embedding = 0 if cfg.tie_word_embeddings else dense.embedding
-    return MoEParams(total=total, active=active, active_non_embedding=active - embedding,
-                     experts=n_moe * routed, non_expert=total - n_moe * routed, moe_layers=n_moe,
+    router, routed, shared = _moe_layer_parts(cfg)
+    active_layer = router + m.top_k * 3 * cfg.hidden_dim * cfg.expert_intermediate_size + shared
+    active = counts.total - n_moe * (router + routed + shared) + n_moe * active_layer
+    embedding = 0 if cfg.tie_word_embeddings else counts.embedding
+    return MoEParams(total=counts.total, active=active, active_non_embedding=active - embedding,
+                     experts=n_moe * routed, non_expert=counts.total - n_moe * routed, moe_layers=n_moe,
                      per_moe_layer_routed=routed, per_moe_layer_active=active_layer)
 
 
