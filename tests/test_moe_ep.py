@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_distributed import assert_same_losses, free_port
@@ -127,3 +128,29 @@ def test_ep2_and_ep2_dp2_match_single_process_and_resume(tmp_path):
     ckpt.load(tmp_path / "save" / "ckpt", parts(run, opt, step), env)
     assert step[0] == half
     assert_same_losses(train(run, opt, env, range(half, STEPS)), want[half:], RTOL, "resumed on one process")
+
+
+MOE_KEYS = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_intermediate_size=32",
+            "model.moe.first_dense_layers=1", "model.moe.router='sigmoid'", "model.moe.z_loss_coef=0.001",
+            "model.ops.grouped_gemm='loop'", "train.log_every=2"]
+
+
+@pytest.mark.slow
+def test_trainer_with_expert_parallelism_matches_one_process(tmp_path):
+    """`z2all pretrain` under torchrun with parallel.ep=2: the loss sequence of one process (the sigmoid router's
+    bias update sums the load over the ranks), expert-load metrics logged, the final model gathered."""
+    from test_distributed_trainer import assert_close_losses, single_process, torchrun
+
+    from zero2all.model.io import load_model
+
+    want = single_process(tmp_path / "single", *MOE_KEYS, "train.max_steps=6")
+    proc = torchrun(tmp_path, tmp_path / "ep", *MOE_KEYS, "train.max_steps=6", "parallel.ep=2")
+    recs = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
+    got = {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+    assert_close_losses(got, want, range(1, 7))
+    assert "parallel: fsdp on 2 processes" in proc.stdout
+    assert [r["step"] for r in recs if "moe/layer1/load_max" in r] == [2, 4, 6]
+    single = load_model(tmp_path / "single" / "final")
+    model = load_model(tmp_path / "ep" / "final")
+    for (name, a), b in zip(single.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5, msg=name)
