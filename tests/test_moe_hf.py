@@ -89,15 +89,20 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
         export_hf(tmp_path / "ours", tmp_path / "hf")
 
 
-def test_peft_lora_on_attention_of_a_moe_model(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_peft_lora_on_attention_of_a_moe_model(tmp_path, family):
+    """The default LoRA targets on a MoE model: attention and the dense MLPs get adapters, MoE blocks (shared
+    experts included) keep their weights; PEFT applies the adapter to the exported model with our logits."""
     from peft import PeftModel
 
     from zero2all.model.lora import LoRAConfig, apply_lora, lora_modules, save_adapter
 
-    model = build_model(moe_model_config("mixtral"), seed=4).eval()
+    model = build_model(moe_model_config(family), seed=4).eval()
     save_model(model, tmp_path / "base")
     export_hf(tmp_path / "base", tmp_path / "hf")
-    apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=("qkv_proj", "o_proj")))
+    apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")))
+    assert not any(".mlp.shared." in name for name in lora_modules(model))
+    assert ("layers.0.mlp.gate_up_proj" in lora_modules(model)) == (family == "qwen2_moe")
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in lora_modules(model).values():
