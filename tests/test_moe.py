@@ -242,3 +242,11 @@ def test_generation_and_continuous_batching_with_a_moe_model():
     finally:
         sched.stop()
     assert got == want
+
+
+def test_gguf_export_refuses_moe(tmp_path):
+    from zero2all.model.gguf import export_gguf
+
+    pytest.importorskip("gguf")
+    with pytest.raises(ConfigError, match="GGUF export of mixture-of-experts"):
+        export_gguf(None, tmp_path / "m.gguf", model=build_model(cfg(), seed=0))
