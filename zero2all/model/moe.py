@@ -100,8 +100,8 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 @dataclass
 class Permutation:
-    """Assignments sorted by expert: ``order`` indexes the flat (token, slot) list, ``counts`` (E,) per expert
-    (after drops), ``kept`` the number of rows kept (all of them when dropless)."""
+    """Assignments sorted by expert: ``order`` indexes the flat (token, slot) list (the kept ones), ``counts`` (E,)
+    per expert after drops, ``n_assignments`` = N k before drops."""
 
     order: torch.Tensor
     counts: torch.Tensor
@@ -194,8 +194,10 @@ class SharedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE block: (B, T, H) -> (B, T, H). After each forward, ``aux_loss`` holds the weighted auxiliary losses
-    of that forward (a tensor with gradient, or None) and ``stats`` the running load statistics."""
+    """The MoE block: (B, T, H) -> (B, T, H). After each training forward, ``aux_loss`` holds the weighted
+    auxiliary losses of that forward (a tensor with gradient, or None); the buffers ``load`` (read by
+    :func:`moe_window_metrics`), ``step_load`` (read by :func:`update_router_biases`) and ``sums`` count since their
+    last read. ``dispatch`` runs the experts: locally, or across ranks under expert parallelism."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
