@@ -250,3 +250,13 @@ def test_gguf_export_refuses_moe(tmp_path):
     pytest.importorskip("gguf")
     with pytest.raises(ConfigError, match="GGUF export of mixture-of-experts"):
         export_gguf(None, tmp_path / "m.gguf", model=build_model(cfg(), seed=0))
+
+
+def test_mfu_counts_the_active_parameters():
+    from zero2all.accounting import mfu_flops_per_token
+    from zero2all.accounting_moe import moe_param_counts
+
+    c = load_config("z2all-moe-1b").model
+    n_active = moe_param_counts(c).active_non_embedding
+    assert n_active == 217_154_560  # attention + routers + 2 of 16 experts + LM head, 16 layers
+    assert mfu_flops_per_token(c, 2048) == 6 * n_active + 12 * 16 * 1024 * 2048

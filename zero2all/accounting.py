@@ -204,10 +204,17 @@ def megatron_flops_per_step(batch_size: int, seq_len: int, hidden: int, n_layers
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The project's model FLOPs per trained token: 6*N + 12*l*h*s, N = non-embedding parameters (LM head counts).
 
-    6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products (3 x 4*s*q_dim
-    with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs per norm weight).
+    MoE models: N counts the parameters one token goes through (``accounting_moe``: router, top_k routed and the
+    shared experts). 6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products
+    (3 x 4*s*q_dim with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs per norm weight).
     """
-    return 6.0 * param_counts(cfg).non_embedding + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
+    if cfg.moe.enabled:  # a MoE token goes through top_k of the routed experts: N = active parameters
+        from zero2all.accounting_moe import moe_param_counts
+
+        n = moe_param_counts(cfg).active_non_embedding
+    else:
+        n = param_counts(cfg).non_embedding
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
 
 
 def mfu(tokens_per_s: float, cfg, seq_len: int, peak_flops: float) -> float:
