@@ -206,7 +206,8 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     MoE models: N counts the parameters one token goes through (``accounting_moe``: router, top_k routed and the
     shared experts). 6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products
-    (3 x 4*s*q_dim with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs per norm weight).
+    (3 x 4*s*q_dim with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs
+    per norm weight).
     """
     if cfg.moe.enabled:  # a MoE token goes through top_k of the routed experts: N = active parameters
         from zero2all.accounting_moe import moe_param_counts
