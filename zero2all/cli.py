@@ -849,6 +849,7 @@ def _estimate(p):
                    help="bf16-amp: fp32 weights + bf16 autocast (our trainer); bf16-mixed: bf16 weights, fp32 "
                         "master in the optimizer; fp32")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--ep", type=int, default=None, help="MoE models: expert-parallel size (default parallel.ep)")
     _overrides(p)
 
     def run(args):
@@ -868,10 +869,22 @@ def _estimate(p):
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
                         fused_linear=ops.fused_linear != "torch")
-        est = estimate(cfg.model, layout)
+        moe = None
+        if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
+            from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate
+
+            moe = moe_estimate(cfg.model, args.gpus, args.ep or cfg.parallel.ep, layout.micro_batch,
+                               layout.seq_len, layout.grad_accum_steps, mfu=args.mfu)
+            est = estimate(active_dense_config(cfg.model), layout) | {"moe": moe}
+        else:
+            est = estimate(cfg.model, layout)
         if args.json:
             print(json.dumps(est, indent=2))
         else:
+            if moe is not None:
+                print(format_moe_estimate(moe) + "\n-- the dense estimate below counts each MoE layer as a "
+                      "dense MLP of the active width (k + shared) x expert_intermediate_size: its FLOPs and "
+                      "activations hold for MoE, its parameter and memory lines do not (see above)")
             print(format_estimate(est, str(args.config)))
 
     return run
