@@ -1,6 +1,7 @@
 # Two entry points that work on a fresh Linux machine (Python >= 3.10 with venv):
 #   make demo   -- create .venv, install, run the whole pipeline on the embedded stdlib corpus
-#   make test   -- create .venv, install with test extras, run ruff and the test suite
+#   make test   -- create .venv, install with test extras, run ruff, the docs build and the test suite
+#   make docs   -- build the documentation site into site/ (mkdocs build --strict: a broken link fails)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint docs install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +27,11 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-test: lint
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

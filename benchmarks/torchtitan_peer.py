@@ -1,6 +1,7 @@
 """torchtitan's parallelisms as the peer of ours: FSDP2, tp2 (+ sequence parallel), pp2 1F1B, cp2, on N GPUs.
 
-    eval "$(bash benchmarks/peer_wheels.sh install .peer-wheels)"     # torchtitan 0.2.2 + deps (no network there)
+    bash benchmarks/peer_wheels.sh download .peer-wheels             # where there is network (about 5 MiB)
+    eval "$(bash benchmarks/peer_wheels.sh install .peer-wheels)"     # on the GPU machine: torchtitan 0.2.2 + deps
     python benchmarks/torchtitan_peer.py                              # 2 GPUs: fsdp,tp2,pp2,tp2@16384x1,cp2@65536x1
     python benchmarks/torchtitan_peer.py --nproc 1 --variants fsdp --steps 1 --warmup 1 model.n_layers=2   # smoke
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--float8", choices=["rowwise", "tensorwise"], default=None, help="torchtitan's float8")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--amp", choices=["autocast", "native"], default="autocast")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per variant (its processes are killed after)")
     p.add_argument("--json", default="", help="also write all results to this file")
     p.add_argument("overrides", nargs="*", help="config overrides of the preset, e.g. model.n_layers=2")
     args = p.parse_args(argv)

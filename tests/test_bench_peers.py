@@ -121,3 +121,19 @@ def test_torchtitan_flavour_has_our_shape():
     jc = bench_peers.titan_job_config(mb=8, seq=2048, accum=4, dp=1, float8="tensorwise")
     assert jc.model.converters == [bench_peers.FLOAT8_CONVERTER] and jc.quantize.linear.float8.recipe_name is None
     assert bench_peers.FLOAT8_CONVERTER in _registry_model_converter_cls
+
+
+def test_run_titan_returns_the_result_the_failure_line_or_the_timeout(tmp_path):
+    out = tmp_path / "r.json"
+    write = f"import json; open({str(out)!r}, 'w').write(json.dumps({{'tokens_per_s': 1.5}}))"
+    assert bench_peers.run_titan([sys.executable, "-c", write], out, 60, log=lambda s: None) == \
+        ({"tokens_per_s": 1.5}, None)
+    out.unlink()
+    fail = "import sys; print('[rank0]: ValueError: bad mesh'); sys.exit(3)"
+    logged = []
+    assert bench_peers.run_titan([sys.executable, "-c", fail], out, 60, log=logged.append) == \
+        (None, "ValueError: bad mesh")
+    assert "bad mesh" in logged[0]
+    hang = "import time; time.sleep(60)"
+    assert bench_peers.run_titan([sys.executable, "-c", hang], out, 1, log=lambda s: None) == \
+        (None, "timed out after 1 s")

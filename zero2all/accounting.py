@@ -130,15 +130,21 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     o = q_dim * h + (h if bias else 0)
     mlp = 3 * h * I
     norms_layer = 2 * h
-    per_layer = q + k + v + o + mlp + norms_layer
+    mlp_all = l * mlp
+    if cfg.moe.enabled:  # MoE layers: router + routed and shared experts (zero2all/accounting_moe.py)
+        from zero2all.accounting_moe import mlp_params_all_layers
+
+        mlp_all = mlp_params_all_layers(cfg)
+    layers = l * (q + k + v + o + norms_layer) + mlp_all
+    per_layer = layers // l
     embedding = V * h
     lm_head = 0 if cfg.tie_word_embeddings else V * h
-    total = embedding + l * per_layer + h + lm_head
+    total = embedding + layers + h + lm_head
     non_embedding = total - embedding if not cfg.tie_word_embeddings else total
-    matmul = l * (q + k + v + o + mlp) + V * h
+    matmul = l * (q + k + v + o) + mlp_all + V * h
     return ParamCounts(embedding=embedding, attention_q=l * q, attention_k=l * k, attention_v=l * v,
-                       attention_o=l * o, mlp=l * mlp, norms=l * norms_layer + h, lm_head=lm_head,
-                       per_layer=per_layer, layers=l * per_layer, total=total, non_embedding=non_embedding,
+                       attention_o=l * o, mlp=mlp_all, norms=l * norms_layer + h, lm_head=lm_head,
+                       per_layer=per_layer, layers=layers, total=total, non_embedding=non_embedding,
                        matmul=matmul, rule_of_thumb=12 * l * h * h)
 
 
@@ -198,10 +204,18 @@ def megatron_flops_per_step(batch_size: int, seq_len: int, hidden: int, n_layers
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The project's model FLOPs per trained token: 6*N + 12*l*h*s, N = non-embedding parameters (LM head counts).
 
-    6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products (3 x 4*s*q_dim
-    with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs per norm weight).
+    MoE models: N counts the parameters one token goes through (``accounting_moe``: router, top_k routed and the
+    shared experts). 6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products
+    (3 x 4*s*q_dim with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs
+    per norm weight).
     """
-    return 6.0 * param_counts(cfg).non_embedding + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
+    if cfg.moe.enabled:  # a MoE token goes through top_k of the routed experts: N = active parameters
+        from zero2all.accounting_moe import moe_param_counts
+
+        n = moe_param_counts(cfg).active_non_embedding
+    else:
+        n = param_counts(cfg).non_embedding
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
 
 
 def mfu(tokens_per_s: float, cfg, seq_len: int, peak_flops: float) -> float:

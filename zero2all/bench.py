@@ -64,8 +64,9 @@ ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-att
               "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
               "use_all_cudnn": "use_all, SDPA cuDNN first", "use_all_fp8": "use_all FP8 rowwise",
               "use_all_fp8_mb16": "use_all FP8 rowwise mb16", "use_all_fp8_tensorwise": "use_all FP8 tensorwise",
-              "hf_ao_fp8": "HF + torchao fp8 rowwise + compile", "tt_compile": "torchtitan + compile",
-              "tt_fp8": "torchtitan fp8 rowwise + compile", "tt_fp8_tensorwise": "torchtitan fp8 tensorwise + compile"}
+              "hf_ao_fp8": "HF + torchao fp8 rw + compile", "tt_compile": "torchtitan + compile",
+              "tt_fp8": "torchtitan fp8 rw + compile",
+              "tt_fp8_tensorwise": "torchtitan fp8 tw + compile"}  # rw / tw: rowwise / tensorwise scaling
 
 
 @dataclass

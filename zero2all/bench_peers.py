@@ -31,6 +31,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -297,13 +298,17 @@ def run_titan(cmd: list[str], result: Path, timeout: float, log=print) -> tuple[
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [repo, env.get("PYTHONPATH", "")] if p)
+    # its own process group: on a timeout the workers go too, not only torchrun (they would keep the GPU memory)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return None, f"timed out after {timeout:.0f} s"
     if proc.returncode == 0 and result.exists():
         return json.loads(result.read_text()), None
-    output = proc.stdout + proc.stderr
     log("\n".join(output.splitlines()[-40:]))
     return None, failure_reason(output, proc.returncode)
 

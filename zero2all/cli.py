@@ -690,8 +690,10 @@ def _chat(p):
     return run
 
 
-@command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions",
-         "  z2all serve --ckpt runs/demo/sft/final --port 8000 --model-name sft\n"
+@command("serve", "serve a model over HTTP with OpenAI-compatible /v1/chat/completions, /v1/completions and a "
+         "chat page at /",
+         "  z2all serve --ckpt runs/demo/sft/final --port 8000 --model-name sft   (then open http://127.0.0.1:8000/)\n"
+         "  Z2ALL_API_KEY=$(openssl rand -hex 16) z2all serve --ckpt runs/demo/sft/final --host 0.0.0.0\n"
          "  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
          "       -d '{\"model\": \"sft\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
 def _serve(p):
@@ -711,14 +713,23 @@ def _serve(p):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true", help="CUDA: compile the decode step before capturing it")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: the Z2ALL_API_KEY "
+                        "environment variable; none: open, which is fine on 127.0.0.1 only)")
+    p.add_argument("--cors-origin", default=None,
+                   help="let pages of this one origin (e.g. https://tools.example.org) call the API from a browser; "
+                        "default: no CORS header (only the page served here can)")
 
     def run(args):
+        import os
+
         from zero2all.infer.server import serve
 
         return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
                      model_name=args.model_name, device=args.device, dtype=args.dtype,
                      max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
-                     drain_timeout=args.drain_timeout, compile=args.compile)
+                     drain_timeout=args.drain_timeout, compile=args.compile,
+                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin)
 
     return run
 
@@ -838,6 +849,7 @@ def _estimate(p):
                    help="bf16-amp: fp32 weights + bf16 autocast (our trainer); bf16-mixed: bf16 weights, fp32 "
                         "master in the optimizer; fp32")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--ep", type=int, default=None, help="MoE models: expert-parallel size (default parallel.ep)")
     _overrides(p)
 
     def run(args):
@@ -857,10 +869,22 @@ def _estimate(p):
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
                         fused_linear=ops.fused_linear != "torch")
-        est = estimate(cfg.model, layout)
+        moe = None
+        if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
+            from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate
+
+            moe = moe_estimate(cfg.model, args.gpus, args.ep or cfg.parallel.ep, layout.micro_batch,
+                               layout.seq_len, layout.grad_accum_steps, mfu=args.mfu)
+            est = estimate(active_dense_config(cfg.model), layout) | {"moe": moe}
+        else:
+            est = estimate(cfg.model, layout)
         if args.json:
             print(json.dumps(est, indent=2))
         else:
+            if moe is not None:
+                print(format_moe_estimate(moe) + "\n-- the dense estimate below counts each MoE layer as a "
+                      "dense MLP of the active width (k + shared) x expert_intermediate_size: its FLOPs and "
+                      "activations hold for MoE, its parameter and memory lines do not (see above)")
             print(format_estimate(est, str(args.config)))
 
     return run

@@ -108,6 +108,7 @@ class OpsConfig:
     cross_entropy: str = "auto"
     attention: str = "sdpa"
     fused_linear: str = "auto"
+    grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
     linear_precision: str = "bf16"
 
     _CHOICES = {
@@ -117,6 +118,7 @@ class OpsConfig:
         "cross_entropy": ("torch", "fused", "auto"),
         "attention": ("naive", "sdpa", "flex"),
         "fused_linear": ("torch", "triton", "auto"),
+        "grouped_gemm": ("auto", "triton", "torch", "loop"),
         "linear_precision": ("bf16", "fp8_rowwise", "fp8_tensorwise"),
     }
 
@@ -130,7 +132,61 @@ class OpsConfig:
     def plain(cls) -> "OpsConfig":
         """Every op on its plain PyTorch path, attention through SDPA."""
         return cls(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
-                   fused_linear="torch")
+                   fused_linear="torch", grouped_gemm="loop")
+
+
+MOE_ROUTERS = ("softmax_topk", "sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (``[model.moe]``, off while ``n_experts = 0``); the model code is ``model/moe.py``.
+
+    Layer i is a MoE layer when ``i >= first_dense_layers`` and ``(i + 1) % moe_every == 0`` (Qwen2-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``); other layers keep the dense MLP of ``intermediate_size``.
+    ``router``: ``softmax_topk`` (softmax over experts, top-k, renormalised to sum 1 when ``renormalize``) or
+    ``sigmoid`` (DeepSeek-V3: sigmoid scores, a per-expert bias added for the selection only and moved by
+    ``bias_update_rate`` * sign(mean load - load) after each step: balance without an auxiliary loss).
+    ``capacity_factor`` 0 = dropless; c > 0 keeps at most ceil(c * tokens * top_k / n_experts) tokens per expert.
+    """
+
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    expert_intermediate_size: int = 0      # 0 = model.intermediate_size
+    shared_expert_gate: bool = False       # Qwen2-MoE: the shared experts' output scaled by sigmoid(x . w)
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    router: str = "softmax_topk"
+    renormalize: bool = True               # softmax_topk: top-k weights divided by their sum (Mixtral)
+    bias_update_rate: float = 1e-3         # sigmoid router: aux-loss-free balancing step
+    routed_scaling: float = 1.0            # routed experts' output multiplied by this (DeepSeek-V3)
+    aux_loss_coef: float = 0.0             # Switch/GShard load-balancing loss weight
+    z_loss_coef: float = 0.0               # router z-loss weight (ST-MoE)
+    capacity_factor: float = 0.0           # 0 = dropless
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.enabled and i >= self.first_dense_layers and (i + 1) % self.moe_every == 0
+
+    def validate(self, prefix: str = "model.moe") -> None:
+        _check_finite(self, prefix)
+        _check_choice(self, "router", MOE_ROUTERS, prefix)
+        for name in ("n_experts", "n_shared_experts", "expert_intermediate_size", "first_dense_layers",
+                     "aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.moe_every < 1:
+            raise ConfigError(f"{prefix}.moe_every: must be >= 1, got {self.moe_every}")
+        if self.routed_scaling <= 0:
+            raise ConfigError(f"{prefix}.routed_scaling: must be positive, got {self.routed_scaling}")
+        if self.enabled and not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"{prefix}.top_k: must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ConfigError(f"{prefix}.shared_expert_gate needs {prefix}.n_shared_experts > 0")
 
 
 @dataclass
@@ -164,6 +220,11 @@ class ModelConfig:
     # scale the init std of output projections (o_proj, down_proj) by 1/sqrt(2*n_layers) (GPT-2 / Megatron)
     scaled_init: bool = True
     ops: OpsConfig = field(default_factory=OpsConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe.expert_intermediate_size or self.intermediate_size
 
     @property
     def head_dim(self) -> int:
@@ -208,6 +269,7 @@ class ModelConfig:
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.padded_vocab_size:
             raise ConfigError(f"{prefix}.pad_token_id: {self.pad_token_id} outside the vocabulary")
         self.ops.validate(prefix + ".ops")
+        self.moe.validate(prefix + ".moe")
 
 
 @dataclass
@@ -351,11 +413,12 @@ class ParallelConfig:
     ac_selective: str = "blocks"   # selective: blocks (every ac_every-th block) | attention (attention core only)
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
     timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
+    ep: int = 1                    # expert parallel: experts divided over this many ranks (mesh dims ("dp", "ep"))
 
     def resolved_mode(self, world_size: int) -> str:
-        """``auto`` -> ddp when several processes run, else none."""
+        """``auto`` -> fsdp with expert parallelism, ddp when several processes run, else none."""
         if self.mode == "auto":
-            return "ddp" if world_size > 1 else "none"
+            return "fsdp" if self.ep > 1 else "ddp" if world_size > 1 else "none"
         return self.mode
 
     def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
@@ -374,6 +437,13 @@ class ParallelConfig:
                               f"warm-up steps of plain all-reduce)")
         if not self.timeout_s > 0:
             raise ConfigError(f"{prefix}.timeout_s: must be positive, got {self.timeout_s}")
+        if self.ep < 1:
+            raise ConfigError(f"{prefix}.ep: must be >= 1, got {self.ep}")
+        if world_size is not None and world_size % self.ep:
+            raise ConfigError(f"{prefix}.ep={self.ep} does not divide the {world_size} processes")
+        if self.ep > 1 and self.resolved_mode(world_size or self.ep) != "fsdp":
+            raise ConfigError(f"{prefix}.ep={self.ep} needs {prefix}.mode = fsdp (or auto): the non-expert "
+                              f"parameters are FSDP2-sharded over all ranks, the experts over the dp ranks")
         mode = self.resolved_mode(world_size or 1)
         if self.comm_hook != "none" and mode not in ("ddp", "zero1") and (world_size or self.mode != "auto"):
             raise ConfigError(f"{prefix}.comm_hook={self.comm_hook!r} needs {prefix}.mode = ddp or zero1 (got "
@@ -451,6 +521,9 @@ class Config:
         self.data.validate("data")
         self.parallel.validate(world_size, "parallel")
         self.post.validate("post")
+        if self.parallel.ep > 1 and self.model.moe.n_experts % self.parallel.ep:
+            raise ConfigError(f"parallel.ep={self.parallel.ep} does not divide model.moe.n_experts="
+                              f"{self.model.moe.n_experts} (every ep rank holds the same number of experts)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self

@@ -10,7 +10,7 @@
                   from the same stdlib (``zero2all/data/instructions.py``)   -> OUT/sft/ (final/, metrics, report)
     7. chat       the fine-tuned model answers instructions it did not train on
 
-Each step is also a command of its own (README, "demo" section). Re-running the demo reuses finished steps
+Each step is also a command of its own (docs/index.md, "The demo"). Re-running the demo reuses finished steps
 (the tokenizer, the shards) and continues an interrupted training run from its last checkpoint.
 """
 

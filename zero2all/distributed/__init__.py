@@ -36,6 +36,7 @@ from zero2all.distributed.env import (
     DistributedTimeoutError,
     all_gather_object,
     all_reduce_mean,
+    all_reduce_sum,
     all_true,
     any_true,
     barrier,
@@ -52,8 +53,9 @@ from zero2all.distributed.env import (
 )
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
-__all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",
-           "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
+__all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean",
+           "all_reduce_sum", "all_true", "any_true", "apply_activation_checkpointing", "attention_core_policy",
+           "barrier", "broadcast_object",
            "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
            "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
            "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device",
@@ -174,6 +176,11 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
     if mode in ("ddp", "zero1"):
         wrapped, hook = apply_ddp(model, pc, env, seed)
         return Parallelized(wrapped, model, mode, env, pc, hook)
+    if mode == "fsdp" and pc.ep > 1:
+        from zero2all.distributed.ep import apply_expert_parallel
+
+        apply_expert_parallel(model, pc, env, compute_dtype(precision, env.device))
+        return Parallelized(model, model, mode, env, pc)
     if mode == "fsdp":
         from zero2all.distributed.fsdp import apply_fsdp
 
@@ -187,6 +194,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
+    meshes = {id(p.grad.device_mesh) for p in params if hasattr(p.grad, "device_mesh")}
+    if len(meshes) > 1:  # expert parallelism: DTensors on two meshes cannot be stacked into one norm
+        return clip_grad_norm_by_mesh(params, max_norm)
     if max_norm and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
@@ -194,3 +204,21 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def clip_grad_norm_by_mesh(params: list, max_norm: float) -> float:
+    """The global norm from one partial norm per device mesh (sqrt of the sum of squares), then the same
+    clipping coefficient for every gradient."""
+    groups: dict[int, list] = {}
+    for p in params:
+        groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    total = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        total += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = total ** 0.5
+    if max_norm and max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for p in params:
+            p.grad.mul_(coef)
+    return total

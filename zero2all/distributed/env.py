@@ -173,6 +173,16 @@ def all_reduce_mean(value: float | torch.Tensor, env: DistEnv) -> float:
     return float(t) / env.world_size
 
 
+def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Element-wise sum of a tensor over all ranks (a new tensor; the identity on one process)."""
+    if not env.is_distributed:
+        return t
+    t = t.detach().clone()
+    with collective_timeout(env, "all_reduce of logged statistics"):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def all_true(flag: bool, env: DistEnv) -> bool:
     """True when ``flag`` is true on every rank (one all-reduce of the minimum)."""
     if not env.is_distributed:

@@ -48,6 +48,8 @@ def supported(model, batch_size: int) -> str | None:
     scaling = cfg.rope_scaling
     if scaling and scaling.get("type", scaling.get("rope_type")) == "dynamic":
         return "dynamic NTK RoPE"
+    if cfg.moe.enabled:
+        return "MoE layers (the fused step has no router or experts)"
     for layer in model.layers:
         mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if any(type(m) is not nn.Linear for m in mods):

@@ -617,6 +617,8 @@ class Generator:
         if self.fused and reason:
             raise ValueError(f"fused decoding was asked for but cannot run: {reason}")
         if self.fused is None:  # auto: on CUDA, unless the step is compiled instead
+            if reason and self.model.cfg.moe.enabled and self.device.type == "cuda":
+                warnings.warn(f"decode: fused decoding cannot run this model ({reason}); using the plain path")
             return reason is None and self.device.type == "cuda" and not self.compile
         return bool(self.fused)
 

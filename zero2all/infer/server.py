@@ -9,7 +9,17 @@ Endpoints::
                                 (a prompt starts a new document: the end-of-text separator goes in front)
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", ... as above}
-    GET  /health                {"status": "ok"} (503 {"status": "draining"} while shutting down)
+    GET  /health                {"status": "ok", "running", "waiting", "cancelled"} (sequences decoding,
+                                waiting for a row, cancelled so far; 503 {"status": "draining"} while shutting down)
+    GET  /                      the chat page (``infer/web/``: index.html, app.js, style.css; no build step)
+
+``/v1/models`` also gives ``context_length`` (the model's context) and ``max_tokens_limit`` (this server's limit).
+
+Access: with an API key (``serve --api-key KEY`` or the ``Z2ALL_API_KEY`` environment variable) every ``/v1`` route
+needs ``Authorization: Bearer KEY``, as OpenAI clients send it; the key is compared in constant time
+(``hmac.compare_digest``) and a missing or wrong one is 401 ``invalid_api_key``. The page and ``/health`` stay open
+(they hold no secret; the page asks for the key and sends it with its own calls). No CORS header is sent unless
+``cors_origin`` names the one origin allowed to call the API from another site's pages.
 
 ``"stream": true`` answers with server-sent events: one ``data: {chunk}`` line per generated piece and a final
 ``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it). Errors are
@@ -42,6 +52,8 @@ kept-alive connection gets 503), lets the running and waiting requests finish fo
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import math
 import select
@@ -53,6 +65,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -343,7 +356,52 @@ class InferenceApp:
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "zero2all"}]}
+                                            "owned_by": "zero2all", "context_length": self.context,
+                                            "max_tokens_limit": self.max_tokens_limit}]}
+
+    def health(self) -> tuple[int, dict]:
+        if not self.accepting:
+            return 503, {"status": "draining"}
+        stats = self.scheduler.stats()
+        return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
+                     "cancelled": stats["finished"].get("cancelled", 0)}
+
+
+# the chat page's files and their content types; served from the package (zero2all/infer/web/)
+PAGE_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+              "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+              "/style.css": ("style.css", "text/css; charset=utf-8")}
+# the page runs only its own script and style and talks only to this server: an injected <script> or inline
+# handler would not run even if some text ever reached the document as HTML
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning printed when ``host`` is reachable from other machines and no key protects the API."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"warning: serving on {host or 'every interface'}, reachable from other machines, without an API key: "
+            "anyone who can reach it can use the model; pass --api-key KEY (or set Z2ALL_API_KEY)")
+
+
+def page_file(name: str) -> bytes:
+    return resources.files("zero2all.infer").joinpath("web", name).read_bytes()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: resolve it
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
 
 
 def _sse(chunks: list[dict]) -> bytes:
@@ -351,7 +409,12 @@ def _sse(chunks: list[dict]) -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
 
 
-def make_handler(app: InferenceApp, quiet: bool = False):
+def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = None,
+                 cors_origin: str | None = None):
+    """The request handler class. ``api_key``: required as ``Authorization: Bearer KEY`` on every /v1 route.
+    ``cors_origin``: the one other origin whose pages may call the API (None: no CORS header at all)."""
+    expected = api_key.encode() if api_key else None
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "zero2all"
         protocol_version = "HTTP/1.1"
@@ -360,15 +423,45 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             if not quiet:
                 sys.stderr.write(f"[serve] {self.address_string()} {fmt % args}\n")
 
+        def end_headers(self):
+            if cors_origin and self.path.startswith("/v1"):
+                self.send_header("Access-Control-Allow-Origin", cors_origin)
+                self.send_header("Vary", "Origin")
+            super().end_headers()
+
         def _send_json(self, status: int, obj: dict, headers: dict | None = None):
-            data = json.dumps(obj).encode()
+            self._send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
+
+        def _send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None):
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            """True without a key; with one, the request must carry ``Authorization: Bearer KEY`` (compared in
+            constant time, so the time taken says nothing of how much of a guess was right)."""
+            if expected is None:
+                return True
+            scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+
+        def _refuse(self, close: bool = False):
+            self._error(RequestError(401, "a valid API key is required: send the header 'Authorization: Bearer "
+                                          "KEY' with the key this server was started with", code="invalid_api_key",
+                                     headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if close
+                                                                               else {})}))
+
+        def do_OPTIONS(self):
+            """The CORS preflight, answered only for the allowed origin."""
+            if not cors_origin or self.headers.get("Origin") != cors_origin or not self.path.startswith("/v1"):
+                return self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
+            self._send_bytes(204, b"", "text/plain", {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
 
         def _error(self, err: RequestError, headers=None):
             if err.headers.get("Connection") == "close":
@@ -384,14 +477,17 @@ def make_handler(app: InferenceApp, quiet: bool = False):
                 return False
 
         def do_GET(self):
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path == "/v1/models":
+            path = self.path.split("?", 1)[0]
+            if path in PAGE_FILES:
+                name, content_type = PAGE_FILES[path]
+                return self._send_bytes(200, page_file(name), content_type, PAGE_HEADERS)
+            path = path.rstrip("/")
+            if path.startswith("/v1") and not self._authorized():
+                self._refuse()
+            elif path == "/v1/models":
                 self._send_json(200, app.models())
             elif path == "/health":
-                if app.accepting:
-                    self._send_json(200, {"status": "ok"})
-                else:
-                    self._send_json(503, {"status": "draining"})
+                self._send_json(*app.health())
             else:
                 self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
 
@@ -424,6 +520,8 @@ def make_handler(app: InferenceApp, quiet: bool = False):
             path = self.path.split("?", 1)[0].rstrip("/")
             kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
             try:
+                if not self._authorized():  # before the body is read: an unauthorised client costs nothing
+                    return self._refuse(close=True)  # the body is unread: the connection cannot be reused
                 body = self._read_body()
                 if kind is None:
                     raise RequestError(404, f"no such path {self.path}", kind="not_found_error")
@@ -488,23 +586,26 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
                   max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
-                  cache_len: int | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
+                  cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None
+                  ) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
-    ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``."""
+    ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key`` and ``cors_origin``: see
+    :func:`make_handler`."""
     from zero2all.infer.generate import load_for_inference
 
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
     name = model_name or Path(ckpt).resolve().name
     generator = Generator(model, tok, cuda_graph=cuda_graph, compile=compile)
     return bind(InferenceApp(generator, name, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
-                             max_batch=max_batch, cache_len=cache_len), host, port, quiet)
+                             max_batch=max_batch, cache_len=cache_len), host, port, quiet, api_key, cors_origin)
 
 
-def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False
-         ) -> tuple[ThreadingHTTPServer, InferenceApp]:
+def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False,
+         api_key: str | None = None, cors_origin: str | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """An HTTP server for an app (not yet serving: ``serve_forever`` or :func:`run_server`)."""
-    return _Server((host, port), make_handler(app, quiet=quiet)), app
+    handler = make_handler(app, quiet=quiet, api_key=api_key, cors_origin=cors_origin)
+    return _Server((host, port), handler), app
 
 
 def shutdown(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
@@ -553,9 +654,13 @@ def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, drain_tim
     """Load, bind, serve until SIGTERM / Ctrl-C, drain; returns the exit status (see the module docstring)."""
     httpd, app = create_server(ckpt, host, port, **kwargs)
     h, p = httpd.server_address[:2]
+    if warning := exposure_warning(host, kwargs.get("api_key")):
+        print(warning, file=sys.stderr, flush=True)
     print(f"serving {app.model_name!r} on http://{h}:{p}/v1 (max_tokens <= {app.max_tokens_limit}, context "
           f"{app.context}; {app.max_batch} sequences at once, {app.max_queue} more may wait); SIGTERM or Ctrl-C "
           f"stops after the running requests (at most {drain_timeout:g} s)", flush=True)
+    print(f"chat page: http://{h}:{p}/" + ("  (it asks for the API key once per tab)" if kwargs.get("api_key")
+                                          else ""), flush=True)
     if app.max_tokens_limit > app.context:
         print(f"note: the max_tokens limit {app.max_tokens_limit} is above the model's context of {app.context} "
               "tokens: a request's prompt + max_tokens must fit the context", flush=True)

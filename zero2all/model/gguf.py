@@ -288,6 +288,9 @@ def export_gguf(ckpt: str | Path | None, out: str | Path, dtype: str = "f32", to
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     model = model if model is not None else load_model(ckpt)
     cfg = model.cfg
+    if cfg.moe.enabled:
+        raise ConfigError(f"{ckpt or 'model'}: GGUF export of mixture-of-experts models is not supported "
+                          f"(export to HF with `z2all export-hf` instead)")
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else (Path(ckpt) if ckpt is not None else None)
     if tok_dir is None or not (tok_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{tok_dir}: no tokenizer.json; a GGUF file needs the tokenizer (pass --tokenizer)")

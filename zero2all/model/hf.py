@@ -61,14 +61,23 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
             # HF takes the original context from max_position_embeddings
             out["max_position_embeddings"] = int(cfg.rope_scaling["original_max_position_embeddings"])
         out["rope_scaling"] = scaling
+    if cfg.moe.enabled:
+        from zero2all.model.hf_moe import model_config_to_hf_moe
+
+        return model_config_to_hf_moe(cfg, out)
     return out
 
 
 def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """ModelConfig from an HF Llama config.json dict; rejects what our model cannot represent."""
     arch = hf.get("model_type")
-    if arch not in ("llama", None):
-        raise ConfigError(f"{source}: model_type {arch!r} is not a Llama architecture")
+    if arch not in ("llama", None, "mixtral", "qwen2_moe"):
+        raise ConfigError(f"{source}: model_type {arch!r} is not a Llama, Mixtral or Qwen2-MoE architecture")
+    moe = None
+    if arch in ("mixtral", "qwen2_moe"):
+        from zero2all.model.hf_moe import moe_config_from_hf
+
+        moe, _, _ = moe_config_from_hf(hf, source)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (SwiGLU needs silu)")
@@ -115,6 +124,8 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         ops=OpsConfig(),
     )
+    if moe is not None:
+        cfg.moe = moe
     cfg.validate()
     return cfg
 
@@ -122,6 +133,10 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     out = {}
+    if cfg.moe.enabled:  # the MoE layers' tensors (model/hf_moe.py); the rest maps as for Llama
+        from zero2all.model.hf_moe import split_moe_state
+
+        out, sd = split_moe_state(sd, cfg)
     for name, t in sd.items():
         if name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
@@ -166,11 +181,16 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: st
                                                                take(f"{a}.v_proj.bias"))
             out[f"layers.{i}.self_attn.o_proj.bias"] = take(f"{a}.o_proj.bias")
         out[f"layers.{i}.self_attn.o_proj.weight"] = take(f"{a}.o_proj.weight")
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = _cat(take(f"{p}.mlp.gate_proj.weight"),
-                                                          take(f"{p}.mlp.up_proj.weight"))
-        out[f"layers.{i}.mlp.down_proj.weight"] = take(f"{p}.mlp.down_proj.weight")
+        if not cfg.moe.is_moe_layer(i):
+            out[f"layers.{i}.mlp.gate_up_proj.weight"] = _cat(take(f"{p}.mlp.gate_proj.weight"),
+                                                              take(f"{p}.mlp.up_proj.weight"))
+            out[f"layers.{i}.mlp.down_proj.weight"] = take(f"{p}.mlp.down_proj.weight")
         out[f"layers.{i}.input_layernorm.weight"] = take(f"{p}.input_layernorm.weight")
         out[f"layers.{i}.post_attention_layernorm.weight"] = take(f"{p}.post_attention_layernorm.weight")
+    if cfg.moe.enabled and not missing:
+        from zero2all.model.hf_moe import take_moe_state
+
+        out.update(take_moe_state(hf, cfg, source))
     if cfg.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]

@@ -150,8 +150,14 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     if getattr(model.cfg, "tie_word_embeddings", False) and "lm_head" in targets:
         raise ValueError("lora.targets: lm_head is tied to the embedding in this model; leave it out")
     found = 0
+    # MoE blocks keep their weights (their shared experts' names have no PEFT counterpart in HF): LoRA goes on
+    # attention and the dense MLPs
+    from zero2all.model.moe import MoE
+
+    moe = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, MoE))
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+        in_moe = bool(moe) and name.startswith(moe)
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets and not in_moe:
             _set_module(model, name, LoRALinear(module, cfg.rank, cfg.scaling, cfg.dropout))
             found += 1
     if not found:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from zero2all.config import ModelConfig
 from zero2all.model import ops
+from zero2all.model.moe import MoE, init_moe_, moe_aux_loss
 
 
 class KVCache:
@@ -114,12 +115,17 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe.is_moe_layer(layer_idx) else MLP(cfg)
 
     def uses_fused_linear(self, x) -> bool:
         """The lean fused projections (``ops.fused_linear``) apply when selected and the projections are plain
         ``nn.Linear`` (a LoRA-wrapped projection keeps the plain path)."""
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, MoE):
+            if self.cfg.ops.linear_precision != "bf16":
+                raise ValueError(f"model.ops.linear_precision = {self.cfg.ops.linear_precision!r}: FP8 linears are "
+                                 "not implemented for MoE blocks; use 'bf16'")
+            return False
         plain = all(isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
         if self.cfg.ops.linear_precision != "bf16":  # FP8 GEMMs live in these functions (kernels or reference)
             if not plain:
@@ -192,6 +198,8 @@ class Z2all(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, MoE):
+                init_moe_(module, std, out_std, generator)
         self.tie_weights()  # the shared matrix keeps the embedding's init
 
     # -- rotary tables ----------------------------------------------------------------------------------------
@@ -242,17 +250,20 @@ class Z2all(nn.Module):
                                impl=self.cfg.ops.rmsnorm)
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
+        # MoE layers: their load-balancing / router z-losses of this forward join the loss (model.moe coefs)
+        aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
         if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
-            return None, ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
+            loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
+            return None, loss if aux is None else loss + aux
         logits = self.lm_head(h)
         loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
             F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+        return logits, loss if aux is None else loss + aux
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` leaves out the input embedding only: the LM
-        head does matmul work and counts (as in the MFU formula of the README)."""
+        head does matmul work and counts (as in the MFU formula of docs/accounting.md)."""
         seen, n = set(), 0
         for p in self.parameters():
             if id(p) not in seen:

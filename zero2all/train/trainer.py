@@ -545,6 +545,7 @@ class Trainer:
             self.optimizer.step()
         else:
             self.skipped_total += 1
+        moe_stats = self._moe_step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
         loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
@@ -566,7 +567,22 @@ class Trainer:
         for k in sorted(metric_sums):  # the objective's extra metrics (e.g. DPO margins), global like the loss
             value = float(metric_sums[k]) / accum
             rec[f"train_{k}"] = zd.all_reduce_mean(value, self.dist)
+        rec.update(moe_stats)
         return rec
+
+    def _moe_step(self) -> dict:
+        """MoE models: the sigmoid routers' bias update after each step, and at the end of each logging window
+        its expert-load statistics (``model/moe.py: moe_window_metrics``); {} otherwise."""
+        if not self.cfg.model.moe.enabled:
+            return {}
+        from zero2all.model.moe import moe_window_metrics, update_router_biases
+
+        def reduce(t):
+            return zd.all_reduce_sum(t, self.dist)
+
+        update_router_biases(self.run.plain, reduce)
+        log_every = self.tcfg.log_every or 1
+        return moe_window_metrics(self.run.plain, reduce) if (self.step + 1) % log_every == 0 else {}
 
     # -- evaluation and samples -------------------------------------------------------------------------------
     @torch.no_grad()

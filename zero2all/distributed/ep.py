@@ -1,0 +1,110 @@
+"""Expert parallelism: the routed experts of every MoE layer divided over the ``ep`` ranks of a (dp, ep) mesh.
+
+Different experts hold different weights and see different tokens. Every rank runs attention and the router on
+its own micro-batch (all world ranks are data-parallel for the non-expert parameters); in a MoE layer the rows
+routed to expert e travel to the rank that holds e and back::
+
+    x sorted by expert (local)  --all_to_all (split sizes exchanged first)-->  rows from every source rank
+    regroup by local expert -> grouped SwiGLU GEMM -> ungroup  --all_to_all back-->  combine with router weights
+
+Both exchanges are ``all_to_all_single_autograd`` (torch's functional collectives): the backward is the reverse
+exchange of the gradients. Rank r of an ep group holds experts [r E/ep, (r+1) E/ep).
+
+Gradients. Each rank's loss is a mean over its own tokens and the run's loss is the mean over the world ranks.
+A non-expert weight's gradient is averaged over all ranks (FSDP2 over the flat world mesh). An expert's gradient
+arrives summed over the ep source ranks that sent it tokens, then FSDP2 averages it over the dp replicas that
+hold the same expert; the missing 1/ep is applied in the forward (``Experts.grad_scale``), so both kinds end up
+as the gradient of the world-mean loss: what one process computes on the whole batch.
+
+Sharding and checkpoints. Expert weights are DTensors sharded on dim 0 (the expert axis) over the ``ep`` mesh
+dimension, and FSDP2 shards them further over ``dp`` (2D: dp x ep); the other parameters are FSDP2-sharded over
+all ranks. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
+(``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
+
+Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
+mesh that also has tp/pp/cp dimensions passes ``mesh["dp", "ep"]`` to :func:`apply_expert_parallel`. The
+non-expert FSDP2 here spans all ranks, right while dp and ep are the only dimensions; with tp/pp/cp it must span
+the flattened ("dp", "ep") ranks instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero2all.config import ConfigError, ParallelConfig
+from zero2all.distributed.env import DistEnv
+
+
+def ep_mesh(env: DistEnv, ep: int):
+    """The 2D (dp, ep) device mesh over all ranks: ranks r * ep .. r * ep + ep - 1 form one ep group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if env.world_size % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {env.world_size} processes")
+    return init_device_mesh(env.device.type, (env.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+class AllToAllDispatch:
+    """Send each expert's rows to the rank holding it, run the local experts, send the results back."""
+
+    def __init__(self, group, ep: int, n_experts: int):
+        self.group, self.ep, self.local = group, ep, n_experts // ep
+
+    def __call__(self, moe, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        ep, L = self.ep, self.local
+        send = counts.to(torch.int64).view(ep, L)               # rows for destination d, its local expert l
+        recv = torch.empty_like(send)                           # rows from source s for my local expert l
+        dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=self.group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, self.group)
+        # received rows are grouped by source, then by local expert: regroup them by local expert
+        local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv.reshape(-1))
+        order = torch.argsort(local_ids, stable=True)
+        y = moe.experts(x_recv[order], recv.sum(0))
+        y_recv = y.new_zeros(y.shape).index_copy(0, order, y)
+        return all_to_all_single_autograd(y_recv, in_splits, out_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: torch.dtype,
+                          mesh=None) -> nn.Module:
+    """Shard ``model`` in place: experts over ep (then FSDP2 over dp), everything else FSDP2 over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zero2all.distributed.ac import transformer_blocks
+    from zero2all.model.moe import moe_layers
+
+    ep = pc.ep
+    mesh = mesh if mesh is not None else ep_mesh(env, ep)
+    layers = moe_layers(model)
+    if not layers:
+        raise ConfigError(f"parallel.ep={ep}: the model has no MoE layers (model.moe.n_experts = 0)")
+    n_experts = layers[0][1].cfg.moe.n_experts
+    if n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide model.moe.n_experts={n_experts}")
+    if param_dtype == torch.float32:
+        mp = MixedPrecisionPolicy()
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=torch.float32 if pc.fsdp_reduce_fp32 else param_dtype)
+    group = mesh.get_group("ep")
+    for _, moe in layers:
+        experts = moe.experts
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(distribute_tensor(full.data, mesh["ep"], [Shard(0)])))
+        experts.grad_scale = 1.0 / ep
+        moe.dispatch = AllToAllDispatch(group, ep, n_experts)
+        fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+    world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
+    blocks = transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=world, mp_policy=mp,
+                    reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=world, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+    return model

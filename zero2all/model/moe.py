@@ -1,0 +1,331 @@
+"""Mixture of experts: the router, token permutation and the MoE block (shared + routed experts).
+
+A MoE layer replaces a block's dense MLP (``model.moe``, ``MoEConfig``). For the N tokens x (N, H) of a batch::
+
+    logits  = x Wr^T                                   (N, E), float32
+    softmax_topk:  p = softmax(logits); (w, idx) = topk(p, k); w /= sum(w) if renormalize     (Mixtral)
+    sigmoid:       s = sigmoid(logits); idx = topk(s + b, k); w = s[idx] / sum(s[idx])        (DeepSeek-V3)
+    y = shared(x) [* sigmoid(x wg)]  +  routed_scaling * sum_j w_j * expert_{idx_j}(x)
+
+The bias b of the sigmoid router is used for the selection only and carries no gradient; after each optimizer
+step it moves by ``bias_update_rate * sign(mean load - load_e)`` (aux-loss-free balancing, DeepSeek-V3 sec 2.1.2).
+
+Auxiliary losses (added to the training loss by the model, their weights in the config):
+- load balancing (Switch / GShard): ``aux = E * sum_e f_e * P_e``, f_e the fraction of the N*k assignments that go
+  to expert e, P_e the mean router probability of e; 1 when perfectly balanced.
+- router z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``, keeps the logits small.
+
+Permutation: the N*k (token, expert) assignments are sorted by expert (stable, so each expert sees its tokens in
+order), the rows gathered into x_sorted, the experts run on contiguous row ranges (``kernels/grouped_gemm.py``),
+and the outputs scattered back to their (token, slot) place and summed over the k slots with the router weights.
+With ``capacity_factor`` c > 0 an expert keeps at most ceil(c N k / E) of its assignments (the first ones in
+token order); the others are dropped (their slot contributes zero; the residual stream carries the token on) and
+the dropped fraction is counted. Dropless (c = 0) is the default.
+
+Expert parallelism (``distributed/ep.py``) swaps the :class:`LocalDispatch` for one that exchanges the sorted
+rows between ranks with all-to-all; this file knows nothing else of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero2all.config import ModelConfig
+from zero2all.kernels.grouped_gemm import grouped_swiglu_mlp
+
+
+@dataclass
+class Routing:
+    """One forward's routing: weights (N, k) float32, experts (N, k) int64, logits (N, E) float32, probs (N, E)."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.moe = m
+        self.weight = nn.Parameter(torch.empty(m.n_experts, cfg.hidden_dim))
+        # sigmoid router: the selection bias (a buffer: no gradient, saved with the model)
+        self.register_buffer("expert_bias", torch.zeros(m.n_experts), persistent=m.router == "sigmoid")
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        m = self.moe
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())                    # (N, E)
+        if m.router == "softmax_topk":
+            probs = logits.softmax(dim=-1)
+            weights, experts = probs.topk(m.top_k, dim=-1)
+            if m.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            probs = torch.sigmoid(logits)
+            _, experts = (probs + self.expert_bias).topk(m.top_k, dim=-1)
+            weights = probs.gather(1, experts)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(weights, experts, logits, probs)
+
+
+def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
+    """Switch / GShard: E * sum_e f_e P_e (f from the hard assignments, no gradient; P carries it)."""
+    f = expert_counts(routing.experts, n_experts).float() / routing.experts.numel()
+    probs = routing.probs / routing.probs.sum(-1, keepdim=True)  # sigmoid scores normalised like softmax's
+    return n_experts * (f * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """ceil(c * N * k / E): the assignments one expert keeps when ``capacity_factor`` c > 0."""
+    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, (E,) int64, without a host sync (``bincount`` reads the maximum on the host; a
+    scatter-add keeps decoding capturable in a CUDA graph)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+@dataclass
+class Permutation:
+    """Assignments sorted by expert: ``order`` indexes the flat (token, slot) list (the kept ones), ``counts`` (E,)
+    per expert after drops, ``n_assignments`` = N k before drops."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    n_assignments: int
+
+
+def permute(experts: torch.Tensor, n_experts: int, capacity: int = 0) -> Permutation:
+    """Sort the flat assignments by expert (stable); with ``capacity`` > 0 keep each expert's first ``capacity``."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = expert_counts(flat, n_experts)
+    if capacity:
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        order = order[rank_in_expert < capacity]
+        counts = counts.clamp(max=capacity)
+    return Permutation(order, counts, flat.numel())
+
+
+def unpermute(y_sorted: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
+    """Scatter expert outputs back to their (token, slot) place, weight them and sum the k slots: (N, H).
+    Dropped assignments contribute zero."""
+    N, k = weights.shape
+    full = y_sorted.new_zeros(perm.n_assignments, y_sorted.shape[-1])
+    full = full.index_copy(0, perm.order, y_sorted)
+    return (full.view(N, k, -1) * weights.unsqueeze(-1).to(full.dtype)).sum(1)
+
+
+class LocalDispatch:
+    """All experts on this process: run the grouped MLP on the expert-sorted rows as they are."""
+
+    def __call__(self, moe: "MoE", x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return moe.experts(x_sorted, counts)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs as two stacked tensors in ``nn.Linear`` layout: gate_up_proj (E, 2I, H) = [gate | up] rows,
+    down_proj (E, H, I) (the layout of transformers 5's MixtralExperts)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.moe.n_experts, cfg.hidden_dim, cfg.expert_intermediate_size
+        self.cfg = cfg
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.grad_scale = 1.0  # set by expert parallelism (distributed/ep.py)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights of the experts this process holds (a DTensor's local shard under expert parallelism)."""
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if hasattr(w1, "to_local"):
+            w1, w2 = w1.to_local(), w2.to_local()
+        if self.grad_scale != 1.0:
+            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        return w1, w2
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.local_weights()
+        return grouped_swiglu_mlp(x_sorted, counts, w1, w2, impl=self.cfg.ops.grouped_gemm)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale`` (expert parallelism: an expert's gradient is the
+    sum over the ranks that sent it tokens, each rank's loss a mean over its own tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts (DeepSeek): n_shared experts of size I fused into one SwiGLU MLP of n_shared * I."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        inter = cfg.moe.n_shared_experts * cfg.expert_intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_dim, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_dim, bias=False)
+
+    def forward(self, x):
+        from zero2all.model import ops
+
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x), impl=self.cfg.ops.swiglu))
+
+
+class MoE(nn.Module):
+    """The MoE block: (B, T, H) -> (B, T, H). After each training forward, ``aux_loss`` holds the weighted
+    auxiliary losses of that forward (a tensor with gradient, or None); the buffers ``load`` (read by
+    :func:`moe_window_metrics`), ``step_load`` (read by :func:`update_router_biases`) and ``sums`` count since their
+    last read. ``dispatch`` runs the experts: locally, or across ranks under expert parallelism."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.moe
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = SharedExperts(cfg) if m.n_shared_experts else None
+        self.shared_gate = nn.Linear(cfg.hidden_dim, 1, bias=False) if m.shared_expert_gate else None
+        self.dispatch = LocalDispatch()
+        self.aux_loss: torch.Tensor | None = None
+        # running sums since the last read (metrics) / bias update: tokens per expert, dropped, aux terms
+        self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
+        self.register_buffer("step_load", torch.zeros(m.n_experts), persistent=False)
+        # [aux loss, z-loss, dropped, assignments, forwards]
+        self.register_buffer("sums", torch.zeros(5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.cfg.moe
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        routing = self.router(flat)
+        capacity = expert_capacity(flat.size(0), m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor \
+            else 0
+        perm = permute(routing.experts, m.n_experts, capacity)
+        x_sorted = flat[perm.order // m.top_k]
+        y_sorted = self.dispatch(self, x_sorted, perm.counts)
+        out = unpermute(y_sorted, perm, routing.weights)
+        if m.routed_scaling != 1.0:
+            out = out * m.routed_scaling
+        if self.shared is not None:
+            s = self.shared(flat)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(flat)) * s
+            out = out + s
+        self._account(routing, perm)
+        return out.view(B, T, H).to(x.dtype)
+
+    def _account(self, routing: Routing, perm: Permutation) -> None:
+        """This forward's weighted auxiliary losses into ``aux_loss``; in training, the window's statistics."""
+        m = self.cfg.moe
+        self.aux_loss = None
+        if not self.training:
+            return
+        aux = load_balancing_loss(routing, m.n_experts)
+        z = router_z_loss(routing.logits)
+        if m.aux_loss_coef:
+            self.aux_loss = m.aux_loss_coef * aux
+        if m.z_loss_coef:
+            self.aux_loss = m.z_loss_coef * z if self.aux_loss is None else self.aux_loss + m.z_loss_coef * z
+        with torch.no_grad():
+            counts = perm.counts.float()
+            self.load += counts
+            self.step_load += counts
+            dropped = float(perm.n_assignments - perm.order.numel())
+            self.sums += torch.stack([aux.detach(), z.detach(), aux.new_tensor(dropped),
+                                      aux.new_tensor(float(perm.n_assignments)), aux.new_tensor(1.0)])
+
+    @torch.no_grad()
+    def update_bias(self, step_load: torch.Tensor) -> None:
+        """Aux-loss-free balancing (sigmoid router): b_e += rate * sign(mean load - load_e)."""
+        if self.cfg.moe.router == "sigmoid":
+            self.router.expert_bias += self.cfg.moe.bias_update_rate * torch.sign(step_load.mean() - step_load)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(layer index, MoE block) of every MoE layer of ``model`` (unwrapped or not)."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            parts = [p for p in name.split(".") if p.isdigit()]
+            out.append((int(parts[0]) if parts else len(out), module))
+    return out
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, all_reduce=None) -> None:
+    """After an optimizer step: each sigmoid router's bias moves against its layer's load over the step (summed
+    over the data-parallel ranks by ``all_reduce`` when given); the step's load counters restart."""
+    for _, moe in moe_layers(model):
+        load = moe.step_load if all_reduce is None else all_reduce(moe.step_load.clone())
+        moe.update_bias(load)
+        moe.step_load.zero_()
+
+
+@torch.no_grad()
+def moe_window_metrics(model: nn.Module, all_reduce_sum=None) -> dict[str, float]:
+    """Per MoE layer i, over the training forwards since the last call (summed over ranks by ``all_reduce_sum``),
+    then the counters restart::
+
+        moe/layer{i}/load_max, load_min   max_e / mean, min_e / mean of the tokens per expert (1 = balanced)
+        moe/layer{i}/load_entropy         -sum p_e log p_e / log E of the load shares (1 = uniform)
+        moe/layer{i}/aux_loss, z_loss     mean unweighted load-balancing loss and router z-loss per forward
+        moe/layer{i}/dropped              fraction of the (token, expert) assignments dropped by the capacity
+    """
+    out = {}
+    for i, moe in moe_layers(model):
+        load, sums = moe.load.clone().double(), moe.sums.clone().double()
+        if all_reduce_sum is not None:
+            load, sums = all_reduce_sum(load), all_reduce_sum(sums)
+        moe.load.zero_()
+        moe.sums.zero_()
+        if load.sum() <= 0:
+            continue
+        mean, share = load.mean(), load / load.sum()
+        entropy = -(share * share.clamp_min(1e-30).log()).sum() / math.log(load.numel())
+        forwards = max(float(sums[4]), 1.0)
+        key = f"moe/layer{i}"
+        out.update({f"{key}/load_max": float(load.max() / mean), f"{key}/load_min": float(load.min() / mean),
+                    f"{key}/load_entropy": float(entropy), f"{key}/aux_loss": float(sums[0]) / forwards,
+                    f"{key}/z_loss": float(sums[1]) / forwards,
+                    f"{key}/dropped": float(sums[2]) / max(float(sums[3]), 1.0)})
+    return out
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the last forward's auxiliary losses over the MoE layers (None when there are none)."""
+    total = None
+    for _, moe in moe_layers(model):
+        if moe.aux_loss is not None:
+            total = moe.aux_loss if total is None else total + moe.aux_loss
+    return total
+
+
+@torch.no_grad()
+def init_moe_(moe: MoE, std: float, out_std: float, generator=None) -> None:
+    """N(0, std) router and gate|up weights, N(0, out_std) down projections (scaled like the dense MLP's)."""
+    moe.router.weight.normal_(0.0, std, generator=generator)
+    moe.router.expert_bias.zero_()
+    moe.experts.gate_up_proj.normal_(0.0, std, generator=generator)
+    moe.experts.down_proj.normal_(0.0, out_std, generator=generator)
