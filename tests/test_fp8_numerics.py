@@ -187,6 +187,14 @@ def test_lora_projections_are_refused():
         model(torch.randint(0, 8192, (1, 8)))
 
 
+def test_moe_blocks_are_refused():
+    cfg = load_config("tiny-moe").model
+    cfg.ops.linear_precision = "fp8_rowwise"
+    model = build_model(cfg, seed=0)
+    with pytest.raises(ValueError, match="MoE"):
+        model(torch.randint(0, 8192, (1, 8)))
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
