@@ -554,6 +554,76 @@ def _dpo(p):
     return _posttrain_run("dpo")
 
 
+@command("reward", "train a reward model (scalar head, Bradley-Terry) on {prompt, chosen, rejected} pairs",
+         "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
+         "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
+def _reward(p):
+    _posttrain_args(p, "dpo")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.train import posttrain
+        from zero2all.train.reward import reward
+
+        values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
+        cfg = posttrain.posttrain_config("reward", args.config, args.overrides, values, sources=sources)
+        reward(cfg, show_progress=not args.no_progress, export_hf=args.export_hf)
+
+    return run
+
+
+@command("export-reward-hf", "write a `z2all reward` model as an HF LlamaForSequenceClassification directory",
+         "  z2all export-reward-hf --ckpt runs/rm/final --out runs/rm-hf")
+def _export_reward_hf(p):
+    p.add_argument("--ckpt", required=True, help="a `z2all reward` final/ directory")
+    p.add_argument("--out", required=True)
+
+    def run(args):
+        from zero2all.train.reward import export_reward_hf, load_reward_model
+
+        print(f"wrote {export_reward_hf(load_reward_model(args.ckpt), args.out, args.ckpt)}")
+
+    return run
+
+
+# the options of `z2all rl` that set a key of the [rl] section
+RL_FLAGS = {"--algo": "rl.algo", "--reward-fn": "rl.reward_fn", "--reward-model": "rl.reward_model",
+            "--group-size": "rl.group_size", "--max-new-tokens": "rl.max_new_tokens", "--kl-coef": "rl.kl_coef",
+            "--kl-estimator": "rl.kl_estimator", "--epochs": "rl.epochs", "--ref": "post.ref"}
+
+
+@command("rl", "online RL (PPO with a value head, or GRPO) with rollouts from the model itself",
+         "  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --out runs/grpo \\\n"
+         "      --reward-fn zero2all.train.rl_tasks:exact_match --group-size 8 train.lr=1e-5\n"
+         "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
+         "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
+def _rl(p):
+    _posttrain_args(p, "sft")
+    p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="grpo (default) or ppo")
+    p.add_argument("--reward-fn", default=None, metavar="MODULE:FUNCTION",
+                   help="reward function, called as fn(completion_text, record) -> float")
+    p.add_argument("--reward-model", default=None, metavar="DIR", help="a `z2all reward` model directory")
+    p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response length limit (default 64)")
+    p.add_argument("--kl-coef", type=float, default=None, help="KL weight to the reference (0 = none)")
+    p.add_argument("--kl-estimator", default=None, choices=["k1", "k3"])
+    p.add_argument("--epochs", type=int, default=None, help="optimiser updates per rollout (default 1)")
+    p.add_argument("--ref", default=None, help="reference model directory (default: --init; LoRA: adapters off)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.train import posttrain
+        from zero2all.train.rl_run import rl
+
+        values, sources = _given(args, {**POSTTRAIN_FLAGS, **RL_FLAGS}, POSTTRAIN_SWITCHES)
+        cfg = posttrain.posttrain_config("rl", args.config, args.overrides, values, sources=sources)
+        rl(cfg, show_progress=not args.no_progress)
+
+    return run
+
+
 @command("demo", "the whole pipeline offline on the embedded stdlib corpus: tokenizer, shards, a tiny model, samples",
          "  z2all demo --out runs/demo\n  z2all demo --out runs/demo --minutes 1")
 def _demo(p):

@@ -49,13 +49,21 @@ SFT_TRAIN_DEFAULTS = {"out_dir": "runs/sft", "lr": 2e-5, "min_lr": 2e-6, "warmup
 DPO_TRAIN_DEFAULTS = {"out_dir": "runs/dpo", "lr": 1e-6, "min_lr": 1e-7, "warmup_steps": 10, "weight_decay": 0.0,
                       "max_steps": 500, "micro_batch_size": 4, "eval_every": 100, "eval_batches": 10,
                       "ckpt_every": 100, "num_samples": 0}
+# reward models (zero2all/train/reward.py) and online RL (zero2all/train/rl_run.py) start like post-training runs
+REWARD_TRAIN_DEFAULTS = dict(DPO_TRAIN_DEFAULTS, out_dir="runs/reward", lr=1e-5, min_lr=1e-6)
+RL_TRAIN_DEFAULTS = dict(DPO_TRAIN_DEFAULTS, out_dir="runs/rl", lr=1e-6, min_lr=1e-6, warmup_steps=0,
+                         micro_batch_size=8, eval_batches=4)
+STAGE_TRAIN_DEFAULTS = {"sft": SFT_TRAIN_DEFAULTS, "dpo": DPO_TRAIN_DEFAULTS, "reward": REWARD_TRAIN_DEFAULTS,
+                        "rl": RL_TRAIN_DEFAULTS}
 # model fields a run may change relative to its init checkpoint (the weights fix everything else)
 MODEL_OVERRIDABLE = ("ops", "dropout1", "dropout2", "attention_dropout")
 # post-section fields a resumed run must share with its checkpoint
 MUST_MATCH_POST = {"sft": ("init", "data", "valid", "valid_fraction", "packing", "lora_rank", "lora_alpha",
                            "lora_dropout", "lora_targets"),
                    "dpo": ("init", "data", "valid", "valid_fraction", "lora_rank", "lora_alpha", "lora_dropout",
-                           "lora_targets", "beta", "ref")}
+                           "lora_targets", "beta", "ref"),
+                   "reward": ("init", "data", "valid", "valid_fraction"),
+                   "rl": ("init", "data", "valid", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "ref")}
 REFERENCE_CACHE = "reference_logprobs.pt"
 
 
@@ -71,8 +79,8 @@ def posttrain_config(stage: str, config_file: str | Path | None = None, override
     ``zero2all.config.build_config_dict``). The model section is read from ``post.init``."""
     from zero2all.model.io import read_model_config
 
-    if stage not in ("sft", "dpo"):
-        raise ValueError(f"stage: {stage!r} is not one of sft, dpo")
+    if stage not in STAGE_TRAIN_DEFAULTS:
+        raise ValueError(f"stage: {stage!r} is not one of {', '.join(STAGE_TRAIN_DEFAULTS)}")
     user = build_config_dict(config_file, overrides, values, sources=sources)
     post = user.get("post", {})
     if not isinstance(post, dict):
@@ -89,7 +97,7 @@ def posttrain_config(stage: str, config_file: str | Path | None = None, override
             raise ConfigError(f"model.{key}: comes from the --init checkpoint {init}; only "
                               f"{', '.join('model.' + k for k in MODEL_OVERRIDABLE)} may be overridden")
     defaults = {"model": to_dict(read_model_config(init)),
-                "train": SFT_TRAIN_DEFAULTS if stage == "sft" else DPO_TRAIN_DEFAULTS}
+                "train": STAGE_TRAIN_DEFAULTS[stage]}
     cfg = from_dict(Config, deep_merge(defaults, user)).validate()  # the post section is checked there too
     if not cfg.post.data:
         raise ConfigError("post.data: no training data (--data FILE...)")

@@ -19,7 +19,6 @@ Files: ``final/`` is the backbone in our format (``model.safetensors``, ``z2all.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -28,7 +27,9 @@ import torch.nn.functional as F
 
 from zero2all.fileio import atomic_dir, save_json, write_bytes
 from zero2all.model.hidden import hidden_states, last_token_index
+from zero2all.train.metrics import read_metrics
 from zero2all.train.objectives import Objective
+from zero2all.train.posttrain import PostTrainer
 
 SCORE_WEIGHTS = "score.safetensors"
 IGNORE_INDEX = -100
@@ -180,10 +181,56 @@ def export_reward_hf(rm: RewardModel, out: str | Path, tokenizer_dir: str | Path
 
 
 def is_reward_dir(path: str | Path) -> bool:
-    p = Path(path)
-    if not (p / SCORE_WEIGHTS).exists():
-        return False
-    try:
-        return bool(json.loads((p / "z2all.json").read_text(encoding="utf-8")).get("reward_model"))
-    except (OSError, ValueError):
-        return False
+    return (Path(path) / SCORE_WEIGHTS).exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the run
+
+
+class RewardTrainer(PostTrainer):
+    """The shared trainer on a :class:`RewardModel`; ``final/`` is the backbone plus ``score.safetensors``."""
+
+    def final_model(self):
+        return self.raw_model.model if self.is_main else None
+
+    def finish(self) -> dict:
+        summary = super().finish()
+        if self.is_main:
+            from safetensors.torch import save
+
+            final = Path(summary["final"])
+            write_bytes(final / SCORE_WEIGHTS, save({"score.weight": self.raw_model.score.weight.detach().cpu()
+                                                     .float().contiguous()}, metadata={"format": "pt"}))
+            accs = [r["accuracy"] for r in read_metrics(self.logger.path) if r.get("kind") == "eval"
+                    and "accuracy" in r]
+            if accs:
+                summary["heldout_accuracy"] = accs[-1]
+                self._print(f"held-out pairwise accuracy: {accs[-1]:.4f}")
+            self._print(f"wrote the reward model to {final} (score head: {SCORE_WEIGHTS})")
+        return summary
+
+
+def reward(cfg, show_progress: bool = True, export_hf: str | Path | None = None) -> dict:
+    """``z2all reward``: a reward model from ``post.init`` on the preference pairs of ``post.data`` (the DPO
+    format), held-out pairwise accuracy at every evaluation; ``export_hf``: also an HF
+    ``LlamaForSequenceClassification`` directory."""
+    from zero2all import distributed as zd
+    from zero2all.config import ConfigError
+    from zero2all.train.posttrain import _prepare, build_dpo_data
+
+    if cfg.post.lora_rank:
+        raise ConfigError("post.lora_rank: reward models train all weights here (leave --lora-rank out)")
+    env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "reward")
+    train, valid = build_dpo_data(cfg, tok, env.rank, env.world_size)
+    torch.manual_seed(cfg.train.seed)
+    rm = RewardModel(model)
+    trainer = RewardTrainer(cfg, RewardObjective(), init_dir=cfg.post.init, model=rm, train_data=train,
+                            eval_data=valid, tokenizer=tok, tokenizer_dir=tok_dir, show_progress=show_progress,
+                            env=env)
+    summary = trainer.fit()
+    if export_hf and env.is_main:
+        summary["hf"] = str(export_reward_hf(rm, export_hf, tok_dir))
+        print(f"wrote {export_hf} (LlamaForSequenceClassification, num_labels 1)")
+    zd.destroy_distributed()
+    return summary

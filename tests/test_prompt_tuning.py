@@ -1,0 +1,93 @@
+"""Prompt tuning and prefix tuning: PEFT loads our adapters on the HF export and gives our logits (fp32, 1e-5);
+training moves only the virtual tokens; PEFT-trained adapters load into our model."""
+
+import pytest
+import torch
+from standin_tokenizer import tiny_model_config
+
+from zero2all.model.io import export_hf, save_model
+from zero2all.model.prompt_tuning import PromptTuned, load_prompt_adapter, save_prompt_adapter
+from zero2all.model.z2all import build_model
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pt")
+    cfg = tiny_model_config(n_kv_heads=2, tie_word_embeddings=False, max_seq_len=64)
+    model = build_model(cfg, seed=0)
+    save_model(model, root / "ours")
+    hf_dir = export_hf(root / "ours", root / "hf")
+    return root, model, hf_dir
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_peft_loads_ours_and_gives_our_logits(exported, method):
+    root, model, hf_dir = exported
+    tuned = PromptTuned(model, 5, method, generator=torch.Generator().manual_seed(1)).eval()
+    with torch.no_grad():  # well away from the initial values, so a wrong layout shows
+        tuned.prompt_embeddings.mul_(3.0).add_(0.1)
+    adapter = save_prompt_adapter(tuned, root / f"adapter-{method}", str(hf_dir))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    theirs_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    tokens = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours, _ = tuned(tokens)
+        out = theirs_model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+    theirs = out[:, -tokens.size(1):]  # prompt tuning returns the virtual positions too
+    V = model.cfg.vocab_size
+    assert torch.allclose(ours[..., :V], theirs[..., :V], atol=1e-5, rtol=0), (ours - theirs)[..., :V].abs().max()
+    # and back: the files load into our model with the same result
+    back = load_prompt_adapter(model, adapter).eval()
+    with torch.no_grad():
+        assert torch.equal(back(tokens)[0], ours)
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_training_moves_only_the_virtual_tokens(method):
+    cfg = tiny_model_config(max_seq_len=32)
+    model = build_model(cfg, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tuned = PromptTuned(model, 4, method, generator=torch.Generator().manual_seed(0))
+    assert [n for n, p in tuned.named_parameters() if p.requires_grad] == ["prompt_embeddings"]
+    opt = torch.optim.AdamW([tuned.prompt_embeddings], lr=3e-2)
+    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(3))
+    targets = tokens.roll(-1, dims=1)
+    losses = []
+    for _ in range(12):
+        _, loss = tuned(tokens, targets)
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0] - 0.02, losses
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_peft_trained_adapter_loads(exported, tmp_path):
+    """An adapter made by peft itself (prefix tuning, GQA layout) gives PEFT's logits in our model."""
+    root, model, hf_dir = exported
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    pm = peft.get_peft_model(base, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with torch.no_grad():
+        pm.prompt_encoder["default"].embedding.weight.normal_()
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ours = load_prompt_adapter(model, tmp_path / "peft").eval()
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    pm.eval()
+    with torch.no_grad():
+        want = pm(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+        got, _ = ours(tokens)
+    V = model.cfg.vocab_size
+    assert torch.allclose(got[..., :V], want[..., :V], atol=1e-5, rtol=0)
+
+
+def test_bad_adapter_is_refused(exported, tmp_path):
+    root, model, hf_dir = exported
+    tuned = PromptTuned(model, 2, "prefix")
+    d = save_prompt_adapter(tuned, tmp_path / "a")
+    other = build_model(tiny_model_config(n_layers=3), seed=0)
+    with pytest.raises(ValueError, match="prompt_embeddings of shape"):
+        load_prompt_adapter(other, d)
