@@ -57,6 +57,7 @@ def test_bradley_terry_loss_and_accuracy():
     assert float(m["accuracy"]) == pytest.approx(1 / 3)
 
 
+@pytest.mark.slow
 def test_reward_model_learns_correct_arithmetic(tmp_path):
     """Held-out pairwise accuracy >= 0.9 after 150 CPU steps, the reward model starting from the short-SFT model
     (InstructGPT's recipe; from a random model the Bradley-Terry loss sits at log 2 for hundreds of steps)."""

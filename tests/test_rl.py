@@ -152,6 +152,7 @@ def sampled_reward(obj: RLObjective, records: list[dict], tok, n: int = 4) -> fl
     return sum(exact_match(t, r) for t, r in zip(texts, [r for r in records for _ in range(n)])) / len(texts)
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_held_out_reward(tmp_path):
     """From the short-SFT model, 30 GRPO steps (exact-match reward, 8 answers per prompt) raise the mean reward of
     sampled answers to held-out prompts by at least 0.05 (measured: 0.45 -> 0.56)."""
@@ -171,6 +172,7 @@ def test_grpo_raises_the_held_out_reward(tmp_path):
         assert all(math.isfinite(r[key]) for r in train_recs), key
 
 
+@pytest.mark.slow
 def test_ppo_raises_a_reward_model_score(tmp_path):
     """PPO with a value head, GAE, the KL to a frozen reference in the reward, two updates per rollout (so the
     ratio moves off 1 and clips): the reward model's score of the answers rises."""

@@ -97,6 +97,7 @@ def test_rl_bad_reward_settings(world, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_rl_two_processes(world, tmp_path):
     """GRPO under torchrun: 2 gloo processes, DDP, each sampling for its share of the prompts."""
     out = tmp_path / "ddp"

@@ -253,7 +253,7 @@ class RLObjective(Objective):
         self.generator = Generator(self.actor, tokenizer, fused=fused)
         self.actor.train()
         self.stop_ids = self.generator.default_stop_ids()
-        self.vocab = getattr(tokenizer, "vocab_size", None)
+        self.vocab = None  # log-probs over every row of the LM head: the distribution the generator samples from
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.cache: OrderedDict[int, Rollout] = OrderedDict()
         self.cache_size = cache_size
