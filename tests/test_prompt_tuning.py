@@ -91,3 +91,21 @@ def test_bad_adapter_is_refused(exported, tmp_path):
     other = build_model(tiny_model_config(n_layers=3), seed=0)
     with pytest.raises(ValueError, match="prompt_embeddings of shape"):
         load_prompt_adapter(other, d)
+
+
+def test_sft_objective_trains_it_on_padded_rows_only():
+    from standin_tokenizer import ByteTokenizer
+
+    from zero2all.data.chat import SFTDataset, render_sft_record
+    from zero2all.train.objectives import SFTObjective
+
+    tok = ByteTokenizer()
+    samples = [render_sft_record(tok, {"instruction": f"{i}+1", "output": str(i + 1)}) for i in range(6)]
+    tuned = PromptTuned(build_model(tiny_model_config(max_seq_len=48), seed=0), 3, "prefix")
+    padded = next(SFTDataset(samples, 24, tok.pad_id, "pad").iterator(4))
+    loss, _ = SFTObjective().loss(tuned, padded)
+    loss.backward()
+    assert torch.isfinite(loss) and tuned.prompt_embeddings.grad is not None
+    packed = next(SFTDataset(samples, 40, tok.pad_id, "pack").iterator(1))
+    with pytest.raises(ValueError, match="packing=pad"):
+        SFTObjective().loss(tuned, packed)

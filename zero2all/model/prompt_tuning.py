@@ -67,9 +67,10 @@ class PromptTuned(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, doc_ids=None, position_ids=None,
                 **_):
-        if doc_ids is not None or position_ids is not None:
-            raise ValueError("prompt / prefix tuning trains on padded rows (post.packing=pad), not packed ones")
         B, T = tokens.shape
+        plain = position_ids is None or bool((position_ids == torch.arange(T, device=tokens.device)).all())
+        if doc_ids is not None or not plain:
+            raise ValueError("prompt / prefix tuning trains on padded rows (post.packing=pad), not packed ones")
         if self.n + T > self.cfg.max_seq_len:
             raise ValueError(f"prompt tuning: {self.n} virtual + {T} tokens exceed max_seq_len "
                              f"{self.cfg.max_seq_len}")
