@@ -109,3 +109,39 @@ def test_sft_objective_trains_it_on_padded_rows_only():
     packed = next(SFTDataset(samples, 40, tok.pad_id, "pack").iterator(1))
     with pytest.raises(ValueError, match="packing=pad"):
         SFTObjective().loss(tuned, packed)
+
+
+def test_sft_and_dpo_commands_with_prompt_and_prefix_tuning(tmp_path, capsys):
+    """`z2all sft / dpo --prompt-tuning`: final/ keeps the base weights, final/prompt_adapter/ the tokens."""
+    import json
+
+    from zero2all.cli import main
+    from zero2all.config import ModelConfig, OpsConfig
+    from zero2all.model.io import load_model
+    from zero2all.tokenizer import train_tokenizer
+    from zero2all.train.rl_tasks import make_problems, preference_pairs, sft_records
+
+    problems = make_problems(30, seed=0, max_value=5)
+    sft_file, pairs_file = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    sft_file.write_text("".join(json.dumps(r) + "\n" for r in sft_records(problems)))
+    pairs_file.write_text("".join(json.dumps(r) + "\n" for r in preference_pairs(problems)))
+    (tmp_path / "corpus.txt").write_text(sft_file.read_text() * 2)
+    tok = train_tokenizer([str(tmp_path / "corpus.txt")], 384, tmp_path / "tok", log=lambda *a: None)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=32, intermediate_size=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2, max_seq_len=96, ops=OpsConfig.plain())
+    init = save_model(build_model(cfg, seed=0), tmp_path / "init", tokenizer_dir=tmp_path / "tok")
+    common = ["--init", str(init), "--device", "cpu", "--no-progress", "train.max_steps=2", "train.eval_every=0",
+              "train.micro_batch_size=2", "train.tensorboard=false", "train.ckpt_every=0"]
+    main(["sft", "--data", str(sft_file), "--out", str(tmp_path / "sft"), "--prompt-tuning", "prefix",
+          "--num-virtual-tokens", "3", "--packing", "pad", *common])
+    final = tmp_path / "sft" / "final"
+    base = load_model(final)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), load_model(init).state_dict().values()))
+    tuned = load_prompt_adapter(base, final / "prompt_adapter")
+    assert tuned.method == "prefix" and tuned.n == 3
+    main(["dpo", "--data", str(pairs_file), "--out", str(tmp_path / "dpo"), "--prompt-tuning", "prompt", *common])
+    assert load_prompt_adapter(load_model(init), tmp_path / "dpo" / "final" / "prompt_adapter").method == "prompt"
+    capsys.readouterr()
+    assert main(["sft", "--data", str(sft_file), "--out", str(tmp_path / "x"), "--prompt-tuning", "prompt",
+                 *common]) == 2
+    assert "pass --packing pad" in capsys.readouterr().err

@@ -497,6 +497,9 @@ def _posttrain_args(p, stage: str):
                    help="qkv_proj o_proj gate_up_proj down_proj lm_head (or the HF names q_proj k_proj v_proj ...)")
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--prompt-tuning", default=None, choices=["prompt", "prefix"],
+                   help="train virtual tokens only: prompt tuning or prefix tuning (sft: with --packing pad)")
+    p.add_argument("--num-virtual-tokens", type=int, default=None, help="virtual tokens of --prompt-tuning (16)")
 
 
 # the options of `z2all sft` / `z2all dpo` that set a config key (--config names the file)
@@ -504,7 +507,8 @@ POSTTRAIN_FLAGS = {"--init": "post.init", "--data": "post.data", "--out": "train
                    "--device": "train.device", "--valid": "post.valid", "--valid-fraction": "post.valid_fraction",
                    "--tokenizer": "post.tokenizer", "--lora-rank": "post.lora_rank", "--lora-alpha": "post.lora_alpha",
                    "--lora-dropout": "post.lora_dropout", "--lora-targets": "post.lora_targets",
-                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref"}
+                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref",
+                   "--prompt-tuning": "post.prompt_tuning", "--num-virtual-tokens": "post.num_virtual_tokens"}
 POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref": ("post.precompute_ref", True)}
 
 

@@ -410,6 +410,8 @@ class PostTrainConfig:
     beta: float = 0.1              # dpo: strength of the KL anchor to the reference model
     ref: str = ""                  # dpo: reference model directory ("" = init)
     precompute_ref: bool = False   # dpo: reference log-probs computed once before training (no second model)
+    prompt_tuning: str = ""        # "" | prompt | prefix: train virtual tokens only (zero2all/model/prompt_tuning.py)
+    num_virtual_tokens: int = 16
 
     def validate(self, prefix: str = "post") -> None:
         """Every field in range. That ``init`` and ``data`` are set is checked by ``posttrain_config``: a
@@ -429,6 +431,11 @@ class PostTrainConfig:
             raise ConfigError(f"{prefix}.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.beta <= 0:
             raise ConfigError(f"{prefix}.beta: must be positive, got {self.beta}")
+        _check_choice(self, "prompt_tuning", ("", "prompt", "prefix"), prefix)
+        if self.num_virtual_tokens < 1:
+            raise ConfigError(f"{prefix}.num_virtual_tokens: must be >= 1, got {self.num_virtual_tokens}")
+        if self.prompt_tuning and self.lora_rank:
+            raise ConfigError(f"{prefix}.prompt_tuning: one adapter kind at a time; set {prefix}.lora_rank=0")
 
 
 RL_ALGOS = ("grpo", "ppo")

@@ -59,12 +59,13 @@ STAGE_TRAIN_DEFAULTS = {"sft": SFT_TRAIN_DEFAULTS, "dpo": DPO_TRAIN_DEFAULTS, "r
 MODEL_OVERRIDABLE = ("ops", "dropout1", "dropout2", "attention_dropout")
 # post-section fields a resumed run must share with its checkpoint
 MUST_MATCH_POST = {"sft": ("init", "data", "valid", "valid_fraction", "packing", "lora_rank", "lora_alpha",
-                           "lora_dropout", "lora_targets"),
+                           "lora_dropout", "lora_targets", "prompt_tuning", "num_virtual_tokens"),
                    "dpo": ("init", "data", "valid", "valid_fraction", "lora_rank", "lora_alpha", "lora_dropout",
-                           "lora_targets", "beta", "ref"),
+                           "lora_targets", "beta", "ref", "prompt_tuning", "num_virtual_tokens"),
                    "reward": ("init", "data", "valid", "valid_fraction"),
                    "rl": ("init", "data", "valid", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "ref")}
 REFERENCE_CACHE = "reference_logprobs.pt"
+PROMPT_ADAPTER = "prompt_adapter"  # final/prompt_adapter/: a prompt / prefix tuning adapter in PEFT's layout
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -384,13 +385,29 @@ class PostTrainer(Trainer):
             copy_tokenizer_files(self.tokenizer_dir, path)
         return path
 
+    @property
+    def uses_prompt_tuning(self) -> bool:
+        from zero2all.model.prompt_tuning import PromptTuned
+
+        return isinstance(self.raw_model, PromptTuned)
+
+    def write_prompt_adapter(self, path: Path) -> Path:
+        from zero2all.model.prompt_tuning import save_prompt_adapter
+
+        return save_prompt_adapter(self.raw_model, path, base_model_name_or_path=str(self.init_dir.resolve()))
+
     def write_checkpoint_extras(self, tmp: Path) -> None:
         super().write_checkpoint_extras(tmp)
         if self.uses_lora:  # the adapter alone in the PEFT layout, inside the checkpoint (covered by its manifest)
             self.write_adapter(tmp / "adapter")
+        if self.uses_prompt_tuning:
+            self.write_prompt_adapter(tmp / PROMPT_ADAPTER)
 
     def final_model(self):
-        """With LoRA, ``final/`` holds the unchanged base weights; the adapter is written beside them."""
+        """With LoRA, ``final/`` holds the unchanged base weights; the adapter is written beside them (prompt or
+        prefix tuning: the base weights and ``final/prompt_adapter/``)."""
+        if self.uses_prompt_tuning:
+            return self.raw_model.model if self.is_main else None
         if not self.uses_lora:
             return super().final_model()
         return base_weights_model(self.raw_model) if self.is_main else None
@@ -400,6 +417,10 @@ class PostTrainer(Trainer):
         if self.is_main and self.uses_lora:
             adapter = self.write_adapter(Path(summary["final"]) / "adapter")
             self._print(f"wrote the LoRA adapter (PEFT layout) to {adapter}")
+            summary["adapter"] = str(adapter)
+        if self.is_main and self.uses_prompt_tuning:
+            adapter = self.write_prompt_adapter(Path(summary["final"]) / PROMPT_ADAPTER)
+            self._print(f"wrote the {self.raw_model.method} tuning adapter (PEFT layout) to {adapter}")
             summary["adapter"] = str(adapter)
         return summary
 
@@ -431,7 +452,29 @@ def _prepare(cfg: Config, stage: str):
         trainable, total = apply_lora_from_config(model, cfg)
         say(f"LoRA rank {cfg.post.lora_rank}, alpha {cfg.post.lora_alpha:g} on {', '.join(cfg.post.lora_targets)}: "
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
+    if cfg.post.prompt_tuning:
+        model = apply_prompt_tuning(model, cfg, stage)
+        say(f"{cfg.post.prompt_tuning} tuning: {cfg.post.num_virtual_tokens} virtual tokens, "
+            f"{model.prompt_embeddings.numel():,} trainable parameters")
     return env, out_dir, precision, tok, tok_dir, model
+
+
+def apply_prompt_tuning(model: torch.nn.Module, cfg: Config, stage: str):
+    """The frozen model with ``post.num_virtual_tokens`` trainable virtual tokens (prompt or prefix tuning)."""
+    from zero2all.model.prompt_tuning import PromptTuned
+
+    if stage not in ("sft", "dpo"):
+        raise ConfigError(f"post.prompt_tuning: available for sft and dpo, not {stage}")
+    if stage == "sft" and cfg.post.packing != "pad":
+        raise ConfigError("post.prompt_tuning: trains on padded rows; pass --packing pad")
+    room = cfg.model.max_seq_len - cfg.post.num_virtual_tokens  # the virtual tokens take positions too
+    if not cfg.data.seq_len:
+        cfg.data.seq_len = room
+    elif cfg.data.seq_len > room:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} + {cfg.post.num_virtual_tokens} virtual tokens exceed "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+    torch.manual_seed(cfg.train.seed)
+    return PromptTuned(model, cfg.post.num_virtual_tokens, cfg.post.prompt_tuning)
 
 
 def sft(cfg: Config, show_progress: bool = True) -> dict:
@@ -455,6 +498,8 @@ def dpo(cfg: Config, show_progress: bool = True) -> dict:
     p = cfg.post
     if p.ref:
         reference = load_pretrained(p.ref, cfg.model, device)
+    elif p.prompt_tuning:  # the frozen base itself, without the virtual tokens
+        reference = model.model
     else:  # the initial policy; with LoRA the base weights are shared with the policy and frozen anyway
         reference = copy.deepcopy(model) if p.lora_rank == 0 else base_weights_model(model)
     reference.eval().requires_grad_(False)
