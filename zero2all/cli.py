@@ -497,6 +497,9 @@ def _posttrain_args(p, stage: str):
                    help="qkv_proj o_proj gate_up_proj down_proj lm_head (or the HF names q_proj k_proj v_proj ...)")
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--prompt-tuning", default=None, choices=["prompt", "prefix"],
+                   help="train virtual tokens only: prompt tuning or prefix tuning (sft: with --packing pad)")
+    p.add_argument("--num-virtual-tokens", type=int, default=None, help="virtual tokens of --prompt-tuning (16)")
 
 
 # the options of `z2all sft` / `z2all dpo` that set a config key (--config names the file)
@@ -504,7 +507,8 @@ POSTTRAIN_FLAGS = {"--init": "post.init", "--data": "post.data", "--out": "train
                    "--device": "train.device", "--valid": "post.valid", "--valid-fraction": "post.valid_fraction",
                    "--tokenizer": "post.tokenizer", "--lora-rank": "post.lora_rank", "--lora-alpha": "post.lora_alpha",
                    "--lora-dropout": "post.lora_dropout", "--lora-targets": "post.lora_targets",
-                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref"}
+                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref",
+                   "--prompt-tuning": "post.prompt_tuning", "--num-virtual-tokens": "post.num_virtual_tokens"}
 POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref": ("post.precompute_ref", True)}
 
 
@@ -552,6 +556,76 @@ def _dpo(p):
                    help="compute the reference log-probs once before training instead of keeping a second model")
     _overrides(p)
     return _posttrain_run("dpo")
+
+
+@command("reward", "train a reward model (scalar head, Bradley-Terry) on {prompt, chosen, rejected} pairs",
+         "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
+         "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
+def _reward(p):
+    _posttrain_args(p, "dpo")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.train import posttrain
+        from zero2all.train.reward import reward
+
+        values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
+        cfg = posttrain.posttrain_config("reward", args.config, args.overrides, values, sources=sources)
+        reward(cfg, show_progress=not args.no_progress, export_hf=args.export_hf)
+
+    return run
+
+
+@command("export-reward-hf", "write a `z2all reward` model as an HF LlamaForSequenceClassification directory",
+         "  z2all export-reward-hf --ckpt runs/rm/final --out runs/rm-hf")
+def _export_reward_hf(p):
+    p.add_argument("--ckpt", required=True, help="a `z2all reward` final/ directory")
+    p.add_argument("--out", required=True)
+
+    def run(args):
+        from zero2all.train.reward import export_reward_hf, load_reward_model
+
+        print(f"wrote {export_reward_hf(load_reward_model(args.ckpt), args.out, args.ckpt)}")
+
+    return run
+
+
+# the options of `z2all rl` that set a key of the [rl] section
+RL_FLAGS = {"--algo": "rl.algo", "--reward-fn": "rl.reward_fn", "--reward-model": "rl.reward_model",
+            "--group-size": "rl.group_size", "--max-new-tokens": "rl.max_new_tokens", "--kl-coef": "rl.kl_coef",
+            "--kl-estimator": "rl.kl_estimator", "--epochs": "rl.epochs", "--ref": "post.ref"}
+
+
+@command("rl", "online RL (PPO with a value head, or GRPO) with rollouts from the model itself",
+         "  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --out runs/grpo \\\n"
+         "      --reward-fn zero2all.train.rl_tasks:exact_match --group-size 8 train.lr=1e-5\n"
+         "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
+         "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
+def _rl(p):
+    _posttrain_args(p, "sft")
+    p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="grpo (default) or ppo")
+    p.add_argument("--reward-fn", default=None, metavar="MODULE:FUNCTION",
+                   help="reward function, called as fn(completion_text, record) -> float")
+    p.add_argument("--reward-model", default=None, metavar="DIR", help="a `z2all reward` model directory")
+    p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response length limit (default 64)")
+    p.add_argument("--kl-coef", type=float, default=None, help="KL weight to the reference (0 = none)")
+    p.add_argument("--kl-estimator", default=None, choices=["k1", "k3"])
+    p.add_argument("--epochs", type=int, default=None, help="optimiser updates per rollout (default 1)")
+    p.add_argument("--ref", default=None, help="reference model directory (default: --init; LoRA: adapters off)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.train import posttrain
+        from zero2all.train.rl_run import rl
+
+        values, sources = _given(args, {**POSTTRAIN_FLAGS, **RL_FLAGS}, POSTTRAIN_SWITCHES)
+        cfg = posttrain.posttrain_config("rl", args.config, args.overrides, values, sources=sources)
+        rl(cfg, show_progress=not args.no_progress)
+
+    return run
 
 
 @command("demo", "the whole pipeline offline on the embedded stdlib corpus: tokenizer, shards, a tiny model, samples",

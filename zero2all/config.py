@@ -7,6 +7,7 @@ A run is described by one :class:`Config` with five sections::
     [data]      -> DataConfig      (where the token shards are and how batches are drawn)
     [parallel]  -> ParallelConfig  (how a run is spread over processes)
     [post]      -> PostTrainConfig (sft / dpo: starting point, chat data, LoRA, DPO)
+    [rl]        -> RLConfig        (z2all rl: PPO / GRPO rollouts, rewards, KL, clipping)
 
 ``load_config("tiny", ["model.n_layers=4", "train.lr=1e-3"])`` reads ``configs/tiny.toml`` (or any path to a
 ``.toml`` file), applies the overrides, and validates. :func:`build_config` also takes already-typed values by
@@ -485,6 +486,8 @@ class PostTrainConfig:
     beta: float = 0.1              # dpo: strength of the KL anchor to the reference model
     ref: str = ""                  # dpo: reference model directory ("" = init)
     precompute_ref: bool = False   # dpo: reference log-probs computed once before training (no second model)
+    prompt_tuning: str = ""        # "" | prompt | prefix: train virtual tokens only (zero2all/model/prompt_tuning.py)
+    num_virtual_tokens: int = 16
 
     def validate(self, prefix: str = "post") -> None:
         """Every field in range. That ``init`` and ``data`` are set is checked by ``posttrain_config``: a
@@ -504,6 +507,66 @@ class PostTrainConfig:
             raise ConfigError(f"{prefix}.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.beta <= 0:
             raise ConfigError(f"{prefix}.beta: must be positive, got {self.beta}")
+        _check_choice(self, "prompt_tuning", ("", "prompt", "prefix"), prefix)
+        if self.num_virtual_tokens < 1:
+            raise ConfigError(f"{prefix}.num_virtual_tokens: must be >= 1, got {self.num_virtual_tokens}")
+        if self.prompt_tuning and self.lora_rank:
+            raise ConfigError(f"{prefix}.prompt_tuning: one adapter kind at a time; set {prefix}.lora_rank=0")
+
+
+RL_ALGOS = ("grpo", "ppo")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass
+class RLConfig:
+    """Online RL (``z2all rl``, ``zero2all/train/rl.py``); the prompts come from ``post.data``."""
+
+    algo: str = "grpo"             # grpo (group-normalised rewards, no value model) | ppo (value head, GAE)
+    reward_fn: str = ""            # Python reward function module:function, called as fn(completion, record)
+    reward_model: str = ""         # or a `z2all reward` model directory
+    group_size: int = 8            # responses sampled per prompt (grpo: the group; ppo: 1 is usual)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    kl_coef: float = 0.04          # weight of the KL to the reference (0 = no reference at all)
+    kl_estimator: str = "k3"       # k1 (log-ratio) | k3 (exp(d) - d - 1); grpo puts it in the loss, ppo in the reward
+    clip_eps: float = 0.2          # PPO ratio clipping
+    epochs: int = 1                # optimiser updates per rollout (> 1: the ratio moves away from 1 and clips)
+    scale_rewards: bool = True     # grpo: divide by the group's standard deviation
+    gamma: float = 1.0             # ppo: discount
+    lam: float = 0.95              # ppo: GAE lambda
+    vf_coef: float = 0.1           # ppo: value loss weight
+    value_clip: float = 0.2        # ppo: value clipping range
+    fused_decode: str = "auto"     # rollouts with the fused decode kernels: auto | on | off
+
+    def validate(self, prefix: str = "rl") -> None:
+        _check_finite(self, prefix)
+        _check_choice(self, "algo", RL_ALGOS, prefix)
+        _check_choice(self, "kl_estimator", KL_ESTIMATORS, prefix)
+        _check_choice(self, "fused_decode", ("auto", "on", "off"), prefix)
+        if self.reward_fn and self.reward_model:
+            raise ConfigError(f"{prefix}.reward_fn / {prefix}.reward_model: give one reward source, not both")
+        if self.reward_fn and ":" not in self.reward_fn:
+            raise ConfigError(f"{prefix}.reward_fn: expected module:function, got {self.reward_fn!r}")
+        for name in ("group_size", "max_new_tokens", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.algo == "grpo" and self.group_size < 2:
+            raise ConfigError(f"{prefix}.group_size: grpo compares responses within a group; needs >= 2, "
+                              f"got {self.group_size}")
+        if self.temperature <= 0:
+            raise ConfigError(f"{prefix}.temperature: rollouts sample; must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"{prefix}.top_k: must be >= 0, got {self.top_k}")
+        for name in ("kl_coef", "vf_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("clip_eps", "value_clip"):
+            if not 0 < getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name}: must be in (0, 1), got {getattr(self, name)}")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"{prefix}.gamma / {prefix}.lam: must be in [0, 1], got {self.gamma}, {self.lam}")
 
 
 @dataclass
@@ -513,6 +576,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     post: PostTrainConfig = field(default_factory=PostTrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def validate(self, world_size: int | None = None) -> "Config":
         """Every section, then the rules across sections; ``world_size`` as in :meth:`ParallelConfig.validate`."""
@@ -521,6 +585,7 @@ class Config:
         self.data.validate("data")
         self.parallel.validate(world_size, "parallel")
         self.post.validate("post")
+        self.rl.validate("rl")
         if self.parallel.ep > 1 and self.model.moe.n_experts % self.parallel.ep:
             raise ConfigError(f"parallel.ep={self.parallel.ep} does not divide model.moe.n_experts="
                               f"{self.model.moe.n_experts} (every ep rank holds the same number of experts)")

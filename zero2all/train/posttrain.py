@@ -49,14 +49,23 @@ SFT_TRAIN_DEFAULTS = {"out_dir": "runs/sft", "lr": 2e-5, "min_lr": 2e-6, "warmup
 DPO_TRAIN_DEFAULTS = {"out_dir": "runs/dpo", "lr": 1e-6, "min_lr": 1e-7, "warmup_steps": 10, "weight_decay": 0.0,
                       "max_steps": 500, "micro_batch_size": 4, "eval_every": 100, "eval_batches": 10,
                       "ckpt_every": 100, "num_samples": 0}
+# reward models (zero2all/train/reward.py) and online RL (zero2all/train/rl_run.py) start like post-training runs
+REWARD_TRAIN_DEFAULTS = dict(DPO_TRAIN_DEFAULTS, out_dir="runs/reward", lr=1e-5, min_lr=1e-6)
+RL_TRAIN_DEFAULTS = dict(DPO_TRAIN_DEFAULTS, out_dir="runs/rl", lr=1e-6, min_lr=1e-6, warmup_steps=0,
+                         micro_batch_size=8, eval_batches=4)
+STAGE_TRAIN_DEFAULTS = {"sft": SFT_TRAIN_DEFAULTS, "dpo": DPO_TRAIN_DEFAULTS, "reward": REWARD_TRAIN_DEFAULTS,
+                        "rl": RL_TRAIN_DEFAULTS}
 # model fields a run may change relative to its init checkpoint (the weights fix everything else)
 MODEL_OVERRIDABLE = ("ops", "dropout1", "dropout2", "attention_dropout")
 # post-section fields a resumed run must share with its checkpoint
 MUST_MATCH_POST = {"sft": ("init", "data", "valid", "valid_fraction", "packing", "lora_rank", "lora_alpha",
-                           "lora_dropout", "lora_targets"),
+                           "lora_dropout", "lora_targets", "prompt_tuning", "num_virtual_tokens"),
                    "dpo": ("init", "data", "valid", "valid_fraction", "lora_rank", "lora_alpha", "lora_dropout",
-                           "lora_targets", "beta", "ref")}
+                           "lora_targets", "beta", "ref", "prompt_tuning", "num_virtual_tokens"),
+                   "reward": ("init", "data", "valid", "valid_fraction"),
+                   "rl": ("init", "data", "valid", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "ref")}
 REFERENCE_CACHE = "reference_logprobs.pt"
+PROMPT_ADAPTER = "prompt_adapter"  # final/prompt_adapter/: a prompt / prefix tuning adapter in PEFT's layout
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -71,8 +80,8 @@ def posttrain_config(stage: str, config_file: str | Path | None = None, override
     ``zero2all.config.build_config_dict``). The model section is read from ``post.init``."""
     from zero2all.model.io import read_model_config
 
-    if stage not in ("sft", "dpo"):
-        raise ValueError(f"stage: {stage!r} is not one of sft, dpo")
+    if stage not in STAGE_TRAIN_DEFAULTS:
+        raise ValueError(f"stage: {stage!r} is not one of {', '.join(STAGE_TRAIN_DEFAULTS)}")
     user = build_config_dict(config_file, overrides, values, sources=sources)
     post = user.get("post", {})
     if not isinstance(post, dict):
@@ -89,7 +98,7 @@ def posttrain_config(stage: str, config_file: str | Path | None = None, override
             raise ConfigError(f"model.{key}: comes from the --init checkpoint {init}; only "
                               f"{', '.join('model.' + k for k in MODEL_OVERRIDABLE)} may be overridden")
     defaults = {"model": to_dict(read_model_config(init)),
-                "train": SFT_TRAIN_DEFAULTS if stage == "sft" else DPO_TRAIN_DEFAULTS}
+                "train": STAGE_TRAIN_DEFAULTS[stage]}
     cfg = from_dict(Config, deep_merge(defaults, user)).validate()  # the post section is checked there too
     if not cfg.post.data:
         raise ConfigError("post.data: no training data (--data FILE...)")
@@ -376,13 +385,29 @@ class PostTrainer(Trainer):
             copy_tokenizer_files(self.tokenizer_dir, path)
         return path
 
+    @property
+    def uses_prompt_tuning(self) -> bool:
+        from zero2all.model.prompt_tuning import PromptTuned
+
+        return isinstance(self.raw_model, PromptTuned)
+
+    def write_prompt_adapter(self, path: Path) -> Path:
+        from zero2all.model.prompt_tuning import save_prompt_adapter
+
+        return save_prompt_adapter(self.raw_model, path, base_model_name_or_path=str(self.init_dir.resolve()))
+
     def write_checkpoint_extras(self, tmp: Path) -> None:
         super().write_checkpoint_extras(tmp)
         if self.uses_lora:  # the adapter alone in the PEFT layout, inside the checkpoint (covered by its manifest)
             self.write_adapter(tmp / "adapter")
+        if self.uses_prompt_tuning:
+            self.write_prompt_adapter(tmp / PROMPT_ADAPTER)
 
     def final_model(self):
-        """With LoRA, ``final/`` holds the unchanged base weights; the adapter is written beside them."""
+        """With LoRA, ``final/`` holds the unchanged base weights; the adapter is written beside them (prompt or
+        prefix tuning: the base weights and ``final/prompt_adapter/``)."""
+        if self.uses_prompt_tuning:
+            return self.raw_model.model if self.is_main else None
         if not self.uses_lora:
             return super().final_model()
         return base_weights_model(self.raw_model) if self.is_main else None
@@ -392,6 +417,10 @@ class PostTrainer(Trainer):
         if self.is_main and self.uses_lora:
             adapter = self.write_adapter(Path(summary["final"]) / "adapter")
             self._print(f"wrote the LoRA adapter (PEFT layout) to {adapter}")
+            summary["adapter"] = str(adapter)
+        if self.is_main and self.uses_prompt_tuning:
+            adapter = self.write_prompt_adapter(Path(summary["final"]) / PROMPT_ADAPTER)
+            self._print(f"wrote the {self.raw_model.method} tuning adapter (PEFT layout) to {adapter}")
             summary["adapter"] = str(adapter)
         return summary
 
@@ -423,7 +452,29 @@ def _prepare(cfg: Config, stage: str):
         trainable, total = apply_lora_from_config(model, cfg)
         say(f"LoRA rank {cfg.post.lora_rank}, alpha {cfg.post.lora_alpha:g} on {', '.join(cfg.post.lora_targets)}: "
             f"{trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
+    if cfg.post.prompt_tuning:
+        model = apply_prompt_tuning(model, cfg, stage)
+        say(f"{cfg.post.prompt_tuning} tuning: {cfg.post.num_virtual_tokens} virtual tokens, "
+            f"{model.prompt_embeddings.numel():,} trainable parameters")
     return env, out_dir, precision, tok, tok_dir, model
+
+
+def apply_prompt_tuning(model: torch.nn.Module, cfg: Config, stage: str):
+    """The frozen model with ``post.num_virtual_tokens`` trainable virtual tokens (prompt or prefix tuning)."""
+    from zero2all.model.prompt_tuning import PromptTuned
+
+    if stage not in ("sft", "dpo"):
+        raise ConfigError(f"post.prompt_tuning: available for sft and dpo, not {stage}")
+    if stage == "sft" and cfg.post.packing != "pad":
+        raise ConfigError("post.prompt_tuning: trains on padded rows; pass --packing pad")
+    room = cfg.model.max_seq_len - cfg.post.num_virtual_tokens  # the virtual tokens take positions too
+    if not cfg.data.seq_len:
+        cfg.data.seq_len = room
+    elif cfg.data.seq_len > room:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} + {cfg.post.num_virtual_tokens} virtual tokens exceed "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+    torch.manual_seed(cfg.train.seed)
+    return PromptTuned(model, cfg.post.num_virtual_tokens, cfg.post.prompt_tuning)
 
 
 def sft(cfg: Config, show_progress: bool = True) -> dict:
@@ -447,6 +498,8 @@ def dpo(cfg: Config, show_progress: bool = True) -> dict:
     p = cfg.post
     if p.ref:
         reference = load_pretrained(p.ref, cfg.model, device)
+    elif p.prompt_tuning:  # the frozen base itself, without the virtual tokens
+        reference = model.model
     else:  # the initial policy; with LoRA the base weights are shared with the policy and frozen anyway
         reference = copy.deepcopy(model) if p.lora_rank == 0 else base_weights_model(model)
     reference.eval().requires_grad_(False)
