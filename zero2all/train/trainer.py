@@ -271,6 +271,8 @@ class Trainer:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
+        # the tp / cp ranks of one data-parallel replica read the same sequences (distributed/mesh.py)
+        self.dp_rank, self.dp_size = zd.data_parallel_rank(cfg.parallel, rank, world_size)
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
         self.device = self.dist.device
@@ -281,7 +283,7 @@ class Trainer:
         seed_everything(self.tcfg.seed)
 
         if train_data is None:
-            train_data, built_eval, built_tok, built_tok_dir = build_datasets(cfg, rank, world_size)
+            train_data, built_eval, built_tok, built_tok_dir = build_datasets(cfg, self.dp_rank, self.dp_size)
             eval_data = eval_data if eval_data is not None else built_eval
             tokenizer = tokenizer if tokenizer is not None else built_tok
             tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else built_tok_dir
@@ -300,7 +302,7 @@ class Trainer:
             self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
-        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) == "fsdp"
+        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) in ("fsdp", "mesh")
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
@@ -348,7 +350,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.tcfg.grad_accum_steps * self.world_size * self.tcfg.micro_batch_size * self.seq_len
+        return self.tcfg.grad_accum_steps * self.dp_size * self.tcfg.micro_batch_size * self.seq_len
 
     def describe(self) -> list[str]:
         """The start-of-run summary."""
@@ -364,11 +366,12 @@ class Trainer:
             f"hidden {self.cfg.model.hidden_dim}, vocab {self.cfg.model.padded_vocab_size}",
             f"objective: {self.objective.name} | data: {self.cfg.data.path or 'synthetic (arithmetic sequences)'}",
             f"tokens per iteration will be: {self.tokens_per_step:,}",
-            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.world_size} processes * "
+            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.dp_size} data-parallel ranks * "
             f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
         ]
         if self.dist.is_distributed:
-            lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
+            mesh = f" ({self.run.dims.describe()})" if self.parallel == "mesh" else ""
+            lines.append(f"parallel: {self.parallel}{mesh} on {self.world_size} processes ({self.dist.backend}) | "
                          f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
         lines += describe_groups(self.optimizer.param_groups)
         if getattr(self, "trainable_line", None):
@@ -403,15 +406,19 @@ class Trainer:
         # another world size: ranks that did not exist take rank 0's generators (they only drive dropout)
         ckpt_io.restore_rng_state(states[self.rank] if self.rank < len(states) else states[0])
 
-    def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None) -> dict:
+    def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None,
+                         saved_dp: int | None = None) -> dict:
         """The Stateful parts of this run's checkpoints (``saved_world``: the world size of the run that wrote
         the checkpoint being loaded)."""
         saved_world = saved_world or self.world_size
+        saved_dp = saved_dp or (self.dp_size if saved_world == self.world_size else None)
         parts = {
-            "model": ckpt_io.ModelState(self.run.plain),
-            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer)),
+            "model": ckpt_io.ModelState(self.run.plain, self.run.fused_rows),
+            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer), self.run.fused_rows),
             "trainer": ckpt_io.JsonState(self.counters, self.load_counters),
-            "data": ckpt_io.RankStates(self.rank, self.train_iter.state_dict, self._load_data_states, saved_world),
+            # one data position per data-parallel replica (its tp / cp ranks write the same one)
+            "data": ckpt_io.RankStates(self.dp_rank, self.train_iter.state_dict, self._load_data_states,
+                                       saved_dp or saved_world),
             "rng": ckpt_io.RankStates(self.rank, ckpt_io.capture_rng_state, self._restore_rng, saved_world),
         }
         hook = self.run.comm_hook
@@ -433,7 +440,7 @@ class Trainer:
         t0 = time.perf_counter()
         meta = {"step": self.step, "parallel": self.parallel, "model": to_dict(self.cfg.model),
                 "tokenizer_hash": self.tokenizer_hash, "objective": self.objective.name,
-                "comm_hook": self.run.comm_hook.powersgd_state is not None}
+                "comm_hook": self.run.comm_hook.powersgd_state is not None, "data_parallel": self.dp_size}
         ckpt_io.save(path, self.checkpoint_parts(), self.dist, meta, write_extra=self.write_checkpoint_extras)
         if self.is_main:
             for old in ckpt_io.prune(self.out_dir, self.tcfg.keep_last, newest=path):
@@ -454,10 +461,12 @@ class Trainer:
         meta = ckpt_io.read_meta(ckpt)
         saved_cfg = json.loads((ckpt / ckpt_io.RUN_CONFIG).read_text(encoding="utf-8"))
         saved_world = int(meta["world_size"])
-        changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size, saved_world,
+        saved_dp = int(meta.get("data_parallel", saved_world))
+        changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.dp_size, saved_dp,
                                    meta.get("tokenizer_hash"), self.tokenizer_hash)
         self._loading = ckpt
-        ckpt_io.load(ckpt, self.checkpoint_parts(saved_world, comm_hook=bool(meta.get("comm_hook"))), self.dist)
+        ckpt_io.load(ckpt, self.checkpoint_parts(saved_world, comm_hook=bool(meta.get("comm_hook")),
+                                                 saved_dp=saved_dp), self.dist)
         self.resumed_from = ckpt
         how = f" (written by {saved_world} processes, {meta.get('parallel')})" if saved_world != self.world_size \
             or meta.get("parallel") != self.parallel else ""
@@ -526,7 +535,8 @@ class Trainer:
         tokens = 0
         for micro in range(accum):
             batch = self._to_device(next(self.train_iter))
-            with self.run.gradient_sync(micro == accum - 1):  # DDP: one all-reduce per update
+            # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
+            with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
                 loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
             loss_sum += loss.float()
             tokens += self.objective.num_tokens(batch)
@@ -545,12 +555,12 @@ class Trainer:
             self.skipped_total += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
-        loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
+        loss_value = self.run.dims.reduce_mean(loss_value)  # the global batch's loss (over dp x cp)
         dt = time.perf_counter() - t0
         self.step += 1
-        self.tokens_seen += tokens * self.world_size
+        self.tokens_seen += tokens * self.dp_size
         self.elapsed_s += dt
-        tokens_per_s = tokens / dt  # this process; MFU is per device
+        tokens_per_s = tokens * self.dp_size / self.world_size / dt  # per device (tp / cp ranks share tokens)
         rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens_per_s * self.world_size,
                "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops),
@@ -623,7 +633,8 @@ class Trainer:
             except StopIteration:
                 break
             with self.autocast():
-                loss, extra = self.objective.eval_loss(self.model, batch)
+                with self.run.train_context(batch):
+                    loss, extra = self.objective.eval_loss(self.model, batch)
             losses.append(loss.float())
             for key, value in extra.items():
                 metrics.setdefault(key, []).append(value)
@@ -779,7 +790,7 @@ class Trainer:
         header = {
             "name": str(self.out_dir), "objective": self.objective.name, "device": str(self.device),
             "precision": self.precision, "parameters": f"{self.raw_model.num_params():,}",
-            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.world_size} x "
+            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.dp_size} x "
                                f"{self.tcfg.micro_batch_size} x {self.seq_len})",
             "data": self.cfg.data.path or "synthetic", "schedule": f"{self.tcfg.schedule}, lr {self.tcfg.lr:g}",
             "resumed from": str(self.resumed_from) if self.resumed_from else "-",
