@@ -231,3 +231,23 @@ def test_impossible_meshes_are_refused_with_the_numbers():
     assert check_mesh(m, t, ParallelConfig(tp=2, cp=2), 8)["dp_shard"] == 2
     assert zd.data_parallel_rank(ParallelConfig(tp=2, cp=2), 5, 8) == (1, 2)  # row-major: rank 5 = dp 1, cp 0, tp 1
     assert zd.data_parallel_rank(ParallelConfig(), 5, 8) == (5, 8)
+
+
+def test_estimate_splits_the_mesh_dimensions():
+    from zero2all.accounting import Layout, context_parallel_comm_bytes, estimate
+    from zero2all.config import load_model_config
+
+    cfg = load_model_config("z2all-1.1b")
+    # ring attention: 3 passes (K/V forward, K/V + dK/dV backward) of (cp-1)/cp of b*s*2*kv*e per layer
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim
+    assert context_parallel_comm_bytes(cfg, 1, 65536, 2) == cfg.n_layers * 3 * 0.5 * 65536 * kv * 2
+    assert context_parallel_comm_bytes(cfg, 1, 65536, 1) == 0.0
+    one = estimate(cfg, Layout(gpus=2, seq_len=8192, zero=3))
+    cp2 = estimate(cfg, Layout(gpus=2, seq_len=8192, zero=3, cp=2))
+    assert cp2["layout"]["dp"] == 1 and one["layout"]["dp"] == 2
+    # half the tokens of each sequence per GPU: half the activations; FSDP still shards over both GPUs
+    assert abs(cp2["memory_per_gpu"]["activations"] * 2 - one["memory_per_gpu"]["activations"]) < 1.0
+    assert cp2["memory_per_gpu"]["weights"] == one["memory_per_gpu"]["weights"]
+    assert cp2["communication"]["context_parallel_bytes_per_step"] > 0
+    with pytest.raises(ConfigError, match="--cp"):
+        estimate(cfg, Layout(gpus=3, cp=2))
