@@ -345,6 +345,10 @@ class ParallelConfig:
     ac_selective: str = "blocks"   # selective: blocks (every ac_every-th block) | attention (attention core only)
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
     timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
+    pp: int = 1                    # pipeline stages over ranks (zero2all/distributed/pp.py)
+    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    pp_microbatches: int = 0       # pipeline microbatches per micro-batch (0 = pp); must divide micro_batch_size
+    pp_stages_per_rank: int = 1    # virtual stages per rank (interleaved_1f1b, zero_bubble)
 
     def resolved_mode(self, world_size: int) -> str:
         """``auto`` -> ddp when several processes run, else none."""
@@ -368,6 +372,10 @@ class ParallelConfig:
                               f"warm-up steps of plain all-reduce)")
         if not self.timeout_s > 0:
             raise ConfigError(f"{prefix}.timeout_s: must be positive, got {self.timeout_s}")
+        if self.pp > 1:
+            from zero2all.distributed.pp import check_pipeline_config
+
+            check_pipeline_config(self, world_size, prefix)
         mode = self.resolved_mode(world_size or 1)
         if self.comm_hook != "none" and mode not in ("ddp", "zero1") and (world_size or self.mode != "auto"):
             raise ConfigError(f"{prefix}.comm_hook={self.comm_hook!r} needs {prefix}.mode = ddp or zero1 (got "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -52,11 +53,15 @@ from zero2all.distributed.env import (
 )
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
+if TYPE_CHECKING:
+    from zero2all.distributed.pp import PipelineRun
+
 __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",
            "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
            "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
            "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
-           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device",
+           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "parallelize_pipeline",
+           "resolve_device",
            "transformer_blocks", "unwrap"]
 
 
@@ -99,6 +104,7 @@ class Parallelized:
     env: DistEnv
     config: ParallelConfig = field(default_factory=ParallelConfig)
     comm_hook: CommHook = field(default_factory=CommHook)
+    pipeline: "PipelineRun | None" = None  # pipeline parallelism: this rank's stages and their schedule
 
     @property
     def fsdp(self) -> bool:
@@ -129,6 +135,8 @@ class Parallelized:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
+        if self.pipeline is not None:
+            return self.pipeline.full_state_dict()
         if self.fsdp:
             from zero2all.distributed.fsdp import gather_full_state_dict
 
@@ -138,7 +146,7 @@ class Parallelized:
     def gather_plain_model(self) -> nn.Module | None:
         """A plain model holding the full weights, on rank 0 (others None): the model itself unless it is
         FSDP-sharded; then a CPU copy gathered by every rank (a collective)."""
-        if not self.fsdp:
+        if not self.fsdp and self.pipeline is None:
             return self.plain if self.env.is_main else None
         sd = self.full_state_dict()
         if sd is None:
@@ -180,6 +188,23 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
         apply_fsdp(model, pc, env, compute_dtype(precision, env.device))
         return Parallelized(model, model, mode, env, pc)
     return Parallelized(model, model, mode, env, pc)
+
+
+def parallelize_pipeline(model: nn.Module, pc: ParallelConfig, env: DistEnv, micro_batch_size: int,
+                         seq_len: int, precision: str = "auto", z_loss: float = 0.0) -> Parallelized:
+    """Pipeline parallelism (``pc.pp`` > 1, ``pp.py``): the model split into stages over the pp ranks, FSDP2 over
+    the data-parallel replicas, activation checkpointing inside the stages. ``run.pipeline`` drives a step;
+    ``run.plain`` holds this rank's share of the model under the plain model's parameter names."""
+    from zero2all.config import ConfigError
+    from zero2all.distributed.pp import PipelineRun
+
+    pc.validate(env.world_size)
+    if not env.is_distributed:
+        raise ConfigError(f"parallel.pp={pc.pp} needs {pc.pp} or more processes: launch with torchrun "
+                          f"(e.g. torchrun --nproc_per_node={pc.pp} -m zero2all.cli pretrain ...)")
+    apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
+    pipe = PipelineRun(model, pc, env, micro_batch_size, seq_len, z_loss, compute_dtype(precision, env.device))
+    return Parallelized(pipe.plain, pipe.plain, "pp" if pipe.dp_size == 1 else "pp+fsdp", env, pc, pipeline=pipe)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
