@@ -51,6 +51,7 @@ from zero2all.distributed.env import (
     memory_stats,
     resolve_device,
 )
+from zero2all.distributed.mesh import ParallelDims, build_mesh, data_parallel_rank, plain_dims
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
 if TYPE_CHECKING:
@@ -60,8 +61,9 @@ __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_obj
            "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
            "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
            "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
-           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "parallelize_pipeline",
-           "resolve_device",
+           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device", "ParallelDims",
+           "data_parallel_rank",
+           "build_mesh",
            "transformer_blocks", "unwrap"]
 
 
@@ -104,11 +106,16 @@ class Parallelized:
     env: DistEnv
     config: ParallelConfig = field(default_factory=ParallelConfig)
     comm_hook: CommHook = field(default_factory=CommHook)
-    pipeline: "PipelineRun | None" = None  # pipeline parallelism: this rank's stages and their schedule
+    dims: ParallelDims | None = None       # the device mesh (mesh.py); data-parallel rank/size for the data
+    pipeline: "PipelineRun | None" = None  # pipeline parallelism (pp.py): this rank's stages and their schedule
+
+    def __post_init__(self):
+        if self.dims is None:
+            self.dims = plain_dims(self.env)
 
     @property
     def fsdp(self) -> bool:
-        return self.mode == "fsdp"
+        return self.mode == "fsdp" or (self.mode == "mesh" and is_fsdp(self.plain))
 
     def gradient_sync(self, enabled: bool):
         """Context for one micro-step: DDP skips its all-reduce (``no_sync``) unless ``enabled`` (the last
@@ -175,10 +182,13 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
     if mode != "none" and not env.is_distributed:
         raise ConfigError(f"parallel.mode={mode!r} needs a process group: launch with torchrun "
                           f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
-    apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
-    if compile_blocks:
+    if mode != "mesh":
+        apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
+    if compile_blocks and mode != "mesh":
         for block in transformer_blocks(model):
             block.compile()
+    if mode == "mesh":
+        return _parallelize_mesh(model, pc, env, precision, compile_blocks)
     if mode in ("ddp", "zero1"):
         wrapped, hook = apply_ddp(model, pc, env, seed)
         return Parallelized(wrapped, model, mode, env, pc, hook)
@@ -190,21 +200,32 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
     return Parallelized(model, model, mode, env, pc)
 
 
-def parallelize_pipeline(model: nn.Module, pc: ParallelConfig, env: DistEnv, micro_batch_size: int,
-                         seq_len: int, precision: str = "auto", z_loss: float = 0.0) -> Parallelized:
-    """Pipeline parallelism (``pc.pp`` > 1, ``pp.py``): the model split into stages over the pp ranks, FSDP2 over
-    the data-parallel replicas, activation checkpointing inside the stages. ``run.pipeline`` drives a step;
-    ``run.plain`` holds this rank's share of the model under the plain model's parameter names."""
-    from zero2all.config import ConfigError
-    from zero2all.distributed.pp import PipelineRun
+def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: str,
+                      compile_blocks: bool) -> Parallelized:
+    """tp / cp / HSDP on one device mesh, applied in the order that composes: tensor parallel on the blocks,
+    activation checkpointing around them, compile per block, then FSDP2 over the data-parallel (x cp) ranks."""
+    from zero2all.config import ConfigError, check_mesh
 
-    pc.validate(env.world_size)
-    if not env.is_distributed:
-        raise ConfigError(f"parallel.pp={pc.pp} needs {pc.pp} or more processes: launch with torchrun "
-                          f"(e.g. torchrun --nproc_per_node={pc.pp} -m zero2all.cli pretrain ...)")
+    check_mesh(model.cfg, None, pc, env.world_size)
+    dims = build_mesh(pc, env)
+    for name in ("tp", "cp"):
+        if dims.enabled(name):
+            raise ConfigError(f"parallel.{name}={dims.size(name)}: not available in this version")
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
-    pipe = PipelineRun(model, pc, env, micro_batch_size, seq_len, z_loss, compute_dtype(precision, env.device))
-    return Parallelized(pipe.plain, pipe.plain, "pp" if pipe.dp_size == 1 else "pp+fsdp", env, pc, pipeline=pipe)
+    if compile_blocks:
+        for block in transformer_blocks(model):
+            block.compile()
+    if dims.enabled("pp"):  # stages over the pp ranks, FSDP2 on each stage (pp.py)
+        from zero2all.distributed.pp import PipelineRun
+
+        pipe = PipelineRun(model, pc, env, dims, compute_dtype(precision, env.device))
+        return Parallelized(pipe.plain, pipe.plain, "mesh", env, pc, dims=dims, pipeline=pipe)
+    if dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate"):
+        from zero2all.distributed.fsdp import apply_fsdp
+
+        mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.enabled("dp_replicate") else dims["dp_shard_cp"]
+        apply_fsdp(model, pc, env, compute_dtype(precision, env.device), mesh=mesh)
+    return Parallelized(model, model, "mesh", env, pc, dims=dims)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

@@ -44,52 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero2all.config import ConfigError, ModelConfig, ParallelConfig
+from zero2all.config import MULTI_STAGE_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from zero2all.distributed.env import DistEnv, collective_timeout
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
-
-# --------------------------------------------------------------------------------------------------------------
-# configuration checks (before any process group exists)
-
-
-def check_pipeline_config(pc: ParallelConfig, world_size: int | None, prefix: str = "parallel") -> None:
-    """The pipeline fields on their own and against the number of processes; errors name the field."""
-    if pc.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"{prefix}.pp_schedule: {pc.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
-    if pc.pp_stages_per_rank < 1:
-        raise ConfigError(f"{prefix}.pp_stages_per_rank: must be >= 1, got {pc.pp_stages_per_rank}")
-    if pc.pp_stages_per_rank > 1 and pc.pp_schedule not in MULTI_STAGE_SCHEDULES:
-        raise ConfigError(f"{prefix}.pp_stages_per_rank={pc.pp_stages_per_rank} needs pp_schedule = "
-                          f"{' or '.join(MULTI_STAGE_SCHEDULES)} (got {pc.pp_schedule!r})")
-    if pc.pp_microbatches < 0:
-        raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = pp), got {pc.pp_microbatches}")
-    if 0 < pc.pp_microbatches < pc.pp:
-        raise ConfigError(f"{prefix}.pp_microbatches={pc.pp_microbatches} is fewer than the {pc.pp} pipeline "
-                          f"stages over ranks: some ranks would never work; use at least {pc.pp}")
-    if world_size is not None and world_size % pc.pp:
-        raise ConfigError(f"{prefix}.pp={pc.pp} does not divide the {world_size} processes")
-    if world_size is not None and world_size > pc.pp and pc.mode in ("ddp", "zero1"):
-        raise ConfigError(f"{prefix}.mode={pc.mode!r}: data-parallel replicas of a pipeline use FSDP2 on the "
-                          f"stages; set {prefix}.mode = fsdp or auto")
-
-
-def microbatches(pc: ParallelConfig) -> int:
-    return pc.pp_microbatches or pc.pp
-
-
-def check_pipeline_fit(pc: ParallelConfig, model_cfg: ModelConfig, micro_batch_size: int) -> None:
-    """What the model and the batch must allow: a block per stage, microbatches dividing the micro-batch."""
-    stages = pc.pp * pc.pp_stages_per_rank
-    if model_cfg.n_layers < stages:
-        raise ConfigError(f"parallel.pp={pc.pp} x pp_stages_per_rank={pc.pp_stages_per_rank} = {stages} stages, "
-                          f"but the model has only model.n_layers={model_cfg.n_layers} blocks")
-    m = microbatches(pc)
-    if micro_batch_size % m:
-        raise ConfigError(f"parallel.pp_microbatches={m} does not divide train.micro_batch_size="
-                          f"{micro_batch_size}: each micro-batch is split into that many pipeline microbatches")
+def check_pipeline_model(model_cfg: ModelConfig) -> None:
+    """What the mesh checks (``config.check_mesh``) cannot see: a tied embedding and LM head would be one
+    matrix on two ranks."""
     if model_cfg.tie_word_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_word_embeddings = true: the embedding (first stage) and "
                           "the LM head (last stage) would be one matrix on two ranks; untie them")
@@ -234,13 +195,6 @@ class RankModel(nn.Module):
 # the run
 
 
-def pipeline_mesh(env: DistEnv, pp: int):
-    """The 2-D device mesh (pp, dp): pp outermost, so the ranks of one pipeline stage are neighbours."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(env.device.type, (pp, env.world_size // pp), mesh_dim_names=("pp", "dp"))
-
-
 def _schedule_class(name: str):
     from torch.distributed import pipelining as P
 
@@ -291,26 +245,23 @@ class BusyTimer:
 class PipelineRun:
     """This rank's stages, the schedule that drives them, and the pp-group collectives the trainer needs."""
 
-    def __init__(self, model: nn.Module, pc: ParallelConfig, env: DistEnv, micro_batch_size: int, seq_len: int,
-                 z_loss: float = 0.0, param_dtype: torch.dtype = torch.float32, mesh=None):
+    def __init__(self, model: nn.Module, pc: ParallelConfig, env: DistEnv, dims,
+                 param_dtype: torch.dtype = torch.float32):
         from torch.distributed.pipelining import PipelineStage
 
-        check_pipeline_fit(pc, model.cfg, micro_batch_size)
-        self.pc, self.env = pc, env
-        self.mesh = mesh if mesh is not None else pipeline_mesh(env, pc.pp)
-        self.pp_group = self.mesh["pp"].get_group()
-        self.pp_rank = self.mesh["pp"].get_local_rank()
-        self.dp_size = self.mesh["dp"].size()
-        self.n_microbatches = microbatches(pc)
-        self.layout = stage_layout(model.cfg, pc, seq_len)
+        check_pipeline_model(model.cfg)
+        self.pc, self.env, self.dims = pc, env, dims
+        self.pp_group = dims["pp"].get_group()
+        self.pp_rank = dims.rank("pp")
+        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len)
         n_stages = len(self.layout)
         self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
         self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
         total, non_embedding = model.num_params(), model.num_params(non_embedding=True)
-        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1, z_loss)
-                        for s in self.stage_ids]
+        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1) for s in self.stage_ids]
         self.plain = RankModel(model.cfg, self.modules, total, non_embedding)
-        if self.dp_size > 1:
+        self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
+        if self.sharded:
             self._shard(param_dtype)
         self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
                        for m, s in zip(self.modules, self.stage_ids)]
@@ -320,13 +271,30 @@ class PipelineRun:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(st, name):
                     setattr(st, name, self._maybe_timed(getattr(st, name)))
+        self.schedule = None       # built at the first step, when the micro-batch size is known
+        self.n_microbatches = 0
         self._n_valid = 1
         self._multiplier = 1.0
         self._reported: list[torch.Tensor] = []
-        cls = _schedule_class(pc.pp_schedule)
-        target = self.stages if pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
-        self.schedule = cls(target, n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.last_step_s = 0.0
+
+    def set_z_loss(self, z_loss: float) -> None:
+        """The objective's z-loss weight, computed on the last stage."""
+        for m in self.modules:
+            m.z_loss = z_loss
+
+    def _schedule_for(self, rows: int):
+        """The schedule for micro-batches of ``rows`` sequences: ``pp_microbatches`` of them (0 = one sequence
+        each)."""
+        m = self.pc.pp_microbatches or rows
+        if rows % m:
+            raise ConfigError(f"parallel.pp_microbatches={m} does not divide the micro-batch of {rows} sequences")
+        if self.schedule is None or m != self.n_microbatches:
+            cls = _schedule_class(self.pc.pp_schedule)
+            target = self.stages if self.pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
+            self.schedule = cls(target, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            self.n_microbatches = m
+        return self.schedule
 
     def _maybe_timed(self, fn):
         timed = self.timer.wrap(fn)
@@ -339,7 +307,8 @@ class PipelineRun:
         mp = MixedPrecisionPolicy() if param_dtype == torch.float32 else \
             MixedPrecisionPolicy(param_dtype=param_dtype,
                                  reduce_dtype=torch.float32 if self.pc.fsdp_reduce_fp32 else param_dtype)
-        dp_mesh = self.mesh["dp"]
+        d = self.dims
+        dp_mesh = d.mesh["dp_replicate", "dp_shard_cp"] if d.enabled("dp_replicate") else d["dp_shard_cp"]
         for m in self.modules:
             for block in m.layers.values():
                 fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=self.pc.reshard_after_forward)
@@ -367,7 +336,7 @@ class PipelineRun:
         self._multiplier = multiplier
         self._reported = []
         t0 = time.perf_counter()
-        self.schedule.step(tokens, target=labels, labels=labels, **kwargs)
+        self._schedule_for(tokens.size(0)).step(tokens, target=labels, labels=labels, **kwargs)
         if self.measure and self.env.device.type == "cuda":
             torch.cuda.synchronize()
         self.last_step_s = time.perf_counter() - t0
@@ -387,7 +356,7 @@ class PipelineRun:
         self._n_valid = max(int((labels != -100).sum()), 1)
         self._multiplier = 1.0
         self._reported = []
-        self.schedule.eval(tokens, target=labels, labels=labels, **kwargs)
+        self._schedule_for(tokens.size(0)).eval(tokens, target=labels, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
@@ -433,12 +402,13 @@ class PipelineRun:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         with collective_timeout(self.env, "gathering the full model from the pipeline stages"):
-            full = self.dp_size > 1  # FSDP shards: every dp rank gathers the full tensors of its stages
-            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=full))
+            # FSDP shards: every data-parallel rank gathers the full tensors of its stages
+            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=self.sharded))
             sd = {k: v.detach().cpu() for k, v in sd.items()}
-            # one copy per stage: the first data-parallel rank of each stage sends its (gathered) tensors
+            # one copy per stage: the first rank of each stage's data-parallel group sends its tensors
+            first = self.dims.rank("dp") == 0 and self.dims.rank("cp") == 0 and self.dims.rank("tp") == 0
             parts: list = [None] * self.env.world_size
-            dist.all_gather_object(parts, sd if self.mesh["dp"].get_local_rank() == 0 else None)
+            dist.all_gather_object(parts, sd if first else None)
         if not self.env.is_main:
             return None
         merged: dict[str, torch.Tensor] = {}
