@@ -278,10 +278,14 @@ class PipelineRun:
         self._reported: list[torch.Tensor] = []
         self.last_step_s = 0.0
 
-    def set_z_loss(self, z_loss: float) -> None:
-        """The objective's z-loss weight, computed on the last stage."""
+    def set_objective(self, objective) -> None:
+        """The last stage computes the loss itself: next-token cross-entropy (pretraining, SFT) with the
+        objective's z-loss weight. Other objectives (DPO's paired sequences) are refused, naming the objective."""
+        if getattr(objective, "name", None) not in ("pretrain", "sft"):
+            raise ConfigError(f"parallel.pp > 1: the {getattr(objective, 'name', objective)!r} objective is not "
+                              f"available under pipeline parallelism (pretrain and sft are)")
         for m in self.modules:
-            m.z_loss = z_loss
+            m.z_loss = float(getattr(objective, "z_loss", 0.0))
 
     def _schedule_for(self, rows: int):
         """The schedule for micro-batches of ``rows`` sequences: ``pp_microbatches`` of them (0 = one sequence
