@@ -276,7 +276,7 @@ class PipelineRun:
         self._n_valid = 1
         self._multiplier = 1.0
         self._reported: list[torch.Tensor] = []
-        self.last_step_s = 0.0
+        self.wall_s = 0.0          # schedule-step wall time since the last reset_measurement (measure = True)
 
     def set_objective(self, objective) -> None:
         """The last stage computes the loss itself: next-token cross-entropy (pretraining, SFT) with the
@@ -339,12 +339,20 @@ class PipelineRun:
         self._n_valid = max(int((labels != -100).sum()), 1)
         self._multiplier = multiplier
         self._reported = []
+        schedule = self._schedule_for(tokens.size(0))
+        if not self.measure:
+            schedule.step(tokens, target=labels, labels=labels, **kwargs)
+            return self._reported_sum(tokens.device)
+        self._sync()
         t0 = time.perf_counter()
-        self._schedule_for(tokens.size(0)).step(tokens, target=labels, labels=labels, **kwargs)
-        if self.measure and self.env.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.last_step_s = time.perf_counter() - t0
+        schedule.step(tokens, target=labels, labels=labels, **kwargs)
+        self._sync()
+        self.wall_s += time.perf_counter() - t0
         return self._reported_sum(tokens.device)
+
+    def _sync(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
 
     def _reported_sum(self, device) -> torch.Tensor:
         """The sum of the microbatches' shares; on the first step the runtime's shape inference also runs the
@@ -390,11 +398,19 @@ class PipelineRun:
         return norm
 
     # -- measurement ----------------------------------------------------------------------------------------------
+    def reset_measurement(self) -> None:
+        """Start measuring: every following :meth:`step` is timed (wall clock around the schedule step, busy time
+        inside the stage computations) until :meth:`measured_bubble` is read."""
+        self.measure = True
+        self.timer.reset()
+        self.wall_s = 0.0
+
     def measured_bubble(self) -> float:
-        """1 - (this rank's busy time in stage forward/backward) / (the schedule step's wall time), for the
-        last :meth:`step` run with ``measure = True``. Compare with :func:`ideal_bubble`."""
+        """1 - (this rank's busy time in stage forward / backward computations) / (wall time of the schedule
+        steps) since :meth:`reset_measurement`: the idle share of the pipeline on this rank, to compare with
+        :meth:`ideal_bubble`. Point-to-point waits and transfers count as idle."""
         busy = self.timer.busy_s()
-        return max(0.0, 1.0 - busy / self.last_step_s) if self.last_step_s > 0 else 0.0
+        return max(0.0, 1.0 - busy / self.wall_s) if self.wall_s > 0 else 0.0
 
     def ideal_bubble(self) -> float:
         from zero2all.accounting import pipeline_bubble_fraction
