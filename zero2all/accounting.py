@@ -587,12 +587,13 @@ def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int
     return grad_accum_steps * layers * 3 * (cp - 1) / cp * micro_batch * seq_len * kv * e
 
 
-def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
+def pipeline_bubble_fraction(stages: int, micro_batches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of a GPipe / 1F1B schedule with K stages and M micro-batches: (K-1)/(K+M-1).
-    (Equivalently the bubble is (K-1)/M of the ideal compute time.)"""
-    if stages < 1 or micro_batches < 1:
-        raise ConfigError("pipeline: stages and micro-batches must be >= 1")
-    return (stages - 1) / (stages + micro_batches - 1)
+    (Equivalently the bubble is (K-1)/M of the ideal compute time.) With V virtual stages per rank (interleaved
+    1F1B) each fill/drain slot is 1/V as long: (K-1)/(V*M+K-1)."""
+    if stages < 1 or micro_batches < 1 or stages_per_rank < 1:
+        raise ConfigError("pipeline: stages, micro-batches and stages per rank must be >= 1")
+    return (stages - 1) / (stages_per_rank * micro_batches + stages - 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -878,3 +879,20 @@ def measured_flops(model, tokens, targets, backward: bool) -> int:
         if backward:
             loss.backward()
     return counter.get_total_flops()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pipeline parallelism (zero2all/distributed/pp.py)
+
+
+def pipeline_p2p_bytes(hidden: int, seq_len: int, micro_batch_size: int, grad_accum_steps: int, stages: int,
+                       stages_per_rank: int = 1, act_bytes: int = 2, residual_bytes: int = 4) -> int:
+    """Point-to-point bytes one pipeline replica sends per step: every boundary between consecutive stages
+    (K * V - 1 of them) carries the activations (x and the residual stream, B * T * H each) forward and their
+    gradients backward, for every sequence of every micro-batch:
+
+        2 * (K V - 1) * accum * B * T * H * (act_bytes + residual_bytes)
+
+    ``residual_bytes`` is 4 when the residual stream stays fp32 under bf16 autocast (``residual_in_fp32``)."""
+    boundaries = stages * stages_per_rank - 1
+    return 2 * boundaries * grad_accum_steps * micro_batch_size * seq_len * hidden * (act_bytes + residual_bytes)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -60,6 +61,9 @@ from zero2all.distributed.mesh import (
     plain_dims,
 )
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
+
+if TYPE_CHECKING:
+    from zero2all.distributed.pp import PipelineRun
 
 __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean", "all_true",
            "any_true", "apply_activation_checkpointing", "attention_core_policy", "barrier", "broadcast_object",
@@ -112,6 +116,7 @@ class Parallelized:
     comm_hook: CommHook = field(default_factory=CommHook)
     dims: ParallelDims | None = None       # the device mesh (mesh.py); data-parallel rank/size for the data
     fused_rows: dict = field(default_factory=dict)  # tensor parallel: fused parameters' row layouts (tp.py)
+    pipeline: "PipelineRun | None" = None  # pipeline parallelism (pp.py): this rank's stages and their schedule
 
     def __post_init__(self):
         if self.dims is None:
@@ -162,6 +167,8 @@ class Parallelized:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
+        if self.pipeline is not None:
+            return self.pipeline.full_state_dict()
         if self.fsdp or self.fused_rows:
             from zero2all.distributed.fsdp import gather_full_state_dict
 
@@ -174,7 +181,7 @@ class Parallelized:
     def gather_plain_model(self) -> nn.Module | None:
         """A plain model holding the full weights, on rank 0 (others None): the model itself unless it is
         FSDP-sharded; then a CPU copy gathered by every rank (a collective)."""
-        if not self.fsdp and not self.fused_rows:
+        if not self.fsdp and not self.fused_rows and self.pipeline is None:
             return self.plain if self.env.is_main else None
         sd = self.full_state_dict()
         if sd is None:
@@ -229,8 +236,9 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
 
     check_mesh(model.cfg, None, pc, env.world_size)
     dims = build_mesh(pc, env)
-    if dims.enabled("pp"):
-        raise ConfigError(f"parallel.pp={dims.size('pp')}: not available in this version")
+    if dims.enabled("pp") and (dims.enabled("tp") or dims.enabled("cp")):
+        raise ConfigError(f"parallel.pp={dims.size('pp')} with tp={dims.size('tp')} / cp={dims.size('cp')}: "
+                          f"pipeline stages are not combined with tensor or context parallelism in this version")
     fused_rows = {}
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
@@ -242,6 +250,11 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if compile_blocks:
         for block in transformer_blocks(model):
             block.compile()
+    if dims.enabled("pp"):  # stages over the pp ranks, FSDP2 on each stage (pp.py)
+        from zero2all.distributed.pp import PipelineRun
+
+        pipe = PipelineRun(model, pc, env, dims, compute_dtype(precision, env.device))
+        return Parallelized(pipe.plain, pipe.plain, "mesh", env, pc, dims=dims, pipeline=pipe)
     if dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate"):
         from zero2all.distributed.fsdp import apply_fsdp
 

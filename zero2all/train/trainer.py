@@ -270,9 +270,9 @@ class Trainer:
         if self.dist.is_distributed:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
-        # the tp / cp ranks of one data-parallel replica read the same sequences (distributed/mesh.py)
+        # the data-parallel coordinate: pipeline (and tp / cp) ranks of one replica read the same sequences
         self.dp_rank, self.dp_size = zd.data_parallel_rank(cfg.parallel, rank, world_size)
+        self.is_main = rank == 0
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
         self.device = self.dist.device
@@ -306,6 +306,10 @@ class Trainer:
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
+        self.pipeline = self.run.pipeline  # pp > 1: this rank's stages and their schedule (distributed/pp.py)
+        if self.pipeline is not None:
+            self.pipeline.set_objective(self.objective)
+            self.raw_model = self.run.plain  # this rank's share, under the plain model's names
         self.model = torch.compile(self.run.model) if self.tcfg.compile and not fsdp else self.run.model
         self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device))
         self.schedule = LRSchedule.from_config(self.tcfg)
@@ -408,17 +412,15 @@ class Trainer:
 
     def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None,
                          saved_dp: int | None = None) -> dict:
-        """The Stateful parts of this run's checkpoints (``saved_world``: the world size of the run that wrote
-        the checkpoint being loaded)."""
+        """The Stateful parts of this run's checkpoints (``saved_world`` / ``saved_dp``: the world size and the
+        data-parallel size of the run that wrote the checkpoint being loaded)."""
         saved_world = saved_world or self.world_size
-        saved_dp = saved_dp or (self.dp_size if saved_world == self.world_size else None)
         parts = {
             "model": ckpt_io.ModelState(self.run.plain, self.run.fused_rows),
             "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer), self.run.fused_rows),
             "trainer": ckpt_io.JsonState(self.counters, self.load_counters),
-            # one data position per data-parallel replica (its tp / cp ranks write the same one)
             "data": ckpt_io.RankStates(self.dp_rank, self.train_iter.state_dict, self._load_data_states,
-                                       saved_dp or saved_world),
+                                       saved_dp or self.dp_size),
             "rng": ckpt_io.RankStates(self.rank, ckpt_io.capture_rng_state, self._restore_rng, saved_world),
         }
         hook = self.run.comm_hook
@@ -438,9 +440,10 @@ class Trainer:
         """Every rank: ``OUT/ckpt-<step>`` in the one checkpoint format (zero2all/checkpoint/), then pruning."""
         path = self.out_dir / ckpt_io.checkpoint_name(self.step)
         t0 = time.perf_counter()
-        meta = {"step": self.step, "parallel": self.parallel, "model": to_dict(self.cfg.model),
+        meta = {"step": self.step, "parallel": self.parallel, "data_parallel": self.dp_size,
+                "model": to_dict(self.cfg.model),
                 "tokenizer_hash": self.tokenizer_hash, "objective": self.objective.name,
-                "comm_hook": self.run.comm_hook.powersgd_state is not None, "data_parallel": self.dp_size}
+                "comm_hook": self.run.comm_hook.powersgd_state is not None}
         ckpt_io.save(path, self.checkpoint_parts(), self.dist, meta, write_extra=self.write_checkpoint_extras)
         if self.is_main:
             for old in ckpt_io.prune(self.out_dir, self.tcfg.keep_last, newest=path):
@@ -461,7 +464,7 @@ class Trainer:
         meta = ckpt_io.read_meta(ckpt)
         saved_cfg = json.loads((ckpt / ckpt_io.RUN_CONFIG).read_text(encoding="utf-8"))
         saved_world = int(meta["world_size"])
-        saved_dp = int(meta.get("data_parallel", saved_world))
+        saved_dp = int(meta.get("data_parallel", saved_world))  # data-parallel replicas decide the global batch
         changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.dp_size, saved_dp,
                                    meta.get("tokenizer_hash"), self.tokenizer_hash)
         self._loading = ckpt
@@ -535,17 +538,24 @@ class Trainer:
         tokens = 0
         for micro in range(accum):
             batch = self._to_device(next(self.train_iter))
-            # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
-            with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
-                loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
+            if self.pipeline is not None:  # forward and backward of the micro-batch's pipeline microbatches
+                with self.autocast():
+                    loss, metrics = self.pipeline.step(batch, self.scaler.scale / accum), {}
+            else:
+                # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
+                with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
+                    loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
             loss_sum += loss.float()
             tokens += self.objective.num_tokens(batch)
             for k, v in metrics.items():
                 v = v.detach().float() if torch.is_tensor(v) else float(v)
                 metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+        if self.pipeline is not None:  # the loss lives on the last stage: every rank gets it
+            loss_sum = self.pipeline.from_last_stage(loss_sum)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler.unscale_(params)
-        norm = grad_norm_and_clip(params, t.grad_clip)
+        norm = self.pipeline.grad_norm_and_clip(params, t.grad_clip) if self.pipeline is not None else \
+            grad_norm_and_clip(params, t.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # one host sync per update
         found_inf = not math.isfinite(grad_norm)
         applied = self.scaler.update(found_inf)
@@ -560,10 +570,11 @@ class Trainer:
         self.step += 1
         self.tokens_seen += tokens * self.dp_size
         self.elapsed_s += dt
-        tokens_per_s = tokens * self.dp_size / self.world_size / dt  # per device (tp / cp ranks share tokens)
+        tokens_per_s = tokens / dt  # this data-parallel replica; MFU is per device (a replica spans several)
         rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tokens_per_s * self.world_size,
-               "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops),
+               "tokens_per_s": tokens_per_s * self.dp_size,
+               "mfu": compute_mfu(tokens_per_s * self.dp_size / self.world_size, self.cfg.model, self.seq_len,
+                                  self.peak_flops),
                "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(self.device),
                "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
         if self.scaler.enabled:
@@ -591,6 +602,10 @@ class Trainer:
         ``<source>/bits_per_byte`` etc. (TensorBoard ``eval/<source>/bits_per_byte``). Every process computes it
         (sharded parameters need all of them in each forward pass); the main one logs it."""
         if not self.tcfg.eval_data:
+            return None
+        if self.pipeline is not None:
+            self._print("train.eval_data: bits per byte is not evaluated under pipeline parallelism (parallel.pp > "
+                        "1); evaluate the checkpoint with `z2all eval`")
             return None
         from zero2all.eval.perplexity import evaluate_texts, iter_documents
 
@@ -633,8 +648,11 @@ class Trainer:
             except StopIteration:
                 break
             with self.autocast():
-                with self.run.train_context(batch):
-                    loss, extra = self.objective.eval_loss(self.model, batch)
+                if self.pipeline is not None:
+                    loss, extra = self.pipeline.eval_loss(batch), {}
+                else:
+                    with self.run.train_context(batch):
+                        loss, extra = self.objective.eval_loss(self.model, batch)
             losses.append(loss.float())
             for key, value in extra.items():
                 metrics.setdefault(key, []).append(value)
