@@ -489,6 +489,9 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
         if micro and micro < stages:
             raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
                               f"(0 means train.micro_batch_size={batch})")
+    if cp > 1 and model.ops.attention != "sdpa":
+        raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
+                          f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"{prefix}.cp={cp}: seq_len={seq_len} is not divisible by 2 * cp = {2 * cp} (each "
                           f"sequence is cut into 2 * cp chunks for load-balanced causal attention)")
