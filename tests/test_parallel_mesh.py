@@ -231,6 +231,13 @@ def test_impossible_meshes_are_refused_with_the_numbers():
     with pytest.raises(ConfigError, match="sequence_parallel"):
         ParallelConfig(sequence_parallel=True).validate(1)
     assert check_mesh(m, t, ParallelConfig(tp=2, cp=2), 8)["dp_shard"] == 2
+    from zero2all.config import load_config
+
+    with pytest.raises(ConfigError, match="document_mask"):
+        load_config("tiny", ["parallel.cp=2", "data.document_mask=true"]).validate(2)
+    with pytest.raises(ConfigError, match="ops.attention='flex'"):
+        check_mesh(ModelConfig(**{**tiny_cfg().__dict__, "ops": OpsConfig(attention="flex")}), t,
+                   ParallelConfig(cp=2), 2)
     assert zd.data_parallel_rank(ParallelConfig(tp=2, cp=2), 5, 8) == (1, 2)  # row-major: rank 5 = dp 1, cp 0, tp 1
     assert zd.data_parallel_rank(ParallelConfig(), 5, 8) == (5, 8)
 

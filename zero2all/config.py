@@ -566,6 +566,9 @@ class Config:
         self.post.validate("post")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.parallel.cp > 1 and self.data.document_mask:
+            raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
+                              f"takes the causal mask only, not document masks; set one of them off")
         if world_size is not None:
             check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self
