@@ -260,3 +260,16 @@ def test_estimate_splits_the_mesh_dimensions():
     assert cp2["communication"]["context_parallel_bytes_per_step"] > 0
     with pytest.raises(ConfigError, match="--cp"):
         estimate(cfg, Layout(gpus=3, cp=2))
+
+
+def test_fused_rows_rank_major_layout():
+    from zero2all.distributed.tp import FusedRows
+
+    rows = FusedRows((8, 4, 4), 2)                     # q of 8 rows, k and v of 4, over 2 ranks
+    canonical = torch.arange(16)
+    rank_major = rows.to_rank_major(canonical)
+    # rank 0's Shard(0) block: its q half, its k half, its v half; rank 1's the other halves
+    assert rank_major.tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(rows.to_canonical(rank_major), canonical)
+    w = torch.randn(12, 3)
+    assert torch.equal(FusedRows((6, 6), 3).to_canonical(FusedRows((6, 6), 3).to_rank_major(w)), w)
