@@ -37,6 +37,7 @@ one DCP format and resumes on one process or on another mesh.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -126,10 +127,14 @@ class StageModule(nn.Module):
     ``(x, residual)`` -> the SUM of the token losses of this microbatch, shape (1,) (``labels`` is passed to every
     stage and read by the last only)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0):
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = model.cfg
         self.first, self.last, self.z_loss = first, last, z_loss
+        # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
+        # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
+        self.boundary_dtypes = (compute_dtype, torch.float32 if model.cfg.residual_in_fp32 else compute_dtype)
         self.embed_tokens = model.embed_tokens if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -149,7 +154,7 @@ class StageModule(nn.Module):
         for layer in self.layers.values():
             x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
         if not self.last:
-            return x, residual
+            return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return token_loss_sum(h, self.lm_head.weight, labels, self.z_loss, c.ops.cross_entropy)
@@ -162,6 +167,8 @@ def token_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     without valid tokens contributes an exact zero that still joins the autograd graph."""
     from zero2all.model import ops
 
+    if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
+        return h.float().sum().reshape(1)
     n_valid = int((labels != -100).sum())
     if n_valid == 0:
         return h.float().sum().reshape(1) * 0.0
@@ -258,7 +265,8 @@ class PipelineRun:
         self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
         self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
         total, non_embedding = model.num_params(), model.num_params(non_embedding=True)
-        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1) for s in self.stage_ids]
+        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1, compute_dtype=param_dtype)
+                        for s in self.stage_ids]
         self.plain = RankModel(model.cfg, self.modules, total, non_embedding)
         self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
         if self.sharded:
@@ -296,7 +304,10 @@ class PipelineRun:
         if self.schedule is None or m != self.n_microbatches:
             cls = _schedule_class(self.pc.pp_schedule)
             target = self.stages if self.pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
-            self.schedule = cls(target, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            # scale_grads=False: the loss function already divides by the micro-batch's token count (torch
+            # versions without the argument never rescale)
+            extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+            self.schedule = cls(target, n_microbatches=m, loss_fn=self._loss, **extra)
             self.n_microbatches = m
         return self.schedule
 
@@ -368,7 +379,11 @@ class PipelineRun:
         self._n_valid = max(int((labels != -100).sum()), 1)
         self._multiplier = 1.0
         self._reported = []
-        self._schedule_for(tokens.size(0)).eval(tokens, target=labels, labels=labels, **kwargs)
+        schedule = self._schedule_for(tokens.size(0))
+        if not hasattr(schedule, "eval"):
+            raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
+                              f"(this is {torch.__version__}); set train.eval_batches = 0")
+        schedule.eval(tokens, target=labels, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
