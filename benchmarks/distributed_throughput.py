@@ -18,6 +18,8 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
     ours-pp      N GPUs, pipeline parallel over N stages (--pp-schedule, --pp-microbatches pipeline microbatches
                  per micro-batch; one data-parallel replica, so a step holds micro-batch x accum sequences), with
                  the measured bubble per rank (1 - busy / wall time of the schedule steps) and its ideal value
+    ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica)
+    ours-cp      N GPUs, context parallel over N ranks (ring attention; FSDP2 over the cp ranks)
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
                  master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync
 Ours runs the model with ``ops = auto`` (Triton kernels on CUDA): DDP with fp32 master weights + bf16 autocast,
@@ -83,6 +85,7 @@ def worker(args) -> None:
 
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
     pipeline = mode == "pp"
+    mesh_kind = mode in ("pp", "tp", "cp")
     env = zd.init_distributed(device=args.device)
     if env.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // env.world_size))
@@ -91,7 +94,7 @@ def worker(args) -> None:
     overrides = list(args.override) + [
         f"train.micro_batch_size={args.micro_batch}", f"train.grad_accum_steps={args.accum}",
         f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'",
-        f"parallel.mode='{'auto' if pipeline else mode}'",
+        f"parallel.mode='{'auto' if mesh_kind else mode}'",
         f"parallel.activation_checkpointing='{args.ac}'", f"parallel.reshard_after_forward={str(args.reshard).lower()}",
         f"train.compile={str(args.compile).lower()}", f"train.out_dir='{Path(args.result).parent / args.variant}'",
         f"train.device='{device}'", "train.tensorboard=false", "train.eval_every=0", "train.num_samples=0",
@@ -101,6 +104,10 @@ def worker(args) -> None:
     if pipeline:
         overrides += [f"parallel.pp={env.world_size}", f"parallel.pp_schedule='{args.pp_schedule}'",
                       f"parallel.pp_microbatches={args.pp_microbatches}"]
+    if mode == "tp":
+        overrides += [f"parallel.tp={env.world_size}", "parallel.sequence_parallel=true"]
+    if mode == "cp":
+        overrides += [f"parallel.cp={env.world_size}"]
     if mode == "fsdp" and args.fsdp_no_sync:
         overrides.append("parallel.fsdp_accum_no_sync=true")
     cfg = load_config(args.config, overrides)
@@ -166,6 +173,21 @@ def worker(args) -> None:
     median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
     memory = zd.gather_memory_stats(env)
     bubbles = zd.all_gather_object(trainer.pipeline.measured_bubble(), env) if pipeline else None
+    comm = None
+    if args.count_comm and family == "ours":  # one more step with every collective's bytes counted
+        from comm_count import CommCounter
+
+        dims = trainer.run.dims
+        names = {}
+        if dims.mesh is not None:
+            for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+                if dims.size(name) > 1:
+                    names.setdefault(dims[name].get_group().group_name, name)
+        counter = CommCounter(names, env.world_size)
+        with counter.counting():
+            step()
+            sync()
+        comm = zd.all_gather_object(counter.summary(), env)
     if env.is_main:
         tokens = args.micro_batch * args.accum * seq * dp
         tok_s = tokens / median
@@ -178,6 +200,8 @@ def worker(args) -> None:
                   "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__}
+        if comm is not None:
+            result["comm_per_rank"] = comm
         if pipeline:
             result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
                           bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble())
@@ -199,6 +223,7 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
            "--device", args.device, "--ac", args.ac, "--reshard", str(args.reshard).lower()]
     cmd += ["--pp-schedule", args.pp_schedule, "--pp-microbatches", str(args.pp_microbatches)]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--count-comm"] if args.count_comm else []
     cmd += ["--fsdp-no-sync"] if args.fsdp_no_sync else []
     for o in args.override:
         cmd += ["--override", o]
@@ -225,7 +250,7 @@ def plan(args) -> list[tuple[str, int]]:
         for n in gpus:
             if variant == "ours" and n == 1:
                 runs.append(("ours", 1))
-            elif variant in ("ours-ddp", "ours-fsdp", "ours-pp") and n > 1:
+            elif variant in ("ours-ddp", "ours-fsdp", "ours-pp", "ours-tp", "ours-cp") and n > 1:
                 runs.append((variant, n))
             elif variant == "peer":
                 runs.append(("peer" if n == 1 else "peer-ddp", n))
@@ -248,6 +273,10 @@ def print_table(results: list[dict]) -> None:
         print(f"{name:12s} {r['gpus']:>4d} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / r['gpus']:>10,.0f} "
               f"{scaling:>8s} {vs_peer:>8s} {mfu:>6s}  {mem}")
     for r in results:
+        for rank, c in enumerate(r.get("comm_per_rank") or []):
+            print(f"{r['variant']} x{r['gpus']} rank {rank}: sent per step "
+                  + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in sorted(c["by_group"].items()))
+                  + " | " + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in sorted(c["by_kind"].items())))
         if "bubble_measured" in r:
             print(f"{r['variant']} x{r['gpus']}: {r['pp_schedule']}, {r['pp_microbatches']} microbatches per "
                   f"micro-batch; measured bubble per rank "
@@ -281,6 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--pp-microbatches", type=int, default=8,
                    help="ours-pp: pipeline microbatches per micro-batch (must divide --micro-batch)")
     p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
+    p.add_argument("--count-comm", action="store_true",
+                   help="ours: one extra step counting the bytes each rank sends, per collective and mesh dimension")
     p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     p.add_argument("--json", default="", help="also write all results to this file")

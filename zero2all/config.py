@@ -466,6 +466,13 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
         if model.padded_vocab_size % tp:
             raise ConfigError(f"{prefix}.tp={tp}: the vocabulary ({model.padded_vocab_size} rows) is not divisible "
                               f"by it (embedding and LM head are split by rows); set model.pad_vocab_to_multiple_of")
+        if train is not None and train.z_loss:
+            raise ConfigError(f"{prefix}.tp={tp}: train.z_loss is not available with tensor parallelism (the "
+                              f"vocab-parallel loss computes the cross-entropy only)")
+        for name in ("attention_dropout", "dropout1", "dropout2"):
+            if getattr(model, name):
+                raise ConfigError(f"{prefix}.tp={tp}: model.{name}={getattr(model, name)} would drop different "
+                                  f"values of the replicated activations on each tp rank; set it to 0")
         if parallel.sequence_parallel and (seq_len // cp) % tp:
             raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
                               f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
@@ -482,6 +489,9 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
         if micro and micro < stages:
             raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
                               f"(0 means train.micro_batch_size={batch})")
+    if cp > 1 and model.ops.attention != "sdpa":
+        raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
+                          f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"{prefix}.cp={cp}: seq_len={seq_len} is not divisible by 2 * cp = {2 * cp} (each "
                           f"sequence is cut into 2 * cp chunks for load-balanced causal attention)")

@@ -51,7 +51,15 @@ from zero2all.distributed.env import (
     memory_stats,
     resolve_device,
 )
-from zero2all.distributed.mesh import ParallelDims, build_mesh, data_parallel_rank, plain_dims
+from zero2all.distributed.mesh import (
+    MeshModel,
+    ParallelDims,
+    build_mesh,
+    data_parallel_rank,
+    mesh_grad_norm_and_clip,
+    needs_mesh_norm,
+    plain_dims,
+)
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
 if TYPE_CHECKING:
@@ -107,6 +115,7 @@ class Parallelized:
     config: ParallelConfig = field(default_factory=ParallelConfig)
     comm_hook: CommHook = field(default_factory=CommHook)
     dims: ParallelDims | None = None       # the device mesh (mesh.py); data-parallel rank/size for the data
+    fused_rows: dict = field(default_factory=dict)  # tensor parallel: fused parameters' row layouts (tp.py)
     pipeline: "PipelineRun | None" = None  # pipeline parallelism (pp.py): this rank's stages and their schedule
 
     def __post_init__(self):
@@ -132,6 +141,22 @@ class Parallelized:
             return self.model.no_sync()
         return nullcontext()
 
+    def train_context(self, batch: dict):
+        """Context for a forward + backward (or an evaluation forward) of ``batch``: loss parallel under tp (the
+        cross-entropy of vocab-sharded logits), ring attention and the sequence split under cp."""
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        if self.dims.enabled("tp"):
+            from zero2all.distributed.tp import loss_parallel_context
+
+            stack.enter_context(loss_parallel_context())
+        if self.dims.enabled("cp"):
+            from zero2all.distributed.cp import context_parallel_batch
+
+            stack.enter_context(context_parallel_batch(self.dims["cp"], self.model, batch))
+        return stack
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1: the optimizer partitioned over ranks; other modes: unchanged."""
         if self.mode != "zero1":
@@ -144,16 +169,19 @@ class Parallelized:
         """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
         if self.pipeline is not None:
             return self.pipeline.full_state_dict()
-        if self.fsdp:
+        if self.fsdp or self.fused_rows:
             from zero2all.distributed.fsdp import gather_full_state_dict
 
-            return gather_full_state_dict(self.plain, self.env)
+            sd = gather_full_state_dict(self.plain, self.env)
+            if sd is not None:  # tensor parallel: fused rows back in the canonical layout
+                sd = {k: self.fused_rows[k].to_canonical(v) if k in self.fused_rows else v for k, v in sd.items()}
+            return sd
         return self.plain.state_dict() if self.env.is_main else None
 
     def gather_plain_model(self) -> nn.Module | None:
         """A plain model holding the full weights, on rank 0 (others None): the model itself unless it is
         FSDP-sharded; then a CPU copy gathered by every rank (a collective)."""
-        if not self.fsdp and self.pipeline is None:
+        if not self.fsdp and not self.fused_rows and self.pipeline is None:
             return self.plain if self.env.is_main else None
         sd = self.full_state_dict()
         if sd is None:
@@ -208,9 +236,16 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
 
     check_mesh(model.cfg, None, pc, env.world_size)
     dims = build_mesh(pc, env)
-    for name in ("tp", "cp"):
-        if dims.enabled(name):
-            raise ConfigError(f"parallel.{name}={dims.size(name)}: not available in this version")
+    if dims.enabled("pp") and (dims.enabled("tp") or dims.enabled("cp")):
+        raise ConfigError(f"parallel.pp={dims.size('pp')} with tp={dims.size('tp')} / cp={dims.size('cp')}: "
+                          f"pipeline stages are not combined with tensor or context parallelism in this version")
+    fused_rows = {}
+    if dims.enabled("tp"):
+        from zero2all.distributed.tp import apply_tp, describe_tp_ops
+
+        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel)
+        if env.is_main:
+            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel), flush=True)
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
     if compile_blocks:
         for block in transformer_blocks(model):
@@ -225,7 +260,8 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
 
         mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.enabled("dp_replicate") else dims["dp_shard_cp"]
         apply_fsdp(model, pc, env, compute_dtype(precision, env.device), mesh=mesh)
-    return Parallelized(model, model, "mesh", env, pc, dims=dims)
+    wrapped = MeshModel(model) if dims.enabled("cp") or dims.enabled("tp") else model
+    return Parallelized(wrapped, model, "mesh", env, pc, dims=dims, fused_rows=fused_rows)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
@@ -233,6 +269,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
+    if needs_mesh_norm(params):
+        return float(mesh_grad_norm_and_clip(params, max_norm))
     if max_norm and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:

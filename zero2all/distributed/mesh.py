@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from zero2all.config import ParallelConfig
 from zero2all.distributed.env import DistEnv, collective_timeout
@@ -122,3 +123,66 @@ def data_parallel_rank(pc: ParallelConfig, rank: int, world_size: int) -> tuple[
     shape = pc.mesh_shape(world_size)
     dp = shape["dp_replicate"] * shape["dp_shard"]
     return (rank // (shape["cp"] * shape["tp"])) % dp, dp
+
+
+def _spec(t: torch.Tensor):
+    mesh = getattr(t, "device_mesh", None)
+    return None if mesh is None else (mesh, tuple(t.placements))
+
+
+def needs_mesh_norm(params) -> bool:
+    """True when the gradients live on several meshes / layouts (tp shards, FSDP 2-D shards, plain replicated
+    norms) or hold partial sums: torch's one-list norm does not apply then."""
+    specs = {_spec(p.grad) for p in params if p.grad is not None}
+    return len(specs) > 1 or any(s is not None and any(pl.is_partial() for pl in s[1]) for s in specs)
+
+
+def mesh_grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
+    """The global L2 norm of gradients spread over a device mesh, and clipping to ``max_norm`` (> 0).
+
+    Partial gradients (sequence-parallel norm weights) are first summed into their parameter's layout. Then per
+    group of one (mesh, placements): torch's total norm of the group, reduced over the mesh (``full_tensor``);
+    the global norm is sqrt(sum of the groups' squares). Replicated gradients count once, as they should."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if _spec(p.grad) is not None and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        groups.setdefault(_spec(p.grad), []).append(p.grad)
+    total = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, foreach=True)
+        n = n.full_tensor() if hasattr(n, "full_tensor") else n
+        total = total + n.float().cpu() ** 2
+    total = total.sqrt()
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+    return total
+
+
+class MeshModel(nn.Module):
+    """What the trainer calls on a tp / cp mesh: the (sharded) model, returning a plain loss tensor (loss parallel
+    gives a replicated DTensor) and, under cp, called with the positions of this rank's sequence chunks (set by
+    ``cp.context_parallel_batch`` for the current batch). Document masks are refused under cp."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, tokens, targets=None, **kwargs):
+        if self.positions is not None:
+            if kwargs.get("doc_ids") is not None:
+                raise ValueError("context parallel (parallel.cp > 1): document masks (data.document_mask, packed "
+                                 "samples) are not supported by ring attention; set data.document_mask = false or "
+                                 "parallel.cp = 1")
+            if kwargs.get("position_ids") is None:
+                kwargs["position_ids"] = self.positions
+        logits, loss = self.module(tokens, targets, **kwargs)
+        if loss is not None and hasattr(loss, "to_local"):
+            loss = loss.to_local()
+        return logits, loss

@@ -121,7 +121,8 @@ class Block(nn.Module):
         ``nn.Linear`` (a LoRA-wrapped projection keeps the plain path)."""
         attn, mlp = self.self_attn, self.mlp
         return ops.use_triton(self.cfg.ops.fused_linear, x) and all(
-            isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)) \
+            and not ops.is_dtensor(attn.qkv_proj.weight)  # tensor parallel: the modules' sharded path
 
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
@@ -236,7 +237,7 @@ class Z2all(nn.Module):
                                impl=self.cfg.ops.rmsnorm)
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
-        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not ops.is_dtensor(self.lm_head.weight):
             return None, ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
         logits = self.lm_head(h)
         loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \

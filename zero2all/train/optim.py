@@ -217,6 +217,10 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    from zero2all.distributed.mesh import mesh_grad_norm_and_clip, needs_mesh_norm
+
+    if needs_mesh_norm(params):  # tensor / sequence parallel: gradients on several meshes
+        return mesh_grad_norm_and_clip(params, max_norm)
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     return torch.nn.utils.get_total_norm(grads, foreach=True)

@@ -302,7 +302,7 @@ class Trainer:
             self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
-        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) == "fsdp"
+        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) in ("fsdp", "mesh")
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
@@ -370,11 +370,12 @@ class Trainer:
             f"hidden {self.cfg.model.hidden_dim}, vocab {self.cfg.model.padded_vocab_size}",
             f"objective: {self.objective.name} | data: {self.cfg.data.path or 'synthetic (arithmetic sequences)'}",
             f"tokens per iteration will be: {self.tokens_per_step:,}",
-            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.world_size} processes * "
+            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.dp_size} data-parallel ranks * "
             f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
         ]
         if self.dist.is_distributed:
-            lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
+            mesh = f" ({self.run.dims.describe()})" if self.parallel == "mesh" else ""
+            lines.append(f"parallel: {self.parallel}{mesh} on {self.world_size} processes ({self.dist.backend}) | "
                          f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
         lines += describe_groups(self.optimizer.param_groups)
         if getattr(self, "trainable_line", None):
@@ -415,8 +416,8 @@ class Trainer:
         data-parallel size of the run that wrote the checkpoint being loaded)."""
         saved_world = saved_world or self.world_size
         parts = {
-            "model": ckpt_io.ModelState(self.run.plain),
-            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer)),
+            "model": ckpt_io.ModelState(self.run.plain, self.run.fused_rows),
+            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer), self.run.fused_rows),
             "trainer": ckpt_io.JsonState(self.counters, self.load_counters),
             "data": ckpt_io.RankStates(self.dp_rank, self.train_iter.state_dict, self._load_data_states,
                                        saved_dp or self.dp_size),
@@ -541,7 +542,8 @@ class Trainer:
                 with self.autocast():
                     loss, metrics = self.pipeline.step(batch, self.scaler.scale / accum), {}
             else:
-                with self.run.gradient_sync(micro == accum - 1):  # DDP: one all-reduce per update
+                # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
+                with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
                     loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
             loss_sum += loss.float()
             tokens += self.objective.num_tokens(batch)
@@ -563,7 +565,7 @@ class Trainer:
             self.skipped_total += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
-        loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
+        loss_value = self.run.dims.reduce_mean(loss_value)  # the global batch's loss (over dp x cp)
         dt = time.perf_counter() - t0
         self.step += 1
         self.tokens_seen += tokens * self.dp_size
@@ -646,8 +648,11 @@ class Trainer:
             except StopIteration:
                 break
             with self.autocast():
-                loss, extra = (self.pipeline.eval_loss(batch), {}) if self.pipeline is not None else \
-                    self.objective.eval_loss(self.model, batch)
+                if self.pipeline is not None:
+                    loss, extra = self.pipeline.eval_loss(batch), {}
+                else:
+                    with self.run.train_context(batch):
+                        loss, extra = self.objective.eval_loss(self.model, batch)
             losses.append(loss.float())
             for key, value in extra.items():
                 metrics.setdefault(key, []).append(value)
@@ -803,7 +808,7 @@ class Trainer:
         header = {
             "name": str(self.out_dir), "objective": self.objective.name, "device": str(self.device),
             "precision": self.precision, "parameters": f"{self.raw_model.num_params():,}",
-            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.world_size} x "
+            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.dp_size} x "
                                f"{self.tcfg.micro_batch_size} x {self.seq_len})",
             "data": self.cfg.data.path or "synthetic", "schedule": f"{self.tcfg.schedule}, lr {self.tcfg.lr:g}",
             "resumed from": str(self.resumed_from) if self.resumed_from else "-",
