@@ -37,6 +37,7 @@ one DCP format and resumes on one process or on another mesh.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -149,7 +150,9 @@ class StageModule(nn.Module):
             x, residual = self.embed_tokens(tokens), None
         else:
             x, residual = inputs
-        B, T = x.shape[:2]
+        # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
+        # this tensor-parallel rank's slice of the sequence
+        T = labels.shape[1] if labels is not None else x.shape[1]
         cos, sin = Z2all.rope_tables(self, 0, T, x.device, position_ids)  # uses only self.cfg
         for layer in self.layers.values():
             x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
@@ -157,22 +160,35 @@ class StageModule(nn.Module):
             return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-        return token_loss_sum(h, self.lm_head.weight, labels, self.z_loss, c.ops.cross_entropy)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy)
 
 
-def token_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss: float, impl: str
+def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str
                    ) -> torch.Tensor:
-    """Sum over valid tokens of the cross-entropy (+ z-loss) of ``h @ weight.T``, shape (1,). The fused kernel
-    returns the mean over valid tokens, so the sum is mean x count (one host read of the count); a microbatch
-    without valid tokens contributes an exact zero that still joins the autograd graph."""
+    """Sum over valid tokens of the cross-entropy (+ z-loss) of the LM head's logits, shape (1,).
+
+    The fused kernel returns the mean over valid tokens, so the sum is mean x count (one host read of the count);
+    a microbatch without valid tokens contributes an exact zero that still joins the autograd graph. Under tensor
+    parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel (the schedule
+    step is inside ``loss_parallel``), summed directly."""
+    import torch.nn.functional as F
+
     from zero2all.model import ops
 
+    if ops.is_dtensor(head.weight):
+        if z_loss:
+            raise ConfigError("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel "
+                              "computes the cross-entropy only)")
+        logits = head(h)                                  # DTensor, Shard(-1) over the vocabulary
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+        return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
     if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
         return h.float().sum().reshape(1)
     n_valid = int((labels != -100).sum())
     if n_valid == 0:
         return h.float().sum().reshape(1) * 0.0
-    mean = ops.linear_cross_entropy(h, weight, labels, z_loss=z_loss,
+    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss,
                                     impl="fused" if ops.uses_fused_cross_entropy(impl, h) else "torch")
     return mean.float().reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
@@ -352,14 +368,24 @@ class PipelineRun:
         self._reported = []
         schedule = self._schedule_for(tokens.size(0))
         if not self.measure:
-            schedule.step(tokens, target=labels, labels=labels, **kwargs)
+            with self._loss_context():
+                schedule.step(tokens, target=labels, labels=labels, **kwargs)
             return self._reported_sum(tokens.device)
         self._sync()
         t0 = time.perf_counter()
-        schedule.step(tokens, target=labels, labels=labels, **kwargs)
+        with self._loss_context():
+            schedule.step(tokens, target=labels, labels=labels, **kwargs)
         self._sync()
         self.wall_s += time.perf_counter() - t0
         return self._reported_sum(tokens.device)
+
+    def _loss_context(self):
+        """Tensor parallel: the last stage's cross-entropy of vocab-sharded logits, forward and backward."""
+        if not self.dims.enabled("tp"):
+            return contextlib.nullcontext()
+        from zero2all.distributed.tp import loss_parallel_context
+
+        return loss_parallel_context()
 
     def _sync(self) -> None:
         if self.env.device.type == "cuda":
@@ -383,7 +409,8 @@ class PipelineRun:
         if not hasattr(schedule, "eval"):
             raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
                               f"(this is {torch.__version__}); set train.eval_batches = 0")
-        schedule.eval(tokens, target=labels, labels=labels, **kwargs)
+        with self._loss_context():
+            schedule.eval(tokens, target=labels, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
@@ -397,10 +424,15 @@ class PipelineRun:
     def grad_norm_and_clip(self, params, max_norm: float) -> torch.Tensor:
         """The global gradient norm over every stage (and FSDP shard): each rank's squared norm summed over the pp
         group, then ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient (``clip_grad_norm_``'s rule)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.env.device)
-        if hasattr(local, "full_tensor"):
-            local = local.full_tensor()
+        from zero2all.distributed.mesh import mesh_grad_norm_and_clip, needs_mesh_norm
+
+        params = [p for p in params if p.grad is not None]
+        if needs_mesh_norm(params):  # tp shards / FSDP 2-D shards / partial sums: per-layout norms
+            local = mesh_grad_norm_and_clip(params, 0.0)
+        else:
+            local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        grads = [p.grad for p in params]
         sq = (local.float() ** 2).reshape(1).to(self.env.device)
         with collective_timeout(self.env, "all-reduce of the gradient norm over the pipeline stages"):
             dist.all_reduce(sq, group=self.pp_group)
@@ -437,8 +469,8 @@ class PipelineRun:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         with collective_timeout(self.env, "gathering the full model from the pipeline stages"):
-            # FSDP shards: every data-parallel rank gathers the full tensors of its stages
-            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=self.sharded))
+            full = self.sharded or self.dims.enabled("tp")  # DTensors: gathered whole on every rank of the group
+            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=full))
             sd = {k: v.detach().cpu() for k, v in sd.items()}
             # one copy per stage: the first rank of each stage's data-parallel group sends its tensors
             first = self.dims.rank("dp") == 0 and self.dims.rank("cp") == 0 and self.dims.rank("tp") == 0
