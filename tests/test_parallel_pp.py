@@ -146,6 +146,29 @@ def test_layout_weighs_the_lm_head_and_places_stages_round_robin():
     assert [stage_rank(s, 2) for s in range(4)] == [0, 1, 0, 1]
 
 
+def test_last_stage_loss_is_the_token_sum_even_without_valid_tokens():
+    """The last stage returns sum over valid tokens of the cross-entropy, on the device-count path (every
+    microbatch has valid tokens) and on the host-count path (one has none: an exact zero, zero gradients)."""
+    import torch.nn.functional as F
+
+    from zero2all.distributed.pp import token_loss_sum
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    h = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    labels[0, :3] = -100
+    want = F.cross_entropy(head(h).flatten(0, 1), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    (grad_want,) = torch.autograd.grad(want, h)
+    for every_valid in (True, False):
+        got = token_loss_sum(h, head, labels, 0.0, "torch", every_valid)
+        assert got.shape == (1,) and torch.allclose(got[0], want, rtol=1e-6)
+        (grad,) = torch.autograd.grad(got.sum(), h)
+        assert torch.allclose(grad, grad_want, rtol=1e-5, atol=1e-7)
+    empty = token_loss_sum(h, head, torch.full_like(labels, -100), 0.0, "torch", False)
+    assert empty.item() == 0.0 and not torch.autograd.grad(empty.sum(), h)[0].any()
+
+
 def test_impossible_pipelines_are_refused_naming_the_numbers():
     cfg = load_config("tiny", BASE + ["parallel.pp=2", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match="pp_microbatches=2 is fewer than the 4 pipeline stages"):

@@ -133,6 +133,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.first, self.last, self.z_loss = first, last, z_loss
+        self.every_chunk_valid = False   # set per micro-batch by PipelineRun (see token_loss_sum)
         # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
         # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
         self.boundary_dtypes = (compute_dtype, torch.float32 if model.cfg.residual_in_fp32 else compute_dtype)
@@ -160,17 +161,19 @@ class StageModule(nn.Module):
             return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
 
 
-def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str
-                   ) -> torch.Tensor:
+def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
+                   every_chunk_valid: bool = False) -> torch.Tensor:
     """Sum over valid tokens of the cross-entropy (+ z-loss) of the LM head's logits, shape (1,).
 
-    The fused kernel returns the mean over valid tokens, so the sum is mean x count (one host read of the count);
-    a microbatch without valid tokens contributes an exact zero that still joins the autograd graph. Under tensor
-    parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel (the schedule
-    step is inside ``loss_parallel``), summed directly."""
+    The fused kernel returns the mean over valid tokens, so the sum is mean x count. When every microbatch of the
+    micro-batch has valid tokens (``every_chunk_valid``, known from one host read per micro-batch) the count stays
+    on the device: no synchronisation between a microbatch's forward and its backward. Otherwise the count is read
+    here, and a microbatch without valid tokens contributes an exact zero that still joins the autograd graph.
+    Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
+    (the schedule step is inside ``loss_parallel``), summed directly."""
     import torch.nn.functional as F
 
     from zero2all.model import ops
@@ -185,11 +188,14 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
         return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
     if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
         return h.float().sum().reshape(1)
+    fused = ops.uses_fused_cross_entropy(impl, h)
+    if every_chunk_valid:
+        mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
+        return mean.float().reshape(1) * (labels != -100).sum()
     n_valid = int((labels != -100).sum())
     if n_valid == 0:
         return h.float().sum().reshape(1) * 0.0
-    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss,
-                                    impl="fused" if ops.uses_fused_cross_entropy(impl, h) else "torch")
+    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
     return mean.float().reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
@@ -363,7 +369,7 @@ class PipelineRun:
         """Forward and backward of one micro-batch through the pipeline; returns its mean token loss on the last
         stage's rank, 0 elsewhere (:meth:`from_last_stage` hands it to every rank)."""
         tokens, labels, kwargs = self._inputs(batch)
-        self._n_valid = max(int((labels != -100).sum()), 1)
+        self._count_valid(labels)
         self._multiplier = multiplier
         self._reported = []
         schedule = self._schedule_for(tokens.size(0))
@@ -391,6 +397,15 @@ class PipelineRun:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
 
+    def _count_valid(self, labels: torch.Tensor) -> None:
+        """One host read per micro-batch: its valid-token count (the loss denominator) and whether every
+        pipeline microbatch (equal consecutive row blocks) has some."""
+        m = self.pc.pp_microbatches or labels.size(0)
+        per_chunk = (labels != -100).reshape(m, -1).sum(1).tolist() if labels.size(0) % m == 0 else [0]
+        self._n_valid = max(sum(per_chunk), 1)
+        for module in self.modules:
+            module.every_chunk_valid = min(per_chunk) > 0
+
     def _reported_sum(self, device) -> torch.Tensor:
         """The sum of the microbatches' shares; on the first step the runtime's shape inference also runs the
         loss function (on placeholder tensors) before the real microbatches: only the last M values count."""
@@ -402,7 +417,7 @@ class PipelineRun:
     def eval_loss(self, batch: dict) -> torch.Tensor:
         """Forward-only pipeline pass: the micro-batch's mean token loss on every rank."""
         tokens, labels, kwargs = self._inputs(batch)
-        self._n_valid = max(int((labels != -100).sum()), 1)
+        self._count_valid(labels)
         self._multiplier = 1.0
         self._reported = []
         schedule = self._schedule_for(tokens.size(0))
