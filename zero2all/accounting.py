@@ -695,8 +695,9 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
         "context_parallel_bytes_per_step": context_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.cp,
                                                                        L.grad_accum_steps, L.precision, L.tp, L.pp),
     }
-    # each micro-batch runs as one pipeline schedule of M microbatches (zero2all/distributed/pp.py)
-    bubble = pipeline_bubble_fraction(L.pp, L.pp_microbatches or L.micro_batch, L.pp_stages_per_rank)
+    # an update runs as one pipeline schedule of accum x pp_microbatches microbatches (zero2all/distributed/pp.py)
+    bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch) * L.grad_accum_steps,
+                                      L.pp_stages_per_rank)
     step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
     return {
         "layout": asdict(L) | {"dp": dp, "sequence_parallel": sp,

@@ -301,9 +301,8 @@ class PipelineRun:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(st, name):
                     setattr(st, name, self._maybe_timed(getattr(st, name)))
-        self.schedule = None       # built at the first step, when the micro-batch size is known
+        self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
         self.n_microbatches = 0
-        self._n_valid = 1
         self._multiplier = 1.0
         self._reported: list[torch.Tensor] = []
         self.wall_s = 0.0          # schedule-step wall time since the last reset_measurement (measure = True)
@@ -317,21 +316,17 @@ class PipelineRun:
         for m in self.modules:
             m.z_loss = float(getattr(objective, "z_loss", 0.0))
 
-    def _schedule_for(self, rows: int):
-        """The schedule for micro-batches of ``rows`` sequences: ``pp_microbatches`` of them (0 = one sequence
-        each)."""
-        m = self.pc.pp_microbatches or rows
-        if rows % m:
-            raise ConfigError(f"parallel.pp_microbatches={m} does not divide the micro-batch of {rows} sequences")
-        if self.schedule is None or m != self.n_microbatches:
+    def _schedule_for(self, n_microbatches: int):
+        """The schedule for ``n_microbatches`` pipeline microbatches (one per count, built when first needed)."""
+        if n_microbatches not in self._schedules:
             cls = _schedule_class(self.pc.pp_schedule)
             target = self.stages if self.pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
             # scale_grads=False: the loss function already divides by the micro-batch's token count (torch
             # versions without the argument never rescale)
             extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-            self.schedule = cls(target, n_microbatches=m, loss_fn=self._loss, **extra)
-            self.n_microbatches = m
-        return self.schedule
+            self._schedules[n_microbatches] = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss, **extra)
+        self.n_microbatches = n_microbatches
+        return self._schedules[n_microbatches]
 
     def _maybe_timed(self, fn):
         timed = self.timer.wrap(fn)
@@ -352,37 +347,50 @@ class PipelineRun:
             fully_shard(m, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=self.pc.reshard_after_forward)
 
     # -- loss ---------------------------------------------------------------------------------------------------
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function on the last stage: the microbatch's token-loss sum over the micro-batch's
-        valid-token count (so the microbatches add up to the micro-batch's token mean), times the trainer's
-        multiplier (loss scale / grad_accum_steps). The unscaled value is kept for the report."""
-        mean_share = output.sum() / self._n_valid
+    def _loss(self, output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage. ``output`` is the microbatch's token-loss sum; its
+        ``target`` chunk ``weight`` holds, per row, 1 / (valid tokens of the micro-batch the row belongs to), so
+        the microbatches of a micro-batch add up to its token mean; times the trainer's multiplier (loss scale /
+        grad_accum_steps). The unscaled value is kept for the report."""
+        mean_share = output.sum() * weight[0]
         self._reported.append(mean_share.detach())
         return mean_share * self._multiplier
 
-    @staticmethod
-    def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        kwargs = {k: batch[k] for k in ("doc_ids", "position_ids") if batch.get(k) is not None}
-        return batch["input_ids"], batch["labels"], kwargs
+    def _prepare(self, batches: list[dict]) -> tuple:
+        """The micro-batches of an update as one pipeline batch: inputs, labels and extra keyword inputs
+        concatenated, per-row loss weights, and the number of pipeline microbatches (``pp_microbatches`` per
+        micro-batch, 0 = one sequence each). One host read: every micro-batch's valid-token count."""
+        rows = batches[0]["input_ids"].size(0)
+        m = self.pc.pp_microbatches or rows
+        if rows % m or any(b["input_ids"].size(0) != rows for b in batches):
+            raise ConfigError(f"parallel.pp_microbatches={m} does not divide every micro-batch of {rows} sequences")
+        labels = torch.cat([b["labels"] for b in batches])
+        per_chunk = (labels != -100).reshape(len(batches) * m, -1).sum(1).tolist()
+        per_batch = [sum(per_chunk[i * m:(i + 1) * m]) for i in range(len(batches))]
+        weight = torch.tensor([1.0 / max(n, 1) for n in per_batch], device=labels.device).repeat_interleave(rows)
+        for module in self.modules:
+            module.every_chunk_valid = min(per_chunk) > 0
+        kwargs = {k: torch.cat([b[k] for b in batches]) for k in ("doc_ids", "position_ids")
+                  if batches[0].get(k) is not None}
+        return torch.cat([b["input_ids"] for b in batches]), labels, weight, kwargs, len(batches) * m
 
-    def step(self, batch: dict, multiplier: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch through the pipeline; returns its mean token loss on the last
-        stage's rank, 0 elsewhere (:meth:`from_last_stage` hands it to every rank)."""
-        tokens, labels, kwargs = self._inputs(batch)
-        self._count_valid(labels)
+    def step(self, batches: list[dict], multiplier: float) -> torch.Tensor:
+        """Forward and backward of an update's micro-batches as ONE pipeline schedule (gradient accumulation
+        expressed as microbatches: grad_accum_steps x pp_microbatches of them, so the pipeline fills and drains
+        once per update). Returns the sum of the micro-batches' mean token losses on the last stage's rank, 0
+        elsewhere (:meth:`from_last_stage` hands it to every rank)."""
+        tokens, labels, weight, kwargs, n_micro = self._prepare(batches)
         self._multiplier = multiplier
         self._reported = []
-        schedule = self._schedule_for(tokens.size(0))
-        if not self.measure:
-            with self._loss_context():
-                schedule.step(tokens, target=labels, labels=labels, **kwargs)
-            return self._reported_sum(tokens.device)
-        self._sync()
-        t0 = time.perf_counter()
+        schedule = self._schedule_for(n_micro)
+        if self.measure:
+            self._sync()
+            t0 = time.perf_counter()
         with self._loss_context():
-            schedule.step(tokens, target=labels, labels=labels, **kwargs)
-        self._sync()
-        self.wall_s += time.perf_counter() - t0
+            schedule.step(tokens, target=weight, labels=labels, **kwargs)
+        if self.measure:
+            self._sync()
+            self.wall_s += time.perf_counter() - t0
         return self._reported_sum(tokens.device)
 
     def _loss_context(self):
@@ -397,15 +405,6 @@ class PipelineRun:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
 
-    def _count_valid(self, labels: torch.Tensor) -> None:
-        """One host read per micro-batch: its valid-token count (the loss denominator) and whether every
-        pipeline microbatch (equal consecutive row blocks) has some."""
-        m = self.pc.pp_microbatches or labels.size(0)
-        per_chunk = (labels != -100).reshape(m, -1).sum(1).tolist() if labels.size(0) % m == 0 else [0]
-        self._n_valid = max(sum(per_chunk), 1)
-        for module in self.modules:
-            module.every_chunk_valid = min(per_chunk) > 0
-
     def _reported_sum(self, device) -> torch.Tensor:
         """The sum of the microbatches' shares; on the first step the runtime's shape inference also runs the
         loss function (on placeholder tensors) before the real microbatches: only the last M values count."""
@@ -416,16 +415,15 @@ class PipelineRun:
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> torch.Tensor:
         """Forward-only pipeline pass: the micro-batch's mean token loss on every rank."""
-        tokens, labels, kwargs = self._inputs(batch)
-        self._count_valid(labels)
+        tokens, labels, weight, kwargs, n_micro = self._prepare([batch])
         self._multiplier = 1.0
         self._reported = []
-        schedule = self._schedule_for(tokens.size(0))
+        schedule = self._schedule_for(n_micro)
         if not hasattr(schedule, "eval"):
             raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
                               f"(this is {torch.__version__}); set train.eval_batches = 0")
         with self._loss_context():
-            schedule.eval(tokens, target=labels, labels=labels, **kwargs)
+            schedule.eval(tokens, target=weight, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
