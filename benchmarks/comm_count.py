@@ -5,8 +5,8 @@ pipeline send / recv) and of the functional collectives that DTensor uses (tenso
 all-gather, reduce-scatter, loss parallel's all-reduces, ring attention's exchanges), and converts each buffer to
 the bytes one rank sends with ring algorithms over n ranks (the same factors as ``zero2all.accounting``):
 all-reduce 2(n-1)/n x buffer, all-gather (n-1) x input shard, reduce-scatter (n-1)/n x input, all-to-all
-(n-1)/n x input, send / recv the tensor once. Each call is also attributed to the mesh dimension whose group it
-ran on (tp, cp, pp, dp...), where the group is one of the mesh's.
+(n-1)/n x input, a pipeline send (batch_isend_irecv) the tensor once. Each call is also attributed to the mesh
+dimension whose group it ran on (tp, cp, pp, dp...), where the group is one of the mesh's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 _FUNCOL_PREFIXES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# send / isend themselves stay untouched: P2POp checks its op by identity against them; pipeline traffic is
+# counted at batch_isend_irecv
 _C10D = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
-         "reduce_scatter_single", "all_to_all_single", "send", "isend", "batch_isend_irecv", "broadcast")
+         "reduce_scatter_single", "all_to_all_single", "batch_isend_irecv", "broadcast")
 _SECOND_ARG_INPUT = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single")
 
 
@@ -112,8 +114,8 @@ class CommCounter:
             if hasattr(dist, name):
                 pos = {"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
                        "all_gather_single": 2, "reduce_scatter_single": 3,
-                       "all_to_all_single": 4, "send": 2, "isend": 2, "broadcast": 2}.get(name, 2)
-                kind = "send" if name in ("send", "isend") else name
+                       "all_to_all_single": 4, "broadcast": 2}.get(name, 2)
+                kind = name
                 if name in _SECOND_ARG_INPUT:  # (output, input, ...): count the input
                     fn = getattr(dist, name)
 

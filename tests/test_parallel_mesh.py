@@ -53,7 +53,8 @@ def global_batches(steps: int = STEPS, seed: int = 0) -> torch.Tensor:
 def make_run(fields: dict, env: zd.DistEnv):
     pc = ParallelConfig(**fields)
     run = zd.parallelize(build_model(tiny_cfg(), seed=1234), pc, env, precision="fp32")
-    opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    # foreach: the multi-tensor kernels that GPUs run (mixing DTensor shards and plain tensors)
+    opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
     return run, opt
 
 
@@ -75,7 +76,8 @@ def train_steps(run, opt, env, steps: range) -> list[float]:
                 (loss / ACCUM).backward()
             total += loss.item() / ACCUM
         grad_norm_and_clip(list(run.model.parameters()), 1.0)
-        opt.step()
+        with run.optimizer_context():
+            opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(run.dims.reduce_mean(total))
     return losses

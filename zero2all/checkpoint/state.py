@@ -57,7 +57,8 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         # a fresh optimizer is given its state first (a zero-learning-rate step), so the template has every entry
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        with _mixed_params(self.model):
+            return get_optimizer_state_dict(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         state = self._full()["state"]
@@ -73,7 +74,20 @@ class OptimizerState:
             loaded = {k: _rank_major(v, current["state"][k], {n: self.fused[k] for n in v if n != "step"})
                       if k in self.fused else v for k, v in loaded.items()}
         current["state"] = loaded  # param_groups stay this run's (its config's hyper-parameters)
-        set_optimizer_state_dict(self.model, self.optimizer, current)
+        with _mixed_params(self.model):
+            set_optimizer_state_dict(self.model, self.optimizer, current)
+
+
+def _mixed_params(model: nn.Module):
+    """Tensor parallel without sequence parallel keeps the norm weights plain beside DTensor shards; the
+    optimizer's multi-tensor kernels (run by DCP's state-dict helpers) take them as replicated."""
+    from contextlib import nullcontext
+
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+    return nullcontext()
 
 
 def _canonical(sd: dict[str, Any], fused: dict) -> dict[str, Any]:

@@ -157,6 +157,16 @@ class Parallelized:
             stack.enter_context(context_parallel_batch(self.dims["cp"], self.model, batch))
         return stack
 
+    def optimizer_context(self):
+        """Context for ``optimizer.step()``. Under tp without sequence parallel the norm weights stay plain tensors
+        (every tp rank computes the same gradient for them) beside DTensor shards: the foreach / fused optimizer
+        kernels then take the plain ones as replicated (DTensor's ``implicit_replication``)."""
+        if self.dims.enabled("tp"):
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            return implicit_replication()
+        return nullcontext()
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1: the optimizer partitioned over ranks; other modes: unchanged."""
         if self.mode != "zero1":

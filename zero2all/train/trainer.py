@@ -561,7 +561,8 @@ class Trainer:
         found_inf = not math.isfinite(grad_norm)
         applied = self.scaler.update(found_inf)
         if applied:
-            self.optimizer.step()
+            with self.run.optimizer_context():  # tp: plain norm weights beside DTensor shards
+                self.optimizer.step()
         else:
             self.skipped_total += 1
         self.optimizer.zero_grad(set_to_none=True)
