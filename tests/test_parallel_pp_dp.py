@@ -2,8 +2,9 @@
 
 - pp2 x dp2: FSDP2 shards each stage over its two data-parallel ranks, every block under activation
   checkpointing (2 replicas x micro-batch 2 x accumulation 2 = the single process's micro-batch 4 x accumulation 2);
-- tp2 x pp2 with sequence parallelism: each stage's blocks are tensor-parallel (DTensor), the last stage's
-  cross-entropy runs under loss parallel on vocab-sharded logits (one replica: micro-batch 4 x accumulation 2).
+- tp2 x pp2 with sequence parallelism (1F1B), and without it (interleaved 1F1B, 2 stages per rank): each stage's
+  blocks are tensor-parallel (DTensor), the last stage's cross-entropy runs under loss parallel on vocab-sharded
+  logits (one replica: micro-batch 4 x accumulation 2).
 
 Each reproduces the single-process loss sequence and gradient norms of the same global batch, and its final model
 (gathered from every stage, tensor-parallel fused rows back in the plain layout) equals the single process's.
@@ -25,6 +26,9 @@ RUNS = {
     "tp2 x pp2 (sequence parallel, loss parallel on the last stage)":
         ["train.micro_batch_size=4", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
          "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=2"],
+    "tp2 x pp2 (interleaved 1F1B, 2 stages per rank, plain norm weights)":
+        ["train.micro_batch_size=4", "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule='interleaved_1f1b'",
+         "parallel.pp_stages_per_rank=2"],
 }
 
 
