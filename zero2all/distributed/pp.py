@@ -24,15 +24,21 @@ What this module does, mapped to the code:
   ``ScheduleInterleavedZeroBubble``), the loss scaling, the global gradient norm over the pp group, the report of
   the loss from the last stage to every rank, and the measured bubble.
 
-Loss: the single process computes, per micro-batch, mean over its valid tokens; its accumulation divides by
-``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
-stage returns each microbatch's SUM of token losses and the schedule's loss function divides by the whole
-micro-batch's valid-token count (``scale_grads=False``): the gradients are those of the single process exactly.
+Gradient accumulation is expressed as microbatches: the ``grad_accum_steps`` micro-batches of an update, each
+split into ``pp_microbatches``, run as ONE schedule of M = accum x pp_microbatches microbatches, so the pipeline
+fills and drains once per update.
 
-Data-parallel replicas of a pipeline (``world = pp x dp``) shard each stage with FSDP2 over the ``dp`` dimension
-of the device mesh; the pipeline runtime itself handles FSDP's gradient reduction at the end of each schedule
-step. Checkpoints: every rank's modules carry the plain model's parameter names, so a pipeline checkpoint is the
-one DCP format and resumes on one process or on another mesh.
+Loss: the single process computes, per micro-batch, the mean over its valid tokens; its accumulation divides by
+``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
+stage returns each microbatch's SUM of token losses and the schedule's loss function multiplies it by 1 / (valid
+tokens of the micro-batch it belongs to), passed per row as the schedule's target (``scale_grads=False``): the
+gradients are those of the single process exactly.
+
+Composition on the device mesh (``mesh.py``): data-parallel replicas of a pipeline shard each stage with FSDP2
+over the ``dp_shard`` (x ``dp_replicate``) dimensions, the runtime reducing FSDP's gradients at the end of each
+schedule step; tensor parallelism is applied to the blocks before the split (``tp.py``) and the last stage's
+cross-entropy then runs under loss parallel. Checkpoints: every rank's modules carry the plain model's parameter
+names, so a pipeline checkpoint is the one DCP format and resumes on one process or on another mesh.
 """
 
 from __future__ import annotations
