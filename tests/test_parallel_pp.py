@@ -180,6 +180,13 @@ def test_impossible_pipelines_are_refused_naming_the_numbers():
         check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_microbatches=3), 2)
     with pytest.raises(ConfigError, match="pp_stages_per_rank=2 needs"):
         ParallelConfig(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b").validate(2)
+    from zero2all.distributed.pp import check_pipeline_mesh
+
+    with pytest.raises(ConfigError, match="zero_bubble.*dp_shard=2"):
+        check_pipeline_mesh(ParallelConfig(pp=2, pp_schedule="zero_bubble"),
+                            {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1})
+    check_pipeline_mesh(ParallelConfig(pp=2, pp_schedule="zero_bubble"),   # with tp only: allowed
+                        {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2})
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         from zero2all.distributed.pp import check_pipeline_model
 

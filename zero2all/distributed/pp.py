@@ -64,6 +64,18 @@ def check_pipeline_model(model_cfg: ModelConfig) -> None:
                           "the LM head (last stage) would be one matrix on two ranks; untie them")
 
 
+def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
+    """Combinations that do not reproduce the single process: torch's zero-bubble schedule with FSDP-sharded
+    stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
+    2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
+    numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    if pc.pp_schedule == "zero_bubble" and shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1:
+        raise ConfigError(f"parallel.pp_schedule='zero_bubble' with dp_replicate={shape.get('dp_replicate', 1)} x "
+                          f"dp_shard={shape.get('dp_shard', 1)} data-parallel ranks: its deferred weight gradients "
+                          f"and FSDP2's gradient reduction do not reproduce the single process; use 1f1b or "
+                          f"interleaved_1f1b with data parallelism")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # balancing the stages
 
@@ -285,6 +297,7 @@ class PipelineRun:
         from torch.distributed.pipelining import PipelineStage
 
         check_pipeline_model(model.cfg)
+        check_pipeline_mesh(pc, dims.shape)
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
