@@ -16,8 +16,9 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
     ours-ddp     N GPUs, DDP, no_sync on all but the last micro-step
     ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard
     ours-pp      N GPUs, pipeline parallel over N stages (--pp-schedule, --pp-microbatches pipeline microbatches
-                 per micro-batch; one data-parallel replica, so a step holds micro-batch x accum sequences), with
-                 the measured bubble per rank (1 - busy / wall time of the schedule steps) and its ideal value
+                 per micro-batch, an update's accum micro-batches in one schedule; one data-parallel replica, so a
+                 step holds micro-batch x accum sequences), with the measured bubble per rank (1 - busy / wall
+                 time of the schedule steps) and its ideal value (K-1)/(K+M-1), M = accum x --pp-microbatches
     ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica)
     ours-cp      N GPUs, context parallel over N ranks (ring attention; FSDP2 over the cp ranks)
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
@@ -282,8 +283,8 @@ def print_table(results: list[dict]) -> None:
                   + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in sorted(c["by_group"].items()))
                   + " | " + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in sorted(c["by_kind"].items())))
         if "bubble_measured" in r:
-            print(f"{r['variant']} x{r['gpus']}: {r['pp_schedule']}, {r['pp_microbatches']} microbatches per "
-                  f"micro-batch; measured bubble per rank "
+            print(f"{r['variant']} x{r['gpus']}: {r['pp_schedule']}, {r['pp_microbatches']} pipeline microbatches per "
+                  f"update (accum x --pp-microbatches); measured bubble per rank "
                   + " ".join(f"r{i}:{100 * b:.1f}%" for i, b in enumerate(r["bubble_measured"]))
                   + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%)")
     if results:

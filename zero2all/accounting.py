@@ -564,16 +564,6 @@ def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int,
             * micro_batch * seq_len * cfg.hidden_dim * e)
 
 
-def pipeline_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, pp: int, grad_accum_steps: int = 1,
-                        precision: str = "bf16-amp", tp: int = 1, sequence_parallel: bool = True) -> float:
-    """Bytes an inner pipeline stage sends per step: each micro-batch's b*s*h activation forward and its gradient
-    backward (2 * M * b*s*h*e), divided by t with sequence parallelism."""
-    if pp <= 1:
-        return 0.0
-    e = get_precision(precision).activation_bytes
-    return 2.0 * grad_accum_steps * micro_batch * seq_len * cfg.hidden_dim * e / (tp if sequence_parallel else 1)
-
-
 def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, grad_accum_steps: int = 1,
                                 precision: str = "bf16-amp", tp: int = 1, pp: int = 1) -> float:
     """Bytes each GPU sends per step for ring attention over ``cp`` ranks: in every attention layer's forward a
@@ -644,6 +634,9 @@ class Layout:
     fused_kernels: bool = True
     fused_cross_entropy: bool = True
     fused_linear: bool = False
+    pp_microbatches: int = 0           # pipeline microbatches per micro-batch (0 = one sequence each)
+    pp_stages_per_rank: int = 1        # interleaved schedules: virtual stages per pipeline rank
+    residual_in_fp32: bool = True      # the residual stream crosses stage boundaries in fp32
 
     def validate(self) -> None:
         for name in ("gpus", "tp", "pp", "cp", "micro_batch", "seq_len", "grad_accum_steps"):
@@ -695,12 +688,16 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
         "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch, local_seq, L.tp,
                                                                      L.grad_accum_steps, L.precision, L.recompute,
                                                                      L.pp),
-        "pipeline_bytes_per_step": pipeline_comm_bytes(cfg, L.micro_batch, local_seq, L.pp, L.grad_accum_steps,
-                                                       L.precision, L.tp, sp),
+        "pipeline_bytes_per_step": pipeline_p2p_bytes(
+            cfg.hidden_dim, local_seq, L.micro_batch, L.grad_accum_steps, L.pp, L.pp_stages_per_rank,
+            get_precision(L.precision).activation_bytes,
+            4 if L.residual_in_fp32 else get_precision(L.precision).activation_bytes, L.tp, sp),
         "context_parallel_bytes_per_step": context_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.cp,
                                                                        L.grad_accum_steps, L.precision, L.tp, L.pp),
     }
-    bubble = pipeline_bubble_fraction(L.pp, L.grad_accum_steps)
+    # an update runs as one pipeline schedule of accum x pp_microbatches microbatches (zero2all/distributed/pp.py)
+    bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch) * L.grad_accum_steps,
+                                      L.pp_stages_per_rank)
     step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
     return {
         "layout": asdict(L) | {"dp": dp, "sequence_parallel": sp,
@@ -886,13 +883,19 @@ def measured_flops(model, tokens, targets, backward: bool) -> int:
 
 
 def pipeline_p2p_bytes(hidden: int, seq_len: int, micro_batch_size: int, grad_accum_steps: int, stages: int,
-                       stages_per_rank: int = 1, act_bytes: int = 2, residual_bytes: int = 4) -> int:
-    """Point-to-point bytes one pipeline replica sends per step: every boundary between consecutive stages
-    (K * V - 1 of them) carries the activations (x and the residual stream, B * T * H each) forward and their
-    gradients backward, for every sequence of every micro-batch:
+                       stages_per_rank: int = 1, act_bytes: int = 2, residual_bytes: int = 4, tp: int = 1,
+                       sequence_parallel: bool = False) -> float:
+    """Point-to-point bytes one GPU sends per step, on average over the K pipeline ranks. Every boundary between
+    consecutive stages (K * V - 1 of them) carries, for every sequence of every micro-batch, the activations x and
+    the residual stream (B * T * H elements each) forward and their gradients backward:
 
-        2 * (K V - 1) * accum * B * T * H * (act_bytes + residual_bytes)
+        2 * (K V - 1) * accum * B * T * H * (act_bytes + residual_bytes) / K       per GPU
 
-    ``residual_bytes`` is 4 when the residual stream stays fp32 under bf16 autocast (``residual_in_fp32``)."""
+    ``residual_bytes`` is 4 when the residual stream stays fp32 under bf16 autocast (``residual_in_fp32``). Each
+    tensor-parallel rank sends its own copy, or with sequence parallelism its 1/tp slice of the sequence."""
+    if stages <= 1:
+        return 0.0
     boundaries = stages * stages_per_rank - 1
-    return 2 * boundaries * grad_accum_steps * micro_batch_size * seq_len * hidden * (act_bytes + residual_bytes)
+    per_replica = 2.0 * boundaries * grad_accum_steps * micro_batch_size * seq_len * hidden * (act_bytes
+                                                                                                + residual_bytes)
+    return per_replica / stages / (tp if sequence_parallel else 1)

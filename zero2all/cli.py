@@ -834,7 +834,8 @@ def _estimate(p):
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: train config)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len or max_seq_len)")
     p.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per step per data-parallel rank (= pipeline micro-batches; default: config)")
+                   help="micro-batches per step per data-parallel rank (default: config; each is split into "
+                        "parallel.pp_microbatches pipeline microbatches)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation")
     p.add_argument("--precision", default="bf16-amp", choices=["bf16-amp", "bf16-mixed", "fp32"],
@@ -866,7 +867,10 @@ def _estimate(p):
                         recompute=args.recompute, precision=args.precision,
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
-                        fused_linear=ops.fused_linear != "torch")
+                        fused_linear=ops.fused_linear != "torch",
+                        pp_microbatches=cfg.parallel.pp_microbatches,
+                        pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
+                        residual_in_fp32=cfg.model.residual_in_fp32)
         est = estimate(cfg.model, layout)
         if args.json:
             print(json.dumps(est, indent=2))

@@ -177,12 +177,11 @@ class Parallelized:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
-        if self.pipeline is not None:
-            return self.pipeline.full_state_dict()
-        if self.fsdp or self.fused_rows:
+        if self.pipeline is not None or self.fsdp or self.fused_rows:
             from zero2all.distributed.fsdp import gather_full_state_dict
 
-            sd = gather_full_state_dict(self.plain, self.env)
+            sd = self.pipeline.full_state_dict() if self.pipeline is not None else \
+                gather_full_state_dict(self.plain, self.env)
             if sd is not None:  # tensor parallel: fused rows back in the canonical layout
                 sd = {k: self.fused_rows[k].to_canonical(v) if k in self.fused_rows else v for k, v in sd.items()}
             return sd
@@ -246,9 +245,9 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
 
     check_mesh(model.cfg, None, pc, env.world_size)
     dims = build_mesh(pc, env)
-    if dims.enabled("pp") and (dims.enabled("tp") or dims.enabled("cp")):
-        raise ConfigError(f"parallel.pp={dims.size('pp')} with tp={dims.size('tp')} / cp={dims.size('cp')}: "
-                          f"pipeline stages are not combined with tensor or context parallelism in this version")
+    if dims.enabled("pp") and dims.enabled("cp"):
+        raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
+                          f"combined with context parallelism in this version")
     fused_rows = {}
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
@@ -260,11 +259,12 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if compile_blocks:
         for block in transformer_blocks(model):
             block.compile()
-    if dims.enabled("pp"):  # stages over the pp ranks, FSDP2 on each stage (pp.py)
+    if dims.enabled("pp"):  # stages (of tp-sharded blocks) over the pp ranks, FSDP2 on each stage (pp.py)
         from zero2all.distributed.pp import PipelineRun
 
         pipe = PipelineRun(model, pc, env, dims, compute_dtype(precision, env.device))
-        return Parallelized(pipe.plain, pipe.plain, "mesh", env, pc, dims=dims, pipeline=pipe)
+        return Parallelized(pipe.plain, pipe.plain, "mesh", env, pc, dims=dims, fused_rows=fused_rows,
+                            pipeline=pipe)
     if dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate"):
         from zero2all.distributed.fsdp import apply_fsdp
 

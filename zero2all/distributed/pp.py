@@ -24,19 +24,27 @@ What this module does, mapped to the code:
   ``ScheduleInterleavedZeroBubble``), the loss scaling, the global gradient norm over the pp group, the report of
   the loss from the last stage to every rank, and the measured bubble.
 
-Loss: the single process computes, per micro-batch, mean over its valid tokens; its accumulation divides by
-``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
-stage returns each microbatch's SUM of token losses and the schedule's loss function divides by the whole
-micro-batch's valid-token count (``scale_grads=False``): the gradients are those of the single process exactly.
+Gradient accumulation is expressed as microbatches: the ``grad_accum_steps`` micro-batches of an update, each
+split into ``pp_microbatches``, run as ONE schedule of M = accum x pp_microbatches microbatches, so the pipeline
+fills and drains once per update.
 
-Data-parallel replicas of a pipeline (``world = pp x dp``) shard each stage with FSDP2 over the ``dp`` dimension
-of the device mesh; the pipeline runtime itself handles FSDP's gradient reduction at the end of each schedule
-step. Checkpoints: every rank's modules carry the plain model's parameter names, so a pipeline checkpoint is the
-one DCP format and resumes on one process or on another mesh.
+Loss: the single process computes, per micro-batch, the mean over its valid tokens; its accumulation divides by
+``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
+stage returns each microbatch's SUM of token losses and the schedule's loss function multiplies it by 1 / (valid
+tokens of the micro-batch it belongs to), passed per row as the schedule's target (``scale_grads=False``): the
+gradients are those of the single process exactly.
+
+Composition on the device mesh (``mesh.py``): data-parallel replicas of a pipeline shard each stage with FSDP2
+over the ``dp_shard`` (x ``dp_replicate``) dimensions, the runtime reducing FSDP's gradients at the end of each
+schedule step; tensor parallelism is applied to the blocks before the split (``tp.py``) and the last stage's
+cross-entropy then runs under loss parallel. Checkpoints: every rank's modules carry the plain model's parameter
+names, so a pipeline checkpoint is the one DCP format and resumes on one process or on another mesh.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -54,6 +62,18 @@ def check_pipeline_model(model_cfg: ModelConfig) -> None:
     if model_cfg.tie_word_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_word_embeddings = true: the embedding (first stage) and "
                           "the LM head (last stage) would be one matrix on two ranks; untie them")
+
+
+def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
+    """Combinations that do not reproduce the single process: torch's zero-bubble schedule with FSDP-sharded
+    stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
+    2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
+    numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    if pc.pp_schedule == "zero_bubble" and shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1:
+        raise ConfigError(f"parallel.pp_schedule='zero_bubble' with dp_replicate={shape.get('dp_replicate', 1)} x "
+                          f"dp_shard={shape.get('dp_shard', 1)} data-parallel ranks: its deferred weight gradients "
+                          f"and FSDP2's gradient reduction do not reproduce the single process; use 1f1b or "
+                          f"interleaved_1f1b with data parallelism")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -126,10 +146,15 @@ class StageModule(nn.Module):
     ``(x, residual)`` -> the SUM of the token losses of this microbatch, shape (1,) (``labels`` is passed to every
     stage and read by the last only)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0):
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = model.cfg
         self.first, self.last, self.z_loss = first, last, z_loss
+        self.every_chunk_valid = False   # set per micro-batch by PipelineRun (see token_loss_sum)
+        # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
+        # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
+        self.boundary_dtypes = (compute_dtype, torch.float32 if model.cfg.residual_in_fp32 else compute_dtype)
         self.embed_tokens = model.embed_tokens if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -144,29 +169,51 @@ class StageModule(nn.Module):
             x, residual = self.embed_tokens(tokens), None
         else:
             x, residual = inputs
-        B, T = x.shape[:2]
+        # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
+        # this tensor-parallel rank's slice of the sequence
+        T = labels.shape[1] if labels is not None else x.shape[1]
         cos, sin = Z2all.rope_tables(self, 0, T, x.device, position_ids)  # uses only self.cfg
         for layer in self.layers.values():
             x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
         if not self.last:
-            return x, residual
+            return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-        return token_loss_sum(h, self.lm_head.weight, labels, self.z_loss, c.ops.cross_entropy)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
 
 
-def token_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss: float, impl: str
-                   ) -> torch.Tensor:
-    """Sum over valid tokens of the cross-entropy (+ z-loss) of ``h @ weight.T``, shape (1,). The fused kernel
-    returns the mean over valid tokens, so the sum is mean x count (one host read of the count); a microbatch
-    without valid tokens contributes an exact zero that still joins the autograd graph."""
+def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
+                   every_chunk_valid: bool = False) -> torch.Tensor:
+    """Sum over valid tokens of the cross-entropy (+ z-loss) of the LM head's logits, shape (1,).
+
+    The fused kernel returns the mean over valid tokens, so the sum is mean x count. When every microbatch of the
+    micro-batch has valid tokens (``every_chunk_valid``, known from one host read per micro-batch) the count stays
+    on the device: no synchronisation between a microbatch's forward and its backward. Otherwise the count is read
+    here, and a microbatch without valid tokens contributes an exact zero that still joins the autograd graph.
+    Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
+    (the schedule step is inside ``loss_parallel``), summed directly."""
+    import torch.nn.functional as F
+
     from zero2all.model import ops
 
+    if ops.is_dtensor(head.weight):
+        if z_loss:
+            raise ConfigError("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel "
+                              "computes the cross-entropy only)")
+        logits = head(h)                                  # DTensor, Shard(-1) over the vocabulary
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+        return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
+    if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
+        return h.float().sum().reshape(1)
+    fused = ops.uses_fused_cross_entropy(impl, h)
+    if every_chunk_valid:
+        mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
+        return mean.float().reshape(1) * (labels != -100).sum()
     n_valid = int((labels != -100).sum())
     if n_valid == 0:
         return h.float().sum().reshape(1) * 0.0
-    mean = ops.linear_cross_entropy(h, weight, labels, z_loss=z_loss,
-                                    impl="fused" if ops.uses_fused_cross_entropy(impl, h) else "torch")
+    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
     return mean.float().reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
@@ -250,6 +297,7 @@ class PipelineRun:
         from torch.distributed.pipelining import PipelineStage
 
         check_pipeline_model(model.cfg)
+        check_pipeline_mesh(pc, dims.shape)
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
@@ -258,7 +306,8 @@ class PipelineRun:
         self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
         self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
         total, non_embedding = model.num_params(), model.num_params(non_embedding=True)
-        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1) for s in self.stage_ids]
+        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1, compute_dtype=param_dtype)
+                        for s in self.stage_ids]
         self.plain = RankModel(model.cfg, self.modules, total, non_embedding)
         self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
         if self.sharded:
@@ -271,9 +320,8 @@ class PipelineRun:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(st, name):
                     setattr(st, name, self._maybe_timed(getattr(st, name)))
-        self.schedule = None       # built at the first step, when the micro-batch size is known
+        self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
         self.n_microbatches = 0
-        self._n_valid = 1
         self._multiplier = 1.0
         self._reported: list[torch.Tensor] = []
         self.wall_s = 0.0          # schedule-step wall time since the last reset_measurement (measure = True)
@@ -287,18 +335,17 @@ class PipelineRun:
         for m in self.modules:
             m.z_loss = float(getattr(objective, "z_loss", 0.0))
 
-    def _schedule_for(self, rows: int):
-        """The schedule for micro-batches of ``rows`` sequences: ``pp_microbatches`` of them (0 = one sequence
-        each)."""
-        m = self.pc.pp_microbatches or rows
-        if rows % m:
-            raise ConfigError(f"parallel.pp_microbatches={m} does not divide the micro-batch of {rows} sequences")
-        if self.schedule is None or m != self.n_microbatches:
+    def _schedule_for(self, n_microbatches: int):
+        """The schedule for ``n_microbatches`` pipeline microbatches (one per count, built when first needed)."""
+        if n_microbatches not in self._schedules:
             cls = _schedule_class(self.pc.pp_schedule)
             target = self.stages if self.pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
-            self.schedule = cls(target, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
-            self.n_microbatches = m
-        return self.schedule
+            # scale_grads=False: the loss function already divides by the micro-batch's token count (torch
+            # versions without the argument never rescale)
+            extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+            self._schedules[n_microbatches] = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss, **extra)
+        self.n_microbatches = n_microbatches
+        return self._schedules[n_microbatches]
 
     def _maybe_timed(self, fn):
         timed = self.timer.wrap(fn)
@@ -319,36 +366,59 @@ class PipelineRun:
             fully_shard(m, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=self.pc.reshard_after_forward)
 
     # -- loss ---------------------------------------------------------------------------------------------------
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function on the last stage: the microbatch's token-loss sum over the micro-batch's
-        valid-token count (so the microbatches add up to the micro-batch's token mean), times the trainer's
-        multiplier (loss scale / grad_accum_steps). The unscaled value is kept for the report."""
-        mean_share = output.sum() / self._n_valid
+    def _loss(self, output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage. ``output`` is the microbatch's token-loss sum; its
+        ``target`` chunk ``weight`` holds, per row, 1 / (valid tokens of the micro-batch the row belongs to), so
+        the microbatches of a micro-batch add up to its token mean; times the trainer's multiplier (loss scale /
+        grad_accum_steps). The unscaled value is kept for the report."""
+        mean_share = output.sum() * weight[0]
         self._reported.append(mean_share.detach())
         return mean_share * self._multiplier
 
-    @staticmethod
-    def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        kwargs = {k: batch[k] for k in ("doc_ids", "position_ids") if batch.get(k) is not None}
-        return batch["input_ids"], batch["labels"], kwargs
+    def _prepare(self, batches: list[dict]) -> tuple:
+        """The micro-batches of an update as one pipeline batch: inputs, labels and extra keyword inputs
+        concatenated, per-row loss weights, and the number of pipeline microbatches (``pp_microbatches`` per
+        micro-batch, 0 = one sequence each). One host read: every micro-batch's valid-token count."""
+        rows = batches[0]["input_ids"].size(0)
+        m = self.pc.pp_microbatches or rows
+        if rows % m or any(b["input_ids"].size(0) != rows for b in batches):
+            raise ConfigError(f"parallel.pp_microbatches={m} does not divide every micro-batch of {rows} sequences")
+        labels = torch.cat([b["labels"] for b in batches])
+        per_chunk = (labels != -100).reshape(len(batches) * m, -1).sum(1).tolist()
+        per_batch = [sum(per_chunk[i * m:(i + 1) * m]) for i in range(len(batches))]
+        weight = torch.tensor([1.0 / max(n, 1) for n in per_batch], device=labels.device).repeat_interleave(rows)
+        for module in self.modules:
+            module.every_chunk_valid = min(per_chunk) > 0
+        kwargs = {k: torch.cat([b[k] for b in batches]) for k in ("doc_ids", "position_ids")
+                  if batches[0].get(k) is not None}
+        return torch.cat([b["input_ids"] for b in batches]), labels, weight, kwargs, len(batches) * m
 
-    def step(self, batch: dict, multiplier: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch through the pipeline; returns its mean token loss on the last
-        stage's rank, 0 elsewhere (:meth:`from_last_stage` hands it to every rank)."""
-        tokens, labels, kwargs = self._inputs(batch)
-        self._n_valid = max(int((labels != -100).sum()), 1)
+    def step(self, batches: list[dict], multiplier: float) -> torch.Tensor:
+        """Forward and backward of an update's micro-batches as ONE pipeline schedule (gradient accumulation
+        expressed as microbatches: grad_accum_steps x pp_microbatches of them, so the pipeline fills and drains
+        once per update). Returns the sum of the micro-batches' mean token losses on the last stage's rank, 0
+        elsewhere (:meth:`from_last_stage` hands it to every rank)."""
+        tokens, labels, weight, kwargs, n_micro = self._prepare(batches)
         self._multiplier = multiplier
         self._reported = []
-        schedule = self._schedule_for(tokens.size(0))
-        if not self.measure:
-            schedule.step(tokens, target=labels, labels=labels, **kwargs)
-            return self._reported_sum(tokens.device)
-        self._sync()
-        t0 = time.perf_counter()
-        schedule.step(tokens, target=labels, labels=labels, **kwargs)
-        self._sync()
-        self.wall_s += time.perf_counter() - t0
+        schedule = self._schedule_for(n_micro)
+        if self.measure:
+            self._sync()
+            t0 = time.perf_counter()
+        with self._loss_context():
+            schedule.step(tokens, target=weight, labels=labels, **kwargs)
+        if self.measure:
+            self._sync()
+            self.wall_s += time.perf_counter() - t0
         return self._reported_sum(tokens.device)
+
+    def _loss_context(self):
+        """Tensor parallel: the last stage's cross-entropy of vocab-sharded logits, forward and backward."""
+        if not self.dims.enabled("tp"):
+            return contextlib.nullcontext()
+        from zero2all.distributed.tp import loss_parallel_context
+
+        return loss_parallel_context()
 
     def _sync(self) -> None:
         if self.env.device.type == "cuda":
@@ -364,11 +434,15 @@ class PipelineRun:
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> torch.Tensor:
         """Forward-only pipeline pass: the micro-batch's mean token loss on every rank."""
-        tokens, labels, kwargs = self._inputs(batch)
-        self._n_valid = max(int((labels != -100).sum()), 1)
+        tokens, labels, weight, kwargs, n_micro = self._prepare([batch])
         self._multiplier = 1.0
         self._reported = []
-        self._schedule_for(tokens.size(0)).eval(tokens, target=labels, labels=labels, **kwargs)
+        schedule = self._schedule_for(n_micro)
+        if not hasattr(schedule, "eval"):
+            raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
+                              f"(this is {torch.__version__}); set train.eval_batches = 0")
+        with self._loss_context():
+            schedule.eval(tokens, target=weight, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
@@ -382,10 +456,15 @@ class PipelineRun:
     def grad_norm_and_clip(self, params, max_norm: float) -> torch.Tensor:
         """The global gradient norm over every stage (and FSDP shard): each rank's squared norm summed over the pp
         group, then ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient (``clip_grad_norm_``'s rule)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.env.device)
-        if hasattr(local, "full_tensor"):
-            local = local.full_tensor()
+        from zero2all.distributed.mesh import mesh_grad_norm_and_clip, needs_mesh_norm
+
+        params = [p for p in params if p.grad is not None]
+        if needs_mesh_norm(params):  # tp shards / FSDP 2-D shards / partial sums: per-layout norms
+            local = mesh_grad_norm_and_clip(params, 0.0)
+        else:
+            local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        grads = [p.grad for p in params]
         sq = (local.float() ** 2).reshape(1).to(self.env.device)
         with collective_timeout(self.env, "all-reduce of the gradient norm over the pipeline stages"):
             dist.all_reduce(sq, group=self.pp_group)
@@ -422,8 +501,8 @@ class PipelineRun:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         with collective_timeout(self.env, "gathering the full model from the pipeline stages"):
-            # FSDP shards: every data-parallel rank gathers the full tensors of its stages
-            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=self.sharded))
+            full = self.sharded or self.dims.enabled("tp")  # DTensors: gathered whole on every rank of the group
+            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=full))
             sd = {k: v.detach().cpu() for k, v in sd.items()}
             # one copy per stage: the first rank of each stage's data-parallel group sends its tensors
             first = self.dims.rank("dp") == 0 and self.dims.rank("cp") == 0 and self.dims.rank("tp") == 0

@@ -536,22 +536,23 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor | float] = {}
         tokens = 0
-        for micro in range(accum):
-            batch = self._to_device(next(self.train_iter))
-            if self.pipeline is not None:  # forward and backward of the micro-batch's pipeline microbatches
-                with self.autocast():
-                    loss, metrics = self.pipeline.step(batch, self.scaler.scale / accum), {}
-            else:
+        if self.pipeline is not None:  # the update's micro-batches as one pipeline schedule (distributed/pp.py)
+            batches = [self._to_device(next(self.train_iter)) for _ in range(accum)]
+            with self.autocast():
+                loss_sum += self.pipeline.step(batches, self.scaler.scale / accum).float()
+            tokens = sum(self.objective.num_tokens(b) for b in batches)
+            loss_sum = self.pipeline.from_last_stage(loss_sum)  # computed on the last stage: every rank gets it
+        else:
+            for micro in range(accum):
+                batch = self._to_device(next(self.train_iter))
                 # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
                 with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
                     loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
-            loss_sum += loss.float()
-            tokens += self.objective.num_tokens(batch)
-            for k, v in metrics.items():
-                v = v.detach().float() if torch.is_tensor(v) else float(v)
-                metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
-        if self.pipeline is not None:  # the loss lives on the last stage: every rank gets it
-            loss_sum = self.pipeline.from_last_stage(loss_sum)
+                loss_sum += loss.float()
+                tokens += self.objective.num_tokens(batch)
+                for k, v in metrics.items():
+                    v = v.detach().float() if torch.is_tensor(v) else float(v)
+                    metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler.unscale_(params)
         norm = self.pipeline.grad_norm_and_clip(params, t.grad_clip) if self.pipeline is not None else \
