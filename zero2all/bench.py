@@ -21,6 +21,8 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     use_all_compile    use_all with each decoder block under torch.compile (regional compilation)
     hf / hf_compile / hf_liger   transformers' LlamaForCausalLM (sdpa), eager / decoder layers compiled the same
                                  way / with Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+    hf_ao_fp8 / tt_compile / tt_fp8 / tt_fp8_tensorwise   HF + torchao float8 (rowwise) + compile; torchtitan's
+                       llama3 at our shape, bf16 + compile / + float8 rowwise / tensorwise (zero2all/bench_peers.py)
     mb16               use_all at micro-batch 16 (twice the tokens per step)
     seq8192            use_all at seq 8192 with micro-batch * seq kept equal to the base run's
     layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
@@ -44,7 +46,8 @@ from zero2all.fileio import save_json, write_text
 
 ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
                  "no_fused_linear", "no_adamw", "use_all_compile"]
-PEER_ROWS = ["hf", "hf_compile", "hf_liger"]
+PEER_ROWS = ["hf", "hf_compile", "hf_liger", "hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]
+EXTERNAL_PEER_ROWS = ["hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]  # run by bench_peers.py
 EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
 ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
               "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
@@ -53,7 +56,9 @@ ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-att
               "hf_compile": "HF Llama + torch.compile", "hf_liger": "HF Llama + Liger", "mb16": "use_all mb16",
               "seq8192": "use_all seq 8192", "layout_bsh": "layout (batch, seq, hidden)",
               "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
-              "use_all_cudnn": "use_all, SDPA cuDNN first"}
+              "use_all_cudnn": "use_all, SDPA cuDNN first", "hf_ao_fp8": "HF + torchao fp8 rw + compile",
+              "tt_compile": "torchtitan + compile", "tt_fp8": "torchtitan fp8 rw + compile",
+              "tt_fp8_tensorwise": "torchtitan fp8 tw + compile"}  # rw / tw: rowwise / tensorwise scaling
 
 
 @dataclass
@@ -197,8 +202,9 @@ def _sdpa_context(backend: str):
 
 def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: int, warmup: int,
             device="cuda", peak_flops: float = 989e12, sdpa_backend: str = "default", profile_dir=None,
-            log=print) -> BenchResult:
-    """Train ``iters + warmup`` optimizer steps of one row; returns its timing and memory."""
+            log=print, build=None) -> BenchResult:
+    """Train ``iters + warmup`` optimizer steps of one row; returns its timing and memory. ``build(base_cfg, row,
+    device, seq) -> (model, loss_fn)`` replaces the row's own model builder."""
     from zero2all.accounting import mfu
 
     result = BenchResult(row, ROW_LABELS.get(row, row), micro_batch, seq, accum)
@@ -206,7 +212,9 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        if row.startswith("hf"):
+        if build is not None:
+            model, loss_fn = build(base_cfg, row, device, seq)
+        elif row.startswith("hf"):
             model, loss_fn = _build_hf(base_cfg, row, device, seq)
         else:
             model, loss_fn = _build_ours(base_cfg, row, device)
@@ -286,7 +294,7 @@ def _has_cuda_total(prof) -> bool:
 
 
 def format_table(results: list[BenchResult]) -> str:
-    peers = [r for r in results if r.row.startswith("hf") and r.tokens_per_s]
+    peers = [r for r in results if r.row in PEER_ROWS and r.tokens_per_s]
     best_peer = max(peers, key=lambda r: r.tokens_per_s) if peers else None
     head = f"{'row':<30} {'mb':>3} {'seq':>5} {'step ms':>9} {'tok/s':>9} {'MFU %':>6} {'peak GB':>8} " \
            f"{'vs best peer':>12}"
@@ -373,8 +381,14 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
         elif name == "seq8192":
             s, mb = 8192, max(1, micro_batch * seq // 8192)
         log(f"row {name}: micro-batch {mb}, seq {s}, accum {accum}")
-        r = run_row(name, base_cfg, mb, s, accum, iters, warmup, sdpa_backend=sdpa_backend,
-                    profile_dir=(profile_dir or ".") if name in profiled else None, log=log)
+        if name in EXTERNAL_PEER_ROWS:
+            from zero2all import bench_peers
+
+            r = bench_peers.run_row(name, base_cfg, mb, s, accum, iters, warmup, config=config,
+                                    overrides=overrides or [], sdpa_backend=sdpa_backend, log=log)
+        else:
+            r = run_row(name, base_cfg, mb, s, accum, iters, warmup, sdpa_backend=sdpa_backend,
+                        profile_dir=(profile_dir or ".") if name in profiled else None, log=log)
         log(f"  -> {r.error or f'{r.step_ms:.1f} ms/step, {r.tokens_per_s:.0f} tok/s, {100 * r.mfu:.1f} % MFU'}"
             + (f", peak {r.peak_gb:.1f} GB" if r.peak_gb else ""))
         results.append(r)
