@@ -15,6 +15,12 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
     ours         1 GPU, no wrapper: the baseline for both scalings
     ours-ddp     N GPUs, DDP, no_sync on all but the last micro-step
     ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard
+    ours-pp      N GPUs, pipeline parallel over N stages (--pp-schedule, --pp-microbatches pipeline microbatches
+                 per micro-batch, an update's accum micro-batches in one schedule; one data-parallel replica, so a
+                 step holds micro-batch x accum sequences), with the measured bubble per rank (1 - busy / wall
+                 time of the schedule steps) and its ideal value (K-1)/(K+M-1), M = accum x --pp-microbatches
+    ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica)
+    ours-cp      N GPUs, context parallel over N ranks (ring attention; FSDP2 over the cp ranks)
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
                  master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync
 Ours runs the model with ``ops = auto`` (Triton kernels on CUDA): DDP with fp32 master weights + bf16 autocast,
@@ -79,6 +85,8 @@ def worker(args) -> None:
     from zero2all.train.metrics import detect_peak_flops
 
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
+    pipeline = mode == "pp"
+    mesh_kind = mode in ("pp", "tp", "cp")
     env = zd.init_distributed(device=args.device)
     if env.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // env.world_size))
@@ -86,23 +94,33 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     overrides = list(args.override) + [
         f"train.micro_batch_size={args.micro_batch}", f"train.grad_accum_steps={args.accum}",
-        f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'", f"parallel.mode='{mode}'",
+        f"train.precision='{'bf16' if dtype == torch.bfloat16 else 'fp32'}'",
+        f"parallel.mode='{'auto' if mesh_kind else mode}'",
         f"parallel.activation_checkpointing='{args.ac}'", f"parallel.reshard_after_forward={str(args.reshard).lower()}",
         f"train.compile={str(args.compile).lower()}", f"train.out_dir='{Path(args.result).parent / args.variant}'",
         f"train.device='{device}'", "train.tensorboard=false", "train.eval_every=0", "train.num_samples=0",
         "train.warmup_steps=1"]
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
+    if pipeline:
+        overrides += [f"parallel.pp={env.world_size}", f"parallel.pp_schedule='{args.pp_schedule}'",
+                      f"parallel.pp_microbatches={args.pp_microbatches}"]
+    if mode == "tp":
+        overrides += [f"parallel.tp={env.world_size}", "parallel.sequence_parallel=true"]
+    if mode == "cp":
+        overrides += [f"parallel.cp={env.world_size}"]
     if mode == "fsdp" and args.fsdp_no_sync:
         overrides.append("parallel.fsdp_accum_no_sync=true")
     cfg = load_config(args.config, overrides)
     seq = args.seq_len or cfg.model.max_seq_len
     liger = False
+    dp = env.world_size
     if family == "ours":
         # the trainer itself (synthetic data): parallelize + no_sync + clipping + AdamW + logging collectives
         from zero2all.train.trainer import Trainer
 
         trainer = Trainer(cfg, show_progress=False)
+        dp = trainer.dp_size  # ranks that read different sequences (a pipeline's stages read the same ones)
 
         def step():
             return trainer.train_step()["loss"]
@@ -142,6 +160,8 @@ def worker(args) -> None:
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if pipeline:
+        trainer.pipeline.reset_measurement()
     times = []
     for _ in range(args.steps):
         zd.barrier(env)
@@ -153,8 +173,28 @@ def worker(args) -> None:
     # the slowest rank sets the pace: median of each rank's step times, then the max over ranks
     median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
     memory = zd.gather_memory_stats(env)
+    bubbles = zd.all_gather_object(trainer.pipeline.measured_bubble(), env) if pipeline else None
+    comm = None
+    if args.count_comm and family == "ours":  # one more step with every collective's bytes counted
+        from comm_count import CommCounter
+
+        dims = trainer.run.dims
+        names = {}
+        if dims.mesh is not None:
+            for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+                if dims.size(name) > 1:
+                    names.setdefault(dims[name].get_group().group_name, name)
+        counter = CommCounter(names, env.world_size)
+        try:
+            with counter.counting():
+                step()
+                sync()
+            summary = counter.summary()
+        except Exception as e:  # the timing above stands; say why the count is missing
+            summary = {"by_group": {}, "by_kind": {}, "error": f"{type(e).__name__}: {e}"}
+        comm = zd.all_gather_object(summary, env)
     if env.is_main:
-        tokens = args.micro_batch * args.accum * seq * env.world_size
+        tokens = args.micro_batch * args.accum * seq * dp
         tok_s = tokens / median
         peak = detect_peak_flops(device)
         mfu = accounting.mfu(tok_s / env.world_size, cfg.model, seq, peak) if peak else None
@@ -165,6 +205,11 @@ def worker(args) -> None:
                   "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__}
+        if comm is not None:
+            result["comm_per_rank"] = comm
+        if pipeline:
+            result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
+                          bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble())
         Path(args.result).write_text(json.dumps(result))
     zd.barrier(env)
     zd.destroy_distributed()
@@ -181,7 +226,9 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
            "--config", args.config, "--micro-batch", str(args.micro_batch), "--accum", str(args.accum),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device, "--ac", args.ac, "--reshard", str(args.reshard).lower()]
+    cmd += ["--pp-schedule", args.pp_schedule, "--pp-microbatches", str(args.pp_microbatches)]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--count-comm"] if args.count_comm else []
     cmd += ["--fsdp-no-sync"] if args.fsdp_no_sync else []
     for o in args.override:
         cmd += ["--override", o]
@@ -208,7 +255,7 @@ def plan(args) -> list[tuple[str, int]]:
         for n in gpus:
             if variant == "ours" and n == 1:
                 runs.append(("ours", 1))
-            elif variant in ("ours-ddp", "ours-fsdp") and n > 1:
+            elif variant in ("ours-ddp", "ours-fsdp", "ours-pp", "ours-tp", "ours-cp") and n > 1:
                 runs.append((variant, n))
             elif variant == "peer":
                 runs.append(("peer" if n == 1 else "peer-ddp", n))
@@ -230,6 +277,16 @@ def print_table(results: list[dict]) -> None:
         name = r["variant"] + (" +liger" if r.get("liger") else "")
         print(f"{name:12s} {r['gpus']:>4d} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / r['gpus']:>10,.0f} "
               f"{scaling:>8s} {vs_peer:>8s} {mfu:>6s}  {mem}")
+    for r in results:
+        for rank, c in enumerate(r.get("comm_per_rank") or []):
+            print(f"{r['variant']} x{r['gpus']} rank {rank}: sent per step "
+                  + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in sorted(c["by_group"].items()))
+                  + " | " + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in sorted(c["by_kind"].items())))
+        if "bubble_measured" in r:
+            print(f"{r['variant']} x{r['gpus']}: {r['pp_schedule']}, {r['pp_microbatches']} pipeline microbatches per "
+                  f"update (accum x --pp-microbatches); measured bubble per rank "
+                  + " ".join(f"r{i}:{100 * b:.1f}%" for i, b in enumerate(r["bubble_measured"]))
+                  + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%)")
     if results:
         r = results[0]
         print(f"\n{r['device_name']}, torch {r['torch']}, micro-batch {r['micro_batch']} x accum {r['accum']} x "
@@ -254,7 +311,12 @@ def main(argv=None) -> int:
                    help="FSDP reshard_after_forward (true = ZeRO-3-like, false = ZeRO-2-like)")
     p.add_argument("--fsdp-no-sync", action="store_true",
                    help="ours-fsdp: parallel.fsdp_accum_no_sync (one reduce-scatter per update, not per micro-step)")
+    p.add_argument("--pp-schedule", default="1f1b", help="ours-pp: gpipe | 1f1b | interleaved_1f1b | zero_bubble")
+    p.add_argument("--pp-microbatches", type=int, default=8,
+                   help="ours-pp: pipeline microbatches per micro-batch (must divide --micro-batch)")
     p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
+    p.add_argument("--count-comm", action="store_true",
+                   help="ours: one extra step counting the bytes each rank sends, per collective and mesh dimension")
     p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     p.add_argument("--json", default="", help="also write all results to this file")
@@ -270,6 +332,7 @@ def main(argv=None) -> int:
         args.config, args.device, args.micro_batch, args.accum = "tiny", "cpu", 2, 2
         args.seq_len, args.steps, args.warmup = args.seq_len or 64, 2, 1
         args.override = args.override or ["model.n_layers=2"]
+        args.pp_microbatches = min(args.pp_microbatches, args.micro_batch)
     runs = plan(args)
     print(f"{len(runs)} runs: {', '.join(f'{v} x{n}' for v, n in runs)}", flush=True)
     results = []

@@ -286,13 +286,18 @@ def test_communication_volumes_by_hand():
     assert acc.tensor_parallel_comm_bytes(cfg, 1, 2048, 2) == 22 * 4 * 1.0 * 2048 * 2048 * 2
     assert acc.tensor_parallel_comm_bytes(cfg, 1, 2048, 2, recompute="full") == 22 * 6 * 2048 * 2048 * 2
     assert acc.tensor_parallel_comm_bytes(cfg, 1, 2048, 1) == 0
-    assert acc.pipeline_comm_bytes(cfg, 2, 2048, 4, grad_accum_steps=8) == 2 * 8 * 2 * 2048 * 2048 * 2
+    # pp4: 3 boundaries, x (bf16) + residual (fp32) forward and their gradients back, averaged over 4 GPUs
+    assert acc.pipeline_p2p_bytes(2048, 2048, 2, 8, 4) == 2 * 3 * 8 * 2 * 2048 * 2048 * (2 + 4) / 4
+    assert acc.pipeline_p2p_bytes(2048, 2048, 2, 8, 4, stages_per_rank=2, tp=2, sequence_parallel=True) == \
+        2 * 7 * 8 * 2 * 2048 * 2048 * (2 + 4) / 4 / 2
+    assert acc.pipeline_p2p_bytes(2048, 2048, 2, 8, 1) == 0
 
 
 def test_pipeline_bubble():
     assert acc.pipeline_bubble_fraction(4, 32) == 3 / 35
     assert acc.pipeline_bubble_fraction(1, 7) == 0.0
     assert acc.pipeline_bubble_fraction(8, 1) == 7 / 8
+    assert acc.pipeline_bubble_fraction(2, 8, stages_per_rank=2) == 1 / 17   # interleaved: (K-1)/(VM+K-1)
     with pytest.raises(ConfigError):
         acc.pipeline_bubble_fraction(0, 4)
 

@@ -578,22 +578,26 @@ def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int,
             * micro_batch * seq_len * cfg.hidden_dim * e)
 
 
-def pipeline_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, pp: int, grad_accum_steps: int = 1,
-                        precision: str = "bf16-amp", tp: int = 1, sequence_parallel: bool = True) -> float:
-    """Bytes an inner pipeline stage sends per step: each micro-batch's b*s*h activation forward and its gradient
-    backward (2 * M * b*s*h*e), divided by t with sequence parallelism."""
-    if pp <= 1:
+def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, grad_accum_steps: int = 1,
+                                precision: str = "bf16-amp", tp: int = 1, pp: int = 1) -> float:
+    """Bytes each GPU sends per step for ring attention over ``cp`` ranks: in every attention layer's forward a
+    rank passes on cp-1 K/V blocks of b*(s/cp) tokens x 2*n_kv_heads*head_dim/t values; the backward passes the
+    K/V blocks again and the dK/dV blocks once: 3 * (cp-1)/cp * b*s*2*kv*e per layer and micro-batch."""
+    if cp <= 1:
         return 0.0
     e = get_precision(precision).activation_bytes
-    return 2.0 * grad_accum_steps * micro_batch * seq_len * cfg.hidden_dim * e / (tp if sequence_parallel else 1)
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim / tp
+    layers = math.ceil(cfg.n_layers / pp)
+    return grad_accum_steps * layers * 3 * (cp - 1) / cp * micro_batch * seq_len * kv * e
 
 
-def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
+def pipeline_bubble_fraction(stages: int, micro_batches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of a GPipe / 1F1B schedule with K stages and M micro-batches: (K-1)/(K+M-1).
-    (Equivalently the bubble is (K-1)/M of the ideal compute time.)"""
-    if stages < 1 or micro_batches < 1:
-        raise ConfigError("pipeline: stages and micro-batches must be >= 1")
-    return (stages - 1) / (stages + micro_batches - 1)
+    (Equivalently the bubble is (K-1)/M of the ideal compute time.) With V virtual stages per rank (interleaved
+    1F1B) each fill/drain slot is 1/V as long: (K-1)/(V*M+K-1)."""
+    if stages < 1 or micro_batches < 1 or stages_per_rank < 1:
+        raise ConfigError("pipeline: stages, micro-batches and stages per rank must be >= 1")
+    return (stages - 1) / (stages_per_rank * micro_batches + stages - 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -634,6 +638,7 @@ class Layout:
     zero: int = 0
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum_steps: int = 1
@@ -643,13 +648,19 @@ class Layout:
     fused_kernels: bool = True
     fused_cross_entropy: bool = True
     fused_linear: bool = False
+    pp_microbatches: int = 0           # pipeline microbatches per micro-batch (0 = one sequence each)
+    pp_stages_per_rank: int = 1        # interleaved schedules: virtual stages per pipeline rank
+    residual_in_fp32: bool = True      # the residual stream crosses stage boundaries in fp32
 
     def validate(self) -> None:
-        for name in ("gpus", "tp", "pp", "micro_batch", "seq_len", "grad_accum_steps"):
+        for name in ("gpus", "tp", "pp", "cp", "micro_batch", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        if self.gpus % (self.tp * self.pp):
-            raise ConfigError(f"--gpus {self.gpus} is not divisible by --tp {self.tp} x --pp {self.pp}")
+        if self.gpus % (self.tp * self.pp * self.cp):
+            raise ConfigError(f"--gpus {self.gpus} is not divisible by --tp {self.tp} x --pp {self.pp} x --cp "
+                              f"{self.cp}")
+        if self.seq_len % (2 * self.cp) and self.cp > 1:
+            raise ConfigError(f"--seq {self.seq_len} is not divisible by 2 x --cp {self.cp} (load-balanced chunks)")
         if self.tokens is not None and self.tokens <= 0:
             raise ConfigError(f"--tokens: must be positive, got {self.tokens}")
         get_gpu(self.gpu)
@@ -668,29 +679,39 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     gpu = get_gpu(layout.gpu)
     L = layout
     sp = (L.tp > 1) if L.sequence_parallel is None else L.sequence_parallel
-    dp = L.gpus // (L.tp * L.pp)
+    dp = L.gpus // (L.tp * L.pp * L.cp)
+    local_seq = L.seq_len // L.cp         # tokens of each sequence on one cp rank (activations, tp and pp traffic)
+    # under tp the loss runs as loss parallel on vocab-sharded logits (distributed/tp.py), not the fused kernel
+    fused_ce = L.fused_cross_entropy and L.tp == 1
     pc = param_counts(cfg)
     tokens = L.tokens if L.tokens is not None else 20.0 * pc.total
     fwd = forward_flops_per_token(cfg, L.seq_len)
     per_token_mfu = mfu_flops_per_token(cfg, L.seq_len)
     tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
+    # ZeRO / FSDP shards over dp x cp (the cp ranks hold the same weights): n_gpus / (tp * pp) ranks
     mem_kw = dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
                   grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
-                  fused_kernels=L.fused_kernels, fused_cross_entropy=L.fused_cross_entropy,
-                  fused_linear=L.fused_linear)
-    memory = peak_memory_bytes(cfg, L.micro_batch, L.seq_len, **mem_kw)
+                  fused_kernels=L.fused_kernels, fused_cross_entropy=fused_ce,
+                  fused_linear=L.fused_linear and L.tp == 1)
+    memory = peak_memory_bytes(cfg, L.micro_batch, local_seq, **mem_kw)
     per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels,
                                                      fused_linear=L.fused_linear)
     shard = params_per_gpu(cfg, L.tp, L.pp)
     comm = {
-        "data_parallel": data_parallel_comm_bytes(shard, dp, L.zero, L.precision, L.grad_accum_steps),
-        "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.tp,
+        "data_parallel": data_parallel_comm_bytes(shard, dp * L.cp, L.zero, L.precision, L.grad_accum_steps),
+        "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch, local_seq, L.tp,
                                                                      L.grad_accum_steps, L.precision, L.recompute,
                                                                      L.pp),
-        "pipeline_bytes_per_step": pipeline_comm_bytes(cfg, L.micro_batch, L.seq_len, L.pp, L.grad_accum_steps,
-                                                       L.precision, L.tp, sp),
+        "pipeline_bytes_per_step": pipeline_p2p_bytes(
+            cfg.hidden_dim, local_seq, L.micro_batch, L.grad_accum_steps, L.pp, L.pp_stages_per_rank,
+            get_precision(L.precision).activation_bytes,
+            4 if L.residual_in_fp32 else get_precision(L.precision).activation_bytes, L.tp, sp),
+        "context_parallel_bytes_per_step": context_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.cp,
+                                                                       L.grad_accum_steps, L.precision, L.tp, L.pp),
     }
-    bubble = pipeline_bubble_fraction(L.pp, L.grad_accum_steps)
+    # an update runs as one pipeline schedule of accum x pp_microbatches microbatches (zero2all/distributed/pp.py)
+    bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch) * L.grad_accum_steps,
+                                      L.pp_stages_per_rank)
     step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
     return {
         "layout": asdict(L) | {"dp": dp, "sequence_parallel": sp,
@@ -712,8 +733,8 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
             "params_on_gpu_before_zero": shard,
             "activation_per_token_per_layer": per_layer,
             "korthikanti_per_layer (GPT formula)": korthikanti_activation_bytes_per_layer(
-                L.seq_len, L.micro_batch, cfg.hidden_dim, cfg.n_heads, L.tp, sp, L.recompute),
-            "max_micro_batch": max_micro_batch(cfg, L.seq_len, gpu.memory_bytes, **mem_kw),
+                local_seq, L.micro_batch, cfg.hidden_dim, cfg.n_heads, L.tp, sp, L.recompute),
+            "max_micro_batch": max_micro_batch(cfg, local_seq, gpu.memory_bytes, **mem_kw),
         },
         "communication": comm,
         "pipeline_bubble": bubble,
@@ -771,7 +792,8 @@ def format_estimate(est: dict, name: str = "") -> str:
              (f"total for {L['tokens']:.3g} tokens", f"{f['total']:.3g} FLOP "
                                                      f"(6ND with all parameters: {f['total_6ND (N=all params)']:.3g})")]
     zero = L["zero"]
-    section(f"memory per GPU ({L['precision']}, ZeRO-{zero}, dp {L['dp']} x tp {L['tp']} x pp {L['pp']}, "
+    section(f"memory per GPU ({L['precision']}, ZeRO-{zero}, dp {L['dp']} x cp {L['cp']} x tp {L['tp']} x pp "
+            f"{L['pp']}, "
             f"micro-batch {L['micro_batch']}, recompute {L['recompute']})")
     rows += [("weights", _gb(m["weights"])), ("gradients", _gb(m["gradients"])),
              ("optimizer (AdamW)", _gb(m["optimizer"])),
@@ -789,6 +811,7 @@ def format_estimate(est: dict, name: str = "") -> str:
     rows += [(f"data parallel ({c['data_parallel']['collective']})", _gb(c["data_parallel"]["bytes_per_step"])),
              ("tensor parallel", _gb(c["tensor_parallel_bytes_per_step"])),
              ("pipeline p2p", _gb(c["pipeline_bytes_per_step"])),
+             ("context parallel ring K/V", _gb(c["context_parallel_bytes_per_step"])),
              ("pipeline bubble (K-1)/(K+M-1)", f"{est['pipeline_bubble'] * 100:.1f} %")]
     section(f"time ({L['gpus']} x {L['gpu']}, MFU {L['mfu'] * 100:.0f} %)")
     rows += [("tokens / step", f"{t['tokens_per_step']:,}"),
@@ -867,3 +890,26 @@ def measured_flops(model, tokens, targets, backward: bool) -> int:
         if backward:
             loss.backward()
     return counter.get_total_flops()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pipeline parallelism (zero2all/distributed/pp.py)
+
+
+def pipeline_p2p_bytes(hidden: int, seq_len: int, micro_batch_size: int, grad_accum_steps: int, stages: int,
+                       stages_per_rank: int = 1, act_bytes: int = 2, residual_bytes: int = 4, tp: int = 1,
+                       sequence_parallel: bool = False) -> float:
+    """Point-to-point bytes one GPU sends per step, on average over the K pipeline ranks. Every boundary between
+    consecutive stages (K * V - 1 of them) carries, for every sequence of every micro-batch, the activations x and
+    the residual stream (B * T * H elements each) forward and their gradients backward:
+
+        2 * (K V - 1) * accum * B * T * H * (act_bytes + residual_bytes) / K       per GPU
+
+    ``residual_bytes`` is 4 when the residual stream stays fp32 under bf16 autocast (``residual_in_fp32``). Each
+    tensor-parallel rank sends its own copy, or with sequence parallelism its 1/tp slice of the sequence."""
+    if stages <= 1:
+        return 0.0
+    boundaries = stages * stages_per_rank - 1
+    per_replica = 2.0 * boundaries * grad_accum_steps * micro_batch_size * seq_len * hidden * (act_bytes
+                                                                                                + residual_bytes)
+    return per_replica / stages / (tp if sequence_parallel else 1)

@@ -905,7 +905,7 @@ def _eval_tasks(args):
          "  z2all estimate --config llama2-7b --gpus 8 --gpu a100 --zero 3 --json")
 def _estimate(p):
     p.add_argument("--config", default="z2all-1.1b", help="preset name or .toml path")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--gpus", type=int, default=None, help="number of GPUs (default 1, or the --dp mesh)")
     p.add_argument("--gpu", default="h100", help="GPU type: h100, h200, a100, a10, l4, 4090, ... (default h100)")
     p.add_argument("--tokens", type=float, default=None,
                    help="training tokens, e.g. 15e12 (default: 20 per parameter, Chinchilla-optimal)")
@@ -913,10 +913,14 @@ def _estimate(p):
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over data parallel")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on when > 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention over sequence chunks)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (sets --gpus to dp x tp x pp x cp when --gpus is not given)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: train config)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len or max_seq_len)")
     p.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per step per data-parallel rank (= pipeline micro-batches; default: config)")
+                   help="micro-batches per step per data-parallel rank (default: config; each is split into "
+                        "parallel.pp_microbatches pipeline microbatches)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation")
     p.add_argument("--precision", default="bf16-amp", choices=["bf16-amp", "bf16-mixed", "fp32"],
@@ -930,19 +934,29 @@ def _estimate(p):
         import json
 
         from zero2all.accounting import Layout, estimate, format_estimate
-        from zero2all.config import load_config
+        from zero2all.config import ConfigError, load_config
 
         cfg = load_config(args.config, args.overrides)
         ops = cfg.model.ops
-        layout = Layout(gpus=args.gpus, gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
-                        tp=args.tp, pp=args.pp,
+        gpus = args.gpus
+        if args.dp is not None:
+            mesh = args.dp * args.tp * args.pp * args.cp
+            if gpus not in (None, mesh):
+                raise ConfigError(f"--gpus {gpus} but --dp {args.dp} x --tp {args.tp} x --pp {args.pp} x --cp "
+                                  f"{args.cp} = {mesh}")
+            gpus = mesh
+        layout = Layout(gpus=gpus or 1, gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
+                        tp=args.tp, pp=args.pp, cp=args.cp,
                         micro_batch=args.micro_batch or cfg.train.micro_batch_size,
                         seq_len=args.seq or cfg.data.seq_len or cfg.model.max_seq_len,
                         grad_accum_steps=args.grad_accum or cfg.train.grad_accum_steps,
                         recompute=args.recompute, precision=args.precision,
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
-                        fused_linear=ops.fused_linear != "torch")
+                        fused_linear=ops.fused_linear != "torch",
+                        pp_microbatches=cfg.parallel.pp_microbatches,
+                        pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
+                        residual_in_fp32=cfg.model.residual_in_fp32)
         moe = None
         if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
             from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate

@@ -390,6 +390,8 @@ TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 AC_MODES = ("none", "full", "selective")
 AC_SELECTIVE = ("blocks", "attention")
@@ -415,12 +417,47 @@ class ParallelConfig:
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
     timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
     ep: int = 1                    # expert parallel: experts divided over this many ranks (mesh dims ("dp", "ep"))
+    # the device mesh (distributed/mesh.py): pp x dp_replicate x dp_shard x cp x tp = the number of processes
+    dp_replicate: int = 1          # HSDP replicas (gradients all-reduced across them)
+    dp_shard: int = -1             # FSDP2 shards within a replica; -1 = the rest of the processes
+    tp: int = 1                    # tensor parallel (Megatron 1-D: heads and MLP columns/rows split)
+    pp: int = 1                    # pipeline stages across processes
+    cp: int = 1                    # context parallel (ring attention over sequence chunks)
+    sequence_parallel: bool = False  # with tp > 1: norms and the residual stream sharded along the sequence
+    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
+    # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1    # interleaved_1f1b / zero_bubble: virtual stages held by each pipeline rank
+
+    def uses_mesh(self) -> bool:
+        """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
+        return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_replicate > 1
 
     def resolved_mode(self, world_size: int) -> str:
-        """``auto`` -> fsdp with expert parallelism, ddp when several processes run, else none."""
+        """``auto`` -> fsdp with expert parallelism, ddp when several processes run, else none; ``mesh`` when tp /
+        pp / cp / dp_replicate are used (data parallelism is then FSDP2 on the mesh's dp_shard (x cp) dimension)."""
+        if self.uses_mesh():
+            return "mesh"
         if self.mode == "auto":
             return "fsdp" if self.ep > 1 else "ddp" if world_size > 1 else "none"
         return self.mode
+
+    def mesh_shape(self, world_size: int) -> dict[str, int]:
+        """The size of each mesh dimension, outermost first: pp, dp_replicate, dp_shard, cp, tp (``dp_shard =
+        -1`` resolved to the rest of ``world_size``). Raises ConfigError when the product is not the world size."""
+        fixed = self.pp * self.dp_replicate * self.cp * self.tp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(f"parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x cp={self.cp} x "
+                                  f"tp={self.tp} = {fixed} does not divide the {world_size} processes")
+            dp_shard = world_size // fixed
+        if fixed * dp_shard != world_size:
+            raise ConfigError(f"parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x "
+                              f"cp={self.cp} x tp={self.tp} = {fixed * dp_shard}, but {world_size} processes run")
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp,
+                "tp": self.tp}
 
     def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
         """Check every field (naming it); with ``world_size``, also what that many processes can run."""
@@ -442,6 +479,10 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.ep: must be >= 1, got {self.ep}")
         if world_size is not None and world_size % self.ep:
             raise ConfigError(f"{prefix}.ep={self.ep} does not divide the {world_size} processes")
+        if self.ep > 1 and self.uses_mesh():
+            raise ConfigError(f"{prefix}.ep={self.ep} with tp={self.tp}, pp={self.pp}, cp={self.cp}, dp_replicate="
+                              f"{self.dp_replicate}: expert parallelism composes with FSDP2 data parallelism only "
+                              f"(set tp, pp, cp and dp_replicate to 1)")
         if self.ep > 1 and self.resolved_mode(world_size or self.ep) != "fsdp":
             raise ConfigError(f"{prefix}.ep={self.ep} needs {prefix}.mode = fsdp (or auto): the non-expert "
                               f"parameters are FSDP2-sharded over all ranks, the experts over the dp ranks")
@@ -454,6 +495,88 @@ class ParallelConfig:
         if world_size is not None and world_size == 1 and mode in ("ddp", "fsdp", "zero1"):
             raise ConfigError(f"{prefix}.mode={mode!r} needs several processes: launch with torchrun "
                               f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
+        _check_choice(self, "pp_schedule", PP_SCHEDULES, prefix)
+        for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"{prefix}.dp_shard: must be >= 1 or -1 (the rest of the processes), "
+                              f"got {self.dp_shard}")
+        if self.pp_microbatches < 0:
+            raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = train.micro_batch_size), "
+                              f"got {self.pp_microbatches}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(f"{prefix}.sequence_parallel shards the sequence over the tp ranks: it needs "
+                              f"{prefix}.tp > 1")
+        if self.pp_stages_per_rank > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
+            raise ConfigError(f"{prefix}.pp_stages_per_rank={self.pp_stages_per_rank} needs {prefix}.pp_schedule "
+                              f"= {' or '.join(MULTI_STAGE_SCHEDULES)} (got {self.pp_schedule!r})")
+        if self.uses_mesh() and self.mode not in ("auto", "fsdp"):
+            raise ConfigError(f"{prefix}.mode={self.mode!r} is plain data parallelism; with tp / pp / cp / "
+                              f"dp_replicate the data-parallel ranks use FSDP2 (dp_shard) and HSDP (dp_replicate): "
+                              f"set {prefix}.mode = auto or fsdp")
+        if self.uses_mesh() and (self.cpu_offload or self.comm_hook != "none"):
+            raise ConfigError(f"{prefix}.cpu_offload / {prefix}.comm_hook are not available with tp / pp / cp / "
+                              f"dp_replicate")
+        if world_size is not None:
+            self.mesh_shape(world_size)
+
+
+def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: ParallelConfig, world_size: int,
+               seq_len: int | None = None, prefix: str = "parallel") -> dict[str, int]:
+    """Refuse a mesh the model, the batch or the number of processes cannot run, naming the numbers; return the
+    mesh shape. Runs before any process group is built (``parallelize`` calls it again with the real world size
+    and ``train = None``: the batch rules are then skipped).
+
+    - tp splits attention by heads (whole KV groups per rank) and the MLP by columns: n_heads, n_kv_heads,
+      intermediate_size and the (padded) vocabulary (vocab-parallel embedding and LM head) divisible by tp;
+    - pp needs a block for every stage: n_layers >= pp * pp_stages_per_rank, and at least as many pipeline
+      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch;
+    - cp splits each sequence into 2 * cp chunks (load-balanced causal halves): seq_len divisible by 2 * cp;
+    - sequence parallel splits each rank's tokens over tp: seq_len / cp divisible by tp.
+    """
+    shape = parallel.mesh_shape(world_size)
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    seq_len = seq_len or model.max_seq_len
+    if tp > 1:
+        for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
+                            ("intermediate_size", model.intermediate_size)):
+            if value % tp:
+                raise ConfigError(f"{prefix}.tp={tp}: model.{name}={value} is not divisible by it (each tensor-"
+                                  f"parallel rank holds an equal share)")
+        if model.padded_vocab_size % tp:
+            raise ConfigError(f"{prefix}.tp={tp}: the vocabulary ({model.padded_vocab_size} rows) is not divisible "
+                              f"by it (embedding and LM head are split by rows); set model.pad_vocab_to_multiple_of")
+        if train is not None and train.z_loss:
+            raise ConfigError(f"{prefix}.tp={tp}: train.z_loss is not available with tensor parallelism (the "
+                              f"vocab-parallel loss computes the cross-entropy only)")
+        for name in ("attention_dropout", "dropout1", "dropout2"):
+            if getattr(model, name):
+                raise ConfigError(f"{prefix}.tp={tp}: model.{name}={getattr(model, name)} would drop different "
+                                  f"values of the replicated activations on each tp rank; set it to 0")
+        if parallel.sequence_parallel and (seq_len // cp) % tp:
+            raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
+                              f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
+    if pp > 1:
+        stages = pp * parallel.pp_stages_per_rank
+        if model.n_layers < stages:
+            raise ConfigError(f"{prefix}: {stages} pipeline stages (pp={pp} x pp_stages_per_rank="
+                              f"{parallel.pp_stages_per_rank}) but model.n_layers={model.n_layers}")
+        batch = train.micro_batch_size if train is not None else parallel.pp_microbatches
+        micro = parallel.pp_microbatches or batch
+        if batch and batch % micro:
+            raise ConfigError(f"{prefix}.pp_microbatches={micro} does not divide train.micro_batch_size="
+                              f"{batch}")
+        if micro and micro < stages:
+            raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
+                              f"(0 means train.micro_batch_size={batch})")
+    if cp > 1 and model.ops.attention != "sdpa":
+        raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
+                          f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"{prefix}.cp={cp}: seq_len={seq_len} is not divisible by 2 * cp = {2 * cp} (each "
+                          f"sequence is cut into 2 * cp chunks for load-balanced causal attention)")
+    return shape
 
 
 # train-section keys of earlier versions that now live in [parallel] (read with a warning)
@@ -591,6 +714,11 @@ class Config:
                               f"{self.model.moe.n_experts} (every ep rank holds the same number of experts)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.parallel.cp > 1 and self.data.document_mask:
+            raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
+                              f"takes the causal mask only, not document masks; set one of them off")
+        if world_size is not None:
+            check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self
 
     def to_dict(self) -> dict:

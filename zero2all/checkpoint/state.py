@@ -27,41 +27,82 @@ import torch.nn as nn
 
 
 class ModelState:
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """``fused``: the tensor-parallel layouts of fused parameters (``distributed/tp.py``): they are stored in the
+    canonical layout [q | k | v], [gate | up] whatever the mesh, and converted back on load."""
+
+    def __init__(self, model: nn.Module, fused: dict | None = None):
+        self.model, self.fused = model, fused or {}
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        return _canonical(get_model_state_dict(self.model), self.fused)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+        if self.fused:
+            sd = _rank_major(sd, get_model_state_dict(self.model), self.fused)
         set_model_state_dict(self.model, sd)
 
 
 class OptimizerState:
-    """``optimizer`` is the optimizer holding this rank's state (ZeRO-1: its local partition)."""
+    """``optimizer`` is the optimizer holding this rank's state (ZeRO-1: its local partition); ``fused`` as for
+    :class:`ModelState` (the moments of a fused parameter have its layout)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, fused: dict | None = None):
+        self.model, self.optimizer, self.fused = model, optimizer, fused or {}
 
     def _full(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         # a fresh optimizer is given its state first (a zero-learning-rate step), so the template has every entry
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        with _mixed_params(self.model):
+            return get_optimizer_state_dict(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": self._full()["state"]}
+        state = self._full()["state"]
+        return {"state": {k: _canonical(v, {n: self.fused[k] for n in v}) if k in self.fused else v
+                          for k, v in state.items()}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         current = self._full()
-        current["state"] = sd["state"]  # param_groups stay this run's (its config's hyper-parameters)
-        set_optimizer_state_dict(self.model, self.optimizer, current)
+        loaded = sd["state"]
+        if self.fused:
+            loaded = {k: _rank_major(v, current["state"][k], {n: self.fused[k] for n in v if n != "step"})
+                      if k in self.fused else v for k, v in loaded.items()}
+        current["state"] = loaded  # param_groups stay this run's (its config's hyper-parameters)
+        with _mixed_params(self.model):
+            set_optimizer_state_dict(self.model, self.optimizer, current)
+
+
+def _mixed_params(model: nn.Module):
+    """Tensor parallel without sequence parallel keeps the norm weights plain beside DTensor shards; the
+    optimizer's multi-tensor kernels (run by DCP's state-dict helpers) take them as replicated."""
+    from contextlib import nullcontext
+
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+    return nullcontext()
+
+
+def _canonical(sd: dict[str, Any], fused: dict) -> dict[str, Any]:
+    """``sd`` with every fused tensor-parallel DTensor in the canonical row layout (others unchanged)."""
+    from zero2all.distributed.tp import to_canonical_dtensor
+
+    return {k: to_canonical_dtensor(v, fused[k]) if k in fused and hasattr(v, "device_mesh") else v
+            for k, v in sd.items()}
+
+
+def _rank_major(sd: dict[str, Any], like: dict[str, Any], fused: dict) -> dict[str, Any]:
+    from zero2all.distributed.tp import to_rank_major_dtensor
+
+    return {k: to_rank_major_dtensor(v, fused[k], like[k]) if k in fused and hasattr(v, "device_mesh") else v
+            for k, v in sd.items()}
 
 
 class JsonState:

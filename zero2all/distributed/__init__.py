@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -51,14 +52,28 @@ from zero2all.distributed.env import (
     memory_stats,
     resolve_device,
 )
+from zero2all.distributed.mesh import (
+    MeshModel,
+    ParallelDims,
+    build_mesh,
+    data_parallel_rank,
+    mesh_grad_norm_and_clip,
+    needs_mesh_norm,
+    plain_dims,
+)
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
+
+if TYPE_CHECKING:
+    from zero2all.distributed.pp import PipelineRun
 
 __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean",
            "all_reduce_sum", "all_true", "any_true", "apply_activation_checkpointing", "attention_core_policy",
            "barrier", "broadcast_object",
            "clip_grad_norm", "collective_timeout", "compute_dtype", "destroy_distributed", "finish_process",
            "format_memory", "gather_memory_stats", "init_distributed", "is_fsdp", "is_zero1",
-           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device",
+           "launched_by_torchrun", "local_optimizer", "memory_stats", "parallelize", "resolve_device", "ParallelDims",
+           "data_parallel_rank",
+           "build_mesh",
            "transformer_blocks", "unwrap"]
 
 
@@ -101,10 +116,17 @@ class Parallelized:
     env: DistEnv
     config: ParallelConfig = field(default_factory=ParallelConfig)
     comm_hook: CommHook = field(default_factory=CommHook)
+    dims: ParallelDims | None = None       # the device mesh (mesh.py); data-parallel rank/size for the data
+    fused_rows: dict = field(default_factory=dict)  # tensor parallel: fused parameters' row layouts (tp.py)
+    pipeline: "PipelineRun | None" = None  # pipeline parallelism (pp.py): this rank's stages and their schedule
+
+    def __post_init__(self):
+        if self.dims is None:
+            self.dims = plain_dims(self.env)
 
     @property
     def fsdp(self) -> bool:
-        return self.mode == "fsdp"
+        return self.mode == "fsdp" or (self.mode == "mesh" and is_fsdp(self.plain))
 
     def gradient_sync(self, enabled: bool):
         """Context for one micro-step: DDP skips its all-reduce (``no_sync``) unless ``enabled`` (the last
@@ -121,6 +143,32 @@ class Parallelized:
             return self.model.no_sync()
         return nullcontext()
 
+    def train_context(self, batch: dict):
+        """Context for a forward + backward (or an evaluation forward) of ``batch``: loss parallel under tp (the
+        cross-entropy of vocab-sharded logits), ring attention and the sequence split under cp."""
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        if self.dims.enabled("tp"):
+            from zero2all.distributed.tp import loss_parallel_context
+
+            stack.enter_context(loss_parallel_context())
+        if self.dims.enabled("cp"):
+            from zero2all.distributed.cp import context_parallel_batch
+
+            stack.enter_context(context_parallel_batch(self.dims["cp"], self.model, batch))
+        return stack
+
+    def optimizer_context(self):
+        """Context for ``optimizer.step()``. Under tp without sequence parallel the norm weights stay plain tensors
+        (every tp rank computes the same gradient for them) beside DTensor shards: the foreach / fused optimizer
+        kernels then take the plain ones as replicated (DTensor's ``implicit_replication``)."""
+        if self.dims.enabled("tp"):
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            return implicit_replication()
+        return nullcontext()
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1: the optimizer partitioned over ranks; other modes: unchanged."""
         if self.mode != "zero1":
@@ -131,16 +179,20 @@ class Parallelized:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (CPU tensors under FSDP, gathered by every rank), None elsewhere."""
-        if self.fsdp:
+        if self.pipeline is not None or self.fsdp or self.fused_rows:
             from zero2all.distributed.fsdp import gather_full_state_dict
 
-            return gather_full_state_dict(self.plain, self.env)
+            sd = self.pipeline.full_state_dict() if self.pipeline is not None else \
+                gather_full_state_dict(self.plain, self.env)
+            if sd is not None:  # tensor parallel: fused rows back in the canonical layout
+                sd = {k: self.fused_rows[k].to_canonical(v) if k in self.fused_rows else v for k, v in sd.items()}
+            return sd
         return self.plain.state_dict() if self.env.is_main else None
 
     def gather_plain_model(self) -> nn.Module | None:
         """A plain model holding the full weights, on rank 0 (others None): the model itself unless it is
         FSDP-sharded; then a CPU copy gathered by every rank (a collective)."""
-        if not self.fsdp:
+        if not self.fsdp and not self.fused_rows and self.pipeline is None:
             return self.plain if self.env.is_main else None
         sd = self.full_state_dict()
         if sd is None:
@@ -169,10 +221,13 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
     if mode != "none" and not env.is_distributed:
         raise ConfigError(f"parallel.mode={mode!r} needs a process group: launch with torchrun "
                           f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
-    apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
-    if compile_blocks:
+    if mode != "mesh":
+        apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
+    if compile_blocks and mode != "mesh":
         for block in transformer_blocks(model):
             block.compile()
+    if mode == "mesh":
+        return _parallelize_mesh(model, pc, env, precision, compile_blocks)
     if mode in ("ddp", "zero1"):
         wrapped, hook = apply_ddp(model, pc, env, seed)
         return Parallelized(wrapped, model, mode, env, pc, hook)
@@ -189,14 +244,50 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
     return Parallelized(model, model, mode, env, pc)
 
 
+def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: str,
+                      compile_blocks: bool) -> Parallelized:
+    """tp / cp / HSDP on one device mesh, applied in the order that composes: tensor parallel on the blocks,
+    activation checkpointing around them, compile per block, then FSDP2 over the data-parallel (x cp) ranks."""
+    from zero2all.config import ConfigError, check_mesh
+
+    check_mesh(model.cfg, None, pc, env.world_size)
+    dims = build_mesh(pc, env)
+    if dims.enabled("pp") and dims.enabled("cp"):
+        raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
+                          f"combined with context parallelism in this version")
+    fused_rows = {}
+    if dims.enabled("tp"):
+        from zero2all.distributed.tp import apply_tp, describe_tp_ops
+
+        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel)
+        if env.is_main:
+            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel), flush=True)
+    apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
+    if compile_blocks:
+        for block in transformer_blocks(model):
+            block.compile()
+    if dims.enabled("pp"):  # stages (of tp-sharded blocks) over the pp ranks, FSDP2 on each stage (pp.py)
+        from zero2all.distributed.pp import PipelineRun
+
+        pipe = PipelineRun(model, pc, env, dims, compute_dtype(precision, env.device))
+        return Parallelized(pipe.plain, pipe.plain, "mesh", env, pc, dims=dims, fused_rows=fused_rows,
+                            pipeline=pipe)
+    if dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate"):
+        from zero2all.distributed.fsdp import apply_fsdp
+
+        mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.enabled("dp_replicate") else dims["dp_shard_cp"]
+        apply_fsdp(model, pc, env, compute_dtype(precision, env.device), mesh=mesh)
+    wrapped = MeshModel(model) if dims.enabled("cp") or dims.enabled("tp") else model
+    return Parallelized(wrapped, model, "mesh", env, pc, dims=dims, fused_rows=fused_rows)
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all shards for FSDP) to ``max_norm``; return the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    meshes = {id(p.grad.device_mesh) for p in params if hasattr(p.grad, "device_mesh")}
-    if len(meshes) > 1:  # expert parallelism: DTensors on two meshes cannot be stacked into one norm
-        return clip_grad_norm_by_mesh(params, max_norm)
+    if needs_mesh_norm(params):
+        return float(mesh_grad_norm_and_clip(params, max_norm))
     if max_norm and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
@@ -204,21 +295,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def clip_grad_norm_by_mesh(params: list, max_norm: float) -> float:
-    """The global norm from one partial norm per device mesh (sqrt of the sum of squares), then the same
-    clipping coefficient for every gradient."""
-    groups: dict[int, list] = {}
-    for p in params:
-        groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
-    total = 0.0
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        total += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-    total = total ** 0.5
-    if max_norm and max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for p in params:
-            p.grad.mul_(coef)
-    return total

@@ -21,8 +21,10 @@ from zero2all.distributed.ac import transformer_blocks
 from zero2all.distributed.env import DistEnv, collective_timeout
 
 
-def apply_fsdp(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: torch.dtype) -> nn.Module:
-    """Shard ``model`` in place (FSDP2 changes the module's class) and return it."""
+def apply_fsdp(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: torch.dtype,
+               mesh=None) -> nn.Module:
+    """Shard ``model`` in place (FSDP2 changes the module's class) and return it. ``mesh``: the data-parallel
+    sub-mesh of a device mesh (1-D: shard over it; 2-D (replicate, shard): HSDP); None = all ranks."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if param_dtype == torch.float32:
@@ -35,8 +37,9 @@ def apply_fsdp(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: 
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: never free them in between
         reshard = pc.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=pc.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload,
+               reshard_after_forward=pc.reshard_after_forward)
     return model
 
 

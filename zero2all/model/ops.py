@@ -65,7 +65,28 @@ def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     return rmsnorm_torch(residual, weight, eps).to(x.dtype), residual
 
 
+def is_dtensor(t) -> bool:
+    """True for a tensor-parallel parameter (``torch.distributed.tensor.DTensor``)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a norm weight. Under sequence parallelism the weight is a DTensor replicated over the
+    tp ranks while each rank normalises only its own tokens: its gradient here is a partial sum over tokens,
+    declared ``Partial`` so that DTensor (or FSDP2) sums it over the ranks. A plain tensor is returned as is."""
+    if not is_dtensor(weight):
+        return weight
+    from torch.distributed.tensor import Partial
+
+    return weight.to_local(grad_placements=[Partial()])
+
+
 def add_rmsnorm(x, residual, weight, eps, residual_in_fp32=True, impl="auto"):
+    weight = local_weight(weight)
     if use_triton(impl, x):
         from zero2all.kernels.rmsnorm import triton_add_rmsnorm
 

@@ -127,12 +127,14 @@ class Block(nn.Module):
                                  "not implemented for MoE blocks; use 'bf16'")
             return False
         plain = all(isinstance(m, nn.Linear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        sharded = ops.is_dtensor(attn.qkv_proj.weight)  # tensor parallel: the modules' sharded path
         if self.cfg.ops.linear_precision != "bf16":  # FP8 GEMMs live in these functions (kernels or reference)
-            if not plain:
-                raise ValueError(f"model.ops.linear_precision = {self.cfg.ops.linear_precision!r} needs plain "
-                                 "nn.Linear projections (not LoRA-wrapped ones); use 'bf16'")
+            if not plain or sharded:
+                raise ValueError(f"model.ops.linear_precision = {self.cfg.ops.linear_precision!r} needs plain, "
+                                 "unsharded nn.Linear projections (not LoRA-wrapped or tensor-parallel ones); "
+                                 "use 'bf16'")
             return True
-        return ops.use_triton(self.cfg.ops.fused_linear, x) and plain
+        return ops.use_triton(self.cfg.ops.fused_linear, x) and plain and not sharded
 
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
@@ -252,7 +254,7 @@ class Z2all(nn.Module):
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
         # MoE layers: their load-balancing / router z-losses of this forward join the loss (model.moe coefs)
         aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
-        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not ops.is_dtensor(self.lm_head.weight):
             loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
             return None, loss if aux is None else loss + aux
         logits = self.lm_head(h)

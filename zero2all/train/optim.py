@@ -217,10 +217,10 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    if len({id(g.device_mesh) for g in grads if hasattr(g, "device_mesh")}) > 1:  # expert parallelism
-        from zero2all.distributed import clip_grad_norm_by_mesh
+    from zero2all.distributed.mesh import mesh_grad_norm_and_clip, needs_mesh_norm
 
-        return torch.tensor(clip_grad_norm_by_mesh([p for p in params if p.grad is not None], max_norm))
+    if needs_mesh_norm(params):  # tensor / sequence / expert parallel: several meshes
+        return mesh_grad_norm_and_clip(params, max_norm)
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     return torch.nn.utils.get_total_norm(grads, foreach=True)

@@ -271,6 +271,8 @@ class Trainer:
         if self.dist.is_distributed:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
+        # the data-parallel coordinate: pipeline (and tp / cp) ranks of one replica read the same sequences
+        self.dp_rank, self.dp_size = zd.data_parallel_rank(cfg.parallel, rank, world_size)
         self.is_main = rank == 0
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
@@ -282,7 +284,7 @@ class Trainer:
         seed_everything(self.tcfg.seed)
 
         if train_data is None:
-            train_data, built_eval, built_tok, built_tok_dir = build_datasets(cfg, rank, world_size)
+            train_data, built_eval, built_tok, built_tok_dir = build_datasets(cfg, self.dp_rank, self.dp_size)
             eval_data = eval_data if eval_data is not None else built_eval
             tokenizer = tokenizer if tokenizer is not None else built_tok
             tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else built_tok_dir
@@ -301,10 +303,14 @@ class Trainer:
             self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
-        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) == "fsdp"
+        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) in ("fsdp", "mesh")
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
+        self.pipeline = self.run.pipeline  # pp > 1: this rank's stages and their schedule (distributed/pp.py)
+        if self.pipeline is not None:
+            self.pipeline.set_objective(self.objective)
+            self.raw_model = self.run.plain  # this rank's share, under the plain model's names
         self.model = torch.compile(self.run.model) if self.tcfg.compile and not fsdp else self.run.model
         self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device))
         self.schedule = LRSchedule.from_config(self.tcfg)
@@ -350,7 +356,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.tcfg.grad_accum_steps * self.world_size * self.tcfg.micro_batch_size * self.seq_len
+        return self.tcfg.grad_accum_steps * self.dp_size * self.tcfg.micro_batch_size * self.seq_len
 
     def describe(self) -> list[str]:
         """The start-of-run summary."""
@@ -366,11 +372,12 @@ class Trainer:
             f"hidden {self.cfg.model.hidden_dim}, vocab {self.cfg.model.padded_vocab_size}",
             f"objective: {self.objective.name} | data: {self.cfg.data.path or 'synthetic (arithmetic sequences)'}",
             f"tokens per iteration will be: {self.tokens_per_step:,}",
-            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.world_size} processes * "
+            f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.dp_size} data-parallel ranks * "
             f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
         ]
         if self.dist.is_distributed:
-            lines.append(f"parallel: {self.parallel} on {self.world_size} processes ({self.dist.backend}) | "
+            mesh = f" ({self.run.dims.describe()})" if self.parallel == "mesh" else ""
+            lines.append(f"parallel: {self.parallel}{mesh} on {self.world_size} processes ({self.dist.backend}) | "
                          f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
         lines += describe_groups(self.optimizer.param_groups)
         if getattr(self, "trainable_line", None):
@@ -405,15 +412,17 @@ class Trainer:
         # another world size: ranks that did not exist take rank 0's generators (they only drive dropout)
         ckpt_io.restore_rng_state(states[self.rank] if self.rank < len(states) else states[0])
 
-    def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None) -> dict:
-        """The Stateful parts of this run's checkpoints (``saved_world``: the world size of the run that wrote
-        the checkpoint being loaded)."""
+    def checkpoint_parts(self, saved_world: int | None = None, comm_hook: bool | None = None,
+                         saved_dp: int | None = None) -> dict:
+        """The Stateful parts of this run's checkpoints (``saved_world`` / ``saved_dp``: the world size and the
+        data-parallel size of the run that wrote the checkpoint being loaded)."""
         saved_world = saved_world or self.world_size
         parts = {
-            "model": ckpt_io.ModelState(self.run.plain),
-            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer)),
+            "model": ckpt_io.ModelState(self.run.plain, self.run.fused_rows),
+            "optim": ckpt_io.OptimizerState(self.run.plain, zd.local_optimizer(self.optimizer), self.run.fused_rows),
             "trainer": ckpt_io.JsonState(self.counters, self.load_counters),
-            "data": ckpt_io.RankStates(self.rank, self.train_iter.state_dict, self._load_data_states, saved_world),
+            "data": ckpt_io.RankStates(self.dp_rank, self.train_iter.state_dict, self._load_data_states,
+                                       saved_dp or self.dp_size),
             "rng": ckpt_io.RankStates(self.rank, ckpt_io.capture_rng_state, self._restore_rng, saved_world),
         }
         hook = self.run.comm_hook
@@ -433,7 +442,8 @@ class Trainer:
         """Every rank: ``OUT/ckpt-<step>`` in the one checkpoint format (zero2all/checkpoint/), then pruning."""
         path = self.out_dir / ckpt_io.checkpoint_name(self.step)
         t0 = time.perf_counter()
-        meta = {"step": self.step, "parallel": self.parallel, "model": to_dict(self.cfg.model),
+        meta = {"step": self.step, "parallel": self.parallel, "data_parallel": self.dp_size,
+                "model": to_dict(self.cfg.model),
                 "tokenizer_hash": self.tokenizer_hash, "objective": self.objective.name,
                 "comm_hook": self.run.comm_hook.powersgd_state is not None}
         ckpt_io.save(path, self.checkpoint_parts(), self.dist, meta, write_extra=self.write_checkpoint_extras)
@@ -456,10 +466,12 @@ class Trainer:
         meta = ckpt_io.read_meta(ckpt)
         saved_cfg = json.loads((ckpt / ckpt_io.RUN_CONFIG).read_text(encoding="utf-8"))
         saved_world = int(meta["world_size"])
-        changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.world_size, saved_world,
+        saved_dp = int(meta.get("data_parallel", saved_world))  # data-parallel replicas decide the global batch
+        changed = check_compatible(ckpt, saved_cfg, self.cfg, self.seq_len, self.dp_size, saved_dp,
                                    meta.get("tokenizer_hash"), self.tokenizer_hash)
         self._loading = ckpt
-        ckpt_io.load(ckpt, self.checkpoint_parts(saved_world, comm_hook=bool(meta.get("comm_hook"))), self.dist)
+        ckpt_io.load(ckpt, self.checkpoint_parts(saved_world, comm_hook=bool(meta.get("comm_hook")),
+                                                 saved_dp=saved_dp), self.dist)
         self.resumed_from = ckpt
         how = f" (written by {saved_world} processes, {meta.get('parallel')})" if saved_world != self.world_size \
             or meta.get("parallel") != self.parallel else ""
@@ -526,37 +538,48 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor | float] = {}
         tokens = 0
-        for micro in range(accum):
-            batch = self._to_device(next(self.train_iter))
-            with self.run.gradient_sync(micro == accum - 1):  # DDP: one all-reduce per update
-                loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
-            loss_sum += loss.float()
-            tokens += self.objective.num_tokens(batch)
-            for k, v in metrics.items():
-                v = v.detach().float() if torch.is_tensor(v) else float(v)
-                metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+        if self.pipeline is not None:  # the update's micro-batches as one pipeline schedule (distributed/pp.py)
+            batches = [self._to_device(next(self.train_iter)) for _ in range(accum)]
+            with self.autocast():
+                loss_sum += self.pipeline.step(batches, self.scaler.scale / accum).float()
+            tokens = sum(self.objective.num_tokens(b) for b in batches)
+            loss_sum = self.pipeline.from_last_stage(loss_sum)  # computed on the last stage: every rank gets it
+        else:
+            for micro in range(accum):
+                batch = self._to_device(next(self.train_iter))
+                # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
+                with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
+                    loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
+                loss_sum += loss.float()
+                tokens += self.objective.num_tokens(batch)
+                for k, v in metrics.items():
+                    v = v.detach().float() if torch.is_tensor(v) else float(v)
+                    metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler.unscale_(params)
-        norm = grad_norm_and_clip(params, t.grad_clip)
+        norm = self.pipeline.grad_norm_and_clip(params, t.grad_clip) if self.pipeline is not None else \
+            grad_norm_and_clip(params, t.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # one host sync per update
         found_inf = not math.isfinite(grad_norm)
         applied = self.scaler.update(found_inf)
         if applied:
-            self.optimizer.step()
+            with self.run.optimizer_context():  # tp: plain norm weights beside DTensor shards
+                self.optimizer.step()
         else:
             self.skipped_total += 1
         moe_stats = self._moe_step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
-        loss_value = zd.all_reduce_mean(loss_value, self.dist)  # the global batch's loss
+        loss_value = self.run.dims.reduce_mean(loss_value)  # the global batch's loss (over dp x cp)
         dt = time.perf_counter() - t0
         self.step += 1
-        self.tokens_seen += tokens * self.world_size
+        self.tokens_seen += tokens * self.dp_size
         self.elapsed_s += dt
-        tokens_per_s = tokens / dt  # this process; MFU is per device
+        tokens_per_s = tokens / dt  # this data-parallel replica; MFU is per device (a replica spans several)
         rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tokens_per_s * self.world_size,
-               "mfu": compute_mfu(tokens_per_s, self.cfg.model, self.seq_len, self.peak_flops),
+               "tokens_per_s": tokens_per_s * self.dp_size,
+               "mfu": compute_mfu(tokens_per_s * self.dp_size / self.world_size, self.cfg.model, self.seq_len,
+                                  self.peak_flops),
                "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(self.device),
                "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
         if self.scaler.enabled:
@@ -600,6 +623,10 @@ class Trainer:
         (sharded parameters need all of them in each forward pass); the main one logs it."""
         if not self.tcfg.eval_data:
             return None
+        if self.pipeline is not None:
+            self._print("train.eval_data: bits per byte is not evaluated under pipeline parallelism (parallel.pp > "
+                        "1); evaluate the checkpoint with `z2all eval`")
+            return None
         from zero2all.eval.perplexity import evaluate_texts, iter_documents
 
         if self.tokenizer is None:
@@ -641,7 +668,11 @@ class Trainer:
             except StopIteration:
                 break
             with self.autocast():
-                loss, extra = self.objective.eval_loss(self.model, batch)
+                if self.pipeline is not None:
+                    loss, extra = self.pipeline.eval_loss(batch), {}
+                else:
+                    with self.run.train_context(batch):
+                        loss, extra = self.objective.eval_loss(self.model, batch)
             losses.append(loss.float())
             for key, value in extra.items():
                 metrics.setdefault(key, []).append(value)
@@ -801,7 +832,7 @@ class Trainer:
         header = {
             "name": str(self.out_dir), "objective": self.objective.name, "device": str(self.device),
             "precision": self.precision, "parameters": f"{self.raw_model.num_params():,}",
-            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.world_size} x "
+            "tokens per step": f"{self.tokens_per_step:,} ({self.tcfg.grad_accum_steps} x {self.dp_size} x "
                                f"{self.tcfg.micro_batch_size} x {self.seq_len})",
             "data": self.cfg.data.path or "synthetic", "schedule": f"{self.tcfg.schedule}, lr {self.tcfg.lr:g}",
             "resumed from": str(self.resumed_from) if self.resumed_from else "-",

@@ -1,0 +1,275 @@
+"""Tensor, sequence and context parallelism on a device mesh (gloo, CPU, fp32) against the single-process loss
+sequence of the same global batches, and checkpoints moving between meshes.
+
+A step's global batch is DP * MICRO * ACCUM sequences whatever tp / cp are: data-parallel rank d reads rows
+[(a * DP + d) * MICRO, + MICRO) of micro-step a; its tp and cp ranks read the same rows. The single process runs
+MICRO * DP rows per micro-step. Tolerance: fp32, 1e-5 relative per step over STEPS steps (summation order of
+the all-reduces and of the split matmuls differs from one process; AdamW lets the differences grow slowly).
+
+Launches: one 2-process launch (tp2, tp2 + SP, cp2, and a resume of a one-process checkpoint on tp2) and one
+4-process launch (tp2 x dp_replicate2 (HSDP), dp_shard2 x tp2 + SP (FSDP2), cp2 x tp2 + SP, saving a checkpoint
+that one process then resumes).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import cpu_ring_attention
+from tests.test_distributed import free_port
+from zero2all import checkpoint as ckpt
+from zero2all import distributed as zd
+from zero2all.config import ConfigError, ModelConfig, OpsConfig, ParallelConfig, TrainConfig, check_mesh, to_dict
+from zero2all.model.z2all import build_model
+from zero2all.train.optim import grad_norm_and_clip
+
+DP = 2                      # data-parallel replicas of the global batch (the single process runs all of them)
+MICRO, ACCUM, SEQ, STEPS, SAVE_AT = 2, 2, 16, 20, 10
+LOSS_RTOL = 1e-5
+
+
+def tiny_cfg() -> ModelConfig:
+    """The smallest model with every path: GQA (4 heads, 2 KV heads), two blocks, vocab and MLP divisible by 2."""
+    return ModelConfig(vocab_size=96, hidden_dim=32, intermediate_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                       max_seq_len=SEQ, ops=OpsConfig.plain())
+
+
+def global_batches(steps: int = STEPS, seed: int = 0) -> torch.Tensor:
+    """(steps, DP * MICRO * ACCUM, SEQ + 1): sequences t[i+1] = (5 t[i] + 3) mod 96, learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    seq = [torch.randint(0, 96, (steps, DP * MICRO * ACCUM, 1), generator=g)]
+    for _ in range(SEQ):
+        seq.append((seq[-1] * 5 + 3) % 96)
+    return torch.cat(seq, dim=-1)
+
+
+def make_run(fields: dict, env: zd.DistEnv):
+    pc = ParallelConfig(**fields)
+    run = zd.parallelize(build_model(tiny_cfg(), seed=1234), pc, env, precision="fp32")
+    # foreach: the multi-tensor kernels that GPUs run (mixing DTensor shards and plain tensors)
+    opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+    return run, opt
+
+
+def train_steps(run, opt, env, steps: range) -> list[float]:
+    """The step loop under test: this data-parallel rank's rows of each micro-step, forward + backward inside the
+    run's train context (loss parallel, ring attention), the loss averaged over dp x cp."""
+    batches = global_batches()
+    dp_rank, dp_size = run.dims.dp_rank, run.dims.dp_size
+    rows_per_rank = MICRO * DP // dp_size
+    losses = []
+    for step in steps:
+        total = 0.0
+        for a in range(ACCUM):
+            start = (a * dp_size + dp_rank) * rows_per_rank
+            rows = batches[step, start:start + rows_per_rank]
+            batch = {"input_ids": rows[:, :-1].clone(), "labels": rows[:, 1:].clone()}
+            with run.gradient_sync(a == ACCUM - 1), run.train_context(batch):
+                _, loss = run.model(batch["input_ids"], batch["labels"])
+                (loss / ACCUM).backward()
+            total += loss.item() / ACCUM
+        grad_norm_and_clip(list(run.model.parameters()), 1.0)
+        with run.optimizer_context():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(run.dims.reduce_mean(total))
+    return losses
+
+
+def parts(run, opt, step: list) -> dict:
+    return {"model": ckpt.ModelState(run.plain, run.fused_rows),
+            "optim": ckpt.OptimizerState(run.plain, opt, run.fused_rows),
+            "trainer": ckpt.JsonState(lambda: {"step": step[0]}, lambda s: step.__setitem__(0, s["step"]))}
+
+
+def save(run, opt, env, path: Path, step: int) -> None:
+    ckpt.save(path, parts(run, opt, [step]), env, {"step": step, "model": to_dict(run.plain.cfg)})
+
+
+def resume(run, opt, env, path: Path) -> int:
+    step = [0]
+    ckpt.load(path, parts(run, opt, step), env)
+    return step[0]
+
+
+def first_qkv_rows(weight: torch.Tensor) -> list[float]:
+    """The first query head's rows of a qkv weight in the canonical layout, summed per row."""
+    return weight.detach()[:8].sum(dim=1).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The single-process loss sequence and the first qkv rows after STEPS steps."""
+    env = zd.DistEnv()
+    run, opt = make_run({}, env)
+    losses = train_steps(run, opt, env, range(STEPS))
+    return tuple(losses), tuple(first_qkv_rows(run.plain.layers[0].self_attn.qkv_proj.weight))
+
+
+# ------------------------------------------------------------------------------------------------ the workers
+
+
+def worker_cases(env, out: Path, cases: list[dict]) -> dict:
+    """Each case: fields of ParallelConfig, plus ``save`` (write ckpt at SAVE_AT) or ``resume`` (a checkpoint)."""
+    results = {}
+    for case in cases:
+        case = dict(case)
+        name, save_dir, resume_from = case.pop("name"), case.pop("save", None), case.pop("resume", None)
+        run, opt = make_run(case, env)
+        start = resume(run, opt, env, Path(resume_from)) if resume_from else 0
+        if save_dir:
+            losses = train_steps(run, opt, env, range(SAVE_AT))
+            save(run, opt, env, Path(save_dir), SAVE_AT)
+            losses += train_steps(run, opt, env, range(SAVE_AT, STEPS))
+        else:
+            losses = train_steps(run, opt, env, range(start, STEPS))
+        results[name] = losses
+        if name == "tp2":  # really sharded: half the heads and half the vocabulary per rank
+            attn = run.plain.layers[0].self_attn
+            assert attn.qkv_proj.weight.to_local().shape[0] * 2 == attn.qkv_proj.weight.shape[0]
+            assert run.plain.lm_head.weight.to_local().shape[0] == 48
+            full = run.full_state_dict()  # the HF-export path (a collective): canonical fused layout again
+            if env.rank == 0:
+                results["export_qkv_rows"] = first_qkv_rows(full["layers.0.self_attn.qkv_proj.weight"])
+    return results
+
+
+def _entry(rank: int, world: int, port: int, out: str, cases: list[dict]):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cpu_ring_attention.register()
+    env = zd.init_distributed(device="cpu", timeout_s=120.0)
+    done = False
+    try:
+        result = worker_cases(env, Path(out), cases)
+        if env.rank == 0:
+            (Path(out) / "result.json").write_text(json.dumps(result))
+        torch.distributed.barrier()
+        done = True
+    finally:
+        zd.destroy_distributed()
+    if done:
+        zd.finish_process(0)
+
+
+def launch(world: int, out: Path, cases: list[dict]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_entry, args=(world, free_port(), str(out), cases), nprocs=world, join=True)
+    return json.loads((out / "result.json").read_text())
+
+
+def assert_same(got, want, name):
+    assert len(got) == len(want), name
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= LOSS_RTOL * abs(w), f"{name} step {step}: {g} vs single-process {w}"
+
+
+# ---------------------------------------------------------------------------------------------------- the tests
+
+
+def test_mesh_runs_match_single_process_and_resume_across_meshes(tmp_path):
+    want, want_qkv = map(list, _reference())
+    assert want[-1] < want[0] - 0.5, want  # training happens: the comparison means something
+
+    # one process saves at SAVE_AT; tp2 resumes it below
+    env = zd.DistEnv()
+    run, opt = make_run({}, env)
+    train_steps(run, opt, env, range(SAVE_AT))
+    save(run, opt, env, tmp_path / "single", SAVE_AT)
+
+    two = launch(2, tmp_path / "w2", [
+        {"name": "tp2", "tp": 2},
+        {"name": "tp2_sp", "tp": 2, "sequence_parallel": True},
+        {"name": "cp2", "cp": 2},
+        {"name": "tp2_from_single", "tp": 2, "resume": str(tmp_path / "single")},
+    ])
+    for name in ("tp2", "tp2_sp", "cp2"):
+        assert_same(two[name], want, name)
+    assert_same(two["tp2_from_single"], want[SAVE_AT:], "one process -> tp2")
+
+    four = launch(4, tmp_path / "w4", [
+        {"name": "tp2_dp2", "tp": 2, "dp_replicate": 2},
+        {"name": "fsdp2_tp2_sp", "tp": 2, "dp_shard": 2, "sequence_parallel": True,
+         "activation_checkpointing": "full", "save": str(tmp_path / "mesh4")},
+        {"name": "cp2_tp2_sp", "cp": 2, "tp": 2, "sequence_parallel": True},
+    ])
+    for name in ("tp2_dp2", "fsdp2_tp2_sp", "cp2_tp2_sp"):
+        assert_same(four[name], want, name)
+
+    # fsdp2 x tp2 (rank-major fused rows, 2-D shards) -> one process: the canonical layout came back
+    run, opt = make_run({}, env)
+    step = resume(run, opt, env, tmp_path / "mesh4")
+    assert step == SAVE_AT
+    assert_same(train_steps(run, opt, env, range(SAVE_AT, STEPS)), want[SAVE_AT:], "fsdp2 x tp2 -> one process")
+    # the tp2 export gathered the trained weights in the plain [q | k | v] layout: those of the single process
+    assert all(abs(g - w) <= 1e-4 for g, w in zip(two["export_qkv_rows"], want_qkv)), (two["export_qkv_rows"],
+                                                                                          want_qkv)
+
+
+def test_impossible_meshes_are_refused_with_the_numbers():
+    m, t = tiny_cfg(), TrainConfig(micro_batch_size=4)
+    cases = [(dict(tp=4), 4, "n_kv_heads=2"), (dict(tp=2), 3, "does not divide the 3 processes"),
+             (dict(cp=3), 3, "2 \\* cp = 6"), (dict(pp=4), 4, "model.n_layers=2"),
+             (dict(pp=2, pp_microbatches=3), 2, "does not divide train.micro_batch_size=4"),
+             (dict(pp=2, pp_microbatches=1), 2, "fewer than the 2 pipeline stages"),
+             (dict(tp=2, dp_shard=3), 4, "= 6, but 4 processes run")]
+    for fields, world, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            pc = ParallelConfig(**fields)
+            pc.validate(world)
+            check_mesh(m, t, pc, world)
+    with pytest.raises(ConfigError, match="plain data parallelism"):
+        ParallelConfig(mode="ddp", tp=2).validate(2)
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        ParallelConfig(sequence_parallel=True).validate(1)
+    assert check_mesh(m, t, ParallelConfig(tp=2, cp=2), 8)["dp_shard"] == 2
+    from zero2all.config import load_config
+
+    with pytest.raises(ConfigError, match="document_mask"):
+        load_config("tiny", ["parallel.cp=2", "data.document_mask=true"]).validate(2)
+    with pytest.raises(ConfigError, match="ops.attention='flex'"):
+        check_mesh(ModelConfig(**{**tiny_cfg().__dict__, "ops": OpsConfig(attention="flex")}), t,
+                   ParallelConfig(cp=2), 2)
+    assert zd.data_parallel_rank(ParallelConfig(tp=2, cp=2), 5, 8) == (1, 2)  # row-major: rank 5 = dp 1, cp 0, tp 1
+    assert zd.data_parallel_rank(ParallelConfig(), 5, 8) == (5, 8)
+
+
+def test_estimate_splits_the_mesh_dimensions():
+    from zero2all.accounting import Layout, context_parallel_comm_bytes, estimate
+    from zero2all.config import load_model_config
+
+    cfg = load_model_config("z2all-1.1b")
+    # ring attention: 3 passes (K/V forward, K/V + dK/dV backward) of (cp-1)/cp of b*s*2*kv*e per layer
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim
+    assert context_parallel_comm_bytes(cfg, 1, 65536, 2) == cfg.n_layers * 3 * 0.5 * 65536 * kv * 2
+    assert context_parallel_comm_bytes(cfg, 1, 65536, 1) == 0.0
+    one = estimate(cfg, Layout(gpus=2, seq_len=8192, zero=3))
+    cp2 = estimate(cfg, Layout(gpus=2, seq_len=8192, zero=3, cp=2))
+    assert cp2["layout"]["dp"] == 1 and one["layout"]["dp"] == 2
+    # half the tokens of each sequence per GPU: half the activations; FSDP still shards over both GPUs
+    assert abs(cp2["memory_per_gpu"]["activations"] * 2 - one["memory_per_gpu"]["activations"]) < 1.0
+    assert cp2["memory_per_gpu"]["weights"] == one["memory_per_gpu"]["weights"]
+    assert cp2["communication"]["context_parallel_bytes_per_step"] > 0
+    with pytest.raises(ConfigError, match="--cp"):
+        estimate(cfg, Layout(gpus=3, cp=2))
+
+
+def test_fused_rows_rank_major_layout():
+    from zero2all.distributed.tp import FusedRows
+
+    rows = FusedRows((8, 4, 4), 2)                     # q of 8 rows, k and v of 4, over 2 ranks
+    canonical = torch.arange(16)
+    rank_major = rows.to_rank_major(canonical)
+    # rank 0's Shard(0) block: its q half, its k half, its v half; rank 1's the other halves
+    assert rank_major.tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(rows.to_canonical(rank_major), canonical)
+    w = torch.randn(12, 3)
+    assert torch.equal(FusedRows((6, 6), 3).to_canonical(FusedRows((6, 6), 3).to_rank_major(w)), w)

@@ -1,0 +1,516 @@
+"""Pipeline parallelism: the model's blocks split into stages over ranks, driven by torch.distributed.pipelining.
+
+Idea (GPipe, Huang et al. 2019; PipeDream-Flush / 1F1B, Narayanan et al. 2021): K ranks each hold a contiguous
+run of blocks. A micro-batch of ``micro_batch_size`` sequences is split into M pipeline microbatches; stage k
+works on microbatch m while stage k+1 works on m-1. The start and the drain leave ranks idle: with equal stages the
+idle share of a step (the *bubble*) is
+
+    bubble = (K - 1) / (K + M - 1)                          GPipe and 1F1B (same bubble; 1F1B keeps <= K
+                                                            microbatches of activations alive instead of M)
+    bubble = (K - 1) / (V * M + K - 1)                      interleaved 1F1B with V virtual stages per rank
+
+Zero-bubble schedules (Qi et al. 2023) split each backward into the input gradient (on the critical path) and
+the weight gradient (deferred into the idle slots), which removes most of the remaining bubble.
+
+What this module does, mapped to the code:
+
+- :func:`split_layers`: stage boundaries balanced by training FLOPs per token (6 x parameters of each matmul
+  plus 12 * H * T for attention; the LM head weighs 6 * V * H, the embedding its optimizer work 2 * V * H),
+  found by a linear-partition dynamic program that minimises the largest stage.
+- :class:`StageModule`: one stage: its blocks under the plain model's names (``layers.5...``), the embedding on
+  the first stage, the final norm + LM head + loss on the last. It sends ``(x, residual)`` to the next stage. A
+  rank holds one stage, or ``pp_stages_per_rank`` = V of them round-robin (stage s on pp rank s mod K).
+- :class:`PipelineRun`: the schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``), the loss scaling, the global gradient norm over the pp group, the report of
+  the loss from the last stage to every rank, and the measured bubble.
+
+Gradient accumulation is expressed as microbatches: the ``grad_accum_steps`` micro-batches of an update, each
+split into ``pp_microbatches``, run as ONE schedule of M = accum x pp_microbatches microbatches, so the pipeline
+fills and drains once per update.
+
+Loss: the single process computes, per micro-batch, the mean over its valid tokens; its accumulation divides by
+``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
+stage returns each microbatch's SUM of token losses and the schedule's loss function multiplies it by 1 / (valid
+tokens of the micro-batch it belongs to), passed per row as the schedule's target (``scale_grads=False``): the
+gradients are those of the single process exactly.
+
+Composition on the device mesh (``mesh.py``): data-parallel replicas of a pipeline shard each stage with FSDP2
+over the ``dp_shard`` (x ``dp_replicate``) dimensions, the runtime reducing FSDP's gradients at the end of each
+schedule step; tensor parallelism is applied to the blocks before the split (``tp.py``) and the last stage's
+cross-entropy then runs under loss parallel. Checkpoints: every rank's modules carry the plain model's parameter
+names, so a pipeline checkpoint is the one DCP format and resumes on one process or on another mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero2all.config import MULTI_STAGE_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
+from zero2all.distributed.env import DistEnv, collective_timeout
+
+
+def check_pipeline_model(model_cfg: ModelConfig) -> None:
+    """What the mesh checks (``config.check_mesh``) cannot see: a tied embedding and LM head would be one
+    matrix on two ranks."""
+    if model_cfg.tie_word_embeddings:
+        raise ConfigError("parallel.pp > 1 with model.tie_word_embeddings = true: the embedding (first stage) and "
+                          "the LM head (last stage) would be one matrix on two ranks; untie them")
+
+
+def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
+    """Combinations that do not reproduce the single process: torch's zero-bubble schedule with FSDP-sharded
+    stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
+    2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
+    numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    if pc.pp_schedule == "zero_bubble" and shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1:
+        raise ConfigError(f"parallel.pp_schedule='zero_bubble' with dp_replicate={shape.get('dp_replicate', 1)} x "
+                          f"dp_shard={shape.get('dp_shard', 1)} data-parallel ranks: its deferred weight gradients "
+                          f"and FSDP2's gradient reduction do not reproduce the single process; use 1f1b or "
+                          f"interleaved_1f1b with data parallelism")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# balancing the stages
+
+
+def unit_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
+    """Training FLOPs per token of (embedding, each block, final norm + LM head): 6 x the parameters of every
+    matmul, plus 12 * H * T per block for attention scores (the MFU formula's terms). The embedding does no
+    matmul; it weighs in with its gradient and optimizer traffic, taken as 2 * V * H."""
+    H, V = cfg.hidden_dim, cfg.padded_vocab_size
+    attn_params = H * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * H
+    block = 6.0 * (attn_params + 3 * H * cfg.intermediate_size) + 12.0 * H * seq_len
+    return 2.0 * V * H, [block] * cfg.n_layers, 6.0 * V * H
+
+
+def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0.0,
+                 last_extra: float = 0.0) -> list[list[int]]:
+    """Contiguous runs of block indices, one per stage, minimising the most expensive stage (``first_extra`` is
+    added to stage 0, ``last_extra`` to the last). Dynamic program over (stages used, blocks placed); ties go to
+    the split that puts blocks earlier. Every stage gets at least one block."""
+    n = len(block_costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {n_stages} stages (each needs at least one block)")
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, i: int, j: int) -> float:  # blocks [i, j) as stage `stage`
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]   # best[s][j]: first j blocks in s stages
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(n_stages, 0, -1):
+        bounds.append((cut[s][j], j))
+        j = cut[s][j]
+    return [list(range(i, j)) for i, j in reversed(bounds)]
+
+
+def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int) -> list[list[int]]:
+    """The blocks of each of the pp x pp_stages_per_rank stages, balanced by :func:`unit_costs`."""
+    embed, blocks, head = unit_costs(cfg, seq_len)
+    return split_layers(blocks, pc.pp * pc.pp_stages_per_rank, embed, head)
+
+
+def stage_rank(stage: int, pp: int) -> int:
+    """Round-robin placement: stage s on pp rank s mod pp (interleaved schedules' layout)."""
+    return stage % pp
+
+
+# --------------------------------------------------------------------------------------------------------------
+# stage modules
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a Z2all model. Its submodules ARE the model's (same tensors, same names:
+    ``embed_tokens``, ``layers.<i>``, ``norm``, ``lm_head``), so its state dict is a slice of the model's.
+
+    forward: first stage ``tokens`` -> ``(x, residual)``; middle ``(x, residual)`` -> ``(x, residual)``; last
+    ``(x, residual)`` -> the SUM of the token losses of this microbatch, shape (1,) (``labels`` is passed to every
+    stage and read by the last only)."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0,
+                 compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = model.cfg
+        self.first, self.last, self.z_loss = first, last, z_loss
+        self.every_chunk_valid = False   # set per micro-batch by PipelineRun (see token_loss_sum)
+        # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
+        # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
+        self.boundary_dtypes = (compute_dtype, torch.float32 if model.cfg.residual_in_fp32 else compute_dtype)
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+        from zero2all.model import ops
+        from zero2all.model.z2all import Z2all
+
+        if self.first:
+            (tokens,) = inputs
+            x, residual = self.embed_tokens(tokens), None
+        else:
+            x, residual = inputs
+        # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
+        # this tensor-parallel rank's slice of the sequence
+        T = labels.shape[1] if labels is not None else x.shape[1]
+        cos, sin = Z2all.rope_tables(self, 0, T, x.device, position_ids)  # uses only self.cfg
+        for layer in self.layers.values():
+            x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
+        if not self.last:
+            return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
+        c = self.cfg
+        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
+
+
+def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
+                   every_chunk_valid: bool = False) -> torch.Tensor:
+    """Sum over valid tokens of the cross-entropy (+ z-loss) of the LM head's logits, shape (1,).
+
+    The fused kernel returns the mean over valid tokens, so the sum is mean x count. When every microbatch of the
+    micro-batch has valid tokens (``every_chunk_valid``, known from one host read per micro-batch) the count stays
+    on the device: no synchronisation between a microbatch's forward and its backward. Otherwise the count is read
+    here, and a microbatch without valid tokens contributes an exact zero that still joins the autograd graph.
+    Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
+    (the schedule step is inside ``loss_parallel``), summed directly."""
+    import torch.nn.functional as F
+
+    from zero2all.model import ops
+
+    if ops.is_dtensor(head.weight):
+        if z_loss:
+            raise ConfigError("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel "
+                              "computes the cross-entropy only)")
+        logits = head(h)                                  # DTensor, Shard(-1) over the vocabulary
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+        return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
+    if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
+        return h.float().sum().reshape(1)
+    fused = ops.uses_fused_cross_entropy(impl, h)
+    if every_chunk_valid:
+        mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
+        return mean.float().reshape(1) * (labels != -100).sum()
+    n_valid = int((labels != -100).sum())
+    if n_valid == 0:
+        return h.float().sum().reshape(1) * 0.0
+    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
+    return mean.float().reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
+
+
+class RankModel(nn.Module):
+    """The union of one rank's stages under the plain model's names (``layers`` is a ModuleDict keyed by the
+    block index): what checkpoints, the optimizer and the weight gather see."""
+
+    def __init__(self, cfg: ModelConfig, stages: list[StageModule], total_params: int, non_embedding: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleDict()
+        for st in stages:
+            for name in ("embed_tokens", "norm", "lm_head"):
+                if getattr(st, name) is not None:
+                    setattr(self, name, getattr(st, name))
+            for i, block in st.layers.items():
+                self.layers[i] = block
+        self._counts = (total_params, non_embedding)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """The whole model's count (what the run trains), not this rank's share."""
+        return self._counts[1] if non_embedding else self._counts[0]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def _schedule_class(name: str):
+    from torch.distributed import pipelining as P
+
+    if name == "gpipe":
+        return P.ScheduleGPipe
+    if name == "1f1b":
+        return P.Schedule1F1B
+    if name == "interleaved_1f1b":
+        return P.ScheduleInterleaved1F1B
+    return P.ScheduleInterleavedZeroBubble
+
+
+@dataclass
+class BusyTimer:
+    """Per-rank busy time of the stage computations in one schedule step (CUDA events on a GPU, wall clock on a
+    CPU), for the measured bubble: 1 - busy / step time."""
+
+    cuda: bool
+    spans: list = field(default_factory=list)
+    cpu_busy: float = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.spans.append((start, end))
+                return out
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.cpu_busy += time.perf_counter() - t0
+            return out
+        return timed
+
+    def busy_s(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.spans) / 1e3
+        return self.cpu_busy
+
+    def reset(self) -> None:
+        self.spans.clear()
+        self.cpu_busy = 0.0
+
+
+class PipelineRun:
+    """This rank's stages, the schedule that drives them, and the pp-group collectives the trainer needs."""
+
+    def __init__(self, model: nn.Module, pc: ParallelConfig, env: DistEnv, dims,
+                 param_dtype: torch.dtype = torch.float32):
+        from torch.distributed.pipelining import PipelineStage
+
+        check_pipeline_model(model.cfg)
+        check_pipeline_mesh(pc, dims.shape)
+        self.pc, self.env, self.dims = pc, env, dims
+        self.pp_group = dims["pp"].get_group()
+        self.pp_rank = dims.rank("pp")
+        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len)
+        n_stages = len(self.layout)
+        self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
+        self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
+        total, non_embedding = model.num_params(), model.num_params(non_embedding=True)
+        self.modules = [StageModule(model, self.layout[s], s == 0, s == n_stages - 1, compute_dtype=param_dtype)
+                        for s in self.stage_ids]
+        self.plain = RankModel(model.cfg, self.modules, total, non_embedding)
+        self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
+        if self.sharded:
+            self._shard(param_dtype)
+        self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
+                       for m, s in zip(self.modules, self.stage_ids)]
+        self.timer = BusyTimer(env.device.type == "cuda")
+        self.measure = False
+        for st in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(st, name):
+                    setattr(st, name, self._maybe_timed(getattr(st, name)))
+        self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
+        self.n_microbatches = 0
+        self._multiplier = 1.0
+        self._reported: list[torch.Tensor] = []
+        self.wall_s = 0.0          # schedule-step wall time since the last reset_measurement (measure = True)
+
+    def set_objective(self, objective) -> None:
+        """The last stage computes the loss itself: next-token cross-entropy (pretraining, SFT) with the
+        objective's z-loss weight. Other objectives (DPO's paired sequences) are refused, naming the objective."""
+        if getattr(objective, "name", None) not in ("pretrain", "sft"):
+            raise ConfigError(f"parallel.pp > 1: the {getattr(objective, 'name', objective)!r} objective is not "
+                              f"available under pipeline parallelism (pretrain and sft are)")
+        for m in self.modules:
+            m.z_loss = float(getattr(objective, "z_loss", 0.0))
+
+    def _schedule_for(self, n_microbatches: int):
+        """The schedule for ``n_microbatches`` pipeline microbatches (one per count, built when first needed)."""
+        if n_microbatches not in self._schedules:
+            cls = _schedule_class(self.pc.pp_schedule)
+            target = self.stages if self.pc.pp_schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
+            # scale_grads=False: the loss function already divides by the micro-batch's token count (torch
+            # versions without the argument never rescale)
+            extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+            self._schedules[n_microbatches] = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss, **extra)
+        self.n_microbatches = n_microbatches
+        return self._schedules[n_microbatches]
+
+    def _maybe_timed(self, fn):
+        timed = self.timer.wrap(fn)
+        return lambda *a, **k: timed(*a, **k) if self.measure else fn(*a, **k)
+
+    def _shard(self, param_dtype: torch.dtype) -> None:
+        """FSDP2 over the dp dimension: every block one unit, then each stage's root (embedding, norm, head)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy() if param_dtype == torch.float32 else \
+            MixedPrecisionPolicy(param_dtype=param_dtype,
+                                 reduce_dtype=torch.float32 if self.pc.fsdp_reduce_fp32 else param_dtype)
+        d = self.dims
+        dp_mesh = d.mesh["dp_replicate", "dp_shard_cp"] if d.enabled("dp_replicate") else d["dp_shard_cp"]
+        for m in self.modules:
+            for block in m.layers.values():
+                fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=self.pc.reshard_after_forward)
+            fully_shard(m, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=self.pc.reshard_after_forward)
+
+    # -- loss ---------------------------------------------------------------------------------------------------
+    def _loss(self, output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage. ``output`` is the microbatch's token-loss sum; its
+        ``target`` chunk ``weight`` holds, per row, 1 / (valid tokens of the micro-batch the row belongs to), so
+        the microbatches of a micro-batch add up to its token mean; times the trainer's multiplier (loss scale /
+        grad_accum_steps). The unscaled value is kept for the report."""
+        mean_share = output.sum() * weight[0]
+        self._reported.append(mean_share.detach())
+        return mean_share * self._multiplier
+
+    def _prepare(self, batches: list[dict]) -> tuple:
+        """The micro-batches of an update as one pipeline batch: inputs, labels and extra keyword inputs
+        concatenated, per-row loss weights, and the number of pipeline microbatches (``pp_microbatches`` per
+        micro-batch, 0 = one sequence each). One host read: every micro-batch's valid-token count."""
+        rows = batches[0]["input_ids"].size(0)
+        m = self.pc.pp_microbatches or rows
+        if rows % m or any(b["input_ids"].size(0) != rows for b in batches):
+            raise ConfigError(f"parallel.pp_microbatches={m} does not divide every micro-batch of {rows} sequences")
+        labels = torch.cat([b["labels"] for b in batches])
+        per_chunk = (labels != -100).reshape(len(batches) * m, -1).sum(1).tolist()
+        per_batch = [sum(per_chunk[i * m:(i + 1) * m]) for i in range(len(batches))]
+        weight = torch.tensor([1.0 / max(n, 1) for n in per_batch], device=labels.device).repeat_interleave(rows)
+        for module in self.modules:
+            module.every_chunk_valid = min(per_chunk) > 0
+        kwargs = {k: torch.cat([b[k] for b in batches]) for k in ("doc_ids", "position_ids")
+                  if batches[0].get(k) is not None}
+        return torch.cat([b["input_ids"] for b in batches]), labels, weight, kwargs, len(batches) * m
+
+    def step(self, batches: list[dict], multiplier: float) -> torch.Tensor:
+        """Forward and backward of an update's micro-batches as ONE pipeline schedule (gradient accumulation
+        expressed as microbatches: grad_accum_steps x pp_microbatches of them, so the pipeline fills and drains
+        once per update). Returns the sum of the micro-batches' mean token losses on the last stage's rank, 0
+        elsewhere (:meth:`from_last_stage` hands it to every rank)."""
+        tokens, labels, weight, kwargs, n_micro = self._prepare(batches)
+        self._multiplier = multiplier
+        self._reported = []
+        schedule = self._schedule_for(n_micro)
+        if self.measure:
+            self._sync()
+            t0 = time.perf_counter()
+        with self._loss_context():
+            schedule.step(tokens, target=weight, labels=labels, **kwargs)
+        if self.measure:
+            self._sync()
+            self.wall_s += time.perf_counter() - t0
+        return self._reported_sum(tokens.device)
+
+    def _loss_context(self):
+        """Tensor parallel: the last stage's cross-entropy of vocab-sharded logits, forward and backward."""
+        if not self.dims.enabled("tp"):
+            return contextlib.nullcontext()
+        from zero2all.distributed.tp import loss_parallel_context
+
+        return loss_parallel_context()
+
+    def _sync(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+
+    def _reported_sum(self, device) -> torch.Tensor:
+        """The sum of the microbatches' shares; on the first step the runtime's shape inference also runs the
+        loss function (on placeholder tensors) before the real microbatches: only the last M values count."""
+        if not self._reported:
+            return torch.zeros((), device=device)
+        return torch.stack(self._reported[-self.n_microbatches:]).sum()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        """Forward-only pipeline pass: the micro-batch's mean token loss on every rank."""
+        tokens, labels, weight, kwargs, n_micro = self._prepare([batch])
+        self._multiplier = 1.0
+        self._reported = []
+        schedule = self._schedule_for(n_micro)
+        if not hasattr(schedule, "eval"):
+            raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
+                              f"(this is {torch.__version__}); set train.eval_batches = 0")
+        with self._loss_context():
+            schedule.eval(tokens, target=weight, labels=labels, **kwargs)
+        return self.from_last_stage(self._reported_sum(tokens.device))
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``value`` on every rank of this pipeline (a broadcast over the pp group)."""
+        t = value.detach().float().reshape(1).clone()
+        with collective_timeout(self.env, "broadcast of the loss from the last pipeline stage"):
+            dist.broadcast(t, src=dist.get_global_rank(self.pp_group, self.last_pp_rank), group=self.pp_group)
+        return t.reshape(())
+
+    # -- gradients ------------------------------------------------------------------------------------------------
+    def grad_norm_and_clip(self, params, max_norm: float) -> torch.Tensor:
+        """The global gradient norm over every stage (and FSDP shard): each rank's squared norm summed over the pp
+        group, then ``min(1, max_norm / (norm + 1e-6))`` applied to every gradient (``clip_grad_norm_``'s rule)."""
+        from zero2all.distributed.mesh import mesh_grad_norm_and_clip, needs_mesh_norm
+
+        params = [p for p in params if p.grad is not None]
+        if needs_mesh_norm(params):  # tp shards / FSDP 2-D shards / partial sums: per-layout norms
+            local = mesh_grad_norm_and_clip(params, 0.0)
+        else:
+            local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        grads = [p.grad for p in params]
+        sq = (local.float() ** 2).reshape(1).to(self.env.device)
+        with collective_timeout(self.env, "all-reduce of the gradient norm over the pipeline stages"):
+            dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt().reshape(())
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
+    # -- measurement ----------------------------------------------------------------------------------------------
+    def reset_measurement(self) -> None:
+        """Start measuring: every following :meth:`step` is timed (wall clock around the schedule step, busy time
+        inside the stage computations) until :meth:`measured_bubble` is read."""
+        self.measure = True
+        self.timer.reset()
+        self.wall_s = 0.0
+
+    def measured_bubble(self) -> float:
+        """1 - (this rank's busy time in stage forward / backward computations) / (wall time of the schedule
+        steps) since :meth:`reset_measurement`: the idle share of the pipeline on this rank, to compare with
+        :meth:`ideal_bubble`. Point-to-point waits and transfers count as idle."""
+        busy = self.timer.busy_s()
+        return max(0.0, 1.0 - busy / self.wall_s) if self.wall_s > 0 else 0.0
+
+    def ideal_bubble(self) -> float:
+        from zero2all.accounting import pipeline_bubble_fraction
+
+        return pipeline_bubble_fraction(self.pc.pp, self.n_microbatches, self.pc.pp_stages_per_rank)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on global rank 0 (CPU tensors; every rank takes part), None elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        with collective_timeout(self.env, "gathering the full model from the pipeline stages"):
+            full = self.sharded or self.dims.enabled("tp")  # DTensors: gathered whole on every rank of the group
+            sd = get_model_state_dict(self.plain, options=StateDictOptions(full_state_dict=full))
+            sd = {k: v.detach().cpu() for k, v in sd.items()}
+            # one copy per stage: the first rank of each stage's data-parallel group sends its tensors
+            first = self.dims.rank("dp") == 0 and self.dims.rank("cp") == 0 and self.dims.rank("tp") == 0
+            parts: list = [None] * self.env.world_size
+            dist.all_gather_object(parts, sd if first else None)
+        if not self.env.is_main:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part or {})
+        return merged
