@@ -405,8 +405,11 @@ class PipelineRun:
         if self.measure:
             self._sync()
             t0 = time.perf_counter()
+        # the token ids enter at stage 0 only (torch < 2.13 refuses positional inputs on the other stages); the
+        # keyword inputs (labels, positions) are split into microbatches and handed to every stage
+        inputs = (tokens,) if 0 in self.stage_ids else ()
         with self._loss_context():
-            schedule.step(tokens, target=weight, labels=labels, **kwargs)
+            schedule.step(*inputs, target=weight, labels=labels, **kwargs)
         if self.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0
