@@ -405,15 +405,17 @@ class PipelineRun:
         if self.measure:
             self._sync()
             t0 = time.perf_counter()
-        # the token ids enter at stage 0 only (torch < 2.13 refuses positional inputs on the other stages); the
-        # keyword inputs (labels, positions) are split into microbatches and handed to every stage
-        inputs = (tokens,) if 0 in self.stage_ids else ()
         with self._loss_context():
-            schedule.step(*inputs, target=weight, labels=labels, **kwargs)
+            schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         if self.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0
         return self._reported_sum(tokens.device)
+
+    def _first_stage_args(self, tokens: torch.Tensor) -> tuple:
+        """The positional inputs of a schedule step: the tokens on the rank holding the first stage, nothing
+        elsewhere (the other stages receive activations; older torch versions refuse inputs there)."""
+        return (tokens,) if 0 in self.stage_ids else ()
 
     def _loss_context(self):
         """Tensor parallel: the last stage's cross-entropy of vocab-sharded logits, forward and backward."""
@@ -445,7 +447,7 @@ class PipelineRun:
             raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
                               f"(this is {torch.__version__}); set train.eval_batches = 0")
         with self._loss_context():
-            schedule.eval(tokens, target=weight, labels=labels, **kwargs)
+            schedule.eval(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
