@@ -133,14 +133,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict):
+def gloo_worker(rank: int, world: int, port: int, out: str, work, timeout_s: float = 60.0) -> None:
+    """The body of one process spawned by a test: torchrun's environment, a gloo group, ``work(env)`` (what it
+    returns on rank 0, unless None, goes to ``out/result.json``), then a clean exit."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    env = zd.init_distributed(device="cpu", timeout_s=kwargs.pop("timeout_s", 60.0))
+    env = zd.init_distributed(device="cpu", timeout_s=timeout_s)
     done = False
     try:
-        result = SCENARIOS[scenario](env, Path(out), **kwargs)
+        result = work(env)
         if env.rank == 0 and result is not None:
             (Path(out) / "result.json").write_text(json.dumps(result))
         torch.distributed.barrier()  # neither rank tears down gloo while the other still talks to it
@@ -149,6 +151,11 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: di
         zd.destroy_distributed()
     if done:  # results written, both ranks past the barrier: leave without gloo's teardown (see finish_process)
         zd.finish_process(0)
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict):
+    timeout_s = kwargs.pop("timeout_s", 60.0)
+    gloo_worker(rank, world, port, out, lambda env: SCENARIOS[scenario](env, Path(out), **kwargs), timeout_s)
 
 
 def spawn(scenario: str, out: Path, world: int = WORLD, **kwargs) -> dict:

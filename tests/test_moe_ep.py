@@ -11,13 +11,12 @@ batch and its halves; it is kept off here and checked apart (tests/test_moe.py).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_distributed import assert_same_losses, free_port
+from test_distributed import assert_same_losses, free_port, gloo_worker
 
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
@@ -84,21 +83,7 @@ def scenario(env, out: Path, ep: int, save_at: int = 0):
 
 
 def _entry(rank, world, port, out, kwargs):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    env = zd.init_distributed(device="cpu", timeout_s=120.0)
-    done = False
-    try:
-        result = scenario(env, Path(out), **kwargs)
-        if env.rank == 0:
-            (Path(out) / "result.json").write_text(json.dumps(result))
-        torch.distributed.barrier()
-        done = True
-    finally:
-        zd.destroy_distributed()
-    if done:
-        zd.finish_process(0)
+    gloo_worker(rank, world, port, out, lambda env: scenario(env, Path(out), **kwargs), timeout_s=120.0)
 
 
 def spawn(out: Path, world: int, **kwargs) -> list[float]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests import cpu_ring_attention
-from tests.test_distributed import free_port
+from tests.test_distributed import free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
 from zero2all.config import ConfigError, ModelConfig, OpsConfig, ParallelConfig, TrainConfig, check_mesh, to_dict
@@ -142,22 +141,8 @@ def worker_cases(env, out: Path, cases: list[dict]) -> dict:
 
 
 def _entry(rank: int, world: int, port: int, out: str, cases: list[dict]):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     cpu_ring_attention.register()
-    env = zd.init_distributed(device="cpu", timeout_s=120.0)
-    done = False
-    try:
-        result = worker_cases(env, Path(out), cases)
-        if env.rank == 0:
-            (Path(out) / "result.json").write_text(json.dumps(result))
-        torch.distributed.barrier()
-        done = True
-    finally:
-        zd.destroy_distributed()
-    if done:
-        zd.finish_process(0)
+    gloo_worker(rank, world, port, out, lambda env: worker_cases(env, Path(out), cases), timeout_s=120.0)
 
 
 def launch(world: int, out: Path, cases: list[dict]) -> dict:

@@ -14,14 +14,13 @@ the same numbers summed in another order (fp32 rounding, ~1e-7), which AdamW car
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_distributed import free_port, gloo_worker
 
 from zero2all.config import ConfigError, ModelConfig, ParallelConfig, check_mesh, load_config
 from zero2all.distributed.pp import split_layers, stage_layout, stage_rank, unit_costs
@@ -73,33 +72,16 @@ def train(out: Path, *overrides: str) -> list[tuple[float, float]]:
 # ------------------------------------------------------------------------------------------------ processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, out: str, runs: list[list[str]]):
-    from zero2all import distributed as zd
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    zd.init_distributed(device="cpu", timeout_s=120.0)
-    done = False
-    try:
+    def work(env):
         for i, overrides in enumerate(runs):
             train(Path(out) / f"run{i}", *overrides)
-        torch.distributed.barrier()
-        done = True
-    finally:
-        zd.destroy_distributed()
-    if done:
-        zd.finish_process(0)
+
+    gloo_worker(rank, world, port, out, work, timeout_s=120.0)
 
 
 def launch(out: Path, world: int, runs: list[list[str]]) -> list[list[tuple[float, float]]]:
-    mp.spawn(_entry, args=(world, _free_port(), str(out), runs), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), str(out), runs), nprocs=world, join=True)
     return [losses(out / f"run{i}") for i in range(len(runs))]
 
 
