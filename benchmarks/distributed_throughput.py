@@ -75,6 +75,18 @@ def _peer_model(cfg, device):
     return model, liger
 
 
+def _profile_step(step, sync, path: Path, rows: int = 28) -> None:
+    """One step under ``torch.profiler``: the ops with the most CUDA time (self), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+
+
 def worker(args) -> None:
     """One measurement inside torchrun: build, wrap, warm up, time; rank 0 writes the result JSON."""
     import torch
@@ -170,6 +182,8 @@ def worker(args) -> None:
         last = step()
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile and device.type == "cuda":  # one more step under the torch profiler, a table per rank
+        _profile_step(step, sync, Path(args.profile) / f"{args.variant}-{args.seq_len or 'seq'}-r{env.rank}.txt")
     # the slowest rank sets the pace: median of each rank's step times, then the max over ranks
     median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
     memory = zd.gather_memory_stats(env)
@@ -230,6 +244,7 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     cmd += ["--compile"] if args.compile else []
     cmd += ["--count-comm"] if args.count_comm else []
     cmd += ["--fsdp-no-sync"] if args.fsdp_no_sync else []
+    cmd += ["--profile", args.profile] if args.profile else []
     for o in args.override:
         cmd += ["--override", o]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -317,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile (ours per block, the peer whole)")
     p.add_argument("--count-comm", action="store_true",
                    help="ours: one extra step counting the bytes each rank sends, per collective and mesh dimension")
+    p.add_argument("--profile", default="", help="ours: one extra step under torch.profiler, a table per rank "
+                   "(top ops by CUDA time) written into this folder")
     p.add_argument("--override", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per variant")
     p.add_argument("--json", default="", help="also write all results to this file")
