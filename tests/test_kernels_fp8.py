@@ -73,3 +73,24 @@ def test_amax_is_exact_and_the_largest_element_lands_on_fmax():
         else:
             assert torch.equal(qz.q_scale, x.abs().amax() / 448.0)
             assert qz.q.float().abs().max().item() == 448.0
+
+
+@pytest.mark.parametrize("shape", [(20, 300), (75, 200)])
+def test_small_tiles_split_bands_and_two_pass_rows(monkeypatch, shape):
+    """Small tiles, so that a band of rows spans many column tiles shared by several programs (partial maxima
+    reduced afterwards) and the rowwise kernel reads each row twice (K larger than its block)."""
+    import zero2all.kernels.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "TILE", {"BM": 16, "BK": 32, "num_warps": 4})
+    monkeypatch.setattr(fp8, "ROWWISE_TILE", 64)
+    bands, tiles_k = -(-shape[0] // 16), -(-shape[1] // 32)
+    assert shape != (20, 300) or fp8._split(torch.device("cpu"), bands, tiles_k) > 1
+    x = operand(shape, torch.bfloat16, seed=11)
+    for scaling, want_q, want_qt in [("axis", True, False), ("axis", True, True), ("axis", False, True),
+                                     ("tensor", True, True)]:
+        for fmt in (E4M3, E5M2):
+            got = quantize(x, fmt, scaling, want_q, want_qt)
+            want = quantize_torch(x, fmt, scaling, want_q, want_qt)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(want, name), f"{name} ({scaling}, {fmt})")
+            assert torch.equal(got.counts, want.counts), (scaling, got.counts, want.counts)

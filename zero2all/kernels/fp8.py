@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zero2all.kernels import grid_programs
 from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, Quantized, _rows2d
 
 # (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
@@ -77,53 +78,67 @@ def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
-                         MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    # BM rows per program, BLOCK columns at a time
+                         MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                         COUNT: tl.constexpr):
+    # BM rows per program, BLOCK columns at a time; ONE_PASS (K <= BLOCK): the rows stay in registers between the
+    # amax and the cast, else they are read a second time (from cache)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
-    amax = tl.zeros([BM, BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    a = tl.maximum(tl.max(amax, 1), 1e-12)
+    cols = tl.arange(0, BLOCK)
+    mask = rmask[:, None] & (cols < K)[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    if not ONE_PASS:
+        for k0 in range(BLOCK, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = rmask[:, None] & (cols < K)[None, :]
+            xk = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xk), 1))
+    a = tl.maximum(amax, 1e-12)
     fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
     r = tl.math.div_rn(fmax, a)
     tl.store(S + rows, tl.math.div_rn(a, fmax), mask=rmask)
-    sat = tl.zeros([BM, BLOCK], dtype=tl.int32)
-    under = tl.zeros([BM, BLOCK], dtype=tl.int32)
+    sat = tl.zeros([BM], dtype=tl.int32)
+    under = tl.zeros([BM], dtype=tl.int32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if not ONE_PASS:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
         tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
         if COUNT:
-            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
+            sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
+            under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
     if COUNT:
-        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
 
 
 @triton.jit
-def _amax_kernel(X, ROW_AMAX, COL_AMAX, M, K, stride_x, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 TENSOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask, cmask = rows < M, cols < K
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0)
-    x = tl.abs(x.to(tl.float32))
-    if TENSOR:
-        tl.atomic_max(ROW_AMAX, tl.max(tl.max(x, 1), 0))
-    else:
+def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr):
+    # program (i, j): the band of rows i, column tiles j, j + S, j + 2 S, ... (S programs along axis 1). Writes,
+    # without atomics, the band's amax per column tile into COL_PART[i, :] and its rows' amax over its tiles into
+    # ROW_PART[j, :]; the partial maxima are reduced afterwards (over S, and over the bands)
+    pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    ramax = tl.zeros([BM], dtype=tl.float32)
+    for t in range(pid_s, tl.cdiv(K, BK), n_split):
+        cols = t * BK + tl.arange(0, BK)
+        cmask = cols < K
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        x = tl.abs(x.to(tl.float32))
         if ROWS:
-            tl.atomic_max(ROW_AMAX + rows, tl.max(x, 1), mask=rmask)
+            ramax = tl.maximum(ramax, tl.max(x, 1))
         if COLS:
-            tl.atomic_max(COL_AMAX + cols, tl.max(x, 0), mask=cmask)
+            tl.store(COL_PART + pid_m.to(tl.int64) * K + cols, tl.max(x, 0), mask=cmask)
+    if ROWS:
+        tl.store(ROW_PART + pid_s.to(tl.int64) * M + rows, ramax, mask=rmask)
 
 
 @triton.jit
@@ -131,47 +146,63 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.con
                  MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, TENSOR: tl.constexpr,
                  COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
-    # scaled per column of X by COL_AMAX (or the tensor's amax)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask, cmask = rows < M, cols < K
-    mask = rmask[:, None] & cmask[None, :]
+    # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
+    # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes
+    pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     fmax = tl.full([], FMAX, tl.float32)
-    sat = tl.zeros([BM, BK], dtype=tl.int32)
-    under = tl.zeros([BM, BK], dtype=tl.int32)
-    if WRITE_Q:
-        if TENSOR:
-            r = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
-            q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
-        else:
-            ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
-            r = tl.math.div_rn(tl.zeros([BM], dtype=tl.float32) + fmax, ra)
-            q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
-        tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-        if COUNT:
-            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
-    if WRITE_QT:
-        if TENSOR:
-            c = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
-            qt = _to_grid(tl.clamp(x * c, -FMAX, FMAX), MANT, MIN_EXP)
-        else:
-            ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
-            c = tl.math.div_rn(tl.zeros([BK], dtype=tl.float32) + fmax, ca)
-            qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
-        tl.store(QT + cols.to(tl.int64)[None, :] * M + rows64[:, None], qt.to(QT.dtype.element_ty), mask=mask)
-        if COUNT:
-            sat += ((tl.abs(qt) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (qt == 0.0)).to(tl.int32)
+    if TENSOR:
+        r = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
+    elif WRITE_Q:
+        ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
+        r = tl.math.div_rn(tl.zeros([BM], dtype=tl.float32) + fmax, ra)
+    sat = tl.zeros([BM], dtype=tl.int32)
+    under = tl.zeros([BM], dtype=tl.int32)
+    for t in range(pid_s, tl.cdiv(K, BK), n_split):
+        cols = t * BK + tl.arange(0, BK)
+        cmask = cols < K
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WRITE_Q:
+            if TENSOR:
+                q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+            else:
+                q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+            tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+            if COUNT:
+                sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
+                under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
+        if WRITE_QT:
+            if TENSOR:
+                qt = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+            else:
+                ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
+                c = tl.math.div_rn(tl.zeros([BK], dtype=tl.float32) + fmax, ca)
+                qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
+            tl.store(QT + cols.to(tl.int64)[:, None] * M + rows64[None, :], tl.trans(qt.to(QT.dtype.element_ty)),
+                     mask=tl.trans(mask))
+            if COUNT:
+                sat += tl.sum(((tl.abs(qt) >= FMAX) & mask).to(tl.int32), 1)
+                under += tl.sum(((x != 0.0) & (qt == 0.0)).to(tl.int32), 1)
     if COUNT:
-        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # quantisation with the kernels
+
+# tile shapes (tuned on an H100, BENCHMARKS.md): the rowwise kernel's elements per program, and the transposed
+# cast's tile (BM x BK: 128 x 128 stores full 128-byte FP8 rows in both orientations)
+ROWWISE_TILE = 8192
+TILE = {"BM": 128, "BK": 128, "num_warps": 8}
+
+
+def _split(device: torch.device, bands: int, tiles_k: int) -> int:
+    """Programs per band of rows: enough bands x splits to fill the GPU a few times over (few partial maxima)."""
+    return max(1, min(tiles_k, -(-grid_programs(device, bands * tiles_k) // bands)))
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
@@ -188,23 +219,32 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     if scaling == "axis" and not want_qt:
         s = torch.empty(M, dtype=torch.float32, device=x.device)
         if M and K:
-            block = min(2048, triton.next_power_of_2(K))
-            bm = min(16, max(1, 4096 // block))
+            block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+            bm = max(1, ROWWISE_TILE // block)
             _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, q, s, counts, M, K, x.stride(0), FMAX=fmax, MANT=mant,
-                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, COUNT=True,
-                                                        num_warps=8)
+                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, ONE_PASS=K <= block,
+                                                        COUNT=True, num_warps=8)
         return Quantized(q, s, None, None, counts)
     tensor = scaling == "tensor"
-    row_amax = torch.zeros(1 if tensor else M, dtype=torch.float32, device=x.device)
-    col_amax = torch.zeros(0 if tensor else K, dtype=torch.float32, device=x.device)
-    BM, BK = 64, 64
-    grid = (triton.cdiv(M, BM), triton.cdiv(K, BK))
+    BM, BK = TILE["BM"], TILE["BK"]
+    bands, tiles_k = triton.cdiv(M, BM), triton.cdiv(K, BK)
+    n_split = _split(x.device, bands, tiles_k) if M and K else 1
+    rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
+    row_part = torch.zeros((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
+    col_part = torch.zeros((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
     if M and K:
-        _amax_kernel[grid](x, row_amax, col_amax, M, K, x.stride(0), ROWS=want_q, COLS=want_qt, TENSOR=tensor,
-                           BM=BM, BK=BK, num_warps=4)
-        _cast_kernel[grid](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax, counts, M, K,
-                           x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt,
-                           TENSOR=tensor, COUNT=True, BM=BM, BK=BK, num_warps=4)
+        _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
+                                       COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
+    if tensor:
+        row_amax = row_part.amax().reshape(1) if M and K else row_part.new_zeros(1)
+    else:
+        row_amax = row_part.amax(0) if want_q and n_split > 1 else row_part.reshape(-1)[:M]
+    col_amax = col_part.amax(0) if cols_wanted and M else col_part.new_zeros(K if cols_wanted else 0)
+    if M and K:
+        _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax, counts, M,
+                                       K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp, WRITE_Q=want_q,
+                                       WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
+                                       num_warps=TILE["num_warps"])
     if tensor:
         s = row_amax.clamp_min(AMAX_FLOOR).div(fmax).reshape(())
         return Quantized(q, s if want_q else None, qt, s if want_qt else None, counts)

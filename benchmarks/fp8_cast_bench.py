@@ -1,0 +1,80 @@
+"""Time the FP8 cast kernels (``zero2all/kernels/fp8.py``) at z2all-1.1b's shapes against their byte time.
+
+For each operand of a block's linears (micro-batch 8 x 2048 tokens: activations and gradients in bf16, weights in
+float32) and each cast the training step makes of it, prints the median time, the bytes moved (the operand read
+once, the FP8 copies written) and the achieved bandwidth. With ``--sweep`` it also tries other tile shapes, and
+with ``--baseline FILE`` it times a second implementation of ``quantize`` (another fp8.py) the same way.
+
+    python benchmarks/fp8_cast_bench.py [--sweep] [--baseline old_fp8.py]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from zero2all.kernels import fp8
+from zero2all.kernels.fp8_ref import E4M3, E5M2
+
+TOKENS, D, QKV, FFN = 8 * 2048, 2048, 2560, 5632
+
+# (name, shape, dtype, fp8 format, scaling, want_q, want_qt)
+CASES = [
+    ("x rowwise fwd (M x 2048)", (TOKENS, D), torch.bfloat16, E4M3, "axis", True, False),
+    ("a rowwise fwd (M x 5632)", (TOKENS, FFN), torch.bfloat16, E4M3, "axis", True, False),
+    ("W rowwise fwd (11264 x 2048 fp32)", (2 * FFN, D), torch.float32, E4M3, "axis", True, False),
+    ("g qkv q+qT (M x 2560)", (TOKENS, QKV), torch.bfloat16, E4M3, "axis", True, True),
+    ("g gate_up q+qT (M x 11264)", (TOKENS, 2 * FFN), torch.bfloat16, E4M3, "axis", True, True),
+    ("x qT bwd (M x 2048)", (TOKENS, D), torch.bfloat16, E4M3, "axis", False, True),
+    ("a qT bwd (M x 5632)", (TOKENS, FFN), torch.bfloat16, E4M3, "axis", False, True),
+    ("W qT bwd (11264 x 2048 fp32)", (2 * FFN, D), torch.float32, E4M3, "axis", False, True),
+    ("W qT bwd (2048 x 5632 fp32)", (D, FFN), torch.float32, E4M3, "axis", False, True),
+    ("g gate_up tensorwise q+qT", (TOKENS, 2 * FFN), torch.bfloat16, E5M2, "tensor", True, True),
+    ("x tensorwise q fwd", (TOKENS, D), torch.bfloat16, E4M3, "tensor", True, False),
+]
+
+
+def bytes_moved(shape, dtype, want_q, want_qt):
+    n = shape[0] * shape[1]
+    return n * torch.finfo(dtype).bits // 8 + n * (int(want_q) + int(want_qt))
+
+
+def time_all(quantize, label):
+    total = 0.0
+    for name, shape, dtype, f8, scaling, wq, wqt in CASES:
+        x = torch.randn(shape, device="cuda", dtype=torch.float32).to(dtype)
+        ms = do_bench(lambda: quantize(x, f8, scaling, wq, wqt), warmup=10, rep=50)
+        gb = bytes_moved(shape, dtype, wq, wqt) / 1e9
+        total += ms
+        print(f"{label:10s} {name:36s} {ms * 1e3:8.1f} us  {gb * 1e3:7.1f} MB  {gb / ms:6.2f} TB/s", flush=True)
+    print(f"{label:10s} {'sum':36s} {total * 1e3:8.1f} us", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--baseline", default="")
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("fp8_baseline", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        sys.modules["fp8_baseline"] = base
+        spec.loader.exec_module(base)
+        time_all(base.quantize, "baseline")
+    time_all(fp8.quantize, "current")
+    if args.sweep:
+        for bm, bk, warps in [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 64, 8)]:
+            fp8.TILE = {"BM": bm, "BK": bk, "num_warps": warps}
+            time_all(fp8.quantize, f"{bm}x{bk}w{warps}")
+        fp8.TILE = {"BM": 128, "BK": 128, "num_warps": 8}
+        for tile in (4096, 16384):
+            fp8.ROWWISE_TILE = tile
+            time_all(fp8.quantize, f"row{tile}")
+
+
+if __name__ == "__main__":
+    main()
