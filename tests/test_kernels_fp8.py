@@ -94,3 +94,24 @@ def test_small_tiles_split_bands_and_two_pass_rows(monkeypatch, shape):
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(got, name), getattr(want, name), f"{name} ({scaling}, {fmt})")
             assert torch.equal(got.counts, want.counts), (scaling, got.counts, want.counts)
+
+
+@pytest.mark.parametrize("rows,I,dtype,tile", [(5, 48, torch.bfloat16, 8192), (9, 100, torch.float32, 64)])
+def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtype, tile):
+    """quantize_swiglu (a = silu(gate) * up made inside the cast) against the SwiGLU kernel followed by the
+    rowwise cast, bit for bit; tile 64: rows longer than the block (two passes)."""
+    import zero2all.kernels.fp8 as fp8
+    from zero2all.kernels.swiglu import triton_swiglu
+
+    monkeypatch.setattr(fp8, "ROWWISE_TILE", tile)
+    g = torch.Generator().manual_seed(rows + I)
+    gate_up = (torch.randn(rows, 2 * I, generator=g) * 3).to(dtype)
+    gate_up[1, :I] = 0.0                                    # a zero row of a
+    a = triton_swiglu(gate_up)
+    got = fp8.quantize_swiglu(gate_up, a.dtype)
+    want = quantize_torch(a, E4M3, "axis")
+    for name in ("q", "q_scale"):
+        assert_same(getattr(got, name), getattr(want, name), name)
+    assert torch.equal(got.counts, want.counts)
+    with pytest.raises(ValueError, match="quantize_swiglu"):
+        fp8.quantize_swiglu(gate_up[:, 1:], a.dtype)

@@ -77,23 +77,34 @@ def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU: tl.constexpr, A_DTYPE: tl.constexpr):
+    """A tile of the operand in float32. SWIGLU: X holds rows [gate | up] (K each) and the operand is
+    a = silu(gate) * up rounded to A_DTYPE, exactly as ``kernels/swiglu.py`` writes it."""
+    if SWIGLU:
+        gate = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + rows64[:, None] * stride_x + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(A_DTYPE).to(tl.float32)
+    return tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
                          MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                         COUNT: tl.constexpr):
+                         COUNT: tl.constexpr, SWIGLU: tl.constexpr = False, A_DTYPE: tl.constexpr = tl.bfloat16):
     # BM rows per program, BLOCK columns at a time; ONE_PASS (K <= BLOCK): the rows stay in registers between the
-    # amax and the cast, else they are read a second time (from cache)
+    # amax and the cast, else they are read a second time (from cache). SWIGLU: see _load_rows
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = rmask[:, None] & (cols < K)[None, :]
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
     amax = tl.max(tl.abs(x), 1)
     if not ONE_PASS:
         for k0 in range(BLOCK, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             mask = rmask[:, None] & (cols < K)[None, :]
-            xk = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            xk = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
             amax = tl.maximum(amax, tl.max(tl.abs(xk), 1))
     a = tl.maximum(amax, 1e-12)
     fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
@@ -105,7 +116,7 @@ def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT:
         cols = k0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < K)[None, :]
         if not ONE_PASS:
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
         q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
         tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
         if COUNT:
@@ -251,3 +262,28 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     q_s = row_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_q else None
     qt_s = col_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_qt else None
     return Quantized(q, q_s, qt, qt_s, counts)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dtype = E4M3) -> Quantized:
+    """The rowwise cast of a = silu(gate) * up (rounded to ``a_dtype``) for ``gate_up`` (M, 2 I) = [gate | up],
+    computed from gate_up in the cast's own pass: a is never written to memory. Equal bit for bit to
+    ``quantize(triton_swiglu(gate_up).to(a_dtype), dtype, "axis")``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"fp8 quantize_swiglu: expected a row-major (M, 2 I) tensor, got shape "
+                         f"{tuple(gate_up.shape)}, strides {gate_up.stride()}")
+    M, K = gate_up.shape[0], gate_up.shape[1] // 2
+    mant, min_exp = _GRID[dtype]
+    counts = torch.zeros(2, dtype=torch.int64, device=gate_up.device)
+    q = torch.empty((M, K), dtype=dtype, device=gate_up.device)
+    s = torch.empty(M, dtype=torch.float32, device=gate_up.device)
+    if M and K:
+        block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+        bm = max(1, ROWWISE_TILE // block)
+        _rowwise_cast_kernel[(triton.cdiv(M, bm),)](gate_up, q, s, counts, M, K, gate_up.stride(0),
+                                                    FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
+                                                    BM=bm, BLOCK=block, ONE_PASS=K <= block, COUNT=True,
+                                                    SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype], num_warps=8)
+    return Quantized(q, s, None, None, counts)

@@ -213,9 +213,10 @@ register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
 
 def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dtype: torch.dtype,
                    quant=quantize_torch, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,))."""
+    """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,)).
+    ``a2d`` may come already quantised (a ``Quantized`` with ``q``, cast by the op that produced it)."""
     scaling = scaling_of(recipe)
-    qa = quant(a2d, E4M3, scaling)
+    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling)
     qw = WEIGHT_CASTS.get(weight, scaling, False, quant)
     y = fp8_mm(qa.q, qa.q_scale, qw.q, qw.q_scale, out_dtype, out=out, fast_accum=FAST_ACCUM_FORWARD)
     return y, qa.counts + qw.counts
