@@ -53,6 +53,35 @@ def time_all(quantize, label):
     print(f"{label:10s} {'sum':36s} {total * 1e3:8.1f} us", flush=True)
 
 
+def time_fused():
+    """The casts made inside their producers against producer + separate cast."""
+    import triton
+
+    from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd_kernel, _warps
+    from zero2all.kernels.swiglu import triton_swiglu
+
+    gu = torch.randn(TOKENS, 2 * FFN, device="cuda", dtype=torch.bfloat16)
+    sep = do_bench(lambda: fp8.quantize(triton_swiglu(gu), E4M3, "axis"), warmup=10, rep=50)
+    fused = do_bench(lambda: fp8.quantize_swiglu(gu, torch.bfloat16), warmup=10, rep=50)
+    print(f"swiglu + rowwise cast (M x 11264): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us", flush=True)
+    x, res = (torch.randn(TOKENS, D, device="cuda", dtype=t) for t in (torch.bfloat16, torch.float32))
+    w = torch.ones(D, device="cuda")
+    res_out, rstd, yhat = torch.empty_like(res), torch.empty(TOKENS, device="cuda"), torch.empty_like(x)
+    warps, block = _warps(triton.next_power_of_2(D)), triton.next_power_of_2(D)
+
+    def separate():
+        normed = torch.empty_like(x)
+        _add_rmsnorm_fwd_kernel[(TOKENS,)](x, res, w, normed, res_out, rstd, yhat, D, 1e-5, HAS_RESIDUAL=True,
+                                           BLOCK=block, WRITE_Y=True, num_warps=warps)
+        return fp8.quantize(normed, E4M3, "axis")
+
+    sep = do_bench(separate, warmup=10, rep=50)
+    fused = do_bench(lambda: fp8.norm_quantize(x, res, w, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps),
+                     warmup=10, rep=50)
+    print(f"add + rmsnorm + rowwise cast (M x 2048): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us",
+          flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
@@ -66,6 +95,7 @@ def main():
         spec.loader.exec_module(base)
         time_all(base.quantize, "baseline")
     time_all(fp8.quantize, "current")
+    time_fused()
     if args.sweep:
         for bm, bk, warps in [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 64, 8)]:
             fp8.TILE = {"BM": bm, "BK": bk, "num_warps": warps}

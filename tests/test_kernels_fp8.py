@@ -115,3 +115,42 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
     assert torch.equal(got.counts, want.counts)
     with pytest.raises(ValueError, match="quantize_swiglu"):
         fp8.quantize_swiglu(gate_up[:, 1:], a.dtype)
+
+
+@pytest.mark.parametrize("rows,N,res", [(6, 40, True), (3, 130, False)])
+def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
+    """norm_quantize (residual add + RMSNorm with the rowwise cast of its output in one pass) against the RMSNorm
+    kernel followed by the rowwise cast: the same residual, rstd and y, and the same codes, scales and counters."""
+    import triton
+
+    from zero2all.kernels.fp8 import norm_quantize
+    from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd_kernel, _warps
+
+    g = torch.Generator().manual_seed(rows * N)
+    x = (torch.randn(rows, N, generator=g) * 4).to(torch.bfloat16)
+    residual = torch.randn(rows, N, generator=g) if res else None
+    w = torch.rand(N, generator=g) + 0.5
+    x[1] = 0.0
+    if residual is not None:
+        residual[1] = 0.0                                    # a zero row: rstd = 1 / sqrt(eps), normed = 0
+    warps = _warps(triton.next_power_of_2(N))
+    out = {}
+    for fused in (False, True):
+        res_out = torch.empty(rows, N, dtype=torch.float32)
+        rstd, yhat = torch.empty(rows), torch.empty(rows, N, dtype=torch.bfloat16)
+        if fused:
+            qn = norm_quantize(x, residual, w, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps)
+        else:
+            normed = torch.empty(rows, N, dtype=torch.bfloat16)
+            _add_rmsnorm_fwd_kernel[(rows,)](x, residual if res else x, w, normed, res_out, rstd, yhat, N, 1e-5,
+                                             HAS_RESIDUAL=res, BLOCK=triton.next_power_of_2(N), WRITE_Y=True,
+                                             num_warps=warps)
+            qn = quantize(normed, E4M3, "axis")
+            assert_same(qn.q, quantize_torch(normed, E4M3, "axis").q, "the unfused reference")
+        out[fused] = (qn, res_out, rstd, yhat)
+    (q0, *t0), (q1, *t1) = out[False], out[True]
+    for a, b in zip(t0, t1):
+        assert torch.equal(a, b)
+    assert_same(q1.q, q0.q, "q")
+    assert_same(q1.q_scale, q0.q_scale, "scale")
+    assert torch.equal(q1.counts, q0.counts)

@@ -49,6 +49,8 @@ under the Triton interpreter alike.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -202,6 +204,39 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.con
         tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
 
 
+@triton.jit
+def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps, HAS_RESIDUAL: tl.constexpr,
+                              BLOCK: tl.constexpr, NORMED_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                              MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    # one row: kernels/rmsnorm.py's _add_rmsnorm_fwd_kernel (WRITE_Y) step for step, then, instead of storing
+    # normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(RES + row * N + cols, mask=mask, other=0.0).to(tl.float32) + x
+    else:
+        r = x
+    r_stored = r.to(RES_OUT.dtype.element_ty)
+    tl.store(RES_OUT + row * N + cols, r_stored, mask=mask)
+    r = r_stored.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    y = (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (w * y).to(NORMED_DTYPE).to(tl.float32)
+    a = tl.maximum(tl.max(tl.abs(normed), 0), 1e-12)
+    fmax = tl.full([], FMAX, tl.float32)
+    ratio = tl.math.div_rn(fmax, a)
+    tl.store(S + row, tl.math.div_rn(a, fmax))
+    q = _to_grid(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP)
+    tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(CNT + row, tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 0))
+    tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # quantisation with the kernels
 
@@ -287,3 +322,24 @@ def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dt
                                                     BM=bm, BLOCK=block, ONE_PASS=K <= block, COUNT=True,
                                                     SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype], num_warps=8)
     return Quantized(q, s, None, None, counts)
+
+
+def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                  res_out: torch.Tensor, rstd: torch.Tensor, yhat: torch.Tensor, normed_dtype: torch.dtype,
+                  warps: int, dtype: torch.dtype = E4M3) -> Quantized:
+    """The residual add + RMSNorm of ``kernels/rmsnorm.py`` (writing res_out, rstd and yhat as its forward kernel
+    with WRITE_Y does) with the rowwise FP8 cast of normed = round_c(norm_weight * y) in the same pass, instead
+    of normed itself: normed is never written to memory. x2, res2 (or None), res_out, yhat: (M, N) contiguous.
+    ``warps``: the norm kernel's own choice, so that the row sums are added in the same order."""
+    M, N = x2.shape
+    mant, min_exp = _GRID[dtype]
+    q = torch.empty((M, N), dtype=dtype, device=x2.device)
+    s = torch.empty(M, dtype=torch.float32, device=x2.device)
+    per_row = torch.empty((2, M), dtype=torch.int32, device=x2.device)
+    if M and N:
+        _norm_rowwise_cast_kernel[(M,)](x2, res2 if res2 is not None else x2, norm_weight, res_out, rstd, yhat, q,
+                                        s, per_row, M, N, eps, HAS_RESIDUAL=res2 is not None,
+                                        BLOCK=triton.next_power_of_2(N), NORMED_DTYPE=_TL_DTYPES[normed_dtype],
+                                        FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
+                                        num_warps=warps)
+    return Quantized(q, s, None, None, per_row.sum(1, dtype=torch.int64))

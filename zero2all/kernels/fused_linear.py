@@ -175,10 +175,16 @@ def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_wei
     rows = x2.shape[0]
     res2 = residual.reshape(-1, N).contiguous() if residual is not None else x2
     # outputs allocated in x's shape (contiguous: the kernel addresses row * N + col)
-    normed = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
-    yhat = torch.empty_like(normed)
+    yhat = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if precision == "fp8_rowwise":      # the norm writes the rowwise FP8 cast of normed, never normed itself
+        qn = fp8.norm_quantize(x2, res2 if residual is not None else None, norm_weight.contiguous(), eps,
+                               res_out.view(-1, N), rstd, yhat.view(-1, N), compute_dtype,
+                               _warps(triton.next_power_of_2(N)))
+        out, counts = _linear(qn, weight, bias, compute_dtype, x.shape[:-1], precision)
+        return out, res_out, yhat, rstd, counts
+    normed = torch.empty_like(yhat)
     if rows:
         block = triton.next_power_of_2(N)
         _add_rmsnorm_fwd_kernel[(rows,)](x2, res2, norm_weight.contiguous(), normed, res_out, rstd, yhat, N, eps,
