@@ -63,7 +63,10 @@ def time_fused():
     gu = torch.randn(TOKENS, 2 * FFN, device="cuda", dtype=torch.bfloat16)
     sep = do_bench(lambda: fp8.quantize(triton_swiglu(gu), E4M3, "axis"), warmup=10, rep=50)
     fused = do_bench(lambda: fp8.quantize_swiglu(gu, torch.bfloat16), warmup=10, rep=50)
-    print(f"swiglu + rowwise cast (M x 11264): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us", flush=True)
+    a, b = fp8.quantize(triton_swiglu(gu), E4M3, "axis"), fp8.quantize_swiglu(gu, torch.bfloat16)
+    same = torch.equal(a.q.float(), b.q.float()) and torch.equal(a.q_scale, b.q_scale)
+    print(f"swiglu + rowwise cast (M x 11264): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us, "
+          f"bit-exact {same}", flush=True)
     x, res = (torch.randn(TOKENS, D, device="cuda", dtype=t) for t in (torch.bfloat16, torch.float32))
     w = torch.ones(D, device="cuda")
     res_out, rstd, yhat = torch.empty_like(res), torch.empty(TOKENS, device="cuda"), torch.empty_like(x)
@@ -78,8 +81,12 @@ def time_fused():
     sep = do_bench(separate, warmup=10, rep=50)
     fused = do_bench(lambda: fp8.norm_quantize(x, res, w, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps),
                      warmup=10, rep=50)
-    print(f"add + rmsnorm + rowwise cast (M x 2048): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us",
-          flush=True)
+    a = separate()
+    y1 = yhat.clone()
+    b = fp8.norm_quantize(x, res, w, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps)
+    same = torch.equal(a.q.float(), b.q.float()) and torch.equal(a.q_scale, b.q_scale) and torch.equal(y1, yhat)
+    print(f"add + rmsnorm + rowwise cast (M x 2048): separate {sep * 1e3:.1f} us, fused {fused * 1e3:.1f} us, "
+          f"bit-exact {same}", flush=True)
 
 
 def check_exact():
