@@ -26,16 +26,27 @@ per-row scale already absorbs the gradients' range across tokens, so the extra m
 about half the quantisation error of E5M2), E5M2 with tensorwise scaling (one scale for a whole gradient tensor
 needs the range: E4M3 would flush the small rows to zero). ``tests/test_fp8_numerics.py`` measures both.
 
-Kernels (one read of the operand from memory each):
+Kernels (one read of the operand from memory each, where the scales allow it):
 
-    _rowwise_cast_kernel   a few rows per program: amax, scale, cast, write q and s. The rows are read twice,
-                           the second time from cache (a row is a few KiB).
-    _amax_kernel           per-row and per-column (or whole-tensor) amax of a tile grid, by atomic max
-    _cast_kernel           cast a tile once and write it twice: q (row or tensor scaled) and the transposed
-                           copy q^T (column or tensor scaled), the layout the backward GEMMs consume
+    _rowwise_cast_kernel   a few rows per program (8192 elements): amax, scale, cast, write q and s. A row up to
+                           8192 elements stays in registers (one read); a longer one is read again from cache.
+                           SWIGLU: the operand is a = silu(gate) * up, made from gate_up in the same pass
+                           (``quantize_swiglu``: a is never written)
+    _norm_rowwise_cast_kernel   residual add + RMSNorm (as kernels/rmsnorm.py) with the rowwise cast of its
+                           output in the same pass (``norm_quantize``: normed is never written)
+    _amax_kernel           per-row and per-column (or whole-tensor) amax. Program (i, j) takes a band of BM rows
+                           and every S-th tile of BK columns (S programs per band, enough to fill the GPU); it
+                           stores its bands' column maxima and its rows' partial maxima without atomics, and two
+                           small reductions finish them
+    _cast_kernel           the same grid: cast each tile once and write it twice, q (row or tensor scaled) and
+                           the transposed copy q^T (column or tensor scaled, BK rows of BM contiguous bytes), the
+                           layout the backward GEMMs consume
 
-So a rowwise cast of a forward input is one pass; where backward needs the transposed, column-scaled copy too
-(the gradient dy, for both backward GEMMs) the amax pass comes first and one cast pass writes both copies.
+Tiles of 128 x 128 store full 128-byte FP8 rows in both orientations. So a rowwise cast of a forward input is one
+pass (none of its own for the normed inputs and the SwiGLU output); where backward needs the transposed,
+column-scaled copy (the gradient dy for both backward GEMMs, the inputs and W for their transposes) the amax pass
+comes first and one cast pass writes both copies. The weights' casts are made once per optimizer step
+(``fp8_ref.WEIGHT_CASTS``).
 
 Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
 atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer
