@@ -154,3 +154,25 @@ def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
     assert_same(q1.q, q0.q, "q")
     assert_same(q1.q_scale, q0.q_scale, "scale")
     assert torch.equal(q1.counts, q0.counts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernels_on_gpu_bit_for_bit():
+    """The compiled kernels (128 x 128 tiles, split bands, transposed stores through shared memory) on a GPU."""
+    import zero2all.kernels.fp8 as fp8
+    from zero2all.kernels.swiglu import triton_swiglu
+
+    for shape in [(1000, 1030), (4099, 300), (17, 5000)]:
+        x = operand(shape, torch.bfloat16, seed=shape[0]).cuda()
+        for fmt in (E4M3, E5M2):
+            for scaling, want_q, want_qt in [("axis", True, False), ("axis", True, True), ("axis", False, True),
+                                             ("tensor", True, True)]:
+                got = quantize(x, fmt, scaling, want_q, want_qt)
+                want = quantize_torch(x, fmt, scaling, want_q, want_qt)
+                for name in ("q", "q_scale", "qt", "qt_scale"):
+                    assert_same(getattr(got, name), getattr(want, name), f"{name} {shape} {scaling}")
+                assert torch.equal(got.counts, want.counts)
+    gate_up = torch.randn(333, 2 * 700, device="cuda", dtype=torch.bfloat16) * 3
+    got, want = fp8.quantize_swiglu(gate_up, torch.bfloat16), quantize(triton_swiglu(gate_up), E4M3, "axis")
+    assert_same(got.q, want.q, "swiglu q")
+    assert_same(got.q_scale, want.q_scale, "swiglu scale")
