@@ -55,6 +55,12 @@ def test_strided_rows_and_empty_tensors():
     assert_same(got.q_scale, want.q_scale, "scales of a strided view")
     empty = quantize(torch.zeros(0, 32), E4M3, "axis", True, True)
     assert empty.q.shape == (0, 32) and empty.qt.shape == (32, 0) and empty.counts.tolist() == [0, 0]
+    for shape in ((0, 32), (3, 0)):
+        for scaling in ("axis", "tensor"):
+            got, want = quantize(torch.zeros(shape), E4M3, scaling, True, True), \
+                quantize_torch(torch.zeros(shape), E4M3, scaling, True, True)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(want, name), f"{name} of an empty {shape}")
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.zeros(2, 3, 4), E4M3, "axis")
 

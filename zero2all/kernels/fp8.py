@@ -166,22 +166,29 @@ def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS
 
 
 @triton.jit
-def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
-                 MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, TENSOR: tl.constexpr,
-                 COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x, FMAX: tl.constexpr,
+                 MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                 TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
     # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
-    # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes
+    # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
+    # amax / FMAX go to ROW_S (by the programs j = 0; ROW_S[0] for a tensor) and COL_S (by the programs i = 0)
     pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     fmax = tl.full([], FMAX, tl.float32)
     if TENSOR:
-        r = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
+        ta = tl.maximum(tl.load(ROW_AMAX), 1e-12)
+        r = tl.math.div_rn(fmax, ta)
+        if (pid_m == 0) & (pid_s == 0):
+            tl.store(ROW_S, tl.math.div_rn(ta, fmax))
     elif WRITE_Q:
         ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
-        r = tl.math.div_rn(tl.zeros([BM], dtype=tl.float32) + fmax, ra)
+        fmax_m = tl.zeros([BM], dtype=tl.float32) + fmax
+        r = tl.math.div_rn(fmax_m, ra)
+        if pid_s == 0:
+            tl.store(ROW_S + rows, tl.math.div_rn(ra, fmax_m), mask=rmask)
     sat = tl.zeros([BM], dtype=tl.int32)
     under = tl.zeros([BM], dtype=tl.int32)
     for t in range(pid_s, tl.cdiv(K, BK), n_split):
@@ -203,7 +210,10 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.con
                 qt = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
             else:
                 ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
-                c = tl.math.div_rn(tl.zeros([BK], dtype=tl.float32) + fmax, ca)
+                fmax_k = tl.zeros([BK], dtype=tl.float32) + fmax
+                c = tl.math.div_rn(fmax_k, ca)
+                if pid_m == 0:
+                    tl.store(COL_S + cols, tl.math.div_rn(ca, fmax_k), mask=cmask)
                 qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
             tl.store(QT + cols.to(tl.int64)[:, None] * M + rows64[None, :], tl.trans(qt.to(QT.dtype.element_ty)),
                      mask=tl.trans(mask))
@@ -287,26 +297,31 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     bands, tiles_k = triton.cdiv(M, BM), triton.cdiv(K, BK)
     n_split = _split(x.device, bands, tiles_k) if M and K else 1
     rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
-    row_part = torch.zeros((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
-    col_part = torch.zeros((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
-    if M and K:
-        _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
-                                       COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
+    # every partial maximum is written by exactly one program: no initialisation needed
+    row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
+    col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
+    if not (M and K):                   # nothing to cast: the scales of all-zero groups
+        floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device).div(fmax)
+        if tensor:
+            return Quantized(q, floor if want_q else None, qt, floor if want_qt else None, counts)
+        return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
+                         floor.expand(K).clone() if want_qt else None, counts)
+    _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
+                                   COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
     if tensor:
-        row_amax = row_part.amax().reshape(1) if M and K else row_part.new_zeros(1)
+        row_amax = row_part.amax().reshape(1)
     else:
         row_amax = row_part.amax(0) if want_q and n_split > 1 else row_part.reshape(-1)[:M]
-    col_amax = col_part.amax(0) if cols_wanted and M else col_part.new_zeros(K if cols_wanted else 0)
-    if M and K:
-        _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax, counts, M,
-                                       K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp, WRITE_Q=want_q,
-                                       WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
-                                       num_warps=TILE["num_warps"])
+    col_amax = col_part.amax(0) if cols_wanted else col_part
+    q_s = torch.empty(() if tensor else M, dtype=torch.float32, device=x.device) if want_q or tensor else None
+    qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
+    _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
+                                   q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
+                                   counts, M, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
+                                   WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
+                                   num_warps=TILE["num_warps"])
     if tensor:
-        s = row_amax.clamp_min(AMAX_FLOOR).div(fmax).reshape(())
-        return Quantized(q, s if want_q else None, qt, s if want_qt else None, counts)
-    q_s = row_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_q else None
-    qt_s = col_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_qt else None
+        return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     return Quantized(q, q_s, qt, qt_s, counts)
 
 
