@@ -51,6 +51,7 @@ def time_all(quantize, label):
         total += ms
         print(f"{label:10s} {name:36s} {ms * 1e3:8.1f} us  {gb * 1e3:7.1f} MB  {gb / ms:6.2f} TB/s", flush=True)
     print(f"{label:10s} {'sum':36s} {total * 1e3:8.1f} us", flush=True)
+    return total
 
 
 def time_fused():
@@ -107,14 +108,39 @@ def check_exact():
                         bad += 1
                         print(f"MISMATCH {shape} {f8} {scaling} {wq} {wqt} {name}", flush=True)
     print(f"bit-exact check on GPU: {'ok' if not bad else f'{bad} mismatches'}", flush=True)
+    return not bad
+
+
+def choose(out_path):
+    """Check the hardware-rounding kernels bit for bit (else fall back to the float32 rounding), time the tile
+    shapes of the transposed cast, and write the choice as JSON."""
+    import json
+
+    native = check_exact()
+    if not native:
+        fp8.NATIVE_CAST = False
+        check_exact()
+    best = None
+    for bm, bk, warps in [(128, 128, 8), (64, 128, 4), (64, 64, 4)]:
+        fp8.TILE = {"BM": bm, "BK": bk, "num_warps": warps}
+        total = time_all(fp8.quantize, f"{bm}x{bk}w{warps}")
+        if best is None or total < best[0]:
+            best = (total, dict(fp8.TILE))
+    time_fused()
+    with open(out_path, "w") as f:
+        json.dump({"native": fp8.NATIVE_CAST, "tile": best[1]}, f)
+    print("chosen:", {"native": fp8.NATIVE_CAST, "tile": best[1]}, flush=True)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--baseline", default="")
+    p.add_argument("--choose", default="", help="check, time the tile shapes, write the choice (JSON) here")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.choose:
+        return choose(args.choose)
     check_exact()
     if args.baseline:
         spec = importlib.util.spec_from_file_location("fp8_baseline", args.baseline)

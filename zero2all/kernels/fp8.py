@@ -90,6 +90,15 @@ def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _round(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr, TY: tl.constexpr):
+    """y (within +-FMAX) rounded to the FP8 grid, as float32. NATIVE (a GPU): the hardware conversion to the FP8
+    type, which rounds to nearest even like torch's casts; otherwise (the interpreter) ``_to_grid``."""
+    if NATIVE:
+        return y.to(TY).to(tl.float32)
+    return _to_grid(y, MANT, MIN_EXP)
+
+
+@triton.jit
 def _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU: tl.constexpr, A_DTYPE: tl.constexpr):
     """A tile of the operand in float32. SWIGLU: X holds rows [gate | up] (K each) and the operand is
     a = silu(gate) * up rounded to A_DTYPE, exactly as ``kernels/swiglu.py`` writes it."""
@@ -103,7 +112,8 @@ def _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU: tl.constexpr, A_DTYPE
 @triton.jit
 def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
                          MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                         COUNT: tl.constexpr, SWIGLU: tl.constexpr = False, A_DTYPE: tl.constexpr = tl.bfloat16):
+                         COUNT: tl.constexpr, NATIVE: tl.constexpr, SWIGLU: tl.constexpr = False,
+                         A_DTYPE: tl.constexpr = tl.bfloat16):
     # BM rows per program, BLOCK columns at a time; ONE_PASS (K <= BLOCK): the rows stay in registers between the
     # amax and the cast, else they are read a second time (from cache). SWIGLU: see _load_rows
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -130,7 +140,7 @@ def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT:
         mask = rmask[:, None] & (cols < K)[None, :]
         if not ONE_PASS:
             x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
-        q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+        q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
         tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
         if COUNT:
             sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
@@ -168,7 +178,8 @@ def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS
 @triton.jit
 def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x, FMAX: tl.constexpr,
                  MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                 TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                 TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 NATIVE: tl.constexpr):
     # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
     # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
     # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
@@ -198,23 +209,24 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if WRITE_Q:
             if TENSOR:
-                q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+                q = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
             else:
-                q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+                q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
             tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
             if COUNT:
                 sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
                 under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
         if WRITE_QT:
             if TENSOR:
-                qt = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
+                qt = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, QT.dtype.element_ty)
             else:
                 ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
                 fmax_k = tl.zeros([BK], dtype=tl.float32) + fmax
                 c = tl.math.div_rn(fmax_k, ca)
                 if pid_m == 0:
                     tl.store(COL_S + cols, tl.math.div_rn(ca, fmax_k), mask=cmask)
-                qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
+                qt = _round(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP, NATIVE,
+                            QT.dtype.element_ty)
             tl.store(QT + cols.to(tl.int64)[:, None] * M + rows64[None, :], tl.trans(qt.to(QT.dtype.element_ty)),
                      mask=tl.trans(mask))
             if COUNT:
@@ -228,7 +240,7 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
 @triton.jit
 def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps, HAS_RESIDUAL: tl.constexpr,
                               BLOCK: tl.constexpr, NORMED_DTYPE: tl.constexpr, FMAX: tl.constexpr,
-                              MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+                              MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr):
     # one row: kernels/rmsnorm.py's _add_rmsnorm_fwd_kernel (WRITE_Y) step for step, then, instead of storing
     # normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
     row = tl.program_id(0).to(tl.int64)
@@ -252,7 +264,7 @@ def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps,
     fmax = tl.full([], FMAX, tl.float32)
     ratio = tl.math.div_rn(fmax, a)
     tl.store(S + row, tl.math.div_rn(a, fmax))
-    q = _to_grid(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP)
+    q = _round(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
     tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(CNT + row, tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 0))
     tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
@@ -265,6 +277,7 @@ def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps,
 # cast's tile (BM x BK: 128 x 128 stores full 128-byte FP8 rows in both orientations)
 ROWWISE_TILE = 8192
 TILE = {"BM": 128, "BK": 128, "num_warps": 8}
+NATIVE_CAST = True      # on a GPU, round with the hardware's FP8 conversion (False: the float32 rounding, _to_grid)
 
 
 def _split(device: torch.device, bands: int, tiles_k: int) -> int:
@@ -290,7 +303,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
             bm = max(1, ROWWISE_TILE // block)
             _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, q, s, counts, M, K, x.stride(0), FMAX=fmax, MANT=mant,
                                                         MIN_EXP=min_exp, BM=bm, BLOCK=block, ONE_PASS=K <= block,
-                                                        COUNT=True, num_warps=8)
+                                                        COUNT=True, NATIVE=x.is_cuda and NATIVE_CAST, num_warps=8)
         return Quantized(q, s, None, None, counts)
     tensor = scaling == "tensor"
     BM, BK = TILE["BM"], TILE["BK"]
@@ -301,7 +314,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
     col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
     if not (M and K):                   # nothing to cast: the scales of all-zero groups
-        floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device).div(fmax)
+        floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device)
+        floor = floor / torch.full_like(floor, fmax)
         if tensor:
             return Quantized(q, floor if want_q else None, qt, floor if want_qt else None, counts)
         return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
@@ -319,6 +333,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
                                    q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
                                    counts, M, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
                                    WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
+                                   NATIVE=x.is_cuda and NATIVE_CAST,
                                    num_warps=TILE["num_warps"])
     if tensor:
         return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
@@ -346,7 +361,8 @@ def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dt
         _rowwise_cast_kernel[(triton.cdiv(M, bm),)](gate_up, q, s, counts, M, K, gate_up.stride(0),
                                                     FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
                                                     BM=bm, BLOCK=block, ONE_PASS=K <= block, COUNT=True,
-                                                    SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype], num_warps=8)
+                                                    SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype],
+                                                    NATIVE=gate_up.is_cuda and NATIVE_CAST, num_warps=8)
     return Quantized(q, s, None, None, counts)
 
 
@@ -367,5 +383,5 @@ def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: t
                                         s, per_row, M, N, eps, HAS_RESIDUAL=res2 is not None,
                                         BLOCK=triton.next_power_of_2(N), NORMED_DTYPE=_TL_DTYPES[normed_dtype],
                                         FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
-                                        num_warps=warps)
+                                        NATIVE=x2.is_cuda and NATIVE_CAST, num_warps=warps)
     return Quantized(q, s, None, None, per_row.sum(1, dtype=torch.int64))

@@ -81,7 +81,7 @@ def _cast_torch(xf: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     q = (xf * r).clamp(-fmax, fmax).to(dtype)
     qf = q.float()
     counts = torch.stack([(qf.abs() >= fmax).sum(), ((xf != 0) & (qf == 0)).sum()])
-    return q, a / fmax, counts
+    return q, a / torch.full_like(a, fmax), counts        # a true division on every device (see r above)
 
 
 def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
