@@ -42,7 +42,7 @@ Kernels (one read of the operand from memory each, where the scales allow it):
                            the transposed copy q^T (column or tensor scaled, BK rows of BM contiguous bytes), the
                            layout the backward GEMMs consume
 
-Tiles of 128 x 128 store full 128-byte FP8 rows in both orientations. So a rowwise cast of a forward input is one
+Tiles are 64 x 128 (rows x columns; measured, see ``TILE``). So a rowwise cast of a forward input is one
 pass (none of its own for the normed inputs and the SwiGLU output); where backward needs the transposed,
 column-scaled copy (the gradient dy for both backward GEMMs, the inputs and W for their transposes) the amax pass
 comes first and one cast pass writes both copies. The weights' casts are made once per optimizer step
@@ -54,9 +54,11 @@ reads them once per logging window. Under torch.compile the counts are not colle
 outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear``
 are in ``fp8_ref.py`` (no Triton needed there).
 
-Bit exactness: the kernels round to the FP8 grid in float32 arithmetic before the cast (the value is then exactly
-representable, so the cast is exact), which makes them agree bit for bit with torch's own float8 casts, on GPU and
-under the Triton interpreter alike.
+Bit exactness: on a GPU the kernels round with the hardware's FP8 conversion (round to nearest even, as torch's
+float8 casts); under the Triton interpreter they round to the FP8 grid in float32 arithmetic first (``_to_grid``:
+the value is then exactly representable, so the cast is exact). Either way they agree bit for bit with
+``fp8_ref.quantize_torch`` (tests/test_kernels_fp8.py, on CPU and on a GPU). The float32 rounding on a GPU
+(``NATIVE_CAST = False``) made the casts ALU-bound: 1.4x slower over the z2all-1.1b casts.
 """
 from __future__ import annotations
 
@@ -273,10 +275,11 @@ def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps,
 # --------------------------------------------------------------------------------------------------------------
 # quantisation with the kernels
 
-# tile shapes (tuned on an H100, BENCHMARKS.md): the rowwise kernel's elements per program, and the transposed
-# cast's tile (BM x BK: 128 x 128 stores full 128-byte FP8 rows in both orientations)
+# tile shapes (chosen on an H100 by ``benchmarks/fp8_cast_bench.py --choose``, BENCHMARKS.md): the rowwise
+# kernel's elements per program, and the transposed cast's tile (BM x BK; 64 x 128 measured faster than 128 x 128
+# and 64 x 64: 2.42 / 2.86 / 2.68 ms over the z2all-1.1b casts)
 ROWWISE_TILE = 8192
-TILE = {"BM": 128, "BK": 128, "num_warps": 8}
+TILE = {"BM": 64, "BK": 128, "num_warps": 4}
 NATIVE_CAST = True      # on a GPU, round with the hardware's FP8 conversion (False: the float32 rounding, _to_grid)
 
 
