@@ -172,10 +172,11 @@ class WeightCasts:
     micro-batch serve the others. An entry is keyed by the weight's storage address, shape, strides, dtype and the
     cast asked for, and used only while it describes the very same tensor object (a weak reference) at the same
     ``_version`` (any in-place write to the weight bumps it). Every ``torch.optim.Optimizer.step`` empties the
-    cache (a global step hook), and so does ``clear()``. Under FSDP2 the gathered weights are written into their
-    buffers again before each use (a copy that bumps ``_version``), so the entries miss and every micro-batch
-    casts again: correct, without the saving. Costs 2 bytes per cached parameter (both copies, E4M3) until the
-    step.
+    cache (a global step hook), and so does ``clear()``. Under FSDP2 the gathered weight of a layer is the same
+    unsharded parameter object on every gather: an entry it hits holds the cast of that layer's weight in the same
+    step (the values do not change before the step), and where the gather bumped ``_version`` it is cast again;
+    another layer's weight at a reused address is another object and never hits. Costs 2 bytes per cached
+    parameter (both copies, E4M3) until the step.
     """
 
     def __init__(self):
