@@ -151,10 +151,11 @@ def main():
     time_all(fp8.quantize, "current")
     time_fused()
     if args.sweep:
+        default = dict(fp8.TILE)
         for bm, bk, warps in [(128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 64, 8)]:
             fp8.TILE = {"BM": bm, "BK": bk, "num_warps": warps}
             time_all(fp8.quantize, f"{bm}x{bk}w{warps}")
-        fp8.TILE = {"BM": 128, "BK": 128, "num_warps": 8}
+        fp8.TILE = default
         for tile in (4096, 16384):
             fp8.ROWWISE_TILE = tile
             time_all(fp8.quantize, f"row{tile}")
