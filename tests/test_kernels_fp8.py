@@ -55,6 +55,12 @@ def test_strided_rows_and_empty_tensors():
     assert_same(got.q_scale, want.q_scale, "scales of a strided view")
     empty = quantize(torch.zeros(0, 32), E4M3, "axis", True, True)
     assert empty.q.shape == (0, 32) and empty.qt.shape == (32, 0) and empty.counts.tolist() == [0, 0]
+    for shape in ((0, 32), (3, 0)):
+        for scaling in ("axis", "tensor"):
+            got, want = quantize(torch.zeros(shape), E4M3, scaling, True, True), \
+                quantize_torch(torch.zeros(shape), E4M3, scaling, True, True)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(want, name), f"{name} of an empty {shape}")
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.zeros(2, 3, 4), E4M3, "axis")
 
@@ -73,3 +79,107 @@ def test_amax_is_exact_and_the_largest_element_lands_on_fmax():
         else:
             assert torch.equal(qz.q_scale, x.abs().amax() / 448.0)
             assert qz.q.float().abs().max().item() == 448.0
+
+
+@pytest.mark.parametrize("shape", [(20, 300), (75, 200)])
+def test_small_tiles_split_bands_and_two_pass_rows(monkeypatch, shape):
+    """Small tiles, so that a band of rows spans many column tiles shared by several programs (partial maxima
+    reduced afterwards) and the rowwise kernel reads each row twice (K larger than its block)."""
+    import zero2all.kernels.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "TILE", {"BM": 16, "BK": 32, "num_warps": 4})
+    monkeypatch.setattr(fp8, "ROWWISE_TILE", 64)
+    bands, tiles_k = -(-shape[0] // 16), -(-shape[1] // 32)
+    assert shape != (20, 300) or fp8._split(torch.device("cpu"), bands, tiles_k) > 1
+    x = operand(shape, torch.bfloat16, seed=11)
+    for scaling, want_q, want_qt in [("axis", True, False), ("axis", True, True), ("axis", False, True),
+                                     ("tensor", True, True)]:
+        for fmt in (E4M3, E5M2):
+            got = quantize(x, fmt, scaling, want_q, want_qt)
+            want = quantize_torch(x, fmt, scaling, want_q, want_qt)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(want, name), f"{name} ({scaling}, {fmt})")
+            assert torch.equal(got.counts, want.counts), (scaling, got.counts, want.counts)
+
+
+@pytest.mark.parametrize("rows,I,dtype,tile", [(5, 48, torch.bfloat16, 8192), (9, 100, torch.float32, 64)])
+def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtype, tile):
+    """quantize_swiglu (a = silu(gate) * up made inside the cast) against the SwiGLU kernel followed by the
+    rowwise cast, bit for bit; tile 64: rows longer than the block (two passes)."""
+    import zero2all.kernels.fp8 as fp8
+    from zero2all.kernels.swiglu import triton_swiglu
+
+    monkeypatch.setattr(fp8, "ROWWISE_TILE", tile)
+    g = torch.Generator().manual_seed(rows + I)
+    gate_up = (torch.randn(rows, 2 * I, generator=g) * 3).to(dtype)
+    gate_up[1, :I] = 0.0                                    # a zero row of a
+    a = triton_swiglu(gate_up)
+    got = fp8.quantize_swiglu(gate_up, a.dtype)
+    want = quantize_torch(a, E4M3, "axis")
+    for name in ("q", "q_scale"):
+        assert_same(getattr(got, name), getattr(want, name), name)
+    assert torch.equal(got.counts, want.counts)
+    with pytest.raises(ValueError, match="quantize_swiglu"):
+        fp8.quantize_swiglu(gate_up[:, 1:], a.dtype)
+
+
+@pytest.mark.parametrize("rows,N,res", [(6, 40, True), (3, 130, False)])
+def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
+    """norm_quantize (residual add + RMSNorm with the rowwise cast of its output in one pass) against the RMSNorm
+    kernel followed by the rowwise cast: the same residual, rstd and y, and the same codes, scales and counters."""
+    import triton
+
+    from zero2all.kernels.fp8 import norm_quantize
+    from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd_kernel, _warps
+
+    g = torch.Generator().manual_seed(rows * N)
+    x = (torch.randn(rows, N, generator=g) * 4).to(torch.bfloat16)
+    residual = torch.randn(rows, N, generator=g) if res else None
+    w = torch.rand(N, generator=g) + 0.5
+    x[1] = 0.0
+    if residual is not None:
+        residual[1] = 0.0                                    # a zero row: rstd = 1 / sqrt(eps), normed = 0
+    warps = _warps(triton.next_power_of_2(N))
+    out = {}
+    for fused in (False, True):
+        res_out = torch.empty(rows, N, dtype=torch.float32)
+        rstd, yhat = torch.empty(rows), torch.empty(rows, N, dtype=torch.bfloat16)
+        if fused:
+            qn = norm_quantize(x, residual, w, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps)
+        else:
+            normed = torch.empty(rows, N, dtype=torch.bfloat16)
+            _add_rmsnorm_fwd_kernel[(rows,)](x, residual if res else x, w, normed, res_out, rstd, yhat, N, 1e-5,
+                                             HAS_RESIDUAL=res, BLOCK=triton.next_power_of_2(N), WRITE_Y=True,
+                                             num_warps=warps)
+            qn = quantize(normed, E4M3, "axis")
+            assert_same(qn.q, quantize_torch(normed, E4M3, "axis").q, "the unfused reference")
+        out[fused] = (qn, res_out, rstd, yhat)
+    (q0, *t0), (q1, *t1) = out[False], out[True]
+    for a, b in zip(t0, t1):
+        assert torch.equal(a, b)
+    assert_same(q1.q, q0.q, "q")
+    assert_same(q1.q_scale, q0.q_scale, "scale")
+    assert torch.equal(q1.counts, q0.counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernels_on_gpu_bit_for_bit():
+    """The compiled kernels (the hardware FP8 conversion, split bands, transposed stores) on a GPU."""
+    import zero2all.kernels.fp8 as fp8
+    from zero2all.kernels.swiglu import triton_swiglu
+
+    for shape in [(1000, 1030), (4099, 300), (17, 5000)]:
+        x = operand(shape, torch.bfloat16, seed=shape[0]).cuda()
+        for fmt in (E4M3, E5M2):
+            for scaling, want_q, want_qt in [("axis", True, False), ("axis", True, True), ("axis", False, True),
+                                             ("tensor", True, True)]:
+                got = quantize(x, fmt, scaling, want_q, want_qt)
+                want = quantize_torch(x, fmt, scaling, want_q, want_qt)
+                for name in ("q", "q_scale", "qt", "qt_scale"):
+                    assert_same(getattr(got, name), getattr(want, name), f"{name} {shape} {scaling}")
+                assert torch.equal(got.counts, want.counts)
+    gate_up = torch.randn(333, 2 * 700, device="cuda", dtype=torch.bfloat16) * 3
+    got, want = fp8.quantize_swiglu(gate_up, torch.bfloat16), quantize(triton_swiglu(gate_up), E4M3, "axis")
+    assert_same(got.q, want.q, "swiglu q")
+    assert_same(got.q_scale, want.q_scale, "swiglu scale")

@@ -11,8 +11,9 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
     fused_linear.py   lean block projections          triton_norm_linear, triton_swiglu_linear, lean_linear
                       (norm + linear, SwiGLU + linear, linear; keep far less for backward)
     fp8.py            FP8 amax + scale + cast         quantize (rowwise in one pass; transposed, column-scaled
-                      copies for backward); fp8_ref.py: the PyTorch reference of the rule, the
-                      torch._scaled_mm GEMMs and the FP8 linear (the lean projections use them)
+                      copies for backward); quantize_swiglu / norm_quantize (the rowwise cast inside the
+                      SwiGLU / add + RMSNorm pass); fp8_ref.py: the PyTorch reference of the rule, the
+                      torch._scaled_mm GEMMs, the per-step weight casts and the FP8 linear
     cross_entropy.py  LM head + cross-entropy         fused_linear_cross_entropy
     attention.py      FlexAttention, document masks   flex_causal_attention
     decode.py         the decode step (inference only: plain Triton launches, no autograd or custom op)

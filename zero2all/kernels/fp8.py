@@ -26,16 +26,27 @@ per-row scale already absorbs the gradients' range across tokens, so the extra m
 about half the quantisation error of E5M2), E5M2 with tensorwise scaling (one scale for a whole gradient tensor
 needs the range: E4M3 would flush the small rows to zero). ``tests/test_fp8_numerics.py`` measures both.
 
-Kernels (one read of the operand from memory each):
+Kernels (one read of the operand from memory each, where the scales allow it):
 
-    _rowwise_cast_kernel   a few rows per program: amax, scale, cast, write q and s. The rows are read twice,
-                           the second time from cache (a row is a few KiB).
-    _amax_kernel           per-row and per-column (or whole-tensor) amax of a tile grid, by atomic max
-    _cast_kernel           cast a tile once and write it twice: q (row or tensor scaled) and the transposed
-                           copy q^T (column or tensor scaled), the layout the backward GEMMs consume
+    _rowwise_cast_kernel   a few rows per program (8192 elements): amax, scale, cast, write q and s. A row up to
+                           8192 elements stays in registers (one read); a longer one is read again from cache.
+                           SWIGLU: the operand is a = silu(gate) * up, made from gate_up in the same pass
+                           (``quantize_swiglu``: a is never written)
+    _norm_rowwise_cast_kernel   residual add + RMSNorm (as kernels/rmsnorm.py) with the rowwise cast of its
+                           output in the same pass (``norm_quantize``: normed is never written)
+    _amax_kernel           per-row and per-column (or whole-tensor) amax. Program (i, j) takes a band of BM rows
+                           and every S-th tile of BK columns (S programs per band, enough to fill the GPU); it
+                           stores its bands' column maxima and its rows' partial maxima without atomics, and two
+                           small reductions finish them
+    _cast_kernel           the same grid: cast each tile once and write it twice, q (row or tensor scaled) and
+                           the transposed copy q^T (column or tensor scaled, BK rows of BM contiguous bytes), the
+                           layout the backward GEMMs consume
 
-So a rowwise cast of a forward input is one pass; where backward needs the transposed, column-scaled copy too
-(the gradient dy, for both backward GEMMs) the amax pass comes first and one cast pass writes both copies.
+Tiles are 64 x 128 (rows x columns; measured, see ``TILE``). So a rowwise cast of a forward input is one
+pass (none of its own for the normed inputs and the SwiGLU output); where backward needs the transposed,
+column-scaled copy (the gradient dy for both backward GEMMs, the inputs and W for their transposes) the amax pass
+comes first and one cast pass writes both copies. The weights' casts are made once per optimizer step
+(``fp8_ref.WEIGHT_CASTS``).
 
 Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
 atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer
@@ -43,16 +54,21 @@ reads them once per logging window. Under torch.compile the counts are not colle
 outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear``
 are in ``fp8_ref.py`` (no Triton needed there).
 
-Bit exactness: the kernels round to the FP8 grid in float32 arithmetic before the cast (the value is then exactly
-representable, so the cast is exact), which makes them agree bit for bit with torch's own float8 casts, on GPU and
-under the Triton interpreter alike.
+Bit exactness: on a GPU the kernels round with the hardware's FP8 conversion (round to nearest even, as torch's
+float8 casts); under the Triton interpreter they round to the FP8 grid in float32 arithmetic first (``_to_grid``:
+the value is then exactly representable, so the cast is exact). Either way they agree bit for bit with
+``fp8_ref.quantize_torch`` (tests/test_kernels_fp8.py, on CPU and on a GPU). The float32 rounding on a GPU
+(``NATIVE_CAST = False``) made the casts ALU-bound: 1.4x slower over the z2all-1.1b casts.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from zero2all.kernels import grid_programs
 from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, Quantized, _rows2d
 
 # (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
@@ -76,102 +92,200 @@ def _to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _round(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr, TY: tl.constexpr):
+    """y (within +-FMAX) rounded to the FP8 grid, as float32. NATIVE (a GPU): the hardware conversion to the FP8
+    type, which rounds to nearest even like torch's casts; otherwise (the interpreter) ``_to_grid``."""
+    if NATIVE:
+        return y.to(TY).to(tl.float32)
+    return _to_grid(y, MANT, MIN_EXP)
+
+
+@triton.jit
+def _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU: tl.constexpr, A_DTYPE: tl.constexpr):
+    """A tile of the operand in float32. SWIGLU: X holds rows [gate | up] (K each) and the operand is
+    a = silu(gate) * up rounded to A_DTYPE, exactly as ``kernels/swiglu.py`` writes it."""
+    if SWIGLU:
+        gate = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + rows64[:, None] * stride_x + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(A_DTYPE).to(tl.float32)
+    return tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
-                         MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    # BM rows per program, BLOCK columns at a time
+                         MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                         COUNT: tl.constexpr, NATIVE: tl.constexpr, SWIGLU: tl.constexpr = False,
+                         A_DTYPE: tl.constexpr = tl.bfloat16):
+    # BM rows per program, BLOCK columns at a time; ONE_PASS (K <= BLOCK): the rows stay in registers between the
+    # amax and the cast, else they are read a second time (from cache). SWIGLU: see _load_rows
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
-    amax = tl.zeros([BM, BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    a = tl.maximum(tl.max(amax, 1), 1e-12)
+    cols = tl.arange(0, BLOCK)
+    mask = rmask[:, None] & (cols < K)[None, :]
+    x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
+    amax = tl.max(tl.abs(x), 1)
+    if not ONE_PASS:
+        for k0 in range(BLOCK, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = rmask[:, None] & (cols < K)[None, :]
+            xk = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
+            amax = tl.maximum(amax, tl.max(tl.abs(xk), 1))
+    a = tl.maximum(amax, 1e-12)
     fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
     r = tl.math.div_rn(fmax, a)
     tl.store(S + rows, tl.math.div_rn(a, fmax), mask=rmask)
-    sat = tl.zeros([BM, BLOCK], dtype=tl.int32)
-    under = tl.zeros([BM, BLOCK], dtype=tl.int32)
+    sat = tl.zeros([BM], dtype=tl.int32)
+    under = tl.zeros([BM], dtype=tl.int32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
+        if not ONE_PASS:
+            x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
+        q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
         tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
         if COUNT:
-            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
+            sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
+            under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
     if COUNT:
-        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
 
 
 @triton.jit
-def _amax_kernel(X, ROW_AMAX, COL_AMAX, M, K, stride_x, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 TENSOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask, cmask = rows < M, cols < K
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0)
-    x = tl.abs(x.to(tl.float32))
-    if TENSOR:
-        tl.atomic_max(ROW_AMAX, tl.max(tl.max(x, 1), 0))
-    else:
-        if ROWS:
-            tl.atomic_max(ROW_AMAX + rows, tl.max(x, 1), mask=rmask)
-        if COLS:
-            tl.atomic_max(COL_AMAX + cols, tl.max(x, 0), mask=cmask)
-
-
-@triton.jit
-def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
-                 MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, TENSOR: tl.constexpr,
-                 COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
-    # scaled per column of X by COL_AMAX (or the tensor's amax)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask, cmask = rows < M, cols < K
-    mask = rmask[:, None] & cmask[None, :]
+def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr):
+    # program (i, j): the band of rows i, column tiles j, j + S, j + 2 S, ... (S programs along axis 1). Writes,
+    # without atomics, the band's amax per column tile into COL_PART[i, :] and its rows' amax over its tiles into
+    # ROW_PART[j, :]; the partial maxima are reduced afterwards (over S, and over the bands)
+    pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ramax = tl.zeros([BM], dtype=tl.float32)
+    for t in range(pid_s, tl.cdiv(K, BK), n_split):
+        cols = t * BK + tl.arange(0, BK)
+        cmask = cols < K
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        x = tl.abs(x.to(tl.float32))
+        if ROWS:
+            ramax = tl.maximum(ramax, tl.max(x, 1))
+        if COLS:
+            tl.store(COL_PART + pid_m.to(tl.int64) * K + cols, tl.max(x, 0), mask=cmask)
+    if ROWS:
+        tl.store(ROW_PART + pid_s.to(tl.int64) * M + rows, ramax, mask=rmask)
+
+
+@triton.jit
+def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x, FMAX: tl.constexpr,
+                 MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                 TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 NATIVE: tl.constexpr):
+    # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
+    # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
+    # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
+    # amax / FMAX go to ROW_S (by the programs j = 0; ROW_S[0] for a tensor) and COL_S (by the programs i = 0)
+    pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
     fmax = tl.full([], FMAX, tl.float32)
-    sat = tl.zeros([BM, BK], dtype=tl.int32)
-    under = tl.zeros([BM, BK], dtype=tl.int32)
-    if WRITE_Q:
-        if TENSOR:
-            r = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
-            q = _to_grid(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP)
-        else:
-            ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
-            r = tl.math.div_rn(tl.zeros([BM], dtype=tl.float32) + fmax, ra)
-            q = _to_grid(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP)
-        tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-        if COUNT:
-            sat += ((tl.abs(q) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (q == 0.0)).to(tl.int32)
-    if WRITE_QT:
-        if TENSOR:
-            c = tl.math.div_rn(fmax, tl.maximum(tl.load(ROW_AMAX), 1e-12))
-            qt = _to_grid(tl.clamp(x * c, -FMAX, FMAX), MANT, MIN_EXP)
-        else:
-            ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
-            c = tl.math.div_rn(tl.zeros([BK], dtype=tl.float32) + fmax, ca)
-            qt = _to_grid(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP)
-        tl.store(QT + cols.to(tl.int64)[None, :] * M + rows64[:, None], qt.to(QT.dtype.element_ty), mask=mask)
-        if COUNT:
-            sat += ((tl.abs(qt) >= FMAX) & mask).to(tl.int32)
-            under += ((x != 0.0) & (qt == 0.0)).to(tl.int32)
+    if TENSOR:
+        ta = tl.maximum(tl.load(ROW_AMAX), 1e-12)
+        r = tl.math.div_rn(fmax, ta)
+        if (pid_m == 0) & (pid_s == 0):
+            tl.store(ROW_S, tl.math.div_rn(ta, fmax))
+    elif WRITE_Q:
+        ra = tl.maximum(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), 1e-12)
+        fmax_m = tl.zeros([BM], dtype=tl.float32) + fmax
+        r = tl.math.div_rn(fmax_m, ra)
+        if pid_s == 0:
+            tl.store(ROW_S + rows, tl.math.div_rn(ra, fmax_m), mask=rmask)
+    sat = tl.zeros([BM], dtype=tl.int32)
+    under = tl.zeros([BM], dtype=tl.int32)
+    for t in range(pid_s, tl.cdiv(K, BK), n_split):
+        cols = t * BK + tl.arange(0, BK)
+        cmask = cols < K
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WRITE_Q:
+            if TENSOR:
+                q = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
+            else:
+                q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
+            tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+            if COUNT:
+                sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
+                under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
+        if WRITE_QT:
+            if TENSOR:
+                qt = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, QT.dtype.element_ty)
+            else:
+                ca = tl.maximum(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), 1e-12)
+                fmax_k = tl.zeros([BK], dtype=tl.float32) + fmax
+                c = tl.math.div_rn(fmax_k, ca)
+                if pid_m == 0:
+                    tl.store(COL_S + cols, tl.math.div_rn(ca, fmax_k), mask=cmask)
+                qt = _round(tl.clamp(x * c[None, :], -FMAX, FMAX), MANT, MIN_EXP, NATIVE,
+                            QT.dtype.element_ty)
+            tl.store(QT + cols.to(tl.int64)[:, None] * M + rows64[None, :], tl.trans(qt.to(QT.dtype.element_ty)),
+                     mask=tl.trans(mask))
+            if COUNT:
+                sat += tl.sum(((tl.abs(qt) >= FMAX) & mask).to(tl.int32), 1)
+                under += tl.sum(((x != 0.0) & (qt == 0.0)).to(tl.int32), 1)
     if COUNT:
-        tl.atomic_add(CNT, tl.sum(tl.sum(sat, 1), 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(tl.sum(under, 1), 0).to(tl.int64))
+        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
+
+
+@triton.jit
+def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps, HAS_RESIDUAL: tl.constexpr,
+                              BLOCK: tl.constexpr, NORMED_DTYPE: tl.constexpr, FMAX: tl.constexpr,
+                              MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr):
+    # one row: kernels/rmsnorm.py's _add_rmsnorm_fwd_kernel (WRITE_Y) step for step, then, instead of storing
+    # normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(RES + row * N + cols, mask=mask, other=0.0).to(tl.float32) + x
+    else:
+        r = x
+    r_stored = r.to(RES_OUT.dtype.element_ty)
+    tl.store(RES_OUT + row * N + cols, r_stored, mask=mask)
+    r = r_stored.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    y = (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (w * y).to(NORMED_DTYPE).to(tl.float32)
+    a = tl.maximum(tl.max(tl.abs(normed), 0), 1e-12)
+    fmax = tl.full([], FMAX, tl.float32)
+    ratio = tl.math.div_rn(fmax, a)
+    tl.store(S + row, tl.math.div_rn(a, fmax))
+    q = _round(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
+    tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(CNT + row, tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 0))
+    tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # quantisation with the kernels
+
+# tile shapes (chosen on an H100 by ``benchmarks/fp8_cast_bench.py --choose``, BENCHMARKS.md): the rowwise
+# kernel's elements per program, and the transposed cast's tile (BM x BK; 64 x 128 measured faster than 128 x 128
+# and 64 x 64: 2.42 / 2.86 / 2.68 ms over the z2all-1.1b casts)
+ROWWISE_TILE = 8192
+TILE = {"BM": 64, "BK": 128, "num_warps": 4}
+NATIVE_CAST = True      # on a GPU, round with the hardware's FP8 conversion (False: the float32 rounding, _to_grid)
+
+
+def _split(device: torch.device, bands: int, tiles_k: int) -> int:
+    """Programs per band of rows: enough bands x splits to fill the GPU a few times over (few partial maxima)."""
+    return max(1, min(tiles_k, -(-grid_programs(device, bands * tiles_k) // bands)))
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
@@ -188,26 +302,89 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     if scaling == "axis" and not want_qt:
         s = torch.empty(M, dtype=torch.float32, device=x.device)
         if M and K:
-            block = min(2048, triton.next_power_of_2(K))
-            bm = min(16, max(1, 4096 // block))
+            block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+            bm = max(1, ROWWISE_TILE // block)
             _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, q, s, counts, M, K, x.stride(0), FMAX=fmax, MANT=mant,
-                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, COUNT=True,
-                                                        num_warps=8)
+                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, ONE_PASS=K <= block,
+                                                        COUNT=True, NATIVE=x.is_cuda and NATIVE_CAST, num_warps=8)
         return Quantized(q, s, None, None, counts)
     tensor = scaling == "tensor"
-    row_amax = torch.zeros(1 if tensor else M, dtype=torch.float32, device=x.device)
-    col_amax = torch.zeros(0 if tensor else K, dtype=torch.float32, device=x.device)
-    BM, BK = 64, 64
-    grid = (triton.cdiv(M, BM), triton.cdiv(K, BK))
-    if M and K:
-        _amax_kernel[grid](x, row_amax, col_amax, M, K, x.stride(0), ROWS=want_q, COLS=want_qt, TENSOR=tensor,
-                           BM=BM, BK=BK, num_warps=4)
-        _cast_kernel[grid](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax, counts, M, K,
-                           x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt,
-                           TENSOR=tensor, COUNT=True, BM=BM, BK=BK, num_warps=4)
+    BM, BK = TILE["BM"], TILE["BK"]
+    bands, tiles_k = triton.cdiv(M, BM), triton.cdiv(K, BK)
+    n_split = _split(x.device, bands, tiles_k) if M and K else 1
+    rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
+    # every partial maximum is written by exactly one program: no initialisation needed
+    row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
+    col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
+    if not (M and K):                   # nothing to cast: the scales of all-zero groups
+        floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device)
+        floor = floor / torch.full_like(floor, fmax)
+        if tensor:
+            return Quantized(q, floor if want_q else None, qt, floor if want_qt else None, counts)
+        return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
+                         floor.expand(K).clone() if want_qt else None, counts)
+    _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
+                                   COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
     if tensor:
-        s = row_amax.clamp_min(AMAX_FLOOR).div(fmax).reshape(())
-        return Quantized(q, s if want_q else None, qt, s if want_qt else None, counts)
-    q_s = row_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_q else None
-    qt_s = col_amax.clamp_min(AMAX_FLOOR).div(fmax) if want_qt else None
+        row_amax = row_part.amax().reshape(1)
+    else:
+        row_amax = row_part.amax(0) if want_q and n_split > 1 else row_part.reshape(-1)[:M]
+    col_amax = col_part.amax(0) if cols_wanted else col_part
+    q_s = torch.empty(() if tensor else M, dtype=torch.float32, device=x.device) if want_q or tensor else None
+    qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
+    _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
+                                   q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
+                                   counts, M, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
+                                   WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
+                                   NATIVE=x.is_cuda and NATIVE_CAST,
+                                   num_warps=TILE["num_warps"])
+    if tensor:
+        return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     return Quantized(q, q_s, qt, qt_s, counts)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dtype = E4M3) -> Quantized:
+    """The rowwise cast of a = silu(gate) * up (rounded to ``a_dtype``) for ``gate_up`` (M, 2 I) = [gate | up],
+    computed from gate_up in the cast's own pass: a is never written to memory. Equal bit for bit to
+    ``quantize(triton_swiglu(gate_up).to(a_dtype), dtype, "axis")``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"fp8 quantize_swiglu: expected a row-major (M, 2 I) tensor, got shape "
+                         f"{tuple(gate_up.shape)}, strides {gate_up.stride()}")
+    M, K = gate_up.shape[0], gate_up.shape[1] // 2
+    mant, min_exp = _GRID[dtype]
+    counts = torch.zeros(2, dtype=torch.int64, device=gate_up.device)
+    q = torch.empty((M, K), dtype=dtype, device=gate_up.device)
+    s = torch.empty(M, dtype=torch.float32, device=gate_up.device)
+    if M and K:
+        block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+        bm = max(1, ROWWISE_TILE // block)
+        _rowwise_cast_kernel[(triton.cdiv(M, bm),)](gate_up, q, s, counts, M, K, gate_up.stride(0),
+                                                    FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
+                                                    BM=bm, BLOCK=block, ONE_PASS=K <= block, COUNT=True,
+                                                    SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype],
+                                                    NATIVE=gate_up.is_cuda and NATIVE_CAST, num_warps=8)
+    return Quantized(q, s, None, None, counts)
+
+
+def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                  res_out: torch.Tensor, rstd: torch.Tensor, yhat: torch.Tensor, normed_dtype: torch.dtype,
+                  warps: int, dtype: torch.dtype = E4M3) -> Quantized:
+    """The residual add + RMSNorm of ``kernels/rmsnorm.py`` (writing res_out, rstd and yhat as its forward kernel
+    with WRITE_Y does) with the rowwise FP8 cast of normed = round_c(norm_weight * y) in the same pass, instead
+    of normed itself: normed is never written to memory. x2, res2 (or None), res_out, yhat: (M, N) contiguous.
+    ``warps``: the norm kernel's own choice, so that the row sums are added in the same order."""
+    M, N = x2.shape
+    mant, min_exp = _GRID[dtype]
+    q = torch.empty((M, N), dtype=dtype, device=x2.device)
+    s = torch.empty(M, dtype=torch.float32, device=x2.device)
+    per_row = torch.empty((2, M), dtype=torch.int32, device=x2.device)
+    if M and N:
+        _norm_rowwise_cast_kernel[(M,)](x2, res2 if res2 is not None else x2, norm_weight, res_out, rstd, yhat, q,
+                                        s, per_row, M, N, eps, HAS_RESIDUAL=res2 is not None,
+                                        BLOCK=triton.next_power_of_2(N), NORMED_DTYPE=_TL_DTYPES[normed_dtype],
+                                        FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
+                                        NATIVE=x2.is_cuda and NATIVE_CAST, num_warps=warps)
+    return Quantized(q, s, None, None, per_row.sum(1, dtype=torch.int64))

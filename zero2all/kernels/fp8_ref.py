@@ -7,10 +7,12 @@ same quantisation.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -79,7 +81,7 @@ def _cast_torch(xf: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     q = (xf * r).clamp(-fmax, fmax).to(dtype)
     qf = q.float()
     counts = torch.stack([(qf.abs() >= fmax).sum(), ((xf != 0) & (qf == 0)).sum()])
-    return q, a / fmax, counts
+    return q, a / torch.full_like(a, fmax), counts        # a true division on every device (see r above)
 
 
 def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
@@ -159,15 +161,64 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, bt_scale: t
 
 
 # --------------------------------------------------------------------------------------------------------------
+# the weights' casts, once per optimizer step
+
+
+class WeightCasts:
+    """The FP8 copies of the weights, made once per optimizer step instead of once per micro-batch.
+
+    A weight is cast twice per micro-batch (W row-scaled for the forward GEMM, W^T column-scaled for d input);
+    between two optimizer steps the weights do not change, so with gradient accumulation the casts of the first
+    micro-batch serve the others. An entry is keyed by the weight's storage address, shape, strides, dtype and the
+    cast asked for, and used only while it describes the very same tensor object (a weak reference) at the same
+    ``_version`` (any in-place write to the weight bumps it). Every ``torch.optim.Optimizer.step`` empties the
+    cache (a global step hook), and so does ``clear()``. Under FSDP2 the gathered weight of a layer is the same
+    unsharded parameter object on every gather: an entry it hits holds the cast of that layer's weight in the same
+    step (the values do not change before the step), and where the gather bumped ``_version`` it is cast again;
+    another layer's weight at a reused address is another object and never hits. Costs 2 bytes per cached
+    parameter (both copies, E4M3) until the step.
+    """
+
+    def __init__(self):
+        self.enabled = True
+        self._entries: dict[tuple, tuple] = {}
+
+    def get(self, weight: torch.Tensor, scaling: str, transposed: bool, quant) -> Quantized:
+        """``quant(weight, E4M3, scaling)`` (transposed: only W^T), from the cache when it is current."""
+        if not self.enabled or weight.is_inference():       # inference tensors have no version counter
+            return self._cast(weight, scaling, transposed, quant)
+        key = (weight.data_ptr(), weight.device, tuple(weight.shape), weight.stride(), weight.dtype, scaling,
+               transposed, quant)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        q = self._cast(weight, scaling, transposed, quant)
+        self._entries[key] = (weakref.ref(weight), weight._version, q)
+        return q
+
+    @staticmethod
+    def _cast(weight, scaling, transposed, quant):
+        return quant(weight, E4M3, scaling, want_q=not transposed, want_qt=transposed)
+
+    def clear(self, *_args) -> None:
+        self._entries.clear()
+
+
+WEIGHT_CASTS = WeightCasts()
+register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # the three GEMMs of a linear (used by the lean fused projections in fused_linear.py and by FP8Linear below)
 
 
 def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dtype: torch.dtype,
                    quant=quantize_torch, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,))."""
+    """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,)).
+    ``a2d`` may come already quantised (a ``Quantized`` with ``q``, cast by the op that produced it)."""
     scaling = scaling_of(recipe)
-    qa = quant(a2d, E4M3, scaling)
-    qw = quant(weight, E4M3, scaling)
+    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling)
+    qw = WEIGHT_CASTS.get(weight, scaling, False, quant)
     y = fp8_mm(qa.q, qa.q_scale, qw.q, qw.q_scale, out_dtype, out=out, fast_accum=FAST_ACCUM_FORWARD)
     return y, qa.counts + qw.counts
 
@@ -182,7 +233,7 @@ class LinearBackward:
         self.counts = self.g.counts
 
     def grad_input(self, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        wt = self.quant(weight, E4M3, self.scaling, want_q=False, want_qt=True)          # W^T (K, N)
+        wt = WEIGHT_CASTS.get(weight, self.scaling, True, self.quant)                     # W^T (K, N)
         return fp8_mm(self.g.q, self.g.q_scale, wt.qt, wt.qt_scale, out_dtype)
 
     def grad_weight(self, a2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -46,8 +46,10 @@ opaque, so what is saved is exactly what is listed above.
 
 FP8: each function takes ``precision`` (``bf16`` = the compute dtype, or ``fp8_rowwise`` / ``fp8_tensorwise``).
 With FP8 the three GEMMs of each projection run on FP8 operands (``kernels/fp8.py``): the forward casts its input
-and W rowwise, backward quantises d out once (row-scaled for d input, transposed and column-scaled for d W), W
-again as W^T, and the rebuilt input (normed', a, or x) transposed. What is saved for backward is unchanged. The ops
+and W rowwise (with rowwise scaling the SwiGLU output a is cast straight from gate_up by ``fp8.quantize_swiglu``
+and never written in bf16), backward quantises d out once (row-scaled for d input, transposed and column-scaled
+for d W), W as W^T, and the rebuilt input (normed', a, or x) transposed. The casts of W and W^T are made once per
+optimizer step (``fp8_ref.WEIGHT_CASTS``). What is saved for backward is unchanged. The ops
 also return the casts' saturation / underflow counts, which the wrappers add to ``fp8_ref.FP8_STATS`` under
 ``kind`` (qkv, o, gate_up, down).
 
@@ -92,12 +94,13 @@ def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """a (..., K) @ W^T + b in ``dtype`` as a new (*lead_shape, M) tensor, the parameters cast here (the copies
     die with this call). The result is written into its own buffer (not a view of a flattened GEMM output), so
     that autograd, and FSDP's hooks on a block's outputs, see a plain tensor. With an FP8 ``precision`` the GEMM
-    runs on FP8 operands (``kernels/fp8.py``). Returns (out, FP8 cast counts; empty in bf16)."""
+    runs on FP8 operands (``kernels/fp8.py``); ``a`` may then be given already cast (an ``fp8_ref.Quantized``).
+    Returns (out, FP8 cast counts; empty in bf16)."""
     M = weight.shape[0]
-    out = torch.empty((*lead_shape, M), dtype=dtype, device=a.device)
+    out = torch.empty((*lead_shape, M), dtype=dtype, device=weight.device)
     if precision != "bf16":
-        _, counts = fp8_ref.linear_forward(a.reshape(-1, a.shape[-1]), weight, precision, dtype,
-                                           quant=fp8.quantize, out=out.view(-1, M))
+        a2 = a if isinstance(a, fp8_ref.Quantized) else a.reshape(-1, a.shape[-1])
+        _, counts = fp8_ref.linear_forward(a2, weight, precision, dtype, quant=fp8.quantize, out=out.view(-1, M))
         if bias is not None:
             out += bias.to(dtype)
         return out, counts
@@ -172,10 +175,16 @@ def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_wei
     rows = x2.shape[0]
     res2 = residual.reshape(-1, N).contiguous() if residual is not None else x2
     # outputs allocated in x's shape (contiguous: the kernel addresses row * N + col)
-    normed = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
-    yhat = torch.empty_like(normed)
+    yhat = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32), device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if precision == "fp8_rowwise":      # the norm writes the rowwise FP8 cast of normed, never normed itself
+        qn = fp8.norm_quantize(x2, res2 if residual is not None else None, norm_weight.contiguous(), eps,
+                               res_out.view(-1, N), rstd, yhat.view(-1, N), compute_dtype,
+                               _warps(triton.next_power_of_2(N)))
+        out, counts = _linear(qn, weight, bias, compute_dtype, x.shape[:-1], precision)
+        return out, res_out, yhat, rstd, counts
+    normed = torch.empty_like(yhat)
     if rows:
         block = triton.next_power_of_2(N)
         _add_rmsnorm_fwd_kernel[(rows,)](x2, res2, norm_weight.contiguous(), normed, res_out, rstd, yhat, N, eps,
@@ -292,6 +301,9 @@ def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, bias: Option
                        compute_dtype: torch.dtype, precision: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     I = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
+    if precision == "fp8_rowwise":      # the rowwise FP8 cast of a made from gate_up directly: a is never written
+        return _linear(fp8.quantize_swiglu(gu, compute_dtype), weight, bias, compute_dtype, gate_up.shape[:-1],
+                       precision)
     a = torch.empty((gu.shape[0], I), dtype=compute_dtype, device=gate_up.device)
     if gu.shape[0] and I:
         block = min(_SWIGLU_BLOCK, triton.next_power_of_2(I))

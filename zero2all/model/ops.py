@@ -186,17 +186,26 @@ def swiglu(gate_up, impl="auto"):
 # keep far less for backward; see the kernel module's docstring.
 
 
+def fp8_casts_use_triton(x: torch.Tensor) -> bool:
+    """Where the plain path's FP8 casts run: our Triton kernels (``kernels/fp8.py``) on a GPU, next to the
+    ``torch._scaled_mm`` GEMMs; the PyTorch reference of the same rule on CPU, where the GEMM is a float32
+    emulation. The two quantise bit for bit alike, so the choice changes the speed only."""
+    return x.is_cuda and triton_available()
+
+
 def linear_torch(x, weight, bias=None, precision="bf16", kind=""):
     """``F.linear``; with an FP8 ``precision`` (fp8_rowwise / fp8_tensorwise) the same linear with its three GEMMs
-    on FP8 operands, quantised by the PyTorch reference of ``kernels/fp8.py``'s rule (``torch._scaled_mm`` on a
-    GPU, a float32 emulation on CPU). Under autocast the output is in autocast's dtype, as F.linear's."""
+    on FP8 operands (``torch._scaled_mm`` and the Triton casts on a GPU, the PyTorch reference of the rule and a
+    float32 emulation of the GEMM on CPU: ``fp8_casts_use_triton``). Under autocast the output is in autocast's
+    dtype, as F.linear's."""
     if precision == "bf16":
         return F.linear(x, weight, bias)
     from zero2all.kernels.fp8_ref import fp8_linear
 
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
-        return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=False, kind=kind or None)
+        return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=fp8_casts_use_triton(x),
+                          kind=kind or None)
 
 
 def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16",
