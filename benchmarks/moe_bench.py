@@ -257,7 +257,8 @@ def bench_gemm(args, results):
         trials = [(c, tma, 0) for c in cands for tma in ((False,) if name == "wgrad" else (False, True))]
         timed = []
         for c, tma, pers in trials:
-            gg.GPU_CONFIG = gg.INTERPRET_CONFIG = {**best, name: c, "tma": tma, "persistent": pers}
+            gg.GPU_CONFIG = gg.INTERPRET_CONFIG = {**best, name: c if name == "wgrad" else (*c, tma),
+                                                   "persistent": pers}
             tiles = gg.expert_tiles(counts, best["block_m"], M)
             rec = {"product": name, "config": list(c), "tma": tma}
             try:
@@ -273,11 +274,7 @@ def bench_gemm(args, results):
             results["gemm_products"].append(rec)
         if timed:
             _, c, tma = min(timed)
-            best[name] = c
-            best.setdefault("tma_by_product", {})[name] = tma
-    # one TMA switch for the whole MLP: the majority of the products' winners
-    votes = best.pop("tma_by_product", {})
-    best["tma"] = sum(votes.values()) * 2 > len(votes)
+            best[name] = c if name == "wgrad" else (*c, tma)
     print(json.dumps({"best_products": best}), flush=True)
 
     def full(backward, impl="triton"):
@@ -296,8 +293,9 @@ def bench_gemm(args, results):
     whole = {"best": best, "best group_m=1": {**best, "group_m": 1}, "best persistent=1": {**best, "persistent": 1},
              "best persistent=2": {**best, "persistent": 2}, "best block_m=64": {**best, "block_m": 64},
              "previous default (128x128x64, 8 warps, 3 stages)": {
-                 "block_m": 128, "gate_up": (128, 64, 8, 3), "down": (128, 64, 8, 3), "dh": (128, 64, 8, 3),
-                 "dx": (128, 64, 8, 3), "wgrad": (128, 128, 64, 8, 3), "group_m": 1, "tma": False, "persistent": 0}}
+                 "block_m": 128, "gate_up": (128, 64, 8, 3, False), "down": (128, 64, 8, 3, False),
+                 "dh": (128, 64, 8, 3, False), "dx": (128, 64, 8, 3, False), "wgrad": (128, 128, 64, 8, 3),
+                 "group_m": 1, "persistent": 0}}
     if args.gemm_small:
         whole = {"best": best, "best persistent=1": {**best, "persistent": 1}}
     ref_out = grouped_swiglu_mlp(xs, counts, w1s, w2s, "loop").float()
@@ -331,14 +329,9 @@ def bench_gemm(args, results):
         rec = {"variant": name}
         for backward in (False, True):
             key = "fwd_bwd" if backward else "fwd"
-            fl = flops_fwd * (3 if backward else 1)
             try:
-                fn = make(backward)
-                ms = timer(fn, reps if name != "loop" else 10)
-                rec[key] = [ms[0], ms[1], ms[2], fl / ms[0] / 1e9]
-                if dev == "cuda" and name != "loop":
-                    rec[key + "_graph_ms"] = graph_timer(fn, reps)[0]
-                    rec[key + "_host_ms"] = list(host_timer(fn))
+                ms = timer(make(backward), reps if name != "loop" else 10)
+                rec[key] = [ms[0], ms[1], ms[2], flops_fwd * (3 if backward else 1) / ms[0] / 1e9]
             except Exception as e:
                 rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(json.dumps(rec), flush=True)
@@ -351,6 +344,19 @@ def bench_gemm(args, results):
             if f and fbw:
                 print(f"{name:62s} fwd {f:7.3f} ms {d[0] / f:5.2f}x dense | fwd+bwd {fbw:7.3f} ms {d[1] / fbw:5.2f}x",
                       flush=True)
+    # the same, replayed from a CUDA graph (no launch gaps) and timed the earlier way (host clock, sync per call)
+    if dev == "cuda":
+        for name, make in variants[:5]:
+            rec = {"variant": name}
+            for backward in (False, True):
+                key = "fwd_bwd" if backward else "fwd"
+                try:
+                    rec[key + "_host_ms"] = list(host_timer(make(backward)))
+                    rec[key + "_graph_ms"] = list(graph_timer(make(backward), reps))
+                except Exception as e:
+                    rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps(rec), flush=True)
+            results["gemm_graph_host"] = results.get("gemm_graph_host", []) + [rec]
     results["gemm_meta"] = {"rows": M, "experts": E, "hidden": H, "expert_intermediate": I, "reps": reps,
                             "counts_min_max": [int(counts.min()), int(counts.max())]}
 

@@ -49,10 +49,11 @@ def test_triton_grouped_equals_loop(counts, H, I):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("variant", [dict(tma=True), dict(persistent=2), dict(tma=True, persistent=3)])
-def test_triton_grouped_variants_equal_loop(monkeypatch, variant):
+@pytest.mark.parametrize("tma,persistent", [(True, 0), (False, 2), (True, 3)])
+def test_triton_grouped_variants_equal_loop(monkeypatch, tma, persistent):
     """The TMA-descriptor kernel (tiles dividing the sizes) and the persistent grid, odd counts, an empty expert."""
-    monkeypatch.setattr(gg, "INTERPRET_CONFIG", {**gg.INTERPRET_CONFIG, **variant})
+    products = {k: (16, 16, 1, 1, tma) for k in ("gate_up", "down", "dh", "dx")}
+    monkeypatch.setattr(gg, "INTERPRET_CONFIG", {**gg.INTERPRET_CONFIG, **products, "persistent": persistent})
     check("triton", [5, 0, 13, 1], 32, 16, torch.float32, seed=3)
     check("triton", [0, 17, 9], 24, 20, torch.float32, seed=4)  # sizes the tiles do not divide: pointer path
 

@@ -253,14 +253,16 @@ if triton is not None:
 
 
 # Launch configuration on a GPU: one row-tile height for the tile table; per product (block_n, block_k, warps,
-# stages); the weight gradient's (block_p, block_q, block_m, warps, stages); GROUP_M; TMA descriptors; a
-# persistent grid of ``persistent`` programs per SM (0: one program per work item). The best of the H100 sweep at
-# the 1B preset's shapes (BENCHMARKS.md); ``benchmarks/moe_bench.py`` sweeps it.
-GPU_CONFIG = {"block_m": 128, "gate_up": (128, 64, 8, 3), "down": (256, 64, 8, 3), "dh": (256, 64, 8, 3),
-              "dx": (256, 64, 8, 3), "wgrad": (128, 128, 64, 8, 3), "group_m": 8, "tma": False, "persistent": 0}
+# stages, TMA descriptors or pointer loads); the weight gradient's (block_p, block_q, block_m, warps, stages);
+# GROUP_M; a persistent grid of ``persistent`` programs per SM (0: one program per work item). The best of the
+# H100 sweep at the 1B preset's shapes (BENCHMARKS.md); ``benchmarks/moe_bench.py`` sweeps it.
+GPU_CONFIG = {"block_m": 128, "gate_up": (128, 64, 8, 3, False), "down": (256, 64, 8, 3, False),
+              "dh": (256, 64, 8, 3, False), "dx": (256, 64, 8, 3, False), "wgrad": (128, 128, 64, 8, 3),
+              "group_m": 8, "persistent": 0}
 # the CPU interpreter: small tiles (its cost grows with the tile)
-INTERPRET_CONFIG = {"block_m": 16, "gate_up": (16, 16, 1, 1), "down": (16, 16, 1, 1), "dh": (16, 16, 1, 1),
-                    "dx": (16, 16, 1, 1), "wgrad": (16, 16, 16, 1, 1), "group_m": 2, "tma": False, "persistent": 0}
+INTERPRET_CONFIG = {"block_m": 16, "gate_up": (16, 16, 1, 1, False), "down": (16, 16, 1, 1, False),
+                    "dh": (16, 16, 1, 1, False), "dx": (16, 16, 1, 1, False), "wgrad": (16, 16, 16, 1, 1),
+                    "group_m": 2, "persistent": 0}
 
 
 def _config(x: torch.Tensor) -> dict:
@@ -305,12 +307,12 @@ def _grouped(a, w, nk, n, k, tiles, mode, c, aux=None, which="down"):
     tile_e, first, end, _, n_tiles = tiles
     cfg = _config(a)
     bm = cfg["block_m"]
-    bn, bk, warps, stages = cfg[which]
+    bn, bk, warps, stages, tma = cfg[which]
     aux_t = aux if aux is not None else c
     items = tile_e.numel() * triton.cdiv(n, bn)
     grid = (_n_programs(a, items, cfg["persistent"]),)
     even = k % bk == 0 and n % bn == 0
-    if cfg["tma"] and even and w.is_contiguous() and a.is_contiguous():
+    if tma and even and w.is_contiguous() and a.is_contiguous():
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w2d = w.view(-1, w.shape[-1])
