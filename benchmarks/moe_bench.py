@@ -425,6 +425,33 @@ def bench_balance(args, results, out: Path):
         results["balance"].append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k not in ("history", "losses")}), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    try:
+        plot_balance(results["balance"], out / "moe_balance.png")
+    except Exception as e:  # the numbers are in results.json; --plot-balance redraws it
+        print("plot failed:", e)
+
+
+def plot_balance(records: list[dict], path: Path) -> None:
+    """Per step, the worst MoE layer's max / mean expert load of each balancing setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for rec in records:
+        label = ", ".join(o.split(".")[-1] for o in rec["overrides"]) or "preset"
+        ax.plot([max(h) for h in rec["history"]], label=label, lw=0.9)
+    ax.axhline(1.3, color="k", ls="--", lw=0.8)
+    ax.axvline(records[0]["warmup"], color="grey", ls=":", lw=0.8)
+    ax.set_ylim(0.95, 4.1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("worst layer's max / mean load")
+    ax.set_title("tiny-moe on stdlib bytes: sigmoid router, aux-loss-free bias balancing", fontsize=9)
+    ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -440,9 +467,13 @@ def main():
     ap.add_argument("--balance-warmup", type=int, default=100)
     ap.add_argument("--balance-micro-batch", type=int, default=32)
     ap.add_argument("--balance-variants", default="")
+    ap.add_argument("--plot-balance", default="", help="redraw the balance plot from a results.json into --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot_balance:
+        plot_balance(json.loads(Path(args.plot_balance).read_text())["balance"], out / "moe_balance.png")
+        return
     import transformers
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
