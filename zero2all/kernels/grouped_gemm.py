@@ -151,8 +151,9 @@ if triton is not None:
 
         The work items (row tile, column tile) are numbered 0 .. N_TILES * cdiv(N, BLOCK_N); program p takes
         items p, p + P, ... (P programs: one item each, or a persistent grid of a few per SM). Rows past a
-        tile's expert are loaded (their indices clamped into the tile's range, so no load needs a mask) but
-        never stored; EVEN (BLOCK_K | K and BLOCK_N | N) drops the remaining masks of the main loop."""
+        tile's expert are loaded (their indices clamped into the tile's range: no row mask) but never stored;
+        EVEN (BLOCK_K | K and BLOCK_N | N) drops the column masks of the main loop. (Clamping a *contiguous*
+        index instead of masking it hides its contiguity from the compiler: scalar loads, ~10x slower.)"""
         n_n = tl.cdiv(N, BLOCK_N)
         n_m = tl.load(N_TILES)
         for pid in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
@@ -165,9 +166,8 @@ if triton is not None:
             rk = tl.arange(0, BLOCK_K)
             rm64 = rm.to(tl.int64)
             n_ok = rn < N
-            rn_load = tl.minimum(rn, N - 1)
             a_ptr = A + tl.minimum(rm, row_end - 1).to(tl.int64)[:, None] * s_am + rk[None, :] * s_ak
-            b_ptr = B + e * s_be + rk[:, None] * s_bk + rn_load[None, :] * s_bn
+            b_ptr = B + e * s_be + rk[:, None] * s_bk + rn[None, :] * s_bn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -177,13 +177,13 @@ if triton is not None:
                 else:
                     k_ok = (k0 + rk) < K
                     a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=k_ok[:, None], other=0.0)
+                    b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 acc += tl.dot(a, b)
                 if MODE == 1:
                     if EVEN:
                         b_up = tl.load(b_ptr + N * s_bn)
                     else:
-                        b_up = tl.load(b_ptr + N * s_bn, mask=k_ok[:, None], other=0.0)
+                        b_up = tl.load(b_ptr + N * s_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                     acc_up += tl.dot(a, b_up)
                 a_ptr += BLOCK_K * s_ak
                 b_ptr += BLOCK_K * s_bk
@@ -238,15 +238,13 @@ if triton is not None:
         end = tl.load(OFFS + e + 1)
         p_ok = rp < P
         q_ok = rq < Q
-        rp_load = tl.minimum(rp, P - 1)
-        rq_load = tl.minimum(rq, Q - 1)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
-            m_ok = rm < end  # rows past the expert must add zero: A's are masked, B's only kept in range
-            rm64 = tl.minimum(rm, end - 1).to(tl.int64)
-            a = tl.load(A + rm64[None, :] * s_am + rp_load[:, None] * s_ap, mask=m_ok[None, :], other=0.0)
-            b = tl.load(B + rm64[:, None] * s_bm + rq_load[None, :] * s_bq)
+            m_ok = rm < end
+            rm64 = rm.to(tl.int64)
+            a = tl.load(A + rm64[None, :] * s_am + rp[:, None] * s_ap, mask=p_ok[:, None] & m_ok[None, :], other=0.0)
+            b = tl.load(B + rm64[:, None] * s_bm + rq[None, :] * s_bq, mask=m_ok[:, None] & q_ok[None, :], other=0.0)
             acc += tl.dot(a, b)
         c = C + e.to(tl.int64) * s_ce + rp[:, None] * s_cp + rq[None, :] * s_cq
         tl.store(c, acc.to(C.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
@@ -254,10 +252,12 @@ if triton is not None:
 
 # Launch configuration on a GPU: one row-tile height for the tile table; per product (block_n, block_k, warps,
 # stages, TMA descriptors or pointer loads); the weight gradient's (block_p, block_q, block_m, warps, stages);
-# GROUP_M; a persistent grid of ``persistent`` programs per SM (0: one program per work item). The best of the
-# H100 sweep at the 1B preset's shapes (BENCHMARKS.md); ``benchmarks/moe_bench.py`` sweeps it.
-GPU_CONFIG = {"block_m": 128, "gate_up": (128, 64, 8, 3, False), "down": (256, 64, 8, 3, False),
-              "dh": (256, 64, 8, 3, False), "dx": (256, 64, 8, 3, False), "wgrad": (128, 128, 64, 8, 3),
+# GROUP_M; a persistent grid of ``persistent`` programs per SM (0: one program per work item). From the H100
+# sweep at the 1B preset's shapes (BENCHMARKS.md, ``benchmarks/moe_bench.py``): the forward products with pointer
+# loads (TMA was ~10% faster on the GPU, but encoding its descriptors on the host each call made the whole forward
+# slower in eager timing), the backward products with TMA (3-10x faster there than pointer loads were).
+GPU_CONFIG = {"block_m": 128, "gate_up": (128, 64, 8, 4, False), "down": (256, 64, 8, 3, False),
+              "dh": (128, 64, 8, 4, True), "dx": (256, 64, 8, 4, True), "wgrad": (128, 128, 64, 8, 3),
               "group_m": 8, "persistent": 0}
 # the CPU interpreter: small tiles (its cost grows with the tile)
 INTERPRET_CONFIG = {"block_m": 16, "gate_up": (16, 16, 1, 1, False), "down": (16, 16, 1, 1, False),
@@ -315,6 +315,10 @@ def _grouped(a, w, nk, n, k, tiles, mode, c, aux=None, which="down"):
     if tma and even and w.is_contiguous() and a.is_contiguous():
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        # the descriptors are encoded through the driver before the launch: make the device's primary context
+        # current on this thread first (autograd runs the backward on a thread of its own)
+        if a.is_cuda:
+            torch.cuda.current_stream(a.device).query()
         w2d = w.view(-1, w.shape[-1])
         a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
         b_desc = TensorDescriptor.from_tensor(w2d, [bn, bk] if nk else [bk, bn])
