@@ -386,7 +386,7 @@ def balance_run(args, over: list[str]) -> dict:
     model = build_model(cfg, device=dev, seed=0)
     data = stdlib_bytes().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
-    mb, seq, steps, warm = args.balance_micro_batch, 256, args.balance_steps, args.balance_warmup
+    mb, seq, steps, warm = args.balance_micro_batch, args.balance_seq, args.balance_steps, args.balance_warmup
     layers = moe_layers(model)
     history, losses = [], []
     g = torch.Generator(device=dev).manual_seed(0)
@@ -407,7 +407,7 @@ def balance_run(args, over: list[str]) -> dict:
         losses.append(loss.item())
     after = sorted(max(h) for h in history[warm:])
     per_layer = [max(h[j] for h in history[warm:]) for j in range(len(layers))]
-    return {"overrides": over, "steps": steps, "warmup": warm, "micro_batch": mb,
+    return {"overrides": over, "steps": steps, "warmup": warm, "micro_batch": mb, "seq": seq,
             "final_loss_mean_last_20": statistics.mean(losses[-20:]),
             "max_over_mean_after_warmup": {"median": statistics.median(after),
                                            "p95": after[int(0.95 * (len(after) - 1))], "max": after[-1]},
@@ -439,12 +439,11 @@ def plot_balance(records: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     for rec in records:
-        label = ", ".join(o.split(".")[-1] for o in rec["overrides"]) or "preset"
+        label = ", ".join(o.removeprefix("model.moe.") for o in rec["overrides"]) or "preset"
         ax.plot([max(h) for h in rec["history"]], label=label, lw=0.9)
     ax.axhline(1.3, color="k", ls="--", lw=0.8)
     ax.axvline(records[0]["warmup"], color="grey", ls=":", lw=0.8)
     ax.set_ylim(0.95, 4.1)
-    ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("worst layer's max / mean load")
     ax.set_title("tiny-moe on stdlib bytes: sigmoid router, aux-loss-free bias balancing", fontsize=9)
@@ -465,6 +464,7 @@ def main():
     ap.add_argument("--balance-steps", type=int, default=400)
     ap.add_argument("--balance-warmup", type=int, default=100)
     ap.add_argument("--balance-micro-batch", type=int, default=32)
+    ap.add_argument("--balance-seq", type=int, default=256)
     ap.add_argument("--balance-variants", default="")
     ap.add_argument("--plot-balance", default="", help="redraw the balance plot from a results.json into --out")
     args = ap.parse_args()
