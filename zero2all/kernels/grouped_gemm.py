@@ -76,8 +76,9 @@ def triton_usable(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-# ``auto`` on a GPU: torch._grouped_mm, ~1.4-1.7x faster than our Triton kernel at the 1B preset's shapes on an
-# H100 and faster in compiled training (BENCHMARKS.md); Triton where _grouped_mm cannot run (older torch, pre-sm90)
+# ``auto`` on a GPU: torch._grouped_mm (0.85x a dense MLP of equal FLOPs, forward + backward, at the 1B preset's
+# shapes on an H100; our forward matches it, our backward is not yet measured at par: BENCHMARKS.md); Triton where
+# _grouped_mm cannot run (older torch, pre-sm90)
 AUTO_GPU = "torch"
 
 
