@@ -14,10 +14,12 @@ Backward, with dy = dL/dy and s = sigmoid(gate)::
     dx_e    = [dgate | dup] @ w1[e]
     dw2[e]  = dy_e^T h_e,   dw1[e] = [dgate | dup]_e^T x_e          (the weight-gradient kernel)
 
-Scheduling: the row tiles of all experts form one flat list (tile t -> expert, first row, last row), computed on
-the device from the per-expert counts without a host sync; the grid is sized for the worst case
-(ceil(M / BLOCK_M) + E tiles) and surplus tiles return at once. An expert with no tokens has no tiles and a zero
-weight gradient. Every product accumulates in float32; outputs are stored in the input dtype.
+Scheduling: the row tiles of all experts form one flat list (tile t -> expert, first row, end row), computed on
+the device from the per-expert counts without a host sync, sized for the worst case (ceil(M / BLOCK_M) + E); the
+real tile count stays on the device and the kernels read it. Work items (row tile, column tile) run in grouped
+order for L2 reuse, one program each or a persistent grid looping over them; tiles load through pointers or TMA
+descriptors, per product (``GPU_CONFIG``). An expert with no tokens has no tiles and a zero weight gradient. Every
+product accumulates in float32; outputs are stored in the input dtype.
 
 ``grouped_swiglu_mlp(x, counts, w1, w2, impl)`` picks the implementation: ``triton`` (this file), ``torch``
 (``torch._grouped_mm``, two grouped GEMMs with SwiGLU between) or ``loop`` (one plain matmul per expert: the
