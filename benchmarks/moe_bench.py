@@ -31,7 +31,8 @@ PEAK = 989e12
 
 
 def sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_train(model, cfg, mb, seq, steps, warmup=3, call=None):
@@ -116,77 +117,246 @@ def bench_train(args, results):
                              "flops_per_token": flops_tok}
 
 
+def timer(fn, reps, warmup=None):
+    """Median / min / max ms of ``fn`` over ``reps`` calls queued back to back, each between two CUDA events
+    (no host sync inside the timed region, so Python launch overhead hides behind the GPU as in training; on the
+    CPU a host clock)."""
+    for _ in range(warmup if warmup is not None else 5 if torch.cuda.is_available() else 1):
+        fn()
+    if not torch.cuda.is_available():
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    else:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        sync()
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        sync()
+        ts = [a.elapsed_time(b) for a, b in ev]
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def host_timer(fn, reps=10, warmup=3):
+    """The earlier method: host clock around each call with a sync after it (includes launch overhead)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def graph_timer(fn, reps):
+    """Median ms of one CUDA-graph replay of ``fn`` (captured after a warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timer(graph.replay, reps)
+
+
+GEMM_SWEEP = {  # per product: (block_n, block_k, warps, stages); smem per stage (bm bk + bk bn') * 2 bytes
+    "gate_up": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 4)],
+    "down": [(256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 4), (128, 64, 4, 4)],
+    "dh": [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4)],
+    "dx": [(256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 4)],
+    "wgrad": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)],
+}
+
+
+def swiglu_backward(dh, gate_up):
+    """[dgate | dup] of h = silu(gate) * up."""
+    gate, up = gate_up.chunk(2, -1)
+    s = torch.sigmoid(gate)
+    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], -1)
+
+
 def bench_gemm(args, results):
+    """Each product of the Triton grouped SwiGLU MLP timed alone over a sweep of launch configurations (pointer
+    loads and TMA descriptors, checked against a torch reference), the best combined, then the whole MLP forward
+    and forward+backward against a dense MLP of equal FLOPs, torch._grouped_mm and the per-expert loop."""
+    import zero2all.kernels.grouped_gemm as gg
     from zero2all.kernels.grouped_gemm import grouped_swiglu_mlp
 
-    cfg = load_config("z2all-moe-1b").model
-    E, H, I, k = cfg.moe.n_experts, cfg.hidden_dim, cfg.expert_intermediate_size, cfg.moe.top_k
-    M = 8 * 2048 * k  # one micro-batch of 8 x 2048 tokens, top-2
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    if args.gemm_small:  # a dry run of the script's logic (CPU interpreter)
+        E, H, I, M = 4, 32, 32, 200
+    else:
+        cfg = load_config("z2all-moe-1b").model
+        E, H, I, k = cfg.moe.n_experts, cfg.hidden_dim, cfg.expert_intermediate_size, cfg.moe.top_k
+        M = 8 * 2048 * k  # one micro-batch of 8 x 2048 tokens, top-2
+    reps = args.gemm_reps
     g = torch.Generator().manual_seed(0)
-    assign = torch.randint(0, E, (M,), generator=g)
-    counts = torch.bincount(assign, minlength=E).cuda()
-    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    w2 = (torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    d1 = (torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    d2 = (torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    dy = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.bincount(torch.randint(0, E, (M,), generator=g), minlength=E).to(dev)
+    x = torch.randn(M, H, device=dev, dtype=dt, requires_grad=True)
+    w1 = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * 0.02).requires_grad_()
+    w2 = (torch.randn(E, H, I, device=dev, dtype=dt) * 0.02).requires_grad_()
+    d1 = (torch.randn(2 * I, H, device=dev, dtype=dt) * 0.02).requires_grad_()
+    d2 = (torch.randn(H, I, device=dev, dtype=dt) * 0.02).requires_grad_()
+    dy = torch.randn(M, H, device=dev, dtype=dt)
     flops_fwd = 2 * M * H * 3 * I
+    base_cfg = dict(gg.GPU_CONFIG if dev == "cuda" else gg.INTERPRET_CONFIG)
 
-    def dense():
-        gate, up = F.linear(x, d1).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, d2)
+    # the products alone: inputs and float32 references from per-expert torch matmuls
+    xs, w1s, w2s = x.detach(), w1.detach(), w2.detach()
+    gu = torch.randn(M, 2 * I, device=dev, dtype=dt)
+    h = torch.randn(M, I, device=dev, dtype=dt)
+    dgu = torch.randn(M, 2 * I, device=dev, dtype=dt)
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    rows = [slice(bounds[e], bounds[e + 1]) for e in range(E)]
+    ref = {"gate_up": torch.cat([xs[r].float() @ w1s[e, :I].float().T for e, r in enumerate(rows)]),
+           "down": torch.cat([h[r].float() @ w2s[e].float().T for e, r in enumerate(rows)]),
+           "dh": swiglu_backward(torch.cat([dy[r].float() @ w2s[e].float() for e, r in enumerate(rows)]), gu.float()),
+           "dx": torch.cat([dgu[r].float() @ w1s[e].float() for e, r in enumerate(rows)]),
+           "wgrad": torch.stack([dgu[r].float().T @ xs[r].float() for r in rows])}
+    outs = {"gate_up": (torch.empty(M, I, device=dev, dtype=dt), torch.empty(M, 2 * I, device=dev, dtype=dt)),
+            "down": torch.empty(M, H, device=dev, dtype=dt), "dh": torch.empty(M, 2 * I, device=dev, dtype=dt),
+            "dx": torch.empty(M, H, device=dev, dtype=dt)}
+    prod_flops = {"gate_up": 2 * M * H * 2 * I, "down": 2 * M * H * I, "dh": 2 * M * H * I, "dx": 2 * M * H * 2 * I,
+                  "wgrad": 2 * M * H * 2 * I}
 
-    def timeit(fn, backward):
-        for _ in range(3):
-            y = fn()
-            if backward:
-                y.backward(dy)
-        sync()
-        ts = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            y = fn()
-            if backward:
-                y.backward(dy)
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    def product(name, tiles):
+        if name == "gate_up":
+            return lambda: gg._grouped(xs, w1s, True, I, H, tiles, 1, outs[name][0], outs[name][1], "gate_up")
+        if name == "down":
+            return lambda: gg._grouped(h, w2s, True, H, I, tiles, 0, outs[name], which="down")
+        if name == "dh":
+            return lambda: gg._grouped(dy, w2s, False, I, H, tiles, 2, outs[name], gu, which="dh")
+        if name == "dx":
+            return lambda: gg._grouped(dgu, w1s, False, H, 2 * I, tiles, 0, outs[name], which="dx")
+        return lambda: gg._weight_grad(dgu, xs, tiles[3], E, dt)
 
-    variants = {"dense (equal FLOPs)": dense,
-                "grouped triton": lambda: grouped_swiglu_mlp(x, counts, w1, w2, "triton"),
-                "grouped torch._grouped_mm": lambda: grouped_swiglu_mlp(x, counts, w1, w2, "torch"),
-                "loop": lambda: grouped_swiglu_mlp(x, counts, w1, w2, "loop")}
-    ref = variants["loop"]().float()
-    import zero2all.kernels.grouped_gemm as gg
+    def check(name, fn):
+        """rel. L2 error of one call against the reference (gate_up: its gate half, before SwiGLU)."""
+        got = fn()
+        if name == "gate_up":
+            got = outs[name][1][:, :I]
+        return float((got.float() - ref[name]).norm() / ref[name].norm())
 
-    for blocks in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                   (128, 64, 64, 4, 4), (128, 128, 32, 4, 4)]:
-        gg.GPU_BLOCKS = blocks
-        for backward in (False, True):
+    best = dict(base_cfg)
+    results["gemm_products"] = []
+    for name, cands in GEMM_SWEEP.items():
+        if args.gemm_small:
+            cands = [(16, 16, 16, 1, 1) if name == "wgrad" else (16, 16, 1, 1)]
+        trials = [(c, tma, 0) for c in cands for tma in ((False,) if name == "wgrad" else (False, True))]
+        timed = []
+        for c, tma, pers in trials:
+            gg.GPU_CONFIG = gg.INTERPRET_CONFIG = {**best, name: c if name == "wgrad" else (*c, tma),
+                                                   "persistent": pers}
+            tiles = gg.expert_tiles(counts, best["block_m"], M)
+            rec = {"product": name, "config": list(c), "tma": tma}
             try:
-                t = timeit(variants["grouped triton"], backward)
-                rec = {"variant": f"triton blocks {blocks}", "backward": backward, "ms": t * 1e3,
-                       "tflops": flops_fwd * (3 if backward else 1) / t / 1e12}
-            except Exception as e:
-                rec = {"variant": f"triton blocks {blocks}", "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                fn = product(name, tiles)
+                rec["rel_err"] = check(name, fn)
+                ms = timer(fn, reps)
+                rec.update(ms=ms[0], ms_min=ms[1], ms_max=ms[2], tflops=prod_flops[name] / ms[0] / 1e9)
+                if rec["rel_err"] < 2e-2:
+                    timed.append((ms[0], c, tma))
+            except Exception as e:  # a configuration that does not fit is reported, the sweep goes on
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print(json.dumps(rec), flush=True)
-            results["gemm"].append(rec)
-    gg.GPU_BLOCKS = (128, 128, 64, 8, 3)
-    for name, fn in variants.items():
+            results["gemm_products"].append(rec)
+        if timed:
+            _, c, tma = min(timed)
+            best[name] = c if name == "wgrad" else (*c, tma)
+    print(json.dumps({"best_products": best}), flush=True)
+
+    def full(backward, impl="triton"):
+        if not backward:
+            return lambda: grouped_swiglu_mlp(xs, counts, w1s, w2s, impl)
+        return lambda: torch.autograd.grad(grouped_swiglu_mlp(x, counts, w1, w2, impl), (x, w1, w2), dy)
+
+    def dense(backward):
+        def f():
+            gate, up = F.linear(x if backward else xs, d1 if backward else d1.detach()).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, d2 if backward else d2.detach())
+            return torch.autograd.grad(y, (x, d1, d2), dy) if backward else y
+        return f
+
+    # whole-MLP configurations: the per-product winners, with group_m 1 / 8, persistent 1 / 2 per SM, block_m 64
+    whole = {"best": best, "best group_m=1": {**best, "group_m": 1}, "best persistent=1": {**best, "persistent": 1},
+             "best persistent=2": {**best, "persistent": 2}, "best block_m=64": {**best, "block_m": 64},
+             "previous default (128x128x64, 8 warps, 3 stages)": {
+                 "block_m": 128, "gate_up": (128, 64, 8, 3, False), "down": (128, 64, 8, 3, False),
+                 "dh": (128, 64, 8, 3, False), "dx": (128, 64, 8, 3, False), "wgrad": (128, 128, 64, 8, 3),
+                 "group_m": 1, "persistent": 0}}
+    if args.gemm_small:
+        whole = {"best": best, "best persistent=1": {**best, "persistent": 1}}
+    ref_out = grouped_swiglu_mlp(xs, counts, w1s, w2s, "loop").float()
+    fb = {}
+    for label, conf in whole.items():
+        gg.GPU_CONFIG = gg.INTERPRET_CONFIG = conf
+        rec = {"variant": f"triton {label}"}
+        try:
+            rec["rel_err_vs_loop"] = float((full(False)().float() - ref_out).norm() / ref_out.norm())
+            for backward in (False, True):
+                ms = timer(full(backward), reps)
+                rec["fwd_bwd" if backward else "fwd"] = [ms[0], ms[1], ms[2], flops_fwd * (3 if backward else 1)
+                                                         / ms[0] / 1e9]
+            fb[label] = rec["fwd"][0] + rec["fwd_bwd"][0]
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(json.dumps(rec), flush=True)
+        results["gemm"].append(rec)
+    chosen = whole[min(fb, key=fb.get)] if fb else base_cfg
+    gg.GPU_CONFIG = gg.INTERPRET_CONFIG = chosen
+    results["gemm_best_config"] = chosen
+    print(json.dumps({"chosen_config": chosen}), flush=True)
+
+    # the comparison, timed three ways: events back to back (median of reps), CUDA-graph replay, host clock
+    variants = [("dense (equal FLOPs)", dense), ("grouped triton", lambda b: full(b, "triton")),
+                ("grouped torch._grouped_mm", lambda b: full(b, "torch")), ("dense (again)", dense),
+                ("grouped triton (again)", lambda b: full(b, "triton"))]
+    if dev == "cuda":
+        variants.append(("loop", lambda b: full(b, "loop")))
+    for name, make in variants:
+        rec = {"variant": name}
         for backward in (False, True):
+            key = "fwd_bwd" if backward else "fwd"
             try:
-                t = timeit(fn, backward)
-                fl = flops_fwd * (3 if backward else 1)
-                rec = {"variant": name, "backward": backward, "ms": t * 1e3, "tflops": fl / t / 1e12}
-                if not backward and name != "dense (equal FLOPs)":
-                    out = fn().float()
-                    rec["rel_err_vs_loop"] = float((out - ref).norm() / ref.norm())
+                ms = timer(make(backward), reps if name != "loop" else 10)
+                rec[key] = [ms[0], ms[1], ms[2], flops_fwd * (3 if backward else 1) / ms[0] / 1e9]
             except Exception as e:
-                rec = {"variant": name, "backward": backward, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(json.dumps(rec), flush=True)
+        results["gemm"].append(rec)
+    summary = {r["variant"]: (r.get("fwd", [0])[0], r.get("fwd_bwd", [0])[0]) for r in results["gemm"]
+               if "fwd" in r}
+    d = summary.get("dense (equal FLOPs)")
+    if d:
+        for name, (f, fbw) in summary.items():
+            if f and fbw:
+                print(f"{name:62s} fwd {f:7.3f} ms {d[0] / f:5.2f}x dense | fwd+bwd {fbw:7.3f} ms {d[1] / fbw:5.2f}x",
+                      flush=True)
+    # the same, replayed from a CUDA graph (no launch gaps) and timed the earlier way (host clock, sync per call)
+    if dev == "cuda":
+        for name, make in variants[:5]:
+            rec = {"variant": name}
+            for backward in (False, True):
+                key = "fwd_bwd" if backward else "fwd"
+                try:
+                    rec[key + "_host_ms"] = list(host_timer(make(backward)))
+                    rec[key + "_graph_ms"] = list(graph_timer(make(backward), reps))
+                except Exception as e:
+                    rec[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(json.dumps(rec), flush=True)
-            results["gemm"].append(rec)
-    results["gemm_meta"] = {"rows": M, "experts": E, "hidden": H, "expert_intermediate": I,
+            results["gemm_graph_host"] = results.get("gemm_graph_host", []) + [rec]
+    results["gemm_meta"] = {"rows": M, "experts": E, "hidden": H, "expert_intermediate": I, "reps": reps,
                             "counts_min_max": [int(counts.min()), int(counts.max())]}
 
 
@@ -207,62 +377,79 @@ def stdlib_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def bench_balance(args, results, out: Path):
+def balance_run(args, over: list[str]) -> dict:
+    """One demo-size pretraining run: the per-step, per-layer max / mean expert load and the losses."""
     from zero2all.model.moe import moe_layers, update_router_biases
 
-    cfg = load_config("tiny-moe", ["model.vocab_size=256", "model.ops.grouped_gemm=torch"]).model
-    model = build_model(cfg, device="cuda", seed=0)
-    data = stdlib_bytes().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, fused=True)
-    mb, seq, steps, warm = 32, 256, args.balance_steps, args.balance_warmup
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = load_config("tiny-moe", ["model.vocab_size=256"] + over).model
+    model = build_model(cfg, device=dev, seed=0)
+    data = stdlib_bytes().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    mb, seq, steps, warm = args.balance_micro_batch, args.balance_seq, args.balance_steps, args.balance_warmup
     layers = moe_layers(model)
     history, losses = [], []
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(0)
     for step in range(steps):
-        lr = 2e-3 * min(1.0, (step + 1) / warm)
         for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, data.numel() - seq - 1, (mb,), device="cuda", generator=g)
-        idx = starts[:, None] + torch.arange(seq + 1, device="cuda")
-        batch = data[idx]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+            group["lr"] = 2e-3 * min(1.0, (step + 1) / warm)
+        starts = torch.randint(0, data.numel() - seq - 1, (mb,), device=dev, generator=g)
+        batch = data[starts[:, None] + torch.arange(seq + 1, device=dev)]
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             _, loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loads = [moe.step_load.clone() for _, moe in layers]
+        loads = torch.stack([moe.step_load for _, moe in layers])
         update_router_biases(model)
-        history.append([(l.max() / l.mean()).item() for l in loads])
+        history.append((loads.max(1).values / loads.mean(1)).tolist())
         losses.append(loss.item())
-    after = [max(h) for h in history[warm:]]
-    rec = {"steps": steps, "warmup": warm, "final_loss": losses[-1],
-           "max_over_mean_after_warmup": {"median": statistics.median(after), "max": max(after),
-                                          "p95": sorted(after)[int(0.95 * (len(after) - 1))]},
-           "first_steps_max_over_mean": [max(h) for h in history[:5]]}
-    print(json.dumps(rec), flush=True)
-    results["balance"] = rec
+    after = sorted(max(h) for h in history[warm:])
+    per_layer = [max(h[j] for h in history[warm:]) for j in range(len(layers))]
+    return {"overrides": over, "steps": steps, "warmup": warm, "micro_batch": mb, "seq": seq,
+            "final_loss_mean_last_20": statistics.mean(losses[-20:]),
+            "max_over_mean_after_warmup": {"median": statistics.median(after),
+                                           "p95": after[int(0.95 * (len(after) - 1))], "max": after[-1]},
+            "per_layer_max_after_warmup": dict(zip([i for i, _ in layers], per_layer)),
+            "first_steps": [max(h) for h in history[:5]], "history": history, "losses": losses}
+
+
+def bench_balance(args, results, out: Path):
+    """The demo run for each balancing setting of ``--balance-variants`` (';'-separated override lists,
+    ',' between overrides; empty = the preset as it is)."""
+    results["balance"] = []
+    for variant in args.balance_variants.split(";"):
+        rec = balance_run(args, [o for o in variant.split(",") if o])
+        results["balance"].append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k not in ("history", "losses")}), flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for j, (i, _) in enumerate(layers):
-            ax.plot([h[j] for h in history], label=f"layer {i}", lw=1)
-        ax.axhline(1.3, color="k", ls="--", lw=0.8, label="1.3")
-        ax.axvline(warm, color="grey", ls=":", lw=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("max / mean expert load")
-        ax.set_title("tiny-moe on stdlib bytes, sigmoid router + bias balancing")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "moe_balance.png", dpi=120)
-    except Exception as e:
+        plot_balance(results["balance"], out / "moe_balance.png")
+    except Exception as e:  # the numbers are in results.json; --plot-balance redraws it
         print("plot failed:", e)
-    results["balance_history"] = history
-    results["balance_losses"] = losses
+
+
+def plot_balance(records: list[dict], path: Path) -> None:
+    """Per step, the worst MoE layer's max / mean expert load of each balancing setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for rec in records:
+        label = ", ".join(o.removeprefix("model.moe.") for o in rec["overrides"]) or "preset"
+        ax.plot([max(h) for h in rec["history"]], label=label, lw=0.9)
+    ax.axhline(1.3, color="k", ls="--", lw=0.8)
+    ax.axvline(records[0]["warmup"], color="grey", ls=":", lw=0.8)
+    ax.set_ylim(0.95, 4.1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("worst layer's max / mean load")
+    ax.set_title("tiny-moe on stdlib bytes: sigmoid router, aux-loss-free bias balancing", fontsize=9)
+    ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -272,14 +459,24 @@ def main():
     ap.add_argument("--rows", default="")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--gemm-reps", type=int, default=50)
+    ap.add_argument("--gemm-small", action="store_true", help="tiny shapes: a dry run of the gemm part on the CPU")
     ap.add_argument("--balance-steps", type=int, default=400)
     ap.add_argument("--balance-warmup", type=int, default=100)
+    ap.add_argument("--balance-micro-batch", type=int, default=32)
+    ap.add_argument("--balance-seq", type=int, default=256)
+    ap.add_argument("--balance-variants", default="")
+    ap.add_argument("--plot-balance", default="", help="redraw the balance plot from a results.json into --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot_balance:
+        plot_balance(json.loads(Path(args.plot_balance).read_text())["balance"], out / "moe_balance.png")
+        return
     import transformers
 
-    results = {"train": [], "gemm": [], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = {"device": device, "train": [], "gemm": [], "torch": torch.__version__,
                "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps({k: results[k] for k in ("device", "torch", "transformers")}), flush=True)
     for part in args.parts.split(","):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from kernel_check import assert_close_to_reference
 
+import zero2all.kernels.grouped_gemm as gg
 from zero2all.kernels.grouped_gemm import expert_tiles, grouped_swiglu_mlp
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
@@ -48,6 +49,16 @@ def test_triton_grouped_equals_loop(counts, H, I):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tma,persistent", [(True, 0), (False, 2), (True, 3)])
+def test_triton_grouped_variants_equal_loop(monkeypatch, tma, persistent):
+    """The TMA-descriptor kernel (tiles dividing the sizes) and the persistent grid, odd counts, an empty expert."""
+    products = {k: (16, 16, 1, 1, tma) for k in ("gate_up", "down", "dh", "dx")}
+    monkeypatch.setattr(gg, "INTERPRET_CONFIG", {**gg.INTERPRET_CONFIG, **products, "persistent": persistent})
+    check("triton", [5, 0, 13, 1], 32, 16, torch.float32, seed=3)
+    check("triton", [0, 17, 9], 24, 20, torch.float32, seed=4)  # sizes the tiles do not divide: pointer path
+
+
+@needs_interpreter
 def test_triton_grouped_empty_batch():
     # (bf16 runs in the GPU test: the interpreter's bf16 dot products are not meaningful)
     counts, x, w1, w2, dy = make([0, 0], 16, 8, torch.float32)
@@ -63,8 +74,10 @@ def test_torch_grouped_mm_equals_loop():
 
 def test_expert_tiles_cover_every_row_once():
     counts = torch.tensor([5, 0, 33, 16, 1])
-    e, first, end, offs = expert_tiles(counts, 16, int(counts.sum()))
+    e, first, end, offs, n_tiles = expert_tiles(counts, 16, int(counts.sum()))
     assert offs.tolist() == [0, 5, 5, 38, 54, 55]
+    assert n_tiles.tolist() == [1 + 3 + 1 + 1]
+    assert (first[6:] == end[6:]).all()  # the surplus tiles are empty
     covered = torch.zeros(int(counts.sum()), dtype=torch.int64)
     for t in range(e.numel()):
         rows = torch.arange(int(first[t]), min(int(first[t]) + 16, int(end[t])))

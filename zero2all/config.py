@@ -147,7 +147,8 @@ class MoEConfig:
     ``mlp_only_layers`` / ``decoder_sparse_step``); other layers keep the dense MLP of ``intermediate_size``.
     ``router``: ``softmax_topk`` (softmax over experts, top-k, renormalised to sum 1 when ``renormalize``) or
     ``sigmoid`` (DeepSeek-V3: sigmoid scores, a per-expert bias added for the selection only and moved by
-    ``bias_update_rate`` * sign(mean load - load) after each step: balance without an auxiliary loss).
+    ``bias_update_rate`` * sign(mean load - load) after each step, or with ``bias_update = "error"`` by
+    ``bias_update_rate`` * clip((mean load - load) / mean load, -1, 1): balance without an auxiliary loss).
     ``capacity_factor`` 0 = dropless; c > 0 keeps at most ceil(c * tokens * top_k / n_experts) tokens per expert.
     """
 
@@ -161,6 +162,7 @@ class MoEConfig:
     router: str = "softmax_topk"
     renormalize: bool = True               # softmax_topk: top-k weights divided by their sum (Mixtral)
     bias_update_rate: float = 1e-3         # sigmoid router: aux-loss-free balancing step
+    bias_update: str = "sign"              # sign (DeepSeek-V3) | error (proportional to the relative load error)
     routed_scaling: float = 1.0            # routed experts' output multiplied by this (DeepSeek-V3)
     aux_loss_coef: float = 0.0             # Switch/GShard load-balancing loss weight
     z_loss_coef: float = 0.0               # router z-loss weight (ST-MoE)
@@ -176,6 +178,7 @@ class MoEConfig:
     def validate(self, prefix: str = "model.moe") -> None:
         _check_finite(self, prefix)
         _check_choice(self, "router", MOE_ROUTERS, prefix)
+        _check_choice(self, "bias_update", ("sign", "error"), prefix)
         for name in ("n_experts", "n_shared_experts", "expert_intermediate_size", "first_dense_layers",
                      "aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate"):
             if getattr(self, name) < 0:

@@ -14,10 +14,12 @@ Backward, with dy = dL/dy and s = sigmoid(gate)::
     dx_e    = [dgate | dup] @ w1[e]
     dw2[e]  = dy_e^T h_e,   dw1[e] = [dgate | dup]_e^T x_e          (the weight-gradient kernel)
 
-Scheduling: the row tiles of all experts form one flat list (tile t -> expert, first row, last row), computed on
-the device from the per-expert counts without a host sync; the grid is sized for the worst case
-(ceil(M / BLOCK_M) + E tiles) and surplus tiles return at once. An expert with no tokens has no tiles and a zero
-weight gradient. Every product accumulates in float32; outputs are stored in the input dtype.
+Scheduling: the row tiles of all experts form one flat list (tile t -> expert, first row, end row), computed on
+the device from the per-expert counts without a host sync, sized for the worst case (ceil(M / BLOCK_M) + E); the
+real tile count stays on the device and the kernels read it. Work items (row tile, column tile) run in grouped
+order for L2 reuse, one program each or a persistent grid looping over them; tiles load through pointers or TMA
+descriptors, per product (``GPU_CONFIG``). An expert with no tokens has no tiles and a zero weight gradient. Every
+product accumulates in float32; outputs are stored in the input dtype.
 
 ``grouped_swiglu_mlp(x, counts, w1, w2, impl)`` picks the implementation: ``triton`` (this file), ``torch``
 (``torch._grouped_mm``, two grouped GEMMs with SwiGLU between) or ``loop`` (one plain matmul per expert: the
@@ -76,8 +78,9 @@ def triton_usable(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-# ``auto`` on a GPU: torch._grouped_mm, ~1.4-1.7x faster than our Triton kernel at the 1B preset's shapes on an
-# H100 and faster in compiled training (BENCHMARKS.md); Triton where _grouped_mm cannot run (older torch, pre-sm90)
+# ``auto`` on a GPU: torch._grouped_mm (0.85x a dense MLP of equal FLOPs, forward + backward, at the 1B preset's
+# shapes on an H100; our forward matches it, our backward is not yet measured at par: BENCHMARKS.md); Triton where
+# _grouped_mm cannot run (older torch, pre-sm90)
 AUTO_GPU = "torch"
 
 
@@ -111,67 +114,129 @@ def grouped_swiglu_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _grouped_kernel(A, B, C, AUX, TILE_E, TILE_ROW, TILE_END, N, K,
-                        s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_xm, s_xn,
-                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """C[rows of tile] = epilogue(A[rows] @ B[e]) with B[e][k, n] = B + e s_be + k s_bk + n s_bn.
+    def _tile_of(pid, n_m, n_n, GROUP_M: tl.constexpr):
+        """Work item ``pid`` -> (row tile, column tile) in grouped order: GROUP_M consecutive row tiles (mostly of
+        one expert, so they share its weight tiles) sweep all column tiles before the next group starts, which
+        keeps the A rows and the weight columns of the programs running together in L2."""
+        width = GROUP_M * n_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (pid % width) % size_m, (pid % width) // size_m
 
-        MODE 0: C = acc.  MODE 1 (SwiGLU forward): B has 2N columns [gate | up]; AUX (M, 2N) gets gate|up, C
-        (M, N) gets silu(gate) * up.  MODE 2 (SwiGLU backward): acc = dh; AUX holds gate|up; C (M, 2N) gets
+    @triton.jit
+    def _epilogue(acc, acc_up, C, AUX, rm64, rn, mask, N, s_cm, s_cn, s_xm, s_xn, MODE: tl.constexpr):
+        """MODE 0: C = acc.  MODE 1 (SwiGLU forward): AUX (M, 2N) gets [gate | up] = [acc | acc_up], C (M, N)
+        gets silu(gate) * up.  MODE 2 (SwiGLU backward): acc = dh, AUX holds [gate | up], C (M, 2N) gets
         [dgate | dup]."""
-        t = tl.program_id(0)
-        row0 = tl.load(TILE_ROW + t)
-        row_end = tl.load(TILE_END + t)
-        if row0 >= row_end:
-            return
-        e = tl.load(TILE_E + t).to(tl.int64)
-        rm = row0 + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < row_end
-        n_ok = rn < N
-        rm64 = rm.to(tl.int64)
-        a_ptr = A + rm64[:, None] * s_am + rk[None, :] * s_ak
-        b_ptr = B + e * s_be + rk[:, None] * s_bk + rn[None, :] * s_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + rk) < K
-            a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(a, b)
-            if MODE == 1:
-                b_up = tl.load(b_ptr + N * s_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up += tl.dot(a, b_up)
-            a_ptr += BLOCK_K * s_ak
-            b_ptr += BLOCK_K * s_bk
-        mask = m_ok[:, None] & n_ok[None, :]
+        c = C + rm64[:, None] * s_cm + rn[None, :] * s_cn
         if MODE == 0:
-            tl.store(C + rm64[:, None] * s_cm + rn[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=mask)
+            tl.store(c, acc.to(C.dtype.element_ty), mask=mask)
         elif MODE == 1:
             aux = AUX + rm64[:, None] * s_xm + rn[None, :] * s_xn
             tl.store(aux, acc.to(AUX.dtype.element_ty), mask=mask)
             tl.store(aux + N * s_xn, acc_up.to(AUX.dtype.element_ty), mask=mask)
-            h = acc * tl.sigmoid(acc) * acc_up
-            tl.store(C + rm64[:, None] * s_cm + rn[None, :] * s_cn, h.to(C.dtype.element_ty), mask=mask)
+            tl.store(c, (acc * tl.sigmoid(acc) * acc_up).to(C.dtype.element_ty), mask=mask)
         else:
             aux = AUX + rm64[:, None] * s_xm + rn[None, :] * s_xn
             gate = tl.load(aux, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(aux + N * s_xn, mask=mask, other=0.0).to(tl.float32)
             s = tl.sigmoid(gate)
-            c = C + rm64[:, None] * s_cm + rn[None, :] * s_cn
             tl.store(c, (acc * up * s * (1.0 + gate * (1.0 - s))).to(C.dtype.element_ty), mask=mask)
             tl.store(c + N * s_cn, (acc * gate * s).to(C.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _grouped_kernel(A, B, C, AUX, TILE_E, TILE_ROW, TILE_END, N_TILES, N, K,
+                        s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_xm, s_xn,
+                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN: tl.constexpr):
+        """C[rows of a tile] = epilogue(A[rows] @ B[e]), B[e][k, n] at B + e s_be + k s_bk + n s_bn; in MODE 1 B
+        has 2N columns [gate | up] and both halves accumulate in one pass.
+
+        The work items (row tile, column tile) are numbered 0 .. N_TILES * cdiv(N, BLOCK_N); program p takes
+        items p, p + P, ... (P programs: one item each, or a persistent grid of a few per SM). Rows past a
+        tile's expert are loaded (their indices clamped into the tile's range: no row mask) but never stored;
+        EVEN (BLOCK_K | K and BLOCK_N | N) drops the column masks of the main loop. (Clamping a *contiguous*
+        index instead of masking it hides its contiguity from the compiler: scalar loads, ~10x slower.)"""
+        n_n = tl.cdiv(N, BLOCK_N)
+        n_m = tl.load(N_TILES)
+        for pid in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
+            pid_m, pid_n = _tile_of(pid, n_m, n_n, GROUP_M)
+            row0 = tl.load(TILE_ROW + pid_m)
+            row_end = tl.load(TILE_END + pid_m)
+            e = tl.load(TILE_E + pid_m).to(tl.int64)
+            rm = row0 + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rk = tl.arange(0, BLOCK_K)
+            rm64 = rm.to(tl.int64)
+            n_ok = rn < N
+            a_ptr = A + tl.minimum(rm, row_end - 1).to(tl.int64)[:, None] * s_am + rk[None, :] * s_ak
+            b_ptr = B + e * s_be + rk[:, None] * s_bk + rn[None, :] * s_bn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN:
+                    a = tl.load(a_ptr)
+                    b = tl.load(b_ptr)
+                else:
+                    k_ok = (k0 + rk) < K
+                    a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc += tl.dot(a, b)
+                if MODE == 1:
+                    if EVEN:
+                        b_up = tl.load(b_ptr + N * s_bn)
+                    else:
+                        b_up = tl.load(b_ptr + N * s_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc_up += tl.dot(a, b_up)
+                a_ptr += BLOCK_K * s_ak
+                b_ptr += BLOCK_K * s_bk
+            mask = (rm < row_end)[:, None] & n_ok[None, :]
+            _epilogue(acc, acc_up, C, AUX, rm64, rn, mask, N, s_cm, s_cn, s_xm, s_xn, MODE)
+
+    @triton.jit
+    def _grouped_kernel_tma(a_desc, b_desc, C, AUX, TILE_E, TILE_ROW, TILE_END, N_TILES, N, K, B_ROWS,
+                            s_cm, s_cn, s_xm, s_xn,
+                            MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_NK: tl.constexpr):
+        """The same product with the tiles fetched by the tensor-memory accelerator: ``a_desc`` over A (M, K),
+        ``b_desc`` over the weights as one 2-D tensor of E * B_ROWS rows, expert e's block at rows e * B_ROWS:
+        (N', K) blocks [BLOCK_N, BLOCK_K] when B_NK (``nn.Linear`` layout, used transposed), else (K, N) blocks
+        [BLOCK_K, BLOCK_N]. Only for BLOCK_K | K and BLOCK_N | N (no tile crosses into the next expert's
+        weights); rows past A's end read as zeros, rows of the next expert are computed and not stored."""
+        n_n = tl.cdiv(N, BLOCK_N)
+        n_m = tl.load(N_TILES)
+        for pid in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
+            pid_m, pid_n = _tile_of(pid, n_m, n_n, GROUP_M)
+            row0 = tl.load(TILE_ROW + pid_m)
+            row_end = tl.load(TILE_END + pid_m)
+            e = tl.load(TILE_E + pid_m)
+            n0 = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row0, k0])
+                if B_NK:
+                    acc += tl.dot(a, b_desc.load([e * B_ROWS + n0, k0]).T)
+                    if MODE == 1:
+                        acc_up += tl.dot(a, b_desc.load([e * B_ROWS + N + n0, k0]).T)
+                else:
+                    acc += tl.dot(a, b_desc.load([e * B_ROWS + k0, n0]))
+            rm = row0 + tl.arange(0, BLOCK_M)
+            rn = n0 + tl.arange(0, BLOCK_N)
+            mask = (rm < row_end)[:, None] & (rn < N)[None, :]
+            _epilogue(acc, acc_up, C, AUX, rm.to(tl.int64), rn, mask, N, s_cm, s_cn, s_xm, s_xn, MODE)
+
+    @triton.jit
     def _weight_grad_kernel(A, B, C, OFFS, P, Q, s_am, s_ap, s_bm, s_bq, s_ce, s_cp, s_cq,
-                            BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            GROUP_P: tl.constexpr):
         """C[e] (P, Q) = A[rows_e]^T @ B[rows_e] for A (M, P), B (M, Q): the reduction runs over one expert's rows;
-        an expert without rows gets zeros."""
-        e = tl.program_id(0)
-        n_q = tl.cdiv(Q, BLOCK_Q)
-        rp = (tl.program_id(1) // n_q) * BLOCK_P + tl.arange(0, BLOCK_P)
-        rq = (tl.program_id(1) % n_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        an expert without rows gets zeros. Grid (output tiles, E): the tiles of one expert run together and
+        share its rows in L2."""
+        e = tl.program_id(1)
+        pid_p, pid_q = _tile_of(tl.program_id(0), tl.cdiv(P, BLOCK_P), tl.cdiv(Q, BLOCK_Q), GROUP_P)
+        rp = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        rq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
         start = tl.load(OFFS + e)
         end = tl.load(OFFS + e + 1)
         p_ok = rp < P
@@ -188,21 +253,29 @@ if triton is not None:
         tl.store(c, acc.to(C.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
 
 
-GPU_BLOCKS = (128, 128, 64, 8, 3)
+# Launch configuration on a GPU: one row-tile height for the tile table; per product (block_n, block_k, warps,
+# stages, TMA descriptors or pointer loads); the weight gradient's (block_p, block_q, block_m, warps, stages);
+# GROUP_M; a persistent grid of ``persistent`` programs per SM (0: one program per work item). From the H100
+# sweep at the 1B preset's shapes (BENCHMARKS.md, ``benchmarks/moe_bench.py``): the forward products with pointer
+# loads (TMA was ~10% faster on the GPU, but encoding its descriptors on the host each call made the whole forward
+# slower in eager timing), the backward products with TMA (3-10x faster there than pointer loads were).
+GPU_CONFIG = {"block_m": 128, "gate_up": (128, 64, 8, 4, False), "down": (256, 64, 8, 3, False),
+              "dh": (128, 64, 8, 4, True), "dx": (256, 64, 8, 4, True), "wgrad": (128, 128, 64, 8, 3),
+              "group_m": 8, "persistent": 0}
+# the CPU interpreter: small tiles (its cost grows with the tile)
+INTERPRET_CONFIG = {"block_m": 16, "gate_up": (16, 16, 1, 1, False), "down": (16, 16, 1, 1, False),
+                    "dh": (16, 16, 1, 1, False), "dx": (16, 16, 1, 1, False), "wgrad": (16, 16, 16, 1, 1),
+                    "group_m": 2, "persistent": 0}
 
 
-def _blocks(interpret: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small tiles for the CPU interpreter, ``GPU_BLOCKS``
-    otherwise (the best of the H100 sweep at the 1B preset's shapes, BENCHMARKS.md)."""
-    if interpret:
-        return 16, 16, 16, 1, 1
-    return GPU_BLOCKS
+def _config(x: torch.Tensor) -> dict:
+    return GPU_CONFIG if x.is_cuda else INTERPRET_CONFIG
 
 
 def expert_tiles(counts: torch.Tensor, block_m: int, n_rows: int):
     """Flat row-tile list over the experts, on the device: (expert, first row, end row) per tile, int32, sized
-    ceil(n_rows / block_m) + E (the most tiles any split of n_rows rows can need); unused tiles have first ==
-    end. Also the exclusive offsets (E + 1,)."""
+    ceil(n_rows / block_m) + E (the most tiles any split of n_rows rows can need); the first ``n_tiles`` are
+    used, the rest have first == end. Returns (expert, first, end, offsets (E + 1,), n_tiles (1,))."""
     E = counts.numel()
     counts = counts.to(torch.int64)
     offs = torch.zeros(E + 1, dtype=torch.int64, device=counts.device)
@@ -218,19 +291,51 @@ def expert_tiles(counts: torch.Tensor, block_m: int, n_rows: int):
     end = offs[ec + 1]
     first = torch.where(valid, first, 0)
     end = torch.where(valid, end, 0)
-    return ec.to(torch.int32), first.to(torch.int32), end.to(torch.int32), offs.to(torch.int32)
+    return (ec.to(torch.int32), first.to(torch.int32), end.to(torch.int32), offs.to(torch.int32),
+            tile_end[-1:].to(torch.int32))
 
 
-def _grouped(a, b_view, n, k, tiles, mode, c, aux=None):
-    """Launch the grouped kernel: ``b_view`` (E, K, N') is w[e] seen as (K, N') through strides."""
-    tile_e, first, end, _ = tiles
-    bm, bn, bk, warps, stages = _blocks(not a.is_cuda)
+def _n_programs(a: torch.Tensor, items: int, per_sm: int) -> int:
+    """One program per work item, or ``per_sm`` per multiprocessor (the interpreter counts as one) looping over
+    them."""
+    if not per_sm:
+        return items
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 1
+    return min(items, per_sm * sms)
+
+
+def _grouped(a, w, nk, n, k, tiles, mode, c, aux=None, which="down"):
+    """Launch the grouped product C = epilogue(A @ W[e]) over the tile table. ``w`` (E, R, S) as stored: ``nk``
+    when w[e] is (N', K) (``nn.Linear`` layout, used transposed), else (K, N)."""
+    tile_e, first, end, _, n_tiles = tiles
+    cfg = _config(a)
+    bm = cfg["block_m"]
+    bn, bk, warps, stages, tma = cfg[which]
     aux_t = aux if aux is not None else c
-    grid = (tile_e.numel(), triton.cdiv(n, bn))
-    _grouped_kernel[grid](a, b_view, c, aux_t, tile_e, first, end, n, k,
-                          a.stride(0), a.stride(1), b_view.stride(0), b_view.stride(1), b_view.stride(2),
+    items = tile_e.numel() * triton.cdiv(n, bn)
+    grid = (_n_programs(a, items, cfg["persistent"]),)
+    even = k % bk == 0 and n % bn == 0
+    if tma and even and w.is_contiguous() and a.is_contiguous():
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # the descriptors are encoded through the driver before the launch: make the device's primary context
+        # current on this thread first (autograd runs the backward on a thread of its own)
+        if a.is_cuda:
+            torch.cuda.current_stream(a.device).query()
+        w2d = w.view(-1, w.shape[-1])
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(w2d, [bn, bk] if nk else [bk, bn])
+        _grouped_kernel_tma[grid](a_desc, b_desc, c, aux_t, tile_e, first, end, n_tiles, n, k, w.shape[1],
+                                  c.stride(0), c.stride(1), aux_t.stride(0), aux_t.stride(1),
+                                  MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["group_m"], B_NK=nk,
+                                  num_warps=warps, num_stages=stages)
+        return c
+    b = w.transpose(1, 2) if nk else w  # b[e][k, n]
+    _grouped_kernel[grid](a, b, c, aux_t, tile_e, first, end, n_tiles, n, k,
+                          a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
                           c.stride(0), c.stride(1), aux_t.stride(0), aux_t.stride(1),
-                          MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                          MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["group_m"], EVEN=even,
+                          num_warps=warps, num_stages=stages)
     return c
 
 
@@ -238,12 +343,13 @@ def _weight_grad(a, b, offs, n_experts, dtype):
     """(E, P, Q) with [e] = a[rows_e]^T b[rows_e]."""
     P, Q = a.shape[1], b.shape[1]
     out = torch.empty(n_experts, P, Q, dtype=dtype, device=a.device)
-    bm, bn, bk, warps, stages = _blocks(not a.is_cuda)
-    bp, bq, bmm = (bm, bn, bk) if a.is_cuda else (16, 16, 16)
-    grid = (n_experts, triton.cdiv(P, bp) * triton.cdiv(Q, bq))
+    cfg = _config(a)
+    bp, bq, bmm, warps, stages = cfg["wgrad"]
+    grid = (triton.cdiv(P, bp) * triton.cdiv(Q, bq), n_experts)
     _weight_grad_kernel[grid](a, b, out, offs, P, Q, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                               out.stride(0), out.stride(1), out.stride(2),
-                              BLOCK_M=bmm, BLOCK_P=bp, BLOCK_Q=bq, num_warps=warps, num_stages=stages)
+                              BLOCK_M=bmm, BLOCK_P=bp, BLOCK_Q=bq, GROUP_P=cfg["group_m"],
+                              num_warps=warps, num_stages=stages)
     return out
 
 
@@ -256,15 +362,13 @@ class GroupedSwiGLU(torch.autograd.Function):
         M, H = x.shape
         E, I2, _ = w1.shape
         I = I2 // 2
-        bm = _blocks(not x.is_cuda)[0]
-        tiles = expert_tiles(counts, bm, M)
+        tiles = expert_tiles(counts, _config(x)["block_m"], M)
         gate_up = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, w2.shape[1], dtype=x.dtype, device=x.device)
         if M:
-            # w1[e] seen as (H, 2I): element [k, n] = w1[e, n, k]
-            _grouped(x, w1.transpose(1, 2), I, H, tiles, 1, h, gate_up)
-            _grouped(h, w2.transpose(1, 2), w2.shape[1], I, tiles, 0, y)
+            _grouped(x, w1, True, I, H, tiles, 1, h, gate_up, which="gate_up")   # w1[e] (2I, H): (N', K)
+            _grouped(h, w2, True, w2.shape[1], I, tiles, 0, y, which="down")      # w2[e] (H, I): (N, K)
         ctx.save_for_backward(x, w1, w2, gate_up, h, *tiles)
         return y
 
@@ -279,8 +383,8 @@ class GroupedSwiGLU(torch.autograd.Function):
         dgu = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
         dx = torch.empty_like(x)
         if M:
-            _grouped(dy, w2, I, H, tiles, 2, dgu, gate_up)     # w2[e] (H, I) is already (K=H, N=I)
-            _grouped(dgu, w1, H, 2 * I, tiles, 0, dx)          # w1[e] (2I, H) is (K=2I, N=H)
+            _grouped(dy, w2, False, I, H, tiles, 2, dgu, gate_up, which="dh")   # w2[e] (H, I): (K, N)
+            _grouped(dgu, w1, False, H, 2 * I, tiles, 0, dx, which="dx")        # w1[e] (2I, H): (K, N)
         dw1 = _weight_grad(dgu, x, offs, E, w1.dtype)          # (E, 2I, H)
         dw2 = _weight_grad(dy, h, offs, E, w2.dtype)           # (E, H, I)
         return dx, None, dw1, dw2

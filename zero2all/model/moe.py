@@ -8,7 +8,7 @@ A MoE layer replaces a block's dense MLP (``model.moe``, ``MoEConfig``). For the
     y = shared(x) [* sigmoid(x wg)]  +  routed_scaling * sum_j w_j * expert_{idx_j}(x)
 
 The bias b of the sigmoid router is used for the selection only and carries no gradient; after each optimizer
-step it moves by ``bias_update_rate * sign(mean load - load_e)`` (aux-loss-free balancing, DeepSeek-V3 sec 2.1.2).
+step it moves against the expert's load error (aux-loss-free balancing, DeepSeek-V3 sec 2.1.2; :meth:`MoE.update_bias`).
 
 Auxiliary losses (added to the training loss by the model, their weights in the config):
 - load balancing (Switch / GShard): ``aux = E * sum_e f_e * P_e``, f_e the fraction of the N*k assignments that go
@@ -258,9 +258,24 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, step_load: torch.Tensor) -> None:
-        """Aux-loss-free balancing (sigmoid router): b_e += rate * sign(mean load - load_e)."""
-        if self.cfg.moe.router == "sigmoid":
-            self.router.expert_bias += self.cfg.moe.bias_update_rate * torch.sign(step_load.mean() - step_load)
+        """Aux-loss-free balancing (sigmoid router), with the step's load l_e and its mean l̄:
+
+            sign:   b_e += rate * sign(l̄ - l_e)                         (DeepSeek-V3)
+            error:  b_e += rate * clip((l̄ - l_e) / l̄, -1, 1)
+
+        The sign rule moves every bias by the full rate at every step, balanced or not: it settles into an
+        oscillation of that amplitude, and a rate small enough for a quiet oscillation is too slow to follow the
+        router weights while they move fast (early training, a high learning rate). The error rule is a
+        proportional controller: large corrections for large imbalances, vanishing ones near balance."""
+        m = self.cfg.moe
+        if m.router != "sigmoid":
+            return
+        mean = step_load.mean()
+        if m.bias_update == "sign":
+            step = torch.sign(mean - step_load)
+        else:
+            step = ((mean - step_load) / mean.clamp_min(1.0)).clamp(-1.0, 1.0)
+        self.router.expert_bias += m.bias_update_rate * step
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
