@@ -18,7 +18,9 @@ as the gradient of the world-mean loss: what one process computes on the whole b
 
 Sharding and checkpoints. Expert weights are DTensors sharded on dim 0 (the expert axis) over the ``ep`` mesh
 dimension, and FSDP2 shards them further over ``dp`` (2D: dp x ep); the other parameters are FSDP2-sharded over
-all ranks. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
+all ranks. With dp = 1 (ep = the world size) the experts stay out of FSDP2: each is held by one rank, so there
+is nothing to gather or reduce; their forward casts them to the compute dtype (bf16), their gradients and
+optimizer state stay float32. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
 (``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
 
 Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
@@ -129,6 +131,11 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
         mp = MixedPrecisionPolicy(param_dtype=param_dtype,
                                   reduce_dtype=torch.float32 if pc.fsdp_reduce_fp32 else param_dtype)
     group = mesh.get_group("ep")
+    # with one ep group (dp = 1) every expert lives on one rank: nothing to shard further or to reduce, so the
+    # experts stay out of FSDP2 (no gather / reduce-scatter hooks per layer) and are cast to the compute dtype
+    # in the forward instead
+    alone = mesh["dp"].size() == 1
+    ignored: set[nn.Parameter] = set()
     for _, moe in layers:
         experts = moe.experts
         for name in ("gate_up_proj", "down_proj"):
@@ -136,11 +143,16 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
             setattr(experts, name, nn.Parameter(distribute_tensor(full.data, mesh["ep"], [Shard(0)])))
         experts.grad_scale = 1.0 / ep
         moe.dispatch = AllToAllDispatch(group, ep, n_experts)
-        fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+        if alone:
+            ignored.update(experts.parameters())
+            experts.compute_dtype = None if param_dtype == torch.float32 else param_dtype
+        else:
+            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
     world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=world, mp_policy=mp,
+        fully_shard(block, mesh=world, mp_policy=mp, ignored_params=ignored or None,
                     reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=world, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None,
+                reshard_after_forward=pc.reshard_after_forward)
     return model

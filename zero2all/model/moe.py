@@ -182,6 +182,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.grad_scale = 1.0  # set by expert parallelism (distributed/ep.py)
+        self.compute_dtype: torch.dtype | None = None  # ep without FSDP on the experts: their bf16 cast
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights of the experts this process holds (a DTensor's local shard under expert parallelism)."""
@@ -190,6 +191,8 @@ class Experts(nn.Module):
             w1, w2 = w1.to_local(), w2.to_local()
         if self.grad_scale != 1.0:
             w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        if self.compute_dtype is not None:
+            w1, w2 = w1.to(self.compute_dtype), w2.to(self.compute_dtype)
         return w1, w2
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
