@@ -75,6 +75,8 @@ def scenario(env, out: Path, ep: int, save_at: int = 0):
     run, opt = make(env, ep)
     w = run.plain.layers[1].mlp.experts.gate_up_proj
     assert w.to_local().shape[0] * env.world_size == w.shape[0]  # dp x ep: each rank holds its share
+    # one ep group (dp = 1): the experts stay out of FSDP2 (FSDP2 renames the class of what it wraps)
+    assert (type(run.plain.layers[1].mlp.experts).__name__ == "Experts") == (env.world_size == ep)
     losses = train(run, opt, env, range(save_at))
     if save_at:
         ckpt.save(out / "ckpt", parts(run, opt, [save_at]), env, {"step": save_at, "model": to_dict(moe_cfg())})
