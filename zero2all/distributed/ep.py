@@ -155,4 +155,8 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
                     reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None,
                 reshard_after_forward=pc.reshard_after_forward)
+    # each MoE layer's forward waits once on the host for its split sizes, which stops the host from running
+    # ahead to issue the next block's all-gather early: ask for it at this block's start instead
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
     return model
