@@ -76,15 +76,18 @@ def _peer_model(cfg, device):
 
 
 def _profile_step(step, sync, path: Path, rows: int = 28) -> None:
-    """One step under ``torch.profiler``: the ops with the most CUDA time (self), written to ``path``."""
+    """One step under ``torch.profiler``: the ops with the most CUDA time (self), then those with the most host
+    time (self: kernel launches, host waits), written to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         sync()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
+    host = averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table)
+    path.write_text(table + "\n\nby host time (self CPU)\n" + host)
 
 
 def worker(args) -> None:

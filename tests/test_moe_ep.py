@@ -21,6 +21,7 @@ from test_distributed import assert_same_losses, free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
 from zero2all.config import ModelConfig, MoEConfig, OpsConfig, ParallelConfig, to_dict
+from zero2all.model.moe import gather_rows
 from zero2all.model.z2all import build_model
 
 STEPS, SEQ, ROWS = 20, 12, 8  # ROWS sequences per global batch
@@ -74,6 +75,8 @@ def scenario(env, out: Path, ep: int, save_at: int = 0):
     run, opt = make(env, ep)
     w = run.plain.layers[1].mlp.experts.gate_up_proj
     assert w.to_local().shape[0] * env.world_size == w.shape[0]  # dp x ep: each rank holds its share
+    # one ep group (dp = 1): the experts stay out of FSDP2 (FSDP2 renames the class of what it wraps)
+    assert (type(run.plain.layers[1].mlp.experts).__name__ == "Experts") == (env.world_size == ep)
     losses = train(run, opt, env, range(save_at))
     if save_at:
         ckpt.save(out / "ckpt", parts(run, opt, [save_at]), env, {"step": save_at, "model": to_dict(moe_cfg())})
@@ -113,6 +116,22 @@ def test_ep2_and_ep2_dp2_match_single_process_and_resume(tmp_path):
     ckpt.load(tmp_path / "save" / "ckpt", parts(run, opt, step), env)
     assert step[0] == half
     assert_same_losses(train(run, opt, env, range(half, STEPS)), want[half:], RTOL, "resumed on one process")
+
+
+@pytest.mark.parametrize("n,k,h,keep", [(13, 2, 7, 1.0), (9, 3, 5, 0.6), (17, 1, 4, 1.0), (1, 2, 3, 0.5)])
+def test_gather_rows_matches_indexing_forward_and_backward(n, k, h, keep):
+    """The dispatch gather (rows x[order // k], sort-free backward) equals plain indexing in float64, with
+    all assignments kept (a permutation) and with some dropped (capacity)."""
+    g = torch.Generator().manual_seed(n * 31 + k)
+    x = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
+    order = torch.randperm(n * k, generator=g)[:max(1, int(keep * n * k))]
+    dy = torch.randn(order.numel(), h, dtype=torch.float64, generator=g)
+    got = gather_rows(x, order, k)
+    (gx,) = torch.autograd.grad(got, x, dy)
+    want = x[order // k]
+    (wx,) = torch.autograd.grad(want, x, dy)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(gx, wx, rtol=1e-12, atol=1e-12)
 
 
 MOE_KEYS = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_intermediate_size=32",

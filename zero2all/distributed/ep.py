@@ -18,7 +18,9 @@ as the gradient of the world-mean loss: what one process computes on the whole b
 
 Sharding and checkpoints. Expert weights are DTensors sharded on dim 0 (the expert axis) over the ``ep`` mesh
 dimension, and FSDP2 shards them further over ``dp`` (2D: dp x ep); the other parameters are FSDP2-sharded over
-all ranks. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
+all ranks. With dp = 1 (ep = the world size) the experts stay out of FSDP2: each is held by one rank, so there
+is nothing to gather or reduce; their forward casts them to the compute dtype (bf16), their gradients and
+optimizer state stay float32. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
 (``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
 
 Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
@@ -46,27 +48,63 @@ def ep_mesh(env: DistEnv, ep: int):
     return init_device_mesh(env.device.type, (env.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
 
 
+class SplitPlan:
+    """One MoE layer's split sizes under exchange: ``counts`` (2, ep, L) on the device = [rows I send to (rank
+    d, its local expert l), rows rank s sends me for my local expert l], and their copy on its way to the host
+    (``ready`` marks its arrival on CUDA). :meth:`host` waits for it: the one host sync of the layer."""
+
+    def __init__(self, counts: torch.Tensor, host: torch.Tensor, ready):
+        self.counts, self._host, self.ready = counts, host, ready
+
+    def host(self) -> tuple[list[int], list[int]]:
+        """(rows I send to each rank, rows I receive from each rank)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        send, recv = self._host.tolist()
+        return [sum(row) for row in send], [sum(row) for row in recv]
+
+
 class AllToAllDispatch:
-    """Send each expert's rows to the rank holding it, run the local experts, send the results back."""
+    """Send each expert's rows to the rank holding it, run the local experts, send the results back.
+
+    Host syncs: ``all_to_all_single`` needs the split sizes on the host (dropless routing: they change every
+    step), so each layer's forward reads them once: the send and receive counts in one small copy, started in
+    :meth:`plan` right after the router and awaited in :meth:`__call__` after the layer's other launches
+    (gather, auxiliary losses, shared experts), so the GPU stays busy while the host waits. Nothing else in the
+    layer syncs (the regrouping is sized from the host counts); the backward needs no sync at all: the
+    exchanges' gradients reuse the forward's splits, reversed."""
 
     def __init__(self, group, ep: int, n_experts: int):
         self.group, self.ep, self.local = group, ep, n_experts // ep
 
-    def __call__(self, moe, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def plan(self, counts: torch.Tensor) -> SplitPlan:
+        send = counts.to(torch.int64).view(self.ep, self.local)   # rows for destination d, its local expert l
+        recv = torch.empty_like(send)                              # rows from source s for my local expert l
+        dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=self.group)
+        both = torch.stack([send, recv])
+        if both.device.type != "cuda":
+            return SplitPlan(both, both, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SplitPlan(both, host, ready)
+
+    def __call__(self, moe, x_sorted: torch.Tensor, plan: SplitPlan) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        ep, L = self.ep, self.local
-        send = counts.to(torch.int64).view(ep, L)               # rows for destination d, its local expert l
-        recv = torch.empty_like(send)                           # rows from source s for my local expert l
-        dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=self.group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, self.group)
+        from zero2all.model.moe import gather_rows
+
+        send_rows, recv_rows = plan.host()
+        x_recv = all_to_all_single_autograd(x_sorted, recv_rows, send_rows, self.group)
         # received rows are grouped by source, then by local expert: regroup them by local expert
-        local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv.reshape(-1))
+        recv = plan.counts[1]
+        local_ids = torch.arange(self.local, device=recv.device).repeat(self.ep)
+        local_ids = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
         order = torch.argsort(local_ids, stable=True)
-        y = moe.experts(x_recv[order], recv.sum(0))
+        y = moe.experts(gather_rows(x_recv, order), recv.sum(0))
         y_recv = y.new_zeros(y.shape).index_copy(0, order, y)
-        return all_to_all_single_autograd(y_recv, in_splits, out_splits, self.group)
+        return all_to_all_single_autograd(y_recv, send_rows, recv_rows, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: torch.dtype,
@@ -93,6 +131,11 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
         mp = MixedPrecisionPolicy(param_dtype=param_dtype,
                                   reduce_dtype=torch.float32 if pc.fsdp_reduce_fp32 else param_dtype)
     group = mesh.get_group("ep")
+    # with one ep group (dp = 1) every expert lives on one rank: nothing to shard further or to reduce, so the
+    # experts stay out of FSDP2 (no gather / reduce-scatter hooks per layer) and are cast to the compute dtype
+    # in the forward instead
+    alone = mesh["dp"].size() == 1
+    ignored: set[nn.Parameter] = set()
     for _, moe in layers:
         experts = moe.experts
         for name in ("gate_up_proj", "down_proj"):
@@ -100,11 +143,20 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
             setattr(experts, name, nn.Parameter(distribute_tensor(full.data, mesh["ep"], [Shard(0)])))
         experts.grad_scale = 1.0 / ep
         moe.dispatch = AllToAllDispatch(group, ep, n_experts)
-        fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+        if alone:
+            ignored.update(experts.parameters())
+            experts.compute_dtype = None if param_dtype == torch.float32 else param_dtype
+        else:
+            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
     world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=world, mp_policy=mp,
+        fully_shard(block, mesh=world, mp_policy=mp, ignored_params=ignored or None,
                     reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=world, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None,
+                reshard_after_forward=pc.reshard_after_forward)
+    # each MoE layer's forward waits once on the host for its split sizes, which stops the host from running
+    # ahead to issue the next block's all-gather early: ask for it at this block's start instead
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
     return model

@@ -121,6 +121,33 @@ def permute(experts: torch.Tensor, n_experts: int, capacity: int = 0) -> Permuta
     return Permutation(order, counts, flat.numel())
 
 
+class _GatherRows(torch.autograd.Function):
+    """``out[r] = x[order[r] // k]``: each token's row once per kept (token, slot) assignment, in expert order.
+
+    Plain indexing (``x[idx]``) has a scatter-add backward that sorts the indices (a radix sort and an
+    ``index_put`` per MoE layer). The structure is known here: ``order`` lists distinct (token, slot) positions,
+    so the backward writes each gradient row to its own slot and sums a token's k slots, with no sort and no
+    atomics: ``dx = sum_j scatter(g, order)[:, j]``. Dropped slots (capacity) stay zero."""
+
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.n = k, x.shape[0]
+        return x.index_select(0, order // k if k > 1 else order)
+
+    @staticmethod
+    def backward(ctx, g):
+        (order,) = ctx.saved_tensors
+        full = g.new_zeros(ctx.n * ctx.k, g.shape[-1]).index_copy_(0, order, g)
+        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None
+
+
+def gather_rows(x: torch.Tensor, order: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """Rows ``x[order // k]`` for distinct slot indices ``order`` (a permutation of rows when k = 1), with a
+    sort-free backward (:class:`_GatherRows`)."""
+    return _GatherRows.apply(x, order, k)
+
+
 def unpermute(y_sorted: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
     """Scatter expert outputs back to their (token, slot) place, weight them and sum the k slots: (N, H).
     Dropped assignments contribute zero."""
@@ -131,7 +158,14 @@ def unpermute(y_sorted: torch.Tensor, perm: Permutation, weights: torch.Tensor) 
 
 
 class LocalDispatch:
-    """All experts on this process: run the grouped MLP on the expert-sorted rows as they are."""
+    """All experts on this process: run the grouped MLP on the expert-sorted rows as they are.
+
+    A dispatch works in two calls: ``plan(counts)`` as soon as the per-expert counts exist (expert parallelism
+    starts its exchange of split sizes there, so the rest of the layer's launches overlap it), then
+    ``dispatch(moe, x_sorted, plan)`` runs the experts."""
+
+    def plan(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
 
     def __call__(self, moe: "MoE", x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return moe.experts(x_sorted, counts)
@@ -148,6 +182,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.grad_scale = 1.0  # set by expert parallelism (distributed/ep.py)
+        self.compute_dtype: torch.dtype | None = None  # ep without FSDP on the experts: their bf16 cast
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights of the experts this process holds (a DTensor's local shard under expert parallelism)."""
@@ -156,6 +191,8 @@ class Experts(nn.Module):
             w1, w2 = w1.to_local(), w2.to_local()
         if self.grad_scale != 1.0:
             w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        if self.compute_dtype is not None:
+            w1, w2 = w1.to(self.compute_dtype), w2.to(self.compute_dtype)
         return w1, w2
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -223,17 +260,21 @@ class MoE(nn.Module):
         capacity = expert_capacity(flat.size(0), m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor \
             else 0
         perm = permute(routing.experts, m.n_experts, capacity)
-        x_sorted = flat[perm.order // m.top_k]
-        y_sorted = self.dispatch(self, x_sorted, perm.counts)
-        out = unpermute(y_sorted, perm, routing.weights)
-        if m.routed_scaling != 1.0:
-            out = out * m.routed_scaling
+        plan = self.dispatch.plan(perm.counts)  # expert parallelism: the split-size exchange starts here
+        # work that does not need the exchange's result is launched before the dispatch waits for it
+        x_sorted = gather_rows(flat, perm.order, m.top_k)
+        self._account(routing, perm)
+        s = None
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(flat)) * s
+        y_sorted = self.dispatch(self, x_sorted, plan)
+        out = unpermute(y_sorted, perm, routing.weights)
+        if m.routed_scaling != 1.0:
+            out = out * m.routed_scaling
+        if s is not None:
             out = out + s
-        self._account(routing, perm)
         return out.view(B, T, H).to(x.dtype)
 
     def _account(self, routing: Routing, perm: Permutation) -> None:
@@ -253,8 +294,9 @@ class MoE(nn.Module):
             self.load += counts
             self.step_load += counts
             dropped = float(perm.n_assignments - perm.order.numel())
-            self.sums += torch.stack([aux.detach(), z.detach(), aux.new_tensor(dropped),
-                                      aux.new_tensor(float(perm.n_assignments)), aux.new_tensor(1.0)])
+            # new_full fills on the device: new_tensor would copy from the host and wait for the GPU
+            self.sums += torch.stack([aux.detach(), z.detach(), aux.new_full((), dropped),
+                                      aux.new_full((), float(perm.n_assignments)), aux.new_full((), 1.0)])
 
     @torch.no_grad()
     def update_bias(self, step_load: torch.Tensor) -> None:
