@@ -54,6 +54,7 @@ import torch.nn as nn
 
 from zero2all.config import MULTI_STAGE_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from zero2all.distributed.env import DistEnv, collective_timeout
+from zero2all.model import ops
 
 
 def check_pipeline_model(model_cfg: ModelConfig) -> None:
@@ -159,11 +160,21 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self._rope_cache: dict = {}
 
-    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
-        from zero2all.model import ops
+    def _rope_tables(self, T: int, device, position_ids):
+        """cos, sin for this microbatch: the tables of positions 0..T-1 are the same for every microbatch, so
+        they are built once per (T, device) and reused (per-row ``position_ids`` are built each time)."""
         from zero2all.model.z2all import Z2all
 
+        if position_ids is not None:
+            return Z2all.rope_tables(self, 0, T, device, position_ids)  # uses only self.cfg
+        key = (T, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = Z2all.rope_tables(self, 0, T, device)
+        return self._rope_cache[key]
+
+    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
         if self.first:
             (tokens,) = inputs
             x, residual = self.embed_tokens(tokens), None
@@ -172,7 +183,7 @@ class StageModule(nn.Module):
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
         # this tensor-parallel rank's slice of the sequence
         T = labels.shape[1] if labels is not None else x.shape[1]
-        cos, sin = Z2all.rope_tables(self, 0, T, x.device, position_ids)  # uses only self.cfg
+        cos, sin = self._rope_tables(T, x.device, position_ids)
         for layer in self.layers.values():
             x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
         if not self.last:
@@ -193,8 +204,6 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
     Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
     (the schedule step is inside ``loss_parallel``), summed directly."""
     import torch.nn.functional as F
-
-    from zero2all.model import ops
 
     if ops.is_dtensor(head.weight):
         if z_loss:
@@ -405,7 +414,7 @@ class PipelineRun:
         if self.measure:
             self._sync()
             t0 = time.perf_counter()
-        with self._loss_context():
+        with self._loss_context(), ops.weight_cast_cache():  # weights are fixed until the optimizer step
             schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         if self.measure:
             self._sync()
@@ -446,7 +455,7 @@ class PipelineRun:
         if not hasattr(schedule, "eval"):
             raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
                               f"(this is {torch.__version__}); set train.eval_batches = 0")
-        with self._loss_context():
+        with self._loss_context(), ops.weight_cast_cache():
             schedule.eval(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 
