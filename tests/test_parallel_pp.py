@@ -128,6 +128,20 @@ def test_layout_weighs_the_lm_head_and_places_stages_round_robin():
     assert [stage_rank(s, 2) for s in range(4)] == [0, 1, 0, 1]
 
 
+def test_explicit_split_overrides_the_flop_balance_and_is_checked():
+    cfg = load_config("tiny", BASE + ["parallel.pp=2", "parallel.pp_split=[3, 1]", "train.micro_batch_size=4"])
+    assert cfg.parallel.pp_split == [3, 1]
+    assert stage_layout(cfg.model, cfg.parallel, 16) == [[0, 1, 2], [3]]
+    check_mesh(cfg.model, cfg.train, cfg.parallel, 2)
+    interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1])
+    assert stage_layout(cfg.model, interleaved, 16) == [[0], [1], [2], [3]]
+    for split, what in (([2, 1], "summing to 3"), ([4, 0, 0], "got 3 summing to 4"), ([4, 0], "each >= 1")):
+        with pytest.raises(ConfigError, match=rf"pp_split=\[{split[0]}.*{what}"):
+            check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_split=split), 2)
+    with pytest.raises(ConfigError, match="needs parallel.pp > 1"):
+        check_mesh(cfg.model, cfg.train, ParallelConfig(pp_split=[4]), 1)
+
+
 def test_last_stage_loss_is_the_token_sum_even_without_valid_tokens():
     """The last stage returns sum over valid tokens of the cross-entropy, on the device-count path (every
     microbatch has valid tokens) and on the host-count path (one has none: an exact zero, zero gradients)."""
@@ -179,7 +193,8 @@ def test_impossible_pipelines_are_refused_naming_the_numbers():
 @pytest.mark.slow
 def test_pp2_every_schedule_matches_one_process_and_resumes_on_one(reference, tmp_path):
     runs = [["train.micro_batch_size=4", "parallel.pp=2", f"parallel.pp_schedule='{name}'",
-             f"parallel.pp_stages_per_rank={v}", *(["train.ckpt_every=10", *EVAL] if name == "1f1b" else [])]
+             f"parallel.pp_stages_per_rank={v}", *(["train.ckpt_every=10", *EVAL] if name == "1f1b" else []),
+             *(["parallel.pp_split=[1,3]"] if name == "gpipe" else [])]   # an explicit, unbalanced split
             for name, v in SCHEDULES]
     got = launch(tmp_path, 2, runs)
     reference, reference_eval = reference

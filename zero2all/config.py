@@ -429,6 +429,8 @@ class ParallelConfig:
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 1    # interleaved_1f1b / zero_bubble: virtual stages held by each pipeline rank
+    # blocks per pipeline stage, first to last (e.g. [11, 11]); [] = balanced by FLOPs (distributed/pp.py)
+    pp_split: list[int] = field(default_factory=list)
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -570,6 +572,13 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
         if micro and micro < stages:
             raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
                               f"(0 means train.micro_batch_size={batch})")
+        split = list(parallel.pp_split)
+        if split and (len(split) != stages or min(split) < 1 or sum(split) != model.n_layers):
+            raise ConfigError(f"{prefix}.pp_split={split}: needs {stages} block counts (pp={pp} x "
+                              f"pp_stages_per_rank={parallel.pp_stages_per_rank}), each >= 1, summing to "
+                              f"model.n_layers={model.n_layers} (got {len(split)} summing to {sum(split)})")
+    elif parallel.pp_split:
+        raise ConfigError(f"{prefix}.pp_split={list(parallel.pp_split)} needs {prefix}.pp > 1")
     if cp > 1 and model.ops.attention != "sdpa":
         raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
                           f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")

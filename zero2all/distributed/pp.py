@@ -125,7 +125,11 @@ def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0
 
 
 def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int) -> list[list[int]]:
-    """The blocks of each of the pp x pp_stages_per_rank stages, balanced by :func:`unit_costs`."""
+    """The blocks of each of the pp x pp_stages_per_rank stages: ``parallel.pp_split`` block counts when given
+    (checked by ``config.check_mesh``), else balanced by :func:`unit_costs`."""
+    if pc.pp_split:
+        bounds = [sum(pc.pp_split[:s]) for s in range(len(pc.pp_split) + 1)]
+        return [list(range(bounds[s], bounds[s + 1])) for s in range(len(pc.pp_split))]
     embed, blocks, head = unit_costs(cfg, seq_len)
     return split_layers(blocks, pc.pp * pc.pp_stages_per_rank, embed, head)
 
