@@ -70,6 +70,9 @@ def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
     stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
     2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
     numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    if pc.pp_balance == "time" and shape.get("tp", 1) > 1:
+        raise ConfigError(f"parallel.pp_balance='time' with tp={shape['tp']}: the timed blocks would run the "
+                          f"tensor-parallel collectives too; use pp_balance = 'flops' or an explicit pp_split")
     if pc.pp_schedule == "zero_bubble" and shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1:
         raise ConfigError(f"parallel.pp_schedule='zero_bubble' with dp_replicate={shape.get('dp_replicate', 1)} x "
                           f"dp_shard={shape.get('dp_shard', 1)} data-parallel ranks: its deferred weight gradients "
@@ -124,13 +127,15 @@ def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0
     return [list(range(i, j)) for i, j in reversed(bounds)]
 
 
-def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int) -> list[list[int]]:
+def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int,
+                 costs: tuple[float, list[float], float] | None = None) -> list[list[int]]:
     """The blocks of each of the pp x pp_stages_per_rank stages: ``parallel.pp_split`` block counts when given
-    (checked by ``config.check_mesh``), else balanced by :func:`unit_costs`."""
+    (checked by ``config.check_mesh``), else balanced by ``costs`` (embedding, each block, head), by default
+    :func:`unit_costs` (FLOPs; ``pp_balance.measured_unit_costs`` gives seconds)."""
     if pc.pp_split:
         bounds = [sum(pc.pp_split[:s]) for s in range(len(pc.pp_split) + 1)]
         return [list(range(bounds[s], bounds[s + 1])) for s in range(len(pc.pp_split))]
-    embed, blocks, head = unit_costs(cfg, seq_len)
+    embed, blocks, head = costs or unit_costs(cfg, seq_len)
     return split_layers(blocks, pc.pp * pc.pp_stages_per_rank, embed, head)
 
 
@@ -314,7 +319,17 @@ class PipelineRun:
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
-        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len)
+        self.costs = None      # measured seconds per microbatch of (embedding, blocks, head): pp_balance = time
+        if pc.pp_balance == "time" and not pc.pp_split:
+            from zero2all.distributed.pp_balance import measured_unit_costs
+
+            self.costs = measured_unit_costs(model, model.cfg.max_seq_len, env.device, param_dtype)
+        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len, self.costs)
+        if env.is_main and self.costs:
+            embed, blocks, head = self.costs
+            print(f"pipeline stages balanced by measured time per microbatch: embedding {embed * 1e3:.2f} ms, "
+                  f"block {max(blocks) * 1e3:.2f} ms, norm + LM head + loss {head * 1e3:.2f} ms -> blocks per "
+                  f"stage {[len(ids) for ids in self.layout]}", flush=True)
         n_stages = len(self.layout)
         self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
         self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
