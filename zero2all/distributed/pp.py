@@ -16,13 +16,15 @@ What this module does, mapped to the code:
 
 - :func:`split_layers`: stage boundaries balanced by training FLOPs per token (6 x parameters of each matmul
   plus 12 * H * T for attention; the LM head weighs 6 * V * H, the embedding its optimizer work 2 * V * H),
-  found by a linear-partition dynamic program that minimises the largest stage.
+  found by a linear-partition dynamic program that minimises the largest stage; with ``pp_balance = "time"`` the
+  same program on costs timed on the devices (``pp_balance.py``), or the explicit block counts of ``pp_split``.
 - :class:`StageModule`: one stage: its blocks under the plain model's names (``layers.5...``), the embedding on
   the first stage, the final norm + LM head + loss on the last. It sends ``(x, residual)`` to the next stage. A
   rank holds one stage, or ``pp_stages_per_rank`` = V of them round-robin (stage s on pp rank s mod K).
 - :class:`PipelineRun`: the schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``), the loss scaling, the global gradient norm over the pp group, the report of
-  the loss from the last stage to every rank, and the measured bubble.
+  the loss from the last stage to every rank, and the measured bubble. A schedule step runs inside
+  ``ops.weight_cast_cache()``: each weight is cast to the compute dtype once per update, not twice per microbatch.
 
 Gradient accumulation is expressed as microbatches: the ``grad_accum_steps`` micro-batches of an update, each
 split into ``pp_microbatches``, run as ONE schedule of M = accum x pp_microbatches microbatches, so the pipeline
@@ -66,10 +68,11 @@ def check_pipeline_model(model_cfg: ModelConfig) -> None:
 
 
 def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
-    """Combinations that do not reproduce the single process: torch's zero-bubble schedule with FSDP-sharded
-    stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
-    2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
-    numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    """Combinations refused on the built mesh, naming the numbers. ``pp_balance = "time"`` with tensor
+    parallelism: the timed blocks would run its collectives too. Torch's zero-bubble schedule with FSDP-sharded
+    stages (dp_shard or dp_replicate > 1): it does not reproduce the single process, other gradients from the
+    second update on (measured on CPU, torch 2.13; its deferred weight-gradient steps and FSDP2's gradient
+    reduction do not compose); GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
     if pc.pp_balance == "time" and shape.get("tp", 1) > 1:
         raise ConfigError(f"parallel.pp_balance='time' with tp={shape['tp']}: the timed blocks would run the "
                           f"tensor-parallel collectives too; use pp_balance = 'flops' or an explicit pp_split")
