@@ -5,8 +5,9 @@
 torch.compile needs, so that the functions stay opaque and keep exactly what they list for backward. In eager
 mode that registration costs host time on every call: the dispatcher enters a Python autograd kernel, which
 builds an autograd Function, re-dispatches below autograd and checks the schema before the body runs; the
-backward op takes the same path again. Measured on one CPU core, a custom op with an empty body costs ~330 us
-per forward + backward pair against ~90 us for a plain ``torch.autograd.Function``. With one sequence per
+backward op takes the same path again. ``benchmarks/dispatch_overhead.py`` measures it with a trivial body: on
+one core of a development CPU (torch 2.13) the custom op adds 330-450 us per forward + backward pair over plain
+ops, a plain ``torch.autograd.Function`` 90-160 us (BENCHMARKS.md). With one sequence per
 pipeline microbatch a 1.1B block's GEMMs take only tens of microseconds each, so that overhead, paid by 5 ops x
 2 directions x every block x every microbatch, left the first pipeline stage CPU-bound (its GPU idle half of
 the step).
