@@ -6,11 +6,10 @@ torch.compile needs, so that the functions stay opaque and keep exactly what the
 mode that registration costs host time on every call: the dispatcher enters a Python autograd kernel, which
 builds an autograd Function, re-dispatches below autograd and checks the schema before the body runs; the
 backward op takes the same path again. ``benchmarks/dispatch_overhead.py`` measures it with a trivial body: on
-one core of a development CPU (torch 2.13) the custom op adds 330-450 us per forward + backward pair over plain
-ops, a plain ``torch.autograd.Function`` 90-160 us (BENCHMARKS.md). With one sequence per
-pipeline microbatch a 1.1B block's GEMMs take only tens of microseconds each, so that overhead, paid by 5 ops x
-2 directions x every block x every microbatch, left the first pipeline stage CPU-bound (its GPU idle half of
-the step).
+one core of a busy development VM (torch 2.13) the custom op adds 290-500 us per forward + backward pair over
+plain ops, a plain ``torch.autograd.Function`` 50-180 us (BENCHMARKS.md). With one sequence per pipeline
+microbatch a 1.1B block's GEMMs take only tens of microseconds each, so that overhead, paid by 5 ops x every
+block x every microbatch, left the first pipeline stage CPU-bound (its GPU idle half of the step).
 
 The classes below run the SAME bodies (the custom ops' own Python functions and their setup / FP8 bookkeeping;
 for RoPE the kernel launcher) from a plain ``torch.autograd.Function``: identical values and gradients, less host
