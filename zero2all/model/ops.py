@@ -191,8 +191,8 @@ def swiglu(gate_up, impl="auto"):
 
 def weight_cast_cache():
     """A context within which the fused projections cast each weight to the compute dtype once and reuse the
-    copy (``kernels/eager.py``): for spans in which no weight changes, such as a pipeline schedule
-    step over all the microbatches of an update. A no-op context without Triton."""
+    copy (``kernels/eager.py``): for spans in which no weight changes, such as a pipeline schedule step over all
+    the microbatches of an update. A no-op context without Triton."""
     if not triton_available():
         import contextlib
 
@@ -231,8 +231,8 @@ def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=No
         if not torch.compiler.is_compiling():
             from zero2all.kernels import eager
 
-            return eager.norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias,
-                                                  precision, kind)
+            return eager.norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision,
+                                     kind)
         from zero2all.kernels.fused_linear import triton_norm_linear
 
         return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
