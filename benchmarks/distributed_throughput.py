@@ -226,7 +226,11 @@ def worker(args) -> None:
             result["comm_per_rank"] = comm
         if pipeline:
             result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
-                          bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble())
+                          bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble(),
+                          pp_layout=[len(ids) for ids in trainer.pipeline.layout])
+            if trainer.pipeline.costs:  # parallel.pp_balance = time: the measured ms per microbatch
+                embed, blocks, head = trainer.pipeline.costs
+                result["pp_costs_ms"] = [round(1e3 * embed, 2), round(1e3 * max(blocks), 2), round(1e3 * head, 2)]
         Path(args.result).write_text(json.dumps(result))
     zd.barrier(env)
     zd.destroy_distributed()
@@ -304,7 +308,10 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['variant']} x{r['gpus']}: {r['pp_schedule']}, {r['pp_microbatches']} pipeline microbatches per "
                   f"update (accum x --pp-microbatches); measured bubble per rank "
                   + " ".join(f"r{i}:{100 * b:.1f}%" for i, b in enumerate(r["bubble_measured"]))
-                  + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%)")
+                  + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%); blocks per stage "
+                  + str(r.get("pp_layout"))
+                  + (f" (measured ms per microbatch: embedding, block, head {r['pp_costs_ms']})"
+                     if r.get("pp_costs_ms") else ""))
     if results:
         r = results[0]
         print(f"\n{r['device_name']}, torch {r['torch']}, micro-batch {r['micro_batch']} x accum {r['accum']} x "

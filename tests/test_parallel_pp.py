@@ -128,6 +128,41 @@ def test_layout_weighs_the_lm_head_and_places_stages_round_robin():
     assert [stage_rank(s, 2) for s in range(4)] == [0, 1, 0, 1]
 
 
+def test_explicit_split_overrides_the_flop_balance_and_is_checked():
+    cfg = load_config("tiny", BASE + ["parallel.pp=2", "parallel.pp_split=[3, 1]", "train.micro_batch_size=4"])
+    assert cfg.parallel.pp_split == [3, 1]
+    assert stage_layout(cfg.model, cfg.parallel, 16) == [[0, 1, 2], [3]]
+    check_mesh(cfg.model, cfg.train, cfg.parallel, 2)
+    interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1])
+    assert stage_layout(cfg.model, interleaved, 16) == [[0], [1], [2], [3]]
+    for split, what in (([2, 1], "summing to 3"), ([4, 0, 0], "got 3 summing to 4"), ([4, 0], "each >= 1")):
+        with pytest.raises(ConfigError, match=rf"pp_split=\[{split[0]}.*{what}"):
+            check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_split=split), 2)
+    with pytest.raises(ConfigError, match="needs parallel.pp > 1"):
+        check_mesh(cfg.model, cfg.train, ParallelConfig(pp_split=[4]), 1)
+
+
+def test_measured_costs_time_every_piece_and_leave_no_gradients():
+    from zero2all.distributed.pp_balance import measured_unit_costs
+    from zero2all.model.z2all import build_model
+
+    cfg = load_config("tiny", BASE)
+    model = build_model(cfg.model, device="cpu", seed=0)
+    embed, blocks, head = measured_unit_costs(model, 16, torch.device("cpu"), torch.float32, repeats=1)
+    assert len(blocks) == cfg.model.n_layers and len(set(blocks)) == 1   # one timing per kind of block
+    assert embed > 0 and blocks[0] > 0 and head > 0
+    assert all(p.grad is None for p in model.parameters())
+    layout = stage_layout(cfg.model, ParallelConfig(pp=2, pp_balance="time"), 16, (embed, blocks, head))
+    assert [i for ids in layout for i in ids] == list(range(cfg.model.n_layers)) and all(layout)
+    from zero2all.distributed.pp import check_pipeline_mesh
+
+    with pytest.raises(ConfigError, match="pp_balance='time' with tp=2"):
+        check_pipeline_mesh(ParallelConfig(pp=2, tp=2, pp_balance="time"),
+                            {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2})
+    with pytest.raises(ConfigError, match="pp_balance: 'fast' is not one of flops, time"):
+        ParallelConfig(pp=2, pp_balance="fast").validate(2)
+
+
 def test_last_stage_loss_is_the_token_sum_even_without_valid_tokens():
     """The last stage returns sum over valid tokens of the cross-entropy, on the device-count path (every
     microbatch has valid tokens) and on the host-count path (one has none: an exact zero, zero gradients)."""
@@ -179,7 +214,9 @@ def test_impossible_pipelines_are_refused_naming_the_numbers():
 @pytest.mark.slow
 def test_pp2_every_schedule_matches_one_process_and_resumes_on_one(reference, tmp_path):
     runs = [["train.micro_batch_size=4", "parallel.pp=2", f"parallel.pp_schedule='{name}'",
-             f"parallel.pp_stages_per_rank={v}", *(["train.ckpt_every=10", *EVAL] if name == "1f1b" else [])]
+             f"parallel.pp_stages_per_rank={v}", *(["train.ckpt_every=10", *EVAL] if name == "1f1b" else []),
+             *(["parallel.pp_split=[1,3]"] if name == "gpipe" else []),   # an explicit, unbalanced split
+             *(["parallel.pp_balance='time'"] if name == "1f1b" else [])]  # stages balanced by timing them
             for name, v in SCHEDULES]
     got = launch(tmp_path, 2, runs)
     reference, reference_eval = reference

@@ -394,6 +394,7 @@ TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PP_BALANCES = ("flops", "time")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 AC_MODES = ("none", "full", "selective")
@@ -432,6 +433,9 @@ class ParallelConfig:
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 1    # interleaved_1f1b / zero_bubble: virtual stages held by each pipeline rank
+    # blocks per pipeline stage, first to last (e.g. [11, 11]); [] = balanced by pp_balance (distributed/pp.py)
+    pp_split: list[int] = field(default_factory=list)
+    pp_balance: str = "flops"      # stage costs: flops (the model's FLOPs) | time (timed on the devices at start)
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -499,6 +503,7 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.mode={mode!r} needs several processes: launch with torchrun "
                               f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
         _check_choice(self, "pp_schedule", PP_SCHEDULES, prefix)
+        _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}: must be >= 1, got {getattr(self, name)}")
@@ -573,6 +578,13 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
         if micro and micro < stages:
             raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
                               f"(0 means train.micro_batch_size={batch})")
+        split = list(parallel.pp_split)
+        if split and (len(split) != stages or min(split) < 1 or sum(split) != model.n_layers):
+            raise ConfigError(f"{prefix}.pp_split={split}: needs {stages} block counts (pp={pp} x "
+                              f"pp_stages_per_rank={parallel.pp_stages_per_rank}), each >= 1, summing to "
+                              f"model.n_layers={model.n_layers} (got {len(split)} summing to {sum(split)})")
+    elif parallel.pp_split:
+        raise ConfigError(f"{prefix}.pp_split={list(parallel.pp_split)} needs {prefix}.pp > 1")
     if cp > 1 and model.ops.attention != "sdpa":
         raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
                           f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")

@@ -16,13 +16,15 @@ What this module does, mapped to the code:
 
 - :func:`split_layers`: stage boundaries balanced by training FLOPs per token (6 x parameters of each matmul
   plus 12 * H * T for attention; the LM head weighs 6 * V * H, the embedding its optimizer work 2 * V * H),
-  found by a linear-partition dynamic program that minimises the largest stage.
+  found by a linear-partition dynamic program that minimises the largest stage; with ``pp_balance = "time"`` the
+  same program on costs timed on the devices (``pp_balance.py``), or the explicit block counts of ``pp_split``.
 - :class:`StageModule`: one stage: its blocks under the plain model's names (``layers.5...``), the embedding on
   the first stage, the final norm + LM head + loss on the last. It sends ``(x, residual)`` to the next stage. A
   rank holds one stage, or ``pp_stages_per_rank`` = V of them round-robin (stage s on pp rank s mod K).
 - :class:`PipelineRun`: the schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``), the loss scaling, the global gradient norm over the pp group, the report of
-  the loss from the last stage to every rank, and the measured bubble.
+  the loss from the last stage to every rank, and the measured bubble. A schedule step runs inside
+  ``ops.weight_cast_cache()``: each weight is cast to the compute dtype once per update, not twice per microbatch.
 
 Gradient accumulation is expressed as microbatches: the ``grad_accum_steps`` micro-batches of an update, each
 split into ``pp_microbatches``, run as ONE schedule of M = accum x pp_microbatches microbatches, so the pipeline
@@ -54,6 +56,7 @@ import torch.nn as nn
 
 from zero2all.config import MULTI_STAGE_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from zero2all.distributed.env import DistEnv, collective_timeout
+from zero2all.model import ops
 
 
 def check_pipeline_model(model_cfg: ModelConfig) -> None:
@@ -65,10 +68,14 @@ def check_pipeline_model(model_cfg: ModelConfig) -> None:
 
 
 def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
-    """Combinations that do not reproduce the single process: torch's zero-bubble schedule with FSDP-sharded
-    stages (dp_shard or dp_replicate > 1) gives other gradients from the second update on (measured on CPU, torch
-    2.13; its deferred weight-gradient steps and FSDP2's gradient reduction do not compose). Refused, naming the
-    numbers; GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    """Combinations refused on the built mesh, naming the numbers. ``pp_balance = "time"`` with tensor
+    parallelism: the timed blocks would run its collectives too. Torch's zero-bubble schedule with FSDP-sharded
+    stages (dp_shard or dp_replicate > 1): it does not reproduce the single process, other gradients from the
+    second update on (measured on CPU, torch 2.13; its deferred weight-gradient steps and FSDP2's gradient
+    reduction do not compose); GPipe, 1F1B and interleaved 1F1B with FSDP2 match."""
+    if pc.pp_balance == "time" and shape.get("tp", 1) > 1:
+        raise ConfigError(f"parallel.pp_balance='time' with tp={shape['tp']}: the timed blocks would run the "
+                          f"tensor-parallel collectives too; use pp_balance = 'flops' or an explicit pp_split")
     if pc.pp_schedule == "zero_bubble" and shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1:
         raise ConfigError(f"parallel.pp_schedule='zero_bubble' with dp_replicate={shape.get('dp_replicate', 1)} x "
                           f"dp_shard={shape.get('dp_shard', 1)} data-parallel ranks: its deferred weight gradients "
@@ -123,9 +130,15 @@ def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0
     return [list(range(i, j)) for i, j in reversed(bounds)]
 
 
-def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int) -> list[list[int]]:
-    """The blocks of each of the pp x pp_stages_per_rank stages, balanced by :func:`unit_costs`."""
-    embed, blocks, head = unit_costs(cfg, seq_len)
+def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int,
+                 costs: tuple[float, list[float], float] | None = None) -> list[list[int]]:
+    """The blocks of each of the pp x pp_stages_per_rank stages: ``parallel.pp_split`` block counts when given
+    (checked by ``config.check_mesh``), else balanced by ``costs`` (embedding, each block, head), by default
+    :func:`unit_costs` (FLOPs; ``pp_balance.measured_unit_costs`` gives seconds)."""
+    if pc.pp_split:
+        bounds = [sum(pc.pp_split[:s]) for s in range(len(pc.pp_split) + 1)]
+        return [list(range(bounds[s], bounds[s + 1])) for s in range(len(pc.pp_split))]
+    embed, blocks, head = costs or unit_costs(cfg, seq_len)
     return split_layers(blocks, pc.pp * pc.pp_stages_per_rank, embed, head)
 
 
@@ -159,11 +172,21 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self._rope_cache: dict = {}
 
-    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
-        from zero2all.model import ops
+    def _rope_tables(self, T: int, device, position_ids):
+        """cos, sin for this microbatch: the tables of positions 0..T-1 are the same for every microbatch, so
+        they are built once per (T, device) and reused (per-row ``position_ids`` are built each time)."""
         from zero2all.model.z2all import Z2all
 
+        if position_ids is not None:
+            return Z2all.rope_tables(self, 0, T, device, position_ids)  # uses only self.cfg
+        key = (T, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = Z2all.rope_tables(self, 0, T, device)
+        return self._rope_cache[key]
+
+    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
         if self.first:
             (tokens,) = inputs
             x, residual = self.embed_tokens(tokens), None
@@ -172,7 +195,7 @@ class StageModule(nn.Module):
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
         # this tensor-parallel rank's slice of the sequence
         T = labels.shape[1] if labels is not None else x.shape[1]
-        cos, sin = Z2all.rope_tables(self, 0, T, x.device, position_ids)  # uses only self.cfg
+        cos, sin = self._rope_tables(T, x.device, position_ids)
         for layer in self.layers.values():
             x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
         if not self.last:
@@ -193,8 +216,6 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
     Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
     (the schedule step is inside ``loss_parallel``), summed directly."""
     import torch.nn.functional as F
-
-    from zero2all.model import ops
 
     if ops.is_dtensor(head.weight):
         if z_loss:
@@ -301,7 +322,17 @@ class PipelineRun:
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
-        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len)
+        self.costs = None      # measured seconds per microbatch of (embedding, blocks, head): pp_balance = time
+        if pc.pp_balance == "time" and not pc.pp_split:
+            from zero2all.distributed.pp_balance import measured_unit_costs
+
+            self.costs = measured_unit_costs(model, model.cfg.max_seq_len, env.device, param_dtype)
+        self.layout = stage_layout(model.cfg, pc, model.cfg.max_seq_len, self.costs)
+        if env.is_main and self.costs:
+            embed, blocks, head = self.costs
+            print(f"pipeline stages balanced by measured time per microbatch: embedding {embed * 1e3:.2f} ms, "
+                  f"block {max(blocks) * 1e3:.2f} ms, norm + LM head + loss {head * 1e3:.2f} ms -> blocks per "
+                  f"stage {[len(ids) for ids in self.layout]}", flush=True)
         n_stages = len(self.layout)
         self.stage_ids = [s for s in range(n_stages) if stage_rank(s, pc.pp) == self.pp_rank]
         self.last_pp_rank = stage_rank(n_stages - 1, pc.pp)
@@ -405,7 +436,7 @@ class PipelineRun:
         if self.measure:
             self._sync()
             t0 = time.perf_counter()
-        with self._loss_context():
+        with self._loss_context(), ops.weight_cast_cache():  # weights are fixed until the optimizer step
             schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         if self.measure:
             self._sync()
@@ -446,7 +477,7 @@ class PipelineRun:
         if not hasattr(schedule, "eval"):
             raise ConfigError(f"validation under parallel.pp > 1 needs a torch whose pipeline schedules have eval() "
                               f"(this is {torch.__version__}); set train.eval_batches = 0")
-        with self._loss_context():
+        with self._loss_context(), ops.weight_cast_cache():
             schedule.eval(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         return self.from_last_stage(self._reported_sum(tokens.device))
 

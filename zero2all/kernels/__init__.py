@@ -19,6 +19,8 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
     decode.py         the decode step (inference only: plain Triton launches, no autograd or custom op)
                       norm/SwiGLU + matrix-vector     fused_gemv
                       RoPE + cache write + attention  decode_attention
+    eager.py          the lean projections and RoPE through plain autograd Functions (eager mode: less host
+                      time per call than the custom-op path; model/ops.py picks it when not compiling)
 """
 
 from __future__ import annotations

@@ -104,6 +104,11 @@ _rope.register_autograd(_backward, setup_context=_setup_context)
 def triton_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate q (B, T, H, D) and k (B, T, Hkv, D) by the angles cos/sin (T, D/2); returns new (q, k) tensors,
     contiguous in (B, T, heads, D), equal to ``ops.apply_rope_torch``."""
+    check_rope_shapes(q, k, cos, sin)
+    return _rope(q, k, cos, sin, False)
+
+
+def check_rope_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"rope: q and k must be (B, T, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}")
     B, T, _, D = q.shape
@@ -113,4 +118,3 @@ def triton_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"rope: k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}")
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"rope: cos/sin must be ({T}, {D // 2}), got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    return _rope(q, k, cos, sin, False)

@@ -145,8 +145,10 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 def apply_rope(q, k, cos, sin, impl="auto"):
     if use_triton(impl, q):
-        from zero2all.kernels.rope import triton_apply_rope
-
+        if torch.compiler.is_compiling():
+            from zero2all.kernels.rope import triton_apply_rope
+        else:  # the same kernel through a plain autograd Function (kernels/eager.py: less host time per call)
+            from zero2all.kernels.eager import apply_rope as triton_apply_rope
         if cos.dim() == 3:
             # per-row tables (B, T, d/2): fold the rows into the token axis, (1, B*T, heads, d), so that each
             # token gets its own angles (a view of the fused qkv output, no copy)
@@ -183,7 +185,21 @@ def swiglu(gate_up, impl="auto"):
 #
 # The references are the block's plain path: add_rmsnorm then F.linear, swiglu then F.linear, F.linear (under
 # autocast the linears cast their weights and keep the copies). The fused versions compute the same values and
-# keep far less for backward; see the kernel module's docstring.
+# keep far less for backward; see the kernel module's docstring. In eager mode they run through plain autograd
+# Functions (kernels/eager.py: less host time per call); torch.compile traces the custom ops.
+
+
+def weight_cast_cache():
+    """A context within which the fused projections cast each weight to the compute dtype once and reuse the
+    copy (``kernels/eager.py``): for spans in which no weight changes, such as a pipeline schedule step over all
+    the microbatches of an update. A no-op context without Triton."""
+    if not triton_available():
+        import contextlib
+
+        return contextlib.nullcontext()
+    from zero2all.kernels.eager import cached_weight_casts
+
+    return cached_weight_casts()
 
 
 def fp8_casts_use_triton(x: torch.Tensor) -> bool:
@@ -221,6 +237,11 @@ def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=No
     ``precision``: bf16 (the compute dtype) or an FP8 recipe for the GEMMs; ``kind`` (qkv, gate_up) names the
     projection in the FP8 statistics."""
     if use_triton(impl, x):
+        if not torch.compiler.is_compiling():
+            from zero2all.kernels import eager
+
+            return eager.norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision,
+                                     kind)
         from zero2all.kernels.fused_linear import triton_norm_linear
 
         return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
@@ -234,6 +255,10 @@ def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16", kind=""):
 def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(silu(gate) * up, weight, bias)``."""
     if use_triton(impl, gate_up):
+        if not torch.compiler.is_compiling():
+            from zero2all.kernels import eager
+
+            return eager.swiglu_linear(gate_up, weight, bias, precision, kind)
         from zero2all.kernels.fused_linear import triton_swiglu_linear
 
         return triton_swiglu_linear(gate_up, weight, bias, precision, kind)
@@ -244,6 +269,10 @@ def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(x, weight, bias)``; the fused version casts the weight again in backward instead of keeping
     autocast's copy."""
     if use_triton(impl, x):
+        if not torch.compiler.is_compiling():
+            from zero2all.kernels import eager
+
+            return eager.lean_linear(x, weight, bias, precision, kind)
         from zero2all.kernels.fused_linear import lean_linear as triton_lean_linear
 
         return triton_lean_linear(x, weight, bias, precision, kind)
