@@ -7,9 +7,10 @@ MICRO * DP rows per micro-step. Tolerance: fp32, 1e-5 relative per step over STE
 the all-reduces and of the split matmuls differs from one process; AdamW lets the differences grow slowly).
 
 Launches: one 2-process launch (tp2, tp2 + SP, tp2 and tp2 + SP in two groups of sequences (``tp_chunks``) with
-the fused vocab-parallel cross-entropy, tp2 + SP with ``tp_impl = dtensor``, cp2, and a resume of a one-process checkpoint on tp2) and one 4-process launch
-(tp2 x dp_replicate2 (HSDP), dp_shard2 x tp2 + SP (FSDP2, fused vocab-parallel cross-entropy), cp2 x tp2 + SP,
-saving a checkpoint that one process then resumes). Without ``tp_impl`` the default (``local``) runs.
+the fused vocab-parallel cross-entropy, tp2 + SP with ``tp_impl = dtensor``, cp2, and a resume of a one-process
+checkpoint on tp2) and one 4-process launch (tp2 x dp_replicate2 (HSDP), dp_shard2 x tp2 + SP (FSDP2, fused
+vocab-parallel cross-entropy), cp2 x tp2 + SP, saving a checkpoint that one process then resumes). Without
+``tp_impl`` the default (``local``) runs.
 """
 
 from __future__ import annotations

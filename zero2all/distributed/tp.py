@@ -103,7 +103,7 @@ def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     return out
 
 
-def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local") -> str:
+def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1) -> str:
     """One line: the implementation of each op under tensor parallelism on ``device``."""
     probe = torch.empty(0, device=device)
 
@@ -112,17 +112,20 @@ def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: st
 
     o = cfg.ops
     tokens = "sequence shards" if sequence_parallel else "tensors"
+    loss = "torch cross-entropy under loss_parallel on vocab-sharded logits"
     if impl == "local":
         layout = "flattened-token shards, contiguous all-gather / reduce-scatter" if sequence_parallel else \
             "replicated, all-reduce"
+        groups = f", {chunks} groups of sequences per block" if sequence_parallel and chunks > 1 else ""
         projections = (f"projections = {pick(o.fused_linear)} lean linear / swiglu+linear on local weight shards "
-                       f"(one redistribution per region edge: {layout})")
+                       f"(one redistribution per region edge: {layout}{groups})")
+        if ops.uses_fused_cross_entropy(o.cross_entropy, probe):
+            loss = "fused vocab-parallel linear+cross-entropy on the local vocabulary rows (tp_loss.py)"
     else:
         projections = "projections = torch linear on DTensor shards (Colwise/Rowwise per linear)"
     return (f"tensor parallel ops ({impl}): {projections}; rmsnorm = {pick(o.rmsnorm)} on local {tokens}; "
             f"rope = {pick(o.rope)}, swiglu = {pick(o.swiglu)}, attention = {o.attention} on local heads; "
-            f"fused norm+qkv: off; loss: torch cross-entropy under loss_parallel on vocab-sharded logits "
-            f"(fused linear+CE off)")
+            f"fused norm+qkv: off; loss: {loss}")
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "local",
