@@ -19,7 +19,8 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
                  per micro-batch, an update's accum micro-batches in one schedule; one data-parallel replica, so a
                  step holds micro-batch x accum sequences), with the measured bubble per rank (1 - busy / wall
                  time of the schedule steps) and its ideal value (K-1)/(K+M-1), M = accum x --pp-microbatches
-    ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica)
+    ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica); the
+                 implementation by override: ``parallel.tp_impl='local'|'dtensor'``, ``parallel.tp_chunks=K``
     ours-cp      N GPUs, context parallel over N ranks (ring attention; FSDP2 over the cp ranks)
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
                  master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync

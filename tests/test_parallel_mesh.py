@@ -6,9 +6,11 @@ A step's global batch is DP * MICRO * ACCUM sequences whatever tp / cp are: data
 MICRO * DP rows per micro-step. Tolerance: fp32, 1e-5 relative per step over STEPS steps (summation order of
 the all-reduces and of the split matmuls differs from one process; AdamW lets the differences grow slowly).
 
-Launches: one 2-process launch (tp2, tp2 + SP, cp2, and a resume of a one-process checkpoint on tp2) and one
-4-process launch (tp2 x dp_replicate2 (HSDP), dp_shard2 x tp2 + SP (FSDP2), cp2 x tp2 + SP, saving a checkpoint
-that one process then resumes).
+Launches: one 2-process launch (tp2, tp2 + SP, tp2 + SP in two groups of sequences (``tp_chunks``) with the
+fused vocab-parallel cross-entropy, tp2 + SP with ``tp_impl = dtensor``, cp2, and a resume of a one-process
+checkpoint on tp2) and one 4-process launch (tp2 x dp_replicate2 (HSDP), dp_shard2 x tp2 + SP (FSDP2, fused
+vocab-parallel cross-entropy), cp2 x tp2 + SP, saving a checkpoint that one process then resumes). Without
+``tp_impl`` the default (``local``) runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.test_distributed import free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
 from zero2all.config import ConfigError, ModelConfig, OpsConfig, ParallelConfig, TrainConfig, check_mesh, to_dict
+from zero2all.distributed.tp import regions_of
 from zero2all.model.z2all import build_model
 from zero2all.train.optim import grad_norm_and_clip
 
@@ -50,8 +53,11 @@ def global_batches(steps: int = STEPS, seed: int = 0) -> torch.Tensor:
 
 
 def make_run(fields: dict, env: zd.DistEnv):
+    fields = dict(fields)
+    cfg = tiny_cfg()
+    cfg.ops.cross_entropy = fields.pop("cross_entropy", cfg.ops.cross_entropy)  # fused: vocab-parallel under tp
     pc = ParallelConfig(**fields)
-    run = zd.parallelize(build_model(tiny_cfg(), seed=1234), pc, env, precision="fp32")
+    run = zd.parallelize(build_model(cfg, seed=1234), pc, env, precision="fp32")
     # foreach: the multi-tensor kernels that GPUs run (mixing DTensor shards and plain tensors)
     opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
     return run, opt
@@ -130,6 +136,11 @@ def worker_cases(env, out: Path, cases: list[dict]) -> dict:
         else:
             losses = train_steps(run, opt, env, range(start, STEPS))
         results[name] = losses
+        if name.startswith("tp2"):  # the implementation asked for runs (local: our blocks on local shards)
+            regions = regions_of(run.plain.layers[0])
+            assert (regions is None) == (case.get("tp_impl") == "dtensor"), name
+            if case.get("tp_chunks"):  # 4 rows per micro-step, 2 per rank: two groups of one sequence
+                assert regions.groups(torch.empty(2 * SEQ, 1), SEQ, per_row=False) == 2
         if name == "tp2":  # really sharded: half the heads and half the vocabulary per rank
             attn = run.plain.layers[0].self_attn
             assert attn.qkv_proj.weight.to_local().shape[0] * 2 == attn.qkv_proj.weight.shape[0]
@@ -173,16 +184,19 @@ def test_mesh_runs_match_single_process_and_resume_across_meshes(tmp_path):
     two = launch(2, tmp_path / "w2", [
         {"name": "tp2", "tp": 2},
         {"name": "tp2_sp", "tp": 2, "sequence_parallel": True},
+        {"name": "tp2_sp_chunks2_fused_ce", "tp": 2, "sequence_parallel": True, "tp_chunks": 2,
+         "cross_entropy": "fused"},
+        {"name": "tp2_sp_dtensor", "tp": 2, "sequence_parallel": True, "tp_impl": "dtensor"},
         {"name": "cp2", "cp": 2},
         {"name": "tp2_from_single", "tp": 2, "resume": str(tmp_path / "single")},
     ])
-    for name in ("tp2", "tp2_sp", "cp2"):
+    for name in ("tp2", "tp2_sp", "tp2_sp_chunks2_fused_ce", "tp2_sp_dtensor", "cp2"):
         assert_same(two[name], want, name)
     assert_same(two["tp2_from_single"], want[SAVE_AT:], "one process -> tp2")
 
     four = launch(4, tmp_path / "w4", [
         {"name": "tp2_dp2", "tp": 2, "dp_replicate": 2},
-        {"name": "fsdp2_tp2_sp", "tp": 2, "dp_shard": 2, "sequence_parallel": True,
+        {"name": "fsdp2_tp2_sp", "tp": 2, "dp_shard": 2, "sequence_parallel": True, "cross_entropy": "fused",
          "activation_checkpointing": "full", "save": str(tmp_path / "mesh4")},
         {"name": "cp2_tp2_sp", "cp": 2, "tp": 2, "sequence_parallel": True},
     ])

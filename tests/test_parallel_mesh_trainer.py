@@ -20,7 +20,7 @@ def test_trainer_tp2_sp_matches_one_process_and_resumes_on_one(tmp_path):
     proc = torchrun(tmp_path, out, f"train.micro_batch_size={2 * MICRO}", "parallel.tp=2",
                     "parallel.sequence_parallel=true", "train.eval_every=4", "train.eval_batches=2")
     assert "parallel: mesh (tp=2) on 2 processes" in proc.stdout
-    assert "tensor parallel ops: projections = torch linear on DTensor shards" in proc.stdout
+    assert "tensor parallel ops (local): projections = torch lean linear" in proc.stdout
     assert_close_losses(losses(out), want, range(1, 9))
     one = tmp_path / "tp2-to-one"
     one.mkdir()

@@ -393,6 +393,7 @@ TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
+TP_IMPLS = ("local", "dtensor")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("flops", "time")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -428,6 +429,10 @@ class ParallelConfig:
     pp: int = 1                    # pipeline stages across processes
     cp: int = 1                    # context parallel (ring attention over sequence chunks)
     sequence_parallel: bool = False  # with tp > 1: norms and the residual stream sharded along the sequence
+    tp_impl: str = "local"         # tp: local (our kernels on local shards, one redistribution per region edge) |
+                                   # dtensor (DTensor parallelize_module on every linear); distributed/tp.py
+    tp_chunks: int = 1             # tp local + SP: each block runs as this many groups of whole sequences, so
+                                   # one group's collectives overlap another's GEMMs (1 = one group)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
@@ -503,6 +508,9 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.mode={mode!r} needs several processes: launch with torchrun "
                               f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
         _check_choice(self, "pp_schedule", PP_SCHEDULES, prefix)
+        _check_choice(self, "tp_impl", TP_IMPLS, prefix)
+        if self.tp_chunks < 1:
+            raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:

@@ -259,9 +259,9 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
 
-        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel)
+        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks)
         if env.is_main:
-            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel), flush=True)
+            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks), flush=True)
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
     if compile_blocks:
         for block in transformer_blocks(model):

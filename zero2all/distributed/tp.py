@@ -1,41 +1,56 @@
-"""Tensor parallel (Megatron 1-D) and sequence parallel with DTensor ``parallelize_module``.
+"""Tensor parallel (Megatron 1-D) and sequence parallel on the ``tp`` ranks of the device mesh (t of them).
 
-Per block, on the ``tp`` ranks of the mesh (t of them)::
+The parameters are DTensor shards whatever the implementation (checkpoints, the optimizer and FSDP2 see the
+same layout)::
 
-    attention:  qkv_proj  ColwiseParallel   each rank: its n_heads/t query heads and n_kv_heads/t KV heads
-                o_proj    RowwiseParallel   partial sums over heads -> all-reduce (or reduce-scatter with SP)
-    MLP:        gate_up   ColwiseParallel   each rank: intermediate/t gate rows and the matching up rows
-                down      RowwiseParallel   partial sums -> all-reduce (or reduce-scatter with SP)
-    embedding   RowwiseParallel (vocab rows split; lookups outside a rank's rows give 0, summed over ranks)
-    lm_head     ColwiseParallel (vocab split), logits stay sharded: the loss runs under ``loss_parallel``
+    attention:  qkv_proj  Shard(0)   each rank: its n_heads/t query heads and n_kv_heads/t KV heads
+                o_proj    Shard(1)   partial sums over heads -> all-reduce (or reduce-scatter with SP)
+    MLP:        gate_up   Shard(0)   each rank: intermediate/t gate rows and the matching up rows
+                down      Shard(1)   partial sums -> all-reduce (or reduce-scatter with SP)
+    embedding   Shard(0)  (vocab rows split; lookups outside a rank's rows give 0, summed over ranks)
+    lm_head     Shard(0)  (vocab split), logits stay sharded: the loss runs under ``loss_parallel``
 
-The f / g conjugate operators of Megatron are the layouts' transitions: the Colwise input is Replicate (forward:
-identity; backward: all-reduce of the input gradient = f) and the Rowwise output is Partial -> Replicate
-(forward: all-reduce = g; backward: identity). Per layer: 2 all-reduces of b*s*h elements forward, 2 backward.
+The f / g conjugate operators of Megatron are layout transitions: a region's input is Replicate (forward:
+identity; backward: all-reduce of the input gradient = f) and its output Partial -> Replicate (forward:
+all-reduce = g; backward: identity). Per layer: 2 all-reduces of b*s*h elements forward, 2 backward.
 
 Sequence parallel (Korthikanti et al. 2022): between the TP regions the residual stream and the norms are split
-along the sequence (Shard(1)); the Colwise input all-gathers the sequence and the Rowwise output reduce-scatters
-it. Same communication volume (all-reduce = reduce-scatter + all-gather), activations of norms / residual / dropout
-divided by t. The norm weights then see only this rank's tokens: they are Replicate DTensors whose gradient is a
-Partial sum (``ops.local_weight``), reduced by DTensor (or by FSDP2, which redistributes non-dp dimensions).
+over the tokens; a region's input all-gathers the tokens and its output reduce-scatters them. Same communication
+volume (all-reduce = reduce-scatter + all-gather), activations of norms / residual divided by t. The norm
+weights then see only this rank's tokens: they are Replicate DTensors whose gradient is a Partial sum
+(``ops.local_weight``), reduced by DTensor (or by FSDP2, which redistributes non-dp dimensions).
+
+Two implementations (``parallel.tp_impl``):
+
+- ``local`` (default): the block runs on plain local tensors with our kernels (RMSNorm, lean projections
+  ``ops.lean_linear`` / ``ops.swiglu_linear``, RoPE, SDPA) on ``weight.to_local()``; the only DTensor work is
+  ONE redistribution at each region edge (:class:`TPRegions`: ``enter`` before qkv and gate|up, ``exit`` after
+  o and down). Under SP the residual stream is the local block of the *flattened* tokens, (b*s/t, h): rank r
+  holds tokens [r*b*s/t, (r+1)*b*s/t) of the row-major (b, s) order, so the all-gather and the reduce-scatter
+  are contiguous along dim 0 (no chunk / cat copies), and any token split is valid since norms and the
+  residual add are per token; attention and RoPE run after the gather on whole sequences, (b, s, h) again. The
+  embedding reduce-scatters its vocab-partial output into that layout, the LM head all-gathers it and returns
+  logits (1, b*s, V) (flattened tokens, sharded over the vocabulary).
+- ``dtensor``: DTensor ``parallelize_module`` with Colwise/RowwiseParallel on every linear and SP as Shard(1)
+  of (b, s, h): per-op DTensor dispatch (CPU time) and gathers along dim 1 (copies); kept for comparison.
 
 Fused projections: ``qkv_proj`` holds [q | k | v] and ``gate_up_proj`` [gate | up]. A plain Shard(0) would give
 rank 0 all of q and rank 1 k and v. Before sharding, the rows are reordered *rank-major*,
 [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (q_r = rank r's query heads, k_r / v_r its KV heads: whole GQA groups), so that
-each rank's Shard(0) block is one fused GEMM for its own heads / columns. :class:`FusedRows` knows the permutation;
-checkpoints and the HF export convert back to the canonical layout (``to_canonical``), so the checkpoint format is
-the plain model's whatever the mesh.
+each rank's Shard(0) block is one fused GEMM for its own heads / columns (and its gate|up block is
+[gate_r | up_r], what the SwiGLU kernels expect). :class:`FusedRows` knows the permutation; checkpoints and the
+HF export convert back to the canonical layout (``to_canonical``), so the checkpoint format is the plain model's
+whatever the mesh.
 
-Our Triton kernels (RMSNorm, RoPE, SwiGLU, attention through SDPA) run on plain local tensors: every TP style here
-returns local outputs (``use_local_output``). The lean fused projections (``ops.fused_linear``) take whole weight
-matrices and are not used under TP (the block sees DTensor weights and takes the module path); the fused
-linear+cross-entropy is replaced by loss parallel: its per-token logsumexp needs the max and the sum over the
-whole vocabulary, i.e. a reduction across ranks inside the kernel, which DTensor's loss parallel already does with
-torch's collectives. :func:`describe_tp_ops` says which implementation each op uses (logged once).
+The fused norm + qkv projection is not used under TP (under SP a gather sits between the norm and the GEMM);
+the fused linear+cross-entropy is replaced by loss parallel: its per-token logsumexp needs the max and the sum
+over the whole vocabulary, i.e. a reduction across ranks, which DTensor's loss parallel does with torch's
+collectives. :func:`describe_tp_ops` says which implementation each op uses (logged once).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -88,33 +103,59 @@ def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     return out
 
 
-def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool) -> str:
+def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1) -> str:
     """One line: the implementation of each op under tensor parallelism on ``device``."""
     probe = torch.empty(0, device=device)
 
-    def pick(impl: str) -> str:
-        return "triton" if ops.use_triton(impl, probe) else "torch"
+    def pick(kind: str) -> str:
+        return "triton" if ops.use_triton(kind, probe) else "torch"
 
     o = cfg.ops
-    return (f"tensor parallel ops: projections = torch linear on DTensor shards (Colwise/Rowwise); "
-            f"rmsnorm = {pick(o.rmsnorm)} on local {'sequence shards' if sequence_parallel else 'tensors'}; "
+    tokens = "sequence shards" if sequence_parallel else "tensors"
+    loss = "torch cross-entropy under loss_parallel on vocab-sharded logits"
+    if impl == "local":
+        layout = "flattened-token shards, contiguous all-gather / reduce-scatter" if sequence_parallel else \
+            "replicated, all-reduce"
+        groups = f", {chunks} groups of sequences per block" if sequence_parallel and chunks > 1 else ""
+        projections = (f"projections = {pick(o.fused_linear)} lean linear / swiglu+linear on local weight shards "
+                       f"(one redistribution per region edge: {layout}{groups})")
+        if ops.uses_fused_cross_entropy(o.cross_entropy, probe):
+            loss = "fused vocab-parallel linear+cross-entropy on the local vocabulary rows (tp_loss.py)"
+    else:
+        projections = "projections = torch linear on DTensor shards (Colwise/Rowwise per linear)"
+    return (f"tensor parallel ops ({impl}): {projections}; rmsnorm = {pick(o.rmsnorm)} on local {tokens}; "
             f"rope = {pick(o.rope)}, swiglu = {pick(o.swiglu)}, attention = {o.attention} on local heads; "
-            f"fused_linear projections: off (whole-matrix kernels); loss: torch cross-entropy under loss_parallel "
-            f"on vocab-sharded logits (fused linear+CE off)")
+            f"fused norm+qkv: off; loss: {loss}")
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> dict[str, FusedRows]:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "local",
+             chunks: int = 1) -> dict[str, FusedRows]:
     """Shard ``model`` (the plain Z2all, weights already initialised identically on every rank) over ``tp_mesh``
-    in place. Returns the fused parameters' layouts (for checkpoints and the HF export)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+    in place, with the ``impl`` implementation (``local`` or ``dtensor``, see the module docstring; ``chunks``:
+    groups of sequences per block under ``local`` + SP, see :func:`block_forward`). Returns the fused
+    parameters' layouts (for checkpoints and the HF export)."""
     t = tp_mesh.size()
     layouts = fused_layouts(model, t)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in layouts:
                 param.copy_(layouts[name].to_rank_major(param))
+    for block in model.layers:
+        attn = block.self_attn
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // t, attn.n_kv_heads // t
+        attn.q_size, attn.kv_size = attn.q_size // t, attn.kv_size // t
+    if impl == "local":
+        _apply_local(model, TPRegions(tp_mesh, sequence_parallel, chunks))
+    else:
+        _apply_dtensor(model, tp_mesh, sequence_parallel)
+    model.tie_weights()  # the LM head and the embedding are both Shard(0) over the vocabulary
+    return layouts
+
+
+def _apply_dtensor(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     between = Shard(1) if sequence_parallel else Replicate()   # layout of the residual stream between regions
     block_plan = {
         "self_attn.qkv_proj": ColwiseParallel(input_layouts=between),
@@ -123,20 +164,197 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> dict[str, Fu
         "mlp.down_proj": RowwiseParallel(output_layouts=between),
     }
     for block in model.layers:
-        attn = block.self_attn
-        attn.n_heads, attn.n_kv_heads = attn.n_heads // t, attn.n_kv_heads // t
-        attn.q_size, attn.kv_size = attn.q_size // t, attn.kv_size // t
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     })
     if sequence_parallel:
-        norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
-        for norm in norms:
+        for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
             norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Replicate()]))
-    model.tie_weights()  # the LM head and the embedding are both Shard(0) over the vocabulary
-    return layouts
+
+
+# ------------------------------------------------------------------------------------------ tp_impl = "local"
+
+_REGIONS: "weakref.WeakKeyDictionary[nn.Module, TPRegions]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class TPRegions:
+    """The tensor-parallel region edges of one model, as two layout changes of plain local tensors.
+
+    ``enter`` (before qkv and gate|up): the residual-stream layout -> the whole input on every rank. SP: an
+    all-gather of the flattened-token shards (backward: reduce-scatter); otherwise Megatron's f (identity,
+    backward all-reduce). ``exit`` (after o and down): partial sums over this rank's heads / columns -> the
+    residual-stream layout. SP: a reduce-scatter over the flattened tokens (backward: all-gather); otherwise g
+    (all-reduce, backward identity). Each is one DTensor ``redistribute`` (torch's collectives and their
+    autograd), so the ops in between run on plain tensors."""
+
+    mesh: object
+    sequence_parallel: bool
+    chunks: int = 1
+
+    def groups(self, x: torch.Tensor, seq_len: int, per_row: bool) -> int:
+        """How many groups of whole sequences the block runs as (``block_forward``): ``chunks`` when SP is on,
+        the local tokens are that many groups of whole sequences and nothing comes per batch row (per-row RoPE
+        positions, document ids, masks), else 1."""
+        k = self.chunks
+        if k <= 1 or not self.sequence_parallel or per_row or x.size(0) % (k * seq_len):
+            return 1
+        return k
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        if not self.sequence_parallel:
+            d = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            return d.to_local(grad_placements=[Partial()])
+        d = DTensor.from_local(x.reshape(-1, x.size(-1)), self.mesh, [Shard(0)], run_check=False)
+        return d.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+    def exit(self, y: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        if not self.sequence_parallel:
+            return DTensor.from_local(y, self.mesh, [Partial()], run_check=False) \
+                .redistribute(self.mesh, [Replicate()]).to_local()
+        flat = y.reshape(-1, y.size(-1))
+        t = self.mesh.size()
+        if flat.size(0) % t:
+            raise ValueError(f"sequence parallel: {flat.size(0)} tokens per forward are not divisible by tp={t}")
+        return DTensor.from_local(flat, self.mesh, [Partial()], run_check=False) \
+            .redistribute(self.mesh, [Shard(0)]).to_local()
+
+    def replicated(self, param: torch.Tensor) -> torch.Tensor:
+        """A Replicate parameter (a norm weight, o's bias) as a local tensor: under SP each rank sees only its
+        tokens, so its gradient is a Partial sum; otherwise every rank computes the whole gradient."""
+        if not ops.is_dtensor(param):
+            return param
+        return ops.local_weight(param) if self.sequence_parallel else param.to_local()
+
+
+def regions_of(block: nn.Module) -> TPRegions | None:
+    """The regions of a block sharded by ``tp_impl = local`` (None for the dtensor implementation)."""
+    return _REGIONS.get(block)
+
+
+def block_forward(regions: TPRegions, block: nn.Module, x, residual, cos, sin, doc_ids=None, attn_mask=None):
+    """``Block.forward`` on local shards: residual += x; h = attn(norm(residual)); residual += h;
+    out = mlp(norm(residual)), with ``enter`` / ``exit`` around each region. x and residual are in the
+    residual-stream layout ((b*s/t, h) flattened-token shards under SP, (b, s, h) otherwise).
+
+    With ``regions.chunks`` = k > 1 (SP, whole sequences per rank) the local tokens are cut into k groups of whole
+    sequences and each stage runs over all groups before the next stage starts: group j+1's all-gather and group
+    j's reduce-scatter run on NCCL's stream while the GEMMs of another group run. Every op in the block is per
+    sequence, and the gather of group j of every rank is a set of whole sequences, so the groups never mix."""
+    c, attn, mlp = block.cfg, block.self_attn, block.mlp
+    if c.ops.linear_precision != "bf16":
+        raise ValueError(f"model.ops.linear_precision = {c.ops.linear_precision!r} is not available with tensor "
+                         f"parallelism; use 'bf16'")
+    T, H, impl, eps, fp32 = cos.size(-2), c.hidden_dim, c.ops.fused_linear, c.rms_norm_eps, c.residual_in_fp32
+    w_qkv, b_qkv = attn.qkv_proj.weight.to_local(), _local(attn.qkv_proj.bias)
+    w_o, w_gate_up, w_down = attn.o_proj.weight.to_local(), mlp.gate_up_proj.weight.to_local(), \
+        mlp.down_proj.weight.to_local()
+    k = regions.groups(x, T, per_row=cos.dim() == 3 or doc_ids is not None or attn_mask is not None)
+    xs = x.chunk(k) if k > 1 else [x]
+    rs = residual.chunk(k) if k > 1 and residual is not None else [residual] * k
+
+    def norm(hs, weight):
+        out = [ops.add_rmsnorm(h, r, regions.replicated(weight), eps, fp32, impl=c.ops.rmsnorm) for h, r in
+               zip(hs, rs)]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    hs, rs = norm(xs, block.input_layernorm.weight)
+    fulls = [regions.enter(h).view(-1, T, H) for h in hs]        # every group's all-gather before the GEMMs
+    outs = []
+    for full in fulls:
+        y = attn.attend(ops.lean_linear(full, w_qkv, b_qkv, impl), cos, sin, None, 0, doc_ids, attn_mask)
+        outs.append(regions.exit(ops.lean_linear(y, w_o, None, impl)))
+    if attn.o_proj.bias is not None:
+        outs = [o + regions.replicated(attn.o_proj.bias) for o in outs]
+    hs, rs = norm(outs, block.post_attention_layernorm.weight)
+    fulls = [regions.enter(h).view(-1, T, H) for h in hs]
+    outs = [regions.exit(ops.swiglu_linear(ops.lean_linear(full, w_gate_up, None, impl), w_down, None, impl))
+            for full in fulls]
+    if k == 1:
+        return outs[0], rs[0]
+    return torch.cat(outs), torch.cat(rs)
+
+
+def _local(p):
+    return None if p is None else p.to_local()
+
+
+def vocab_parallel_loss(model: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """The fused vocab-parallel LM head + cross-entropy (``tp_loss.py``) of a model sharded by ``tp_impl =
+    local``: ``h`` (the final norm's output, residual-stream layout) enters the head's region (all-gather under
+    SP), the loss is computed from the local vocabulary rows. None for the dtensor implementation."""
+    regions = _REGIONS.get(model)
+    if regions is None:
+        return None
+    from zero2all.distributed.tp_loss import vocab_parallel_cross_entropy
+
+    weight = model.lm_head.weight.to_local()
+    full = regions.enter(h).reshape(-1, h.size(-1))
+    start = regions.mesh.get_local_rank() * weight.size(0)
+    return vocab_parallel_cross_entropy(full, weight, targets, regions.mesh.get_group(), start)
+
+
+def _apply_local(model: nn.Module, regions: TPRegions) -> None:
+    """Shard the parameters (DTensors, the layouts of the table above) and route the blocks, the embedding and
+    the LM head through :class:`TPRegions`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh, sp = regions.mesh, regions.sequence_parallel
+
+    def shard(module: nn.Module, name: str, placement) -> None:
+        p = getattr(module, name)
+        if p is not None:
+            setattr(module, name, nn.Parameter(distribute_tensor(p.data, mesh, [placement])))
+
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        if not hasattr(mlp, "gate_up_proj"):
+            raise ValueError("tensor parallel: mixture-of-experts blocks are not split over tp ranks (use "
+                             "parallel.ep for the experts)")
+        shard(attn.qkv_proj, "weight", Shard(0))
+        shard(attn.qkv_proj, "bias", Shard(0))
+        shard(attn.o_proj, "weight", Shard(1))
+        shard(attn.o_proj, "bias", Replicate())
+        shard(mlp.gate_up_proj, "weight", Shard(0))
+        shard(mlp.down_proj, "weight", Shard(1))
+        if sp:
+            shard(block.input_layernorm, "weight", Replicate())
+            shard(block.post_attention_layernorm, "weight", Replicate())
+        _REGIONS[block] = regions
+    if sp:
+        shard(model.norm, "weight", Replicate())
+    shard(model.embed_tokens, "weight", Shard(0))
+    if not model.cfg.tie_word_embeddings:
+        shard(model.lm_head, "weight", Shard(0))
+
+    def embed_input(module, args):
+        (tokens,) = args  # vocab-sharded lookup: DTensor's embedding gives a (masked) partial sum
+        return (DTensor.from_local(tokens.reshape(-1) if sp else tokens, mesh, [Replicate()], run_check=False),)
+
+    def embed_output(module, args, out):
+        return out.redistribute(mesh, [Shard(0) if sp else Replicate()]).to_local()
+
+    def head_input(module, args):
+        (h,) = args
+        if sp:  # the flattened-token shards, gathered: (b*s, h); the gradient is reduce-scattered back
+            return (DTensor.from_local(h.reshape(-1, h.size(-1)), mesh, [Shard(0)], run_check=False)
+                    .redistribute(mesh, [Replicate()]),)
+        return (DTensor.from_local(h, mesh, [Replicate()], run_check=False),)
+
+    def head_output(module, args, logits):  # (b*s, V) -> (1, b*s, V) under SP: a batch of flattened tokens
+        return logits.unsqueeze(0) if logits.dim() == 2 else logits
+
+    _REGIONS[model] = regions
+    model.embed_tokens.register_forward_pre_hook(embed_input)
+    model.embed_tokens.register_forward_hook(embed_output)
+    model.lm_head.register_forward_pre_hook(head_input)
+    model.lm_head.register_forward_hook(head_output)
 
 
 def loss_parallel_context():

@@ -138,6 +138,13 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
+        regions = ops.tensor_parallel_regions(self)
+        if regions is not None:  # tensor parallel on local shards (distributed/tp.py): the same math
+            if kv_cache is not None:
+                raise ValueError("tensor parallel blocks do not decode with a KV cache; gather the model first")
+            from zero2all.distributed.tp import block_forward
+
+            return block_forward(regions, self, x, residual, cos, sin, doc_ids, attn_mask)
         if self.uses_fused_linear(x):
             # the same math; norm + qkv, o, norm + gate|up and SwiGLU + down as lean fused functions
             attn, mlp, impl, prec = self.self_attn, self.mlp, c.ops.fused_linear, c.ops.linear_precision
@@ -254,9 +261,13 @@ class Z2all(nn.Module):
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
         # MoE layers: their load-balancing / router z-losses of this forward join the loss (model.moe coefs)
         aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
-        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not ops.is_dtensor(self.lm_head.weight):
-            loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
-            return None, loss if aux is None else loss + aux
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
+            if ops.is_dtensor(self.lm_head.weight):  # tensor parallel: vocab-parallel, or None (loss parallel)
+                loss = ops.tensor_parallel_cross_entropy(self, h, targets)
+            else:
+                loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
+            if loss is not None:
+                return None, loss if aux is None else loss + aux
         logits = self.lm_head(h)
         loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
             F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
