@@ -160,9 +160,20 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     return rotate(q), rotate(k)
 
 
+def eager_functions() -> bool:
+    """Whether our fused kernels may run through the plain autograd Functions of ``kernels/eager.py`` (less host
+    time per call) instead of their registered custom ops: not while torch.compile traces (it needs the custom
+    ops) and not under any Python dispatch mode, such as the selective activation-checkpoint policy, which must see
+    each fused op as ONE op to save or recompute (inside a plain Function it would see the kernels' output
+    buffers being written after it cached them)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
 def apply_rope(q, k, cos, sin, impl="auto"):
     if use_triton(impl, q):
-        if torch.compiler.is_compiling():
+        if not eager_functions():
             from zero2all.kernels.rope import triton_apply_rope
         else:  # the same kernel through a plain autograd Function (kernels/eager.py: less host time per call)
             from zero2all.kernels.eager import apply_rope as triton_apply_rope
@@ -254,7 +265,7 @@ def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=No
     ``precision``: bf16 (the compute dtype) or an FP8 recipe for the GEMMs; ``kind`` (qkv, gate_up) names the
     projection in the FP8 statistics."""
     if use_triton(impl, x):
-        if not torch.compiler.is_compiling():
+        if eager_functions():
             from zero2all.kernels import eager
 
             return eager.norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision,
@@ -272,7 +283,7 @@ def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16", kind=""):
 def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(silu(gate) * up, weight, bias)``."""
     if use_triton(impl, gate_up):
-        if not torch.compiler.is_compiling():
+        if eager_functions():
             from zero2all.kernels import eager
 
             return eager.swiglu_linear(gate_up, weight, bias, precision, kind)
@@ -286,7 +297,7 @@ def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
     """``F.linear(x, weight, bias)``; the fused version casts the weight again in backward instead of keeping
     autocast's copy."""
     if use_triton(impl, x):
-        if not torch.compiler.is_compiling():
+        if eager_functions():
             from zero2all.kernels import eager
 
             return eager.lean_linear(x, weight, bias, precision, kind)
