@@ -146,14 +146,7 @@ class _LeanLinear(torch.autograd.Function):
 
 def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16", kind=""):
     """``fused_linear.triton_norm_linear`` through a plain autograd Function (same checks, values, gradients)."""
-    N = x.shape[-1]
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"norm_linear: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if norm_weight.shape != (N,):
-        raise ValueError(f"norm_linear: norm weight shape {tuple(norm_weight.shape)} != ({N},)")
-    if weight.dim() != 2 or weight.shape[1] != N:
-        raise ValueError(f"norm_linear: weight shape {tuple(weight.shape)} does not take inputs of width {N}")
-    fl._check_precision(precision, x)
+    fl.check_norm_linear_args(x, residual, norm_weight, weight, precision)
     out, res_out, _, _, counts = _NormLinear.apply(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
                                                    weight, bias, fl.compute_dtype(x, weight), precision, kind)
     fl._record(kind, x.numel() + weight.numel(), counts)

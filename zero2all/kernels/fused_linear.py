@@ -268,6 +268,18 @@ def _norm_linear_backward(ctx, grad_out, grad_res, _grad_yhat, _grad_rstd, _grad
 _norm_linear_fwd.register_autograd(_norm_linear_backward, setup_context=_norm_linear_setup)
 
 
+def check_norm_linear_args(x, residual, norm_weight, weight, precision: str) -> None:
+    """The shapes and the precision of a norm + linear call (shared by both dispatch paths)."""
+    N = x.shape[-1]
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"norm_linear: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if norm_weight.shape != (N,):
+        raise ValueError(f"norm_linear: norm weight shape {tuple(norm_weight.shape)} != ({N},)")
+    if weight.dim() != 2 or weight.shape[1] != N:
+        raise ValueError(f"norm_linear: weight shape {tuple(weight.shape)} does not take inputs of width {N}")
+    _check_precision(precision, x)
+
+
 def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                        residual_in_fp32: bool, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                        precision: str = "bf16", kind: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,14 +290,7 @@ def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
     (..., M) in the compute dtype; the new residual as in ``triton_add_rmsnorm``. ``precision``: bf16 (the
     compute dtype) or an FP8 recipe for the GEMMs; ``kind`` names the projection in the FP8 statistics.
     """
-    N = x.shape[-1]
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"norm_linear: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if norm_weight.shape != (N,):
-        raise ValueError(f"norm_linear: norm weight shape {tuple(norm_weight.shape)} != ({N},)")
-    if weight.dim() != 2 or weight.shape[1] != N:
-        raise ValueError(f"norm_linear: weight shape {tuple(weight.shape)} does not take inputs of width {N}")
-    _check_precision(precision, x)
+    check_norm_linear_args(x, residual, norm_weight, weight, precision)
     out, res_out, _, _, counts = _norm_linear_fwd(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
                                                   weight, bias, compute_dtype(x, weight), precision, kind)
     _record(kind, x.numel() + weight.numel(), counts)
