@@ -70,6 +70,7 @@ import triton.language as tl
 
 from zero2all.kernels import grid_programs
 from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, Quantized, _rows2d
+from zero2all.kernels.rmsnorm import add_rmsnorm_row
 
 # (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
 _GRID = {E4M3: (3, -6), E5M2: (2, -14)}
@@ -243,22 +244,12 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
 def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps, HAS_RESIDUAL: tl.constexpr,
                               BLOCK: tl.constexpr, NORMED_DTYPE: tl.constexpr, FMAX: tl.constexpr,
                               MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr):
-    # one row: kernels/rmsnorm.py's _add_rmsnorm_fwd_kernel (WRITE_Y) step for step, then, instead of storing
-    # normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
+    # one row: kernels/rmsnorm.py's add_rmsnorm_row (as _add_rmsnorm_fwd_kernel with WRITE_Y), then, instead of
+    # storing normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(RES + row * N + cols, mask=mask, other=0.0).to(tl.float32) + x
-    else:
-        r = x
-    r_stored = r.to(RES_OUT.dtype.element_ty)
-    tl.store(RES_OUT + row * N + cols, r_stored, mask=mask)
-    r = r_stored.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    y = (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+    y = add_rmsnorm_row(X, RES, RES_OUT, RSTD, row, cols, mask, N, eps, HAS_RESIDUAL)
     tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (w * y).to(NORMED_DTYPE).to(tl.float32)

@@ -30,11 +30,9 @@ from zero2all.kernels import grid_programs
 
 
 @triton.jit
-def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, Y, N, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
+def add_rmsnorm_row(X, RES, RES_OUT, RSTD, row, cols, mask, N, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row of the residual add + RMSNorm: stores the new residual and rstd, returns y = round_c(r * rstd) in
+    float32 (before the norm weight). Shared by the plain kernel below and the FP8 cast of kernels/fp8.py."""
     x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(RES + row * N + cols, mask=mask, other=0.0).to(tl.float32) + x
@@ -45,7 +43,16 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, Y, N, eps,
     r = r_stored.to(tl.float32)  # the stream as stored is what later layers and the norm see
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / N + eps)
     tl.store(RSTD + row, rstd)
-    y = (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+    return (r * rstd).to(RES_OUT.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, Y, N, eps,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    y = add_rmsnorm_row(X, RES, RES_OUT, RSTD, row, cols, mask, N, eps, HAS_RESIDUAL)
     if WRITE_Y:  # the lean norm_linear keeps y (in Y's dtype) for its backward instead of r
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
