@@ -1,6 +1,7 @@
-"""The FP8 weight casts are made once per optimizer step (``fp8_ref.WEIGHT_CASTS``): reused across the
+"""The FP8 weight casts of ``fp8_ref.WEIGHT_CASTS``: W^T is cast once per optimizer step, reused across the
 micro-batches of a step, made again after any in-place change of the weight, after an optimizer step, and for
-another tensor at the same shape."""
+another tensor at the same shape; the forward cast W is made per micro-batch (rowwise) or transposed back from
+the cached W^T (tensorwise: the same codes), unless ``keep_forward``."""
 
 import torch
 
@@ -35,7 +36,8 @@ def test_weight_cast_once_per_step_and_again_after_changes():
     quant = CountingQuant()
     xs = [torch.randn(7, 40, generator=g).requires_grad_() for _ in range(3)]
     ys = [step(x, w, quant) for x in xs]                      # three micro-batches of one step
-    assert weight_casts(quant, w) == [((24, 40), True, False), ((24, 40), False, True)]
+    assert weight_casts(quant, w) == [((24, 40), True, False), ((24, 40), False, True)] + \
+        [((24, 40), True, False)] * 2                         # W per micro-batch, W^T once
     # the cached casts give the same result as fresh ones
     WEIGHT_CASTS.enabled = False
     try:
@@ -47,17 +49,34 @@ def test_weight_cast_once_per_step_and_again_after_changes():
     opt.step()                                                # the step hook empties the cache
     assert not WEIGHT_CASTS._entries
     step(xs[0], w, quant)
-    assert len(weight_casts(quant, w)) == 4
+    assert len(weight_casts(quant, w)) == 6
     with torch.no_grad():
         w.mul_(2.0)                                           # an in-place write bumps _version
     y = step(xs[0], w, quant)
-    assert len(weight_casts(quant, w)) == 6
+    assert len(weight_casts(quant, w)) == 8
     want = quantize_torch(w.detach(), E4M3, "axis")
     assert torch.equal(WEIGHT_CASTS.get(w, "axis", False, quant).q, want.q)
     w2 = w.detach().clone().requires_grad_()                  # another tensor, the same shape and values
     assert torch.equal(step(xs[0], w2, quant), y)
-    assert len(weight_casts(quant, w)) == 8
+    assert len(weight_casts(quant, w)) == 11                 # (the get above cast W once more)
     WEIGHT_CASTS.clear()
+
+
+def test_keep_forward_caches_both_casts():
+    WEIGHT_CASTS.clear()
+    w = torch.randn(24, 40).requires_grad_()
+    xs = [torch.randn(7, 40).requires_grad_() for _ in range(3)]
+    quant = CountingQuant()
+    plain = [step(x, w, quant) for x in xs]
+    WEIGHT_CASTS.clear()
+    WEIGHT_CASTS.keep_forward = True
+    try:
+        kept = [step(x, w, quant) for x in xs]
+    finally:
+        WEIGHT_CASTS.keep_forward = False
+        WEIGHT_CASTS.clear()
+    assert weight_casts(quant, w)[4:] == [((24, 40), True, False), ((24, 40), False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(plain, kept))
 
 
 def test_tensorwise_and_disabled_cache():
@@ -65,14 +84,17 @@ def test_tensorwise_and_disabled_cache():
     w = torch.randn(16, 32).requires_grad_()
     x = torch.randn(5, 32).requires_grad_()
     quant = CountingQuant()
+    y = step(x, w, quant, "fp8_tensorwise")
     step(x, w, quant, "fp8_tensorwise")
-    step(x, w, quant, "fp8_tensorwise")
-    assert len(weight_casts(quant, w)) == 2
+    assert weight_casts(quant, w) == [((16, 32), False, True)]      # W^T only; W is its transpose
+    fwd = WEIGHT_CASTS.get(w, "tensor", False, quant)
+    want = quantize_torch(w.detach(), E4M3, "tensor")
+    assert torch.equal(fwd.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(fwd.q_scale, want.q_scale)
     WEIGHT_CASTS.enabled = False
     try:
-        step(x, w, quant, "fp8_tensorwise")
+        fresh = step(x, w, quant, "fp8_tensorwise")
     finally:
         WEIGHT_CASTS.enabled = True
-    assert len(weight_casts(quant, w)) == 4
+    assert len(weight_casts(quant, w)) == 3 and torch.equal(fresh, y)
     fp8_ref.WEIGHT_CASTS.clear()
     assert not WEIGHT_CASTS._entries

@@ -165,28 +165,44 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, bt_scale: t
 
 
 class WeightCasts:
-    """The FP8 copies of the weights, made once per optimizer step instead of once per micro-batch.
+    """The FP8 copy of each weight's transposed cast W^T, made once per optimizer step instead of once per
+    micro-batch.
 
-    A weight is cast twice per micro-batch (W row-scaled for the forward GEMM, W^T column-scaled for d input);
-    between two optimizer steps the weights do not change, so with gradient accumulation the casts of the first
-    micro-batch serve the others. An entry is keyed by the weight's storage address, shape, strides, dtype and the
-    cast asked for, and used only while it describes the very same tensor object (a weak reference) at the same
-    ``_version`` (any in-place write to the weight bumps it). Every ``torch.optim.Optimizer.step`` empties the
-    cache (a global step hook), and so does ``clear()``. Under FSDP2 the gathered weight of a layer is the same
-    unsharded parameter object on every gather: an entry it hits holds the cast of that layer's weight in the same
-    step (the values do not change before the step), and where the gather bumped ``_version`` it is cast again;
-    another layer's weight at a reused address is another object and never hits. Costs 2 bytes per cached
-    parameter (both copies, E4M3) until the step.
+    A weight is cast twice per micro-batch: W row-scaled (over K) for the forward GEMM, W^T column-scaled (over N)
+    for d input. Between two optimizer steps the weights do not change, so with gradient accumulation a cast of
+    the first micro-batch can serve the others. Only W^T is kept (1 byte per parameter until the step): it is the
+    slower cast (a maximum per column, then the transposed write). The forward copy is made per micro-batch:
+    with tensorwise scaling it is W^T transposed back (the very same codes and scale: a byte copy), with rowwise
+    scaling its own one-pass cast from the weight (the scales differ: per row of W, not per column, so it cannot
+    be made from W^T exactly). ``keep_forward = True`` keeps the forward copy as well (1 more byte per parameter,
+    the speed measured in BENCHMARKS.md).
+
+    An entry is keyed by the weight's storage address, shape, strides, dtype and the cast asked for, and used
+    only while it describes the very same tensor object (a weak reference) at the same ``_version`` (any
+    in-place write to the weight bumps it). Every ``torch.optim.Optimizer.step`` empties the cache (a global step
+    hook), and so does ``clear()``. Under FSDP2 the gathered weight of a layer is the same unsharded parameter
+    object on every gather: an entry it hits holds the cast of that layer's weight in the same step (the values
+    do not change before the step), and where the gather bumped ``_version`` it is cast again; another layer's
+    weight at a reused address is another object and never hits.
     """
 
     def __init__(self):
         self.enabled = True
+        self.keep_forward = False
         self._entries: dict[tuple, tuple] = {}
 
     def get(self, weight: torch.Tensor, scaling: str, transposed: bool, quant) -> Quantized:
-        """``quant(weight, E4M3, scaling)`` (transposed: only W^T), from the cache when it is current."""
+        """``quant(weight, E4M3, scaling)`` (transposed: only W^T, else only W), from the cache when current."""
         if not self.enabled or weight.is_inference():       # inference tensors have no version counter
             return self._cast(weight, scaling, transposed, quant)
+        if not transposed and not self.keep_forward:
+            if scaling == "tensor":                         # the same codes and scale as W^T's
+                wt = self._cached(weight, scaling, True, quant)
+                return Quantized(wt.qt.t().contiguous(), wt.qt_scale, None, None, wt.counts)
+            return self._cast(weight, scaling, False, quant)
+        return self._cached(weight, scaling, transposed, quant)
+
+    def _cached(self, weight, scaling, transposed, quant) -> Quantized:
         key = (weight.data_ptr(), weight.device, tuple(weight.shape), weight.stride(), weight.dtype, scaling,
                transposed, quant)
         entry = self._entries.get(key)

@@ -82,6 +82,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                     # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if torch.is_grad_enabled():  # attention saves v: a view would keep the whole qkv output alive
+            v = v.contiguous()
         q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
         if kv_cache is not None:
