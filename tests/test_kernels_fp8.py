@@ -8,6 +8,7 @@ all-zero rows. Runs on CPU under TRITON_INTERPRET=1.
 
 import pytest
 import torch
+import triton
 
 from zero2all.kernels.fp8 import quantize
 from zero2all.kernels.fp8_ref import E4M3, E5M2, quantize_torch
@@ -100,6 +101,48 @@ def test_small_tiles_split_bands_and_two_pass_rows(monkeypatch, shape):
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(got, name), getattr(want, name), f"{name} ({scaling}, {fmt})")
             assert torch.equal(got.counts, want.counts), (scaling, got.counts, want.counts)
+
+
+@pytest.mark.parametrize("rows,I,tile", [(37, 70, {"BM": 16, "BK": 32, "num_warps": 4}),
+                                         (5, 48, {"BM": 64, "BK": 128, "num_warps": 4})])
+def test_swiglu_backward_writes_the_maxima_of_its_outputs(monkeypatch, rows, I, tile):
+    """fp8.swiglu_backward against the SwiGLU backward kernel of kernels/swiglu.py (d gate_up and a bit for
+    bit), and the casts of its outputs, which take its partial maxima instead of an amax pass, against the
+    reference quantisation bit for bit; a hint is used once, and not after an in-place change."""
+    import zero2all.kernels.fp8 as fp8
+    from zero2all.kernels.swiglu import _swiglu_bwd_kernel
+
+    monkeypatch.setattr(fp8, "TILE", tile)
+    amax_calls = []
+    real_amax = fp8._amax_kernel
+    monkeypatch.setattr(fp8, "_amax_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: (amax_calls.append(1), real_amax[grid](*a, **k)))})())
+    g = torch.Generator().manual_seed(rows * I)
+    gate_up = (torch.randn(rows, 2 * I, generator=g) * 3).to(torch.bfloat16)
+    grad_a = (torch.randn(rows, I, generator=g) * torch.logspace(-3, 1, rows)[:, None]).to(torch.bfloat16)
+    grad_a[2] = 0.0                                         # an all-zero row of d gate_up
+    grad_a[0] *= 1e4                                        # an outlier row
+    want_dgu = torch.empty_like(gate_up)
+    want_a = torch.empty_like(grad_a)
+    _swiglu_bwd_kernel[(rows, 1)](grad_a, gate_up, want_dgu, want_a, I, gate_up.stride(0),
+                                  BLOCK=triton.next_power_of_2(I), WRITE_A=True, num_warps=4)
+    for scaling, fmt in (("axis", E4M3), ("tensor", E5M2)):
+        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True)
+        assert torch.equal(dgu, want_dgu) and torch.equal(a, want_a)
+        view = dgu.view(1, rows, 2 * I).reshape(rows, -1)   # as autograd hands it on: a view of the same base
+        for x, want_q, f in ((view, True, fmt), (a, False, E4M3)):
+            got = quantize(x, f, scaling, want_q, True)
+            ref = quantize_torch(x, f, scaling, want_q, True)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(ref, name), f"{name} ({scaling})")
+            assert torch.equal(got.counts, ref.counts)
+        assert not amax_calls and not fp8.AMAX_HINTS._entries      # both maxima handed over, each used once
+    dgu, _ = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, "axis", False)
+    dgu.mul_(2.0)                                           # changed after the kernel: its maxima are stale
+    got, ref = quantize(dgu, E4M3, "axis", True, True), quantize_torch(dgu, E4M3, "axis", True, True)
+    assert amax_calls and torch.equal(got.qt_scale, ref.qt_scale) and torch.equal(got.q_scale, ref.q_scale)
+    with pytest.raises(ValueError, match="swiglu_backward"):
+        fp8.swiglu_backward(grad_a, gate_up[:, 1:], torch.bfloat16, torch.bfloat16, "axis", True)
 
 
 @pytest.mark.parametrize("rows,I,dtype,tile", [(5, 48, torch.bfloat16, 8192), (9, 100, torch.float32, 64)])

@@ -62,6 +62,7 @@ the value is then exactly representable, so the cast is exact). Either way they 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -263,6 +264,47 @@ def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps,
     tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
 
 
+@triton.jit
+def _swiglu_bwd_amax_kernel(G, GU, DGU, A, DGU_ROW, DGU_COL, A_ROW, A_COL, M, I, stride_gu, BM: tl.constexpr,
+                            BK: tl.constexpr, WRITE_A: tl.constexpr, COLS: tl.constexpr):
+    # kernels/swiglu.py's backward (the same arithmetic, so the same values) over the tiles of _amax_kernel's
+    # grid, which also writes the partial maxima of what it stores: |d gate_up| per row (DGU_ROW[j, :]) and per
+    # column (DGU_COL[i, :], COLS), and the same of a = silu(gate) * up (A_ROW, A_COL) when WRITE_A
+    pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    ramax_d = tl.zeros([BM], dtype=tl.float32)
+    ramax_a = tl.zeros([BM], dtype=tl.float32)
+    for t in range(pid_s, tl.cdiv(I, BK), n_split):
+        cols = t * BK + tl.arange(0, BK)
+        cmask = cols < I
+        mask = rmask[:, None] & cmask[None, :]
+        g = tl.load(G + rows64[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(GU + rows64[:, None] * stride_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(GU + rows64[:, None] * stride_gu + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(gate)
+        d_up = (g * gate * s).to(DGU.dtype.element_ty)
+        d_gate = (g * up * s * (1.0 + gate * (1.0 - s))).to(DGU.dtype.element_ty)
+        tl.store(DGU + rows64[:, None] * (2 * I) + cols[None, :], d_gate, mask=mask)
+        tl.store(DGU + rows64[:, None] * (2 * I) + I + cols[None, :], d_up, mask=mask)
+        ad_gate, ad_up = tl.abs(d_gate.to(tl.float32)), tl.abs(d_up.to(tl.float32))
+        ramax_d = tl.maximum(ramax_d, tl.maximum(tl.max(ad_gate, 1), tl.max(ad_up, 1)))
+        if COLS:
+            tl.store(DGU_COL + pid_m.to(tl.int64) * (2 * I) + cols, tl.max(ad_gate, 0), mask=cmask)
+            tl.store(DGU_COL + pid_m.to(tl.int64) * (2 * I) + I + cols, tl.max(ad_up, 0), mask=cmask)
+        if WRITE_A:
+            a = (gate * s * up).to(A.dtype.element_ty)
+            tl.store(A + rows64[:, None] * I + cols[None, :], a, mask=mask)
+            aa = tl.abs(a.to(tl.float32))
+            ramax_a = tl.maximum(ramax_a, tl.max(aa, 1))
+            if COLS:
+                tl.store(A_COL + pid_m.to(tl.int64) * I + cols, tl.max(aa, 0), mask=cmask)
+    tl.store(DGU_ROW + pid_s.to(tl.int64) * M + rows, ramax_d, mask=rmask)
+    if WRITE_A:
+        tl.store(A_ROW + pid_s.to(tl.int64) * M + rows, ramax_a, mask=rmask)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # quantisation with the kernels
 
@@ -282,7 +324,8 @@ def _split(device: torch.device, bands: int, tiles_k: int) -> int:
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
              ) -> Quantized:
     """Quantise a 2-D tensor with the Triton kernels. ``scaling``: ``axis`` (q per row, qt per column) or
-    ``tensor`` (one scale for both)."""
+    ``tensor`` (one scale for both). Where the kernel that produced ``x`` left its partial maxima
+    (``AMAX_HINTS``), the amax pass is skipped."""
     x = _rows2d(x)
     M, K = x.shape
     mant, min_exp = _GRID[dtype]
@@ -303,10 +346,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     BM, BK = TILE["BM"], TILE["BK"]
     bands, tiles_k = triton.cdiv(M, BM), triton.cdiv(K, BK)
     n_split = _split(x.device, bands, tiles_k) if M and K else 1
-    rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
-    # every partial maximum is written by exactly one program: no initialisation needed
-    row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
-    col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
     if not (M and K):                   # nothing to cast: the scales of all-zero groups
         floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device)
         floor = floor / torch.full_like(floor, fmax)
@@ -314,13 +353,21 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
             return Quantized(q, floor if want_q else None, qt, floor if want_qt else None, counts)
         return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
                          floor.expand(K).clone() if want_qt else None, counts)
-    _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
-                                   COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
+    rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
+    hint = AMAX_HINTS.take(x)
+    if hint is not None and (hint[1] is not None or not cols_wanted):
+        row_part, col_part = hint
+    else:
+        # every partial maximum is written by exactly one program: no initialisation needed
+        row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
+        col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
+        _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
+                                       COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
     if tensor:
         row_amax = row_part.amax().reshape(1)
     else:
-        row_amax = row_part.amax(0) if want_q and n_split > 1 else row_part.reshape(-1)[:M]
-    col_amax = col_part.amax(0) if cols_wanted else col_part
+        row_amax = (row_part.amax(0) if row_part.shape[0] > 1 else row_part[0]) if want_q else row_part
+    col_amax = (col_part.amax(0) if col_part.shape[0] > 1 else col_part[0]) if cols_wanted else col_part
     q_s = torch.empty(() if tensor else M, dtype=torch.float32, device=x.device) if want_q or tensor else None
     qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
     _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
@@ -332,6 +379,76 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     if tensor:
         return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     return Quantized(q, q_s, qt, qt_s, counts)
+
+
+class AmaxHints:
+    """Partial maxima that the kernel producing a tensor wrote next to it (``swiglu_backward``), handed to the
+    next ``quantize`` of that very tensor so that it skips its amax pass (one read of the operand less).
+
+    An entry is keyed by the tensor's address and used only if, at that call, the tensor (or the base it is a
+    view of) is the same object, with the same shape, strides and ``_version`` (unchanged since the kernel
+    wrote it); it is used once. Entries whose tensor has been freed are dropped. Values are unchanged: the
+    maxima are those ``_amax_kernel`` would compute (partial maxima over other tiles, the same maximum).
+    ``enabled = False`` turns the hand-over off."""
+
+    def __init__(self):
+        self.enabled = True
+        self._entries: dict[int, tuple] = {}
+
+    def put(self, x: torch.Tensor, row_part: torch.Tensor, col_part: Optional[torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
+        self._entries[x.data_ptr()] = (weakref.ref(x), tuple(x.shape), x.stride(), x._version, row_part, col_part)
+
+    def take(self, x: torch.Tensor):
+        """(row_part (S, M), col_part (B, K) or None) for ``x`` (2-D), or None."""
+        if not self._entries:
+            return None
+        entry = self._entries.pop(x.data_ptr(), None)
+        if entry is None:
+            return None
+        ref, shape, stride, version, row_part, col_part = entry
+        base = x if x._base is None else x._base
+        owner = ref()
+        if owner is None or (base is not owner and x is not owner) or tuple(x.shape) != shape \
+                or x.stride() != stride or x._version != version:
+            return None
+        return row_part, col_part
+
+
+AMAX_HINTS = AmaxHints()
+
+
+def swiglu_backward(grad_a: torch.Tensor, gate_up: torch.Tensor, dgu_dtype: torch.dtype, a_dtype: torch.dtype,
+                    scaling: str, want_a: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """SwiGLU's backward for FP8 projections: ``(d gate_up (M, 2 I), a (M, I) or None)`` from ``grad_a``
+    (M, I) and ``gate_up`` (M, 2 I) (row-major), with the values of ``kernels/swiglu.py``'s backward. The same
+    pass writes the partial maxima of d gate_up and of a for their next ``quantize`` (``AMAX_HINTS``; the
+    scaling, ``axis`` or ``tensor``, says which are needed), so that neither is read again for its amax."""
+    M, I = grad_a.shape
+    if gate_up.shape != (M, 2 * I) or gate_up.stride(1) != 1 or not grad_a.is_contiguous():
+        raise ValueError(f"fp8 swiglu_backward: grad_a {tuple(grad_a.shape)} (contiguous) and gate_up "
+                         f"{tuple(gate_up.shape)} (row-major, 2 x its width) expected")
+    dgu = torch.empty((M, 2 * I), dtype=dgu_dtype, device=grad_a.device)
+    a = torch.empty((M, I), dtype=a_dtype, device=grad_a.device) if want_a else None
+    if not (M and I):
+        return dgu, a
+    BM, BK = TILE["BM"], TILE["BK"]
+    bands, tiles = triton.cdiv(M, BM), triton.cdiv(I, BK)
+    n_split = _split(grad_a.device, bands, tiles)
+    cols = scaling == "axis"
+    f32 = dict(dtype=torch.float32, device=grad_a.device)
+    dgu_row, dgu_col = torch.empty((n_split, M), **f32), torch.empty((bands, 2 * I) if cols else (0,), **f32)
+    a_row = torch.empty((n_split, M) if want_a else (0,), **f32)
+    a_col = torch.empty((bands, I) if want_a and cols else (0,), **f32)
+    _swiglu_bwd_amax_kernel[(bands, n_split)](grad_a, gate_up, dgu, a if want_a else dgu, dgu_row, dgu_col, a_row,
+                                              a_col, M, I, gate_up.stride(0), BM=BM, BK=BK, WRITE_A=want_a,
+                                              COLS=cols, num_warps=TILE["num_warps"])
+    AMAX_HINTS.put(dgu, dgu_row, dgu_col if cols else None)
+    if want_a:
+        AMAX_HINTS.put(a, a_row, a_col if cols else None)
+    return dgu, a
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -331,6 +331,11 @@ def _swiglu_linear_bwd(grad_out: torch.Tensor, gate_up: torch.Tensor, weight: to
     rows = gu.shape[0]
     bwd = _Backward(grad_out.reshape(rows, -1), weight, compute_dtype, precision, True, want_dweight)
     grad_a = bwd.grad_input().contiguous()                                  # (rows, I)
+    if precision != "bf16":     # the same values, with the maxima of d gate_up and a for their FP8 casts
+        dgu, a = fp8.swiglu_backward(grad_a, gu, gate_up.dtype, compute_dtype, fp8_ref.scaling_of(precision),
+                                     want_dweight)
+        dw, db = bwd.param_grads(a, want_dweight, want_dbias)
+        return dgu.view(gate_up.shape), dw, db, bwd.counts
     dgu = torch.empty((rows, 2 * I), dtype=gate_up.dtype, device=gate_up.device)
     a = torch.empty((rows, I), dtype=compute_dtype, device=gate_up.device) if want_dweight else grad_a
     if rows and I:
