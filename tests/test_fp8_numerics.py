@@ -244,3 +244,33 @@ def test_fused_fp8_model_on_gpu_compiles_and_tracks_bf16():
     assert abs(out["fp8_compiled"][0] - out["fp8"][0]) < 1e-3 * out["fp8"][0]
     assert relative_l2_error(out["fp8"][1], out["bf16"][1]) < 0.15
     assert relative_l2_error(out["fp8_compiled"][1], out["fp8"][1]) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
+def test_maxima_handed_over_by_the_backward_kernels_change_nothing(monkeypatch, recipe):
+    """The norm and SwiGLU backward kernels of the FP8 blocks write the maxima of what they produce (the
+    gradients d x and d gate_up, the rebuilt inputs normed' and a), and the casts of those skip their amax pass
+    (fp8.AMAX_HINTS): the same losses and gradients bit for bit, with 6 amax passes per layer in backward
+    instead of 12 (left: the 4 W^T casts, d qkv from attention, the attention output) and one for the last down
+    projection; tensorwise casts also take one per forward input (4 per layer) either way."""
+    import zero2all.kernels.fp8 as fp8
+
+    calls = []
+    real = fp8._amax_kernel
+    monkeypatch.setattr(fp8, "_amax_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: (calls.append(1), real[grid](*a, **k)))})())
+    tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(3))
+    cfg = tiny(recipe)
+    results = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", enabled)
+        fp8_ref.WEIGHT_CASTS.clear()
+        calls.clear()
+        results[enabled] = loss_and_grads(cfg, tokens), len(calls)
+        assert not fp8.AMAX_HINTS._entries or all(e[0]() is None for e in fp8.AMAX_HINTS._entries.values())
+    (loss, grads), n_on = results[True]
+    (loss_off, grads_off), n_off = results[False]
+    assert torch.equal(loss, loss_off)
+    assert all(torch.equal(grads[k], grads_off[k]) for k in grads)
+    fwd = 4 if recipe == "fp8_tensorwise" else 0
+    assert (n_on, n_off) == ((6 + fwd) * cfg.n_layers + 1, (12 + fwd) * cfg.n_layers)

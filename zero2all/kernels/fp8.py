@@ -399,7 +399,9 @@ class AmaxHints:
         if not self.enabled:
             return
         self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
-        self._entries[x.data_ptr()] = (weakref.ref(x), tuple(x.shape), x.stride(), x._version, row_part, col_part)
+        owner = x if x._base is None else x._base
+        self._entries[x.data_ptr()] = (weakref.ref(owner), tuple(x.shape), x.stride(), x._version, row_part,
+                                       col_part)
 
     def take(self, x: torch.Tensor):
         """(row_part (S, M), col_part (B, K) or None) for ``x`` (2-D), or None."""
@@ -411,7 +413,7 @@ class AmaxHints:
         ref, shape, stride, version, row_part, col_part = entry
         base = x if x._base is None else x._base
         owner = ref()
-        if owner is None or (base is not owner and x is not owner) or tuple(x.shape) != shape \
+        if owner is None or base is not owner or tuple(x.shape) != shape \
                 or x.stride() != stride or x._version != version:
             return None
         return row_part, col_part

@@ -219,13 +219,24 @@ def _norm_linear_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], y
     normed = torch.empty((rows, N), dtype=cdt, device=y2.device) if want_dweight else grad_normed
     n_prog = grid_programs(y2.device, max(rows, 1))
     partial = torch.zeros((n_prog, N), dtype=torch.float32, device=y2.device)
+    # FP8: the kernel also writes the maxima of dx and normed' for their casts (fp8.AMAX_HINTS)
+    amax = precision != "bf16" and fp8.AMAX_HINTS.enabled and rows > 0
+    stride = max(rows, n_prog * N)
+    parts = torch.empty((4, stride) if amax else (0,), dtype=torch.float32, device=y2.device)
     if rows:
         gres = grad_res.reshape(-1, N).contiguous() if grad_res is not None else grad_normed
         block = triton.next_power_of_2(N)
         _add_rmsnorm_bwd_kernel[(n_prog,)](grad_normed, gres, y2.contiguous(), norm_weight.contiguous(), rstd, dx,
                                           dres if want_dres else dx, partial, normed, rows, N,
                                           HAS_GRES=grad_res is not None, WRITE_DRES=want_dres, BLOCK=block,
-                                          FROM_Y=True, WRITE_NORMED=want_dweight, num_warps=_warps(block))
+                                          FROM_Y=True, WRITE_NORMED=want_dweight, AMAX_PARTS=parts,
+                                          AMAX_STRIDE=stride, AMAX=amax, num_warps=_warps(block))
+    if amax:
+        cols = fp8_ref.scaling_of(precision) == "axis"
+        col_parts = parts[2:, :n_prog * N].view(2, n_prog, N)
+        fp8.AMAX_HINTS.put(dx.view(rows, N), parts[0, :rows].view(1, rows), col_parts[0] if cols else None)
+        if want_dweight:
+            fp8.AMAX_HINTS.put(normed, parts[1, :rows].view(1, rows), col_parts[1] if cols else None)
     dnorm_w = partial.sum(0).to(norm_weight.dtype)
     dw, db = bwd.param_grads(normed, want_dweight, want_dbias)
     return dx, dres, dnorm_w, dw, db, bwd.counts

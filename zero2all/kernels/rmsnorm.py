@@ -62,15 +62,21 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, OUT, RES_OUT, RSTD, Y, N, eps,
 @triton.jit
 def _add_rmsnorm_bwd_kernel(G, GRES, R, W, RSTD, DX, DRES, DW_PARTIAL, NORMED, n_rows, N,
                             HAS_GRES: tl.constexpr, WRITE_DRES: tl.constexpr, BLOCK: tl.constexpr,
-                            FROM_Y: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False):
+                            FROM_Y: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
+                            AMAX_PARTS=None, AMAX_STRIDE=0, AMAX: tl.constexpr = False):
     # FROM_Y: R holds the saved normalised y = r * rstd (lean norm_linear) instead of r.
     # WRITE_NORMED: also write weight * y (in NORMED's dtype), the recomputed input of the following projection.
+    # AMAX (FP8 projections, kernels/fp8.py): also the maxima of |dx| and |normed| as written, for their casts:
+    # per row (exact) and per column over this program's rows. AMAX_PARTS: float32 (4, AMAX_STRIDE) = the rows'
+    # maxima of dx, of normed (n_rows each), the columns' of dx, of normed (n_prog x N each)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
+    cmax_dx = tl.zeros([BLOCK], dtype=tl.float32)
+    cmax_n = tl.zeros([BLOCK], dtype=tl.float32)
     for row in range(pid, n_rows, n_prog):
         base = tl.cast(row, tl.int64) * N
         g = tl.load(G + base + cols, mask=mask, other=0.0).to(tl.float32)
@@ -80,16 +86,30 @@ def _add_rmsnorm_bwd_kernel(G, GRES, R, W, RSTD, DX, DRES, DW_PARTIAL, NORMED, n
         else:
             y = tl.load(R + base + cols, mask=mask, other=0.0).to(tl.float32) * rstd
         if WRITE_NORMED:
-            tl.store(NORMED + base + cols, (w * y).to(NORMED.dtype.element_ty), mask=mask)
+            normed = (w * y).to(NORMED.dtype.element_ty)
+            tl.store(NORMED + base + cols, normed, mask=mask)
+            if AMAX:
+                an = tl.abs(normed.to(tl.float32))
+                cmax_n = tl.maximum(cmax_n, an)
+                tl.store(AMAX_PARTS + AMAX_STRIDE + row, tl.max(an, 0))
         dw += g * y
         dy = g * w
         dr = rstd * (dy - y * (tl.sum(dy * y, axis=0) / N))
         if HAS_GRES:
             dr += tl.load(GRES + base + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + base + cols, dr.to(DX.dtype.element_ty), mask=mask)
+        dx = dr.to(DX.dtype.element_ty)
+        tl.store(DX + base + cols, dx, mask=mask)
+        if AMAX:
+            adx = tl.abs(dx.to(tl.float32))
+            cmax_dx = tl.maximum(cmax_dx, adx)
+            tl.store(AMAX_PARTS + row, tl.max(adx, 0))
         if WRITE_DRES:
             tl.store(DRES + base + cols, dr.to(DRES.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+    if AMAX:
+        tl.store(AMAX_PARTS + 2 * AMAX_STRIDE + pid * N + cols, cmax_dx, mask=mask)
+        if WRITE_NORMED:
+            tl.store(AMAX_PARTS + 3 * AMAX_STRIDE + pid * N + cols, cmax_n, mask=mask)
 
 
 def _warps(block: int) -> int:
