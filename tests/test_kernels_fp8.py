@@ -226,3 +226,12 @@ def test_kernels_on_gpu_bit_for_bit():
     got, want = fp8.quantize_swiglu(gate_up, torch.bfloat16), quantize(triton_swiglu(gate_up), E4M3, "axis")
     assert_same(got.q, want.q, "swiglu q")
     assert_same(got.q_scale, want.q_scale, "swiglu scale")
+    grad_a = torch.randn(333, 700, device="cuda", dtype=torch.bfloat16)
+    for scaling in ("axis", "tensor"):
+        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True)
+        assert torch.equal(a, triton_swiglu(gate_up))
+        for t, want_q in ((dgu, True), (a, False)):      # casts from the handed-over maxima
+            got, want = quantize(t, E4M3, scaling, want_q, True), quantize_torch(t, E4M3, scaling, want_q, True)
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(got, name), getattr(want, name), f"swiglu_backward {name} {scaling}")
+        assert not fp8.AMAX_HINTS._entries
