@@ -164,6 +164,14 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
     assert torch.equal(got.counts, want.counts)
     with pytest.raises(ValueError, match="quantize_swiglu"):
         fp8.quantize_swiglu(gate_up[:, 1:], a.dtype)
+    a2 = fp8.swiglu_amax(gate_up, a.dtype)                  # a itself, with its rows' amax handed over
+    assert torch.equal(a2, a)
+    got, want = quantize(a2, E5M2, "tensor", True, True), quantize_torch(a, E5M2, "tensor", True, True)
+    for name in ("q", "q_scale", "qt", "qt_scale"):
+        assert_same(getattr(got, name), getattr(want, name), f"tensorwise {name}")
+    assert not fp8.AMAX_HINTS._entries
+    with pytest.raises(ValueError, match="swiglu_amax"):
+        fp8.swiglu_amax(gate_up[:, 1:], a.dtype)
 
 
 @pytest.mark.parametrize("rows,N,res", [(6, 40, True), (3, 130, False)])
@@ -197,12 +205,23 @@ def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
             qn = quantize(normed, E4M3, "axis")
             assert_same(qn.q, quantize_torch(normed, E4M3, "axis").q, "the unfused reference")
         out[fused] = (qn, res_out, rstd, yhat)
+        if not fused:                                        # store_normed: normed itself and its rows' amax
+            res2, rstd2, yhat2 = torch.empty_like(res_out), torch.empty_like(rstd), torch.empty_like(yhat)
+            got = norm_quantize(x, residual, w, 1e-5, res2, rstd2, yhat2, torch.bfloat16, warps, store_normed=True)
+            assert torch.equal(got.q, normed) and torch.equal(got.q_scale, normed.float().abs().amax(1))
+            assert torch.equal(res2, res_out) and torch.equal(rstd2, rstd) and torch.equal(yhat2, yhat)
+            want = quantize_torch(normed, E5M2, "tensor", True, True)
+            tq = quantize(got.q.reshape(rows, N), E5M2, "tensor", True, True)   # from the handed-over amax
+            for name in ("q", "q_scale", "qt", "qt_scale"):
+                assert_same(getattr(tq, name), getattr(want, name), f"tensorwise {name}")
     (q0, *t0), (q1, *t1) = out[False], out[True]
     for a, b in zip(t0, t1):
         assert torch.equal(a, b)
     assert_same(q1.q, q0.q, "q")
     assert_same(q1.q_scale, q0.q_scale, "scale")
     assert torch.equal(q1.counts, q0.counts)
+    import zero2all.kernels.fp8 as fp8
+    assert not fp8.AMAX_HINTS._entries or all(e[0]() is None for e in fp8.AMAX_HINTS._entries.values())
 
 
 @pytest.mark.gpu
@@ -235,3 +254,8 @@ def test_kernels_on_gpu_bit_for_bit():
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(got, name), getattr(want, name), f"swiglu_backward {name} {scaling}")
         assert not fp8.AMAX_HINTS._entries
+    a = fp8.swiglu_amax(gate_up, torch.bfloat16)
+    assert torch.equal(a, triton_swiglu(gate_up))
+    got, want = quantize(a, E5M2, "tensor", True, True), quantize_torch(a, E5M2, "tensor", True, True)
+    for name in ("q", "q_scale", "qt", "qt_scale"):
+        assert_same(getattr(got, name), getattr(want, name), f"swiglu_amax {name}")

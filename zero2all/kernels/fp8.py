@@ -117,9 +117,10 @@ def _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU: tl.constexpr, A_DTYPE
 def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT: tl.constexpr,
                          MIN_EXP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                          COUNT: tl.constexpr, NATIVE: tl.constexpr, SWIGLU: tl.constexpr = False,
-                         A_DTYPE: tl.constexpr = tl.bfloat16):
+                         A_DTYPE: tl.constexpr = tl.bfloat16, STORE_X: tl.constexpr = False):
     # BM rows per program, BLOCK columns at a time; ONE_PASS (K <= BLOCK): the rows stay in registers between the
-    # amax and the cast, else they are read a second time (from cache). SWIGLU: see _load_rows
+    # amax and the cast, else they are read a second time (from cache). SWIGLU: see _load_rows. STORE_X: no
+    # cast; the operand itself goes to Q (in Q's dtype) and its rows' amax to S (``swiglu_amax``)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
@@ -133,25 +134,34 @@ def _rowwise_cast_kernel(X, Q, S, CNT, M, K, stride_x, FMAX: tl.constexpr, MANT:
             mask = rmask[:, None] & (cols < K)[None, :]
             xk = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
             amax = tl.maximum(amax, tl.max(tl.abs(xk), 1))
-    a = tl.maximum(amax, 1e-12)
-    fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
-    r = tl.math.div_rn(fmax, a)
-    tl.store(S + rows, tl.math.div_rn(a, fmax), mask=rmask)
-    sat = tl.zeros([BM], dtype=tl.int32)
-    under = tl.zeros([BM], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = rmask[:, None] & (cols < K)[None, :]
-        if not ONE_PASS:
-            x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
-        q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
-        tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    if STORE_X:
+        tl.store(S + rows, amax, mask=rmask)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = rmask[:, None] & (cols < K)[None, :]
+            if not ONE_PASS:
+                x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
+            tl.store(Q + rows64[:, None] * K + cols[None, :], x.to(Q.dtype.element_ty), mask=mask)
+    else:
+        a = tl.maximum(amax, 1e-12)
+        fmax = tl.zeros([BM], dtype=tl.float32) + FMAX
+        r = tl.math.div_rn(fmax, a)
+        tl.store(S + rows, tl.math.div_rn(a, fmax), mask=rmask)
+        sat = tl.zeros([BM], dtype=tl.int32)
+        under = tl.zeros([BM], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = rmask[:, None] & (cols < K)[None, :]
+            if not ONE_PASS:
+                x = _load_rows(X, rows64, cols, mask, stride_x, K, SWIGLU, A_DTYPE)
+            q = _round(tl.clamp(x * r[:, None], -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
+            tl.store(Q + rows64[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+            if COUNT:
+                sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
+                under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
         if COUNT:
-            sat += tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 1)
-            under += tl.sum(((x != 0.0) & (q == 0.0)).to(tl.int32), 1)
-    if COUNT:
-        tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
-        tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
+            tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
+            tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
 
 
 @triton.jit
@@ -244,9 +254,11 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
 @triton.jit
 def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps, HAS_RESIDUAL: tl.constexpr,
                               BLOCK: tl.constexpr, NORMED_DTYPE: tl.constexpr, FMAX: tl.constexpr,
-                              MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr):
+                              MANT: tl.constexpr, MIN_EXP: tl.constexpr, NATIVE: tl.constexpr,
+                              STORE_NORMED: tl.constexpr = False):
     # one row: kernels/rmsnorm.py's add_rmsnorm_row (as _add_rmsnorm_fwd_kernel with WRITE_Y), then, instead of
-    # storing normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row]
+    # storing normed = round_c(w * y), its rowwise FP8 cast; the row's counters go to CNT[row] and CNT[M + row].
+    # STORE_NORMED: normed itself goes to Q (in Q's dtype) and the row's amax to S, no cast (``norm_amax``)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -254,14 +266,18 @@ def _norm_rowwise_cast_kernel(X, RES, W, RES_OUT, RSTD, Y, Q, S, CNT, M, N, eps,
     tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (w * y).to(NORMED_DTYPE).to(tl.float32)
-    a = tl.maximum(tl.max(tl.abs(normed), 0), 1e-12)
-    fmax = tl.full([], FMAX, tl.float32)
-    ratio = tl.math.div_rn(fmax, a)
-    tl.store(S + row, tl.math.div_rn(a, fmax))
-    q = _round(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
-    tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(CNT + row, tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 0))
-    tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
+    if STORE_NORMED:
+        tl.store(Q + row * N + cols, normed.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + row, tl.max(tl.abs(normed), 0))
+    else:
+        a = tl.maximum(tl.max(tl.abs(normed), 0), 1e-12)
+        fmax = tl.full([], FMAX, tl.float32)
+        ratio = tl.math.div_rn(fmax, a)
+        tl.store(S + row, tl.math.div_rn(a, fmax))
+        q = _round(tl.clamp(normed * ratio, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
+        tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(CNT + row, tl.sum(((tl.abs(q) >= FMAX) & mask).to(tl.int32), 0))
+        tl.store(CNT + M + row, tl.sum(((normed != 0.0) & (q == 0.0)).to(tl.int32), 0))
 
 
 @triton.jit
@@ -479,16 +495,39 @@ def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dt
     return Quantized(q, s, None, None, counts)
 
 
+def swiglu_amax(gate_up: torch.Tensor, a_dtype: torch.dtype) -> torch.Tensor:
+    """a = silu(gate) * up (rounded to ``a_dtype``, the values of ``kernels/swiglu.py``) for ``gate_up`` (M, 2 I),
+    written with its rows' amax in the same pass, handed to a's next ``quantize`` (``AMAX_HINTS``: tensorwise
+    scaling then needs no amax pass of its own)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"fp8 swiglu_amax: expected a row-major (M, 2 I) tensor, got shape "
+                         f"{tuple(gate_up.shape)}, strides {gate_up.stride()}")
+    M, K = gate_up.shape[0], gate_up.shape[1] // 2
+    a = torch.empty((M, K), dtype=a_dtype, device=gate_up.device)
+    amax = torch.empty(M, dtype=torch.float32, device=gate_up.device)
+    if M and K:
+        block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+        bm = max(1, ROWWISE_TILE // block)
+        _rowwise_cast_kernel[(triton.cdiv(M, bm),)](gate_up, a, amax, amax, M, K, gate_up.stride(0), FMAX=448.0,
+                                                    MANT=3, MIN_EXP=-6, BM=bm, BLOCK=block, ONE_PASS=K <= block,
+                                                    COUNT=False, SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype],
+                                                    NATIVE=False, STORE_X=True, num_warps=8)
+        AMAX_HINTS.put(a, amax.view(1, M), None)
+    return a
+
+
 def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                   res_out: torch.Tensor, rstd: torch.Tensor, yhat: torch.Tensor, normed_dtype: torch.dtype,
-                  warps: int, dtype: torch.dtype = E4M3) -> Quantized:
+                  warps: int, dtype: torch.dtype = E4M3, store_normed: bool = False) -> Quantized:
     """The residual add + RMSNorm of ``kernels/rmsnorm.py`` (writing res_out, rstd and yhat as its forward kernel
     with WRITE_Y does) with the rowwise FP8 cast of normed = round_c(norm_weight * y) in the same pass, instead
     of normed itself: normed is never written to memory. x2, res2 (or None), res_out, yhat: (M, N) contiguous.
-    ``warps``: the norm kernel's own choice, so that the row sums are added in the same order."""
+    ``warps``: the norm kernel's own choice, so that the row sums are added in the same order.
+    ``store_normed``: no cast; ``q`` is normed itself (in ``normed_dtype``), ``q_scale`` its rows' amax, handed to
+    normed's next ``quantize`` (``AMAX_HINTS``: tensorwise scaling then needs no amax pass of its own)."""
     M, N = x2.shape
     mant, min_exp = _GRID[dtype]
-    q = torch.empty((M, N), dtype=dtype, device=x2.device)
+    q = torch.empty((M, N), dtype=normed_dtype if store_normed else dtype, device=x2.device)
     s = torch.empty(M, dtype=torch.float32, device=x2.device)
     per_row = torch.empty((2, M), dtype=torch.int32, device=x2.device)
     if M and N:
@@ -496,5 +535,10 @@ def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: t
                                         s, per_row, M, N, eps, HAS_RESIDUAL=res2 is not None,
                                         BLOCK=triton.next_power_of_2(N), NORMED_DTYPE=_TL_DTYPES[normed_dtype],
                                         FMAX=float(torch.finfo(dtype).max), MANT=mant, MIN_EXP=min_exp,
-                                        NATIVE=x2.is_cuda and NATIVE_CAST, num_warps=warps)
+                                        NATIVE=x2.is_cuda and NATIVE_CAST, STORE_NORMED=store_normed,
+                                        num_warps=warps)
+    if store_normed:
+        if M and N:
+            AMAX_HINTS.put(q, s.view(1, M), None)
+        return Quantized(q, s, None, None, torch.zeros(2, dtype=torch.int64, device=x2.device))
     return Quantized(q, s, None, None, per_row.sum(1, dtype=torch.int64))

@@ -184,6 +184,12 @@ def _norm_linear_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], norm_wei
                                _warps(triton.next_power_of_2(N)))
         out, counts = _linear(qn, weight, bias, compute_dtype, x.shape[:-1], precision)
         return out, res_out, yhat, rstd, counts
+    if precision == "fp8_tensorwise" and fp8.AMAX_HINTS.enabled:   # normed with its amax: one read less
+        normed = fp8.norm_quantize(x2, res2 if residual is not None else None, norm_weight.contiguous(), eps,
+                                   res_out.view(-1, N), rstd, yhat.view(-1, N), compute_dtype,
+                                   _warps(triton.next_power_of_2(N)), store_normed=True).q
+        out, counts = _linear(normed, weight, bias, compute_dtype, x.shape[:-1], precision)
+        return out, res_out, yhat, rstd, counts
     normed = torch.empty_like(yhat)
     if rows:
         block = triton.next_power_of_2(N)
@@ -319,6 +325,9 @@ def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, bias: Option
     gu = _rows(gate_up)
     if precision == "fp8_rowwise":      # the rowwise FP8 cast of a made from gate_up directly: a is never written
         return _linear(fp8.quantize_swiglu(gu, compute_dtype), weight, bias, compute_dtype, gate_up.shape[:-1],
+                       precision)
+    if precision == "fp8_tensorwise" and fp8.AMAX_HINTS.enabled:   # a with its amax: one read less
+        return _linear(fp8.swiglu_amax(gu, compute_dtype), weight, bias, compute_dtype, gate_up.shape[:-1],
                        precision)
     a = torch.empty((gu.shape[0], I), dtype=compute_dtype, device=gate_up.device)
     if gu.shape[0] and I:
