@@ -41,7 +41,6 @@ Kernels (one read of the operand from memory each, where the scales allow it):
     _cast_kernel           the same grid: cast each tile once and write it twice, q (row or tensor scaled) and
                            the transposed copy q^T (column or tensor scaled, BK rows of BM contiguous bytes), the
                            layout the backward GEMMs consume
-
     _swiglu_bwd_amax_kernel   SwiGLU's backward (as kernels/swiglu.py) on the same grid, writing with d gate_up
                            and the rebuilt a their partial maxima (``swiglu_backward``)
 
