@@ -167,7 +167,7 @@ def _add_rmsnorm_bwd(grad_out: torch.Tensor, grad_res: Optional[torch.Tensor], r
         _add_rmsnorm_bwd_kernel[(n_prog,)](g2, gres, r2, weight.contiguous(), rstd, dx, dres, partial, dx,
                                           n_rows, N,
                                           HAS_GRES=grad_res is not None, WRITE_DRES=write_dres, BLOCK=block,
-                                          num_warps=_warps(block))
+                                          AMAX_PARTS=partial, AMAX_STRIDE=0, num_warps=_warps(block))
     dw = partial.sum(0).to(weight.dtype)
     dres_out = dres.view(res_out.shape) if write_dres else dx.view(res_out.shape).clone() if want_dres else \
         dx.new_empty((0,))
