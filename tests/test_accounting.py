@@ -12,7 +12,6 @@ import torch
 from zero2all import accounting as acc
 from zero2all.cli import main
 from zero2all.config import ConfigError, ModelConfig, OpsConfig, list_presets, load_config
-from zero2all.model import ops
 from zero2all.model.z2all import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,28 +186,28 @@ def test_korthikanti_formulas_by_hand():
 def test_activation_bytes_per_layer_1_1b_by_hand():
     cfg = preset("z2all-1.1b")
     parts = acc.activation_bytes_per_token_per_layer(cfg)
-    # norms 2*(4h + 4), projection inputs 2*2h, rotated q and k 2*(2048 + 512) + v's own copy 2*512 (the qkv
-    # buffer is not kept), out 2*2048 + lse 4*32, gate|up 4I, down 2I
-    qkv = 2 * 2560 + 2 * 512
-    assert parts["total"] == 2 * (4 * 2048 + 4) + 4 * 2048 + qkv + 2 * 2048 + 128 + 4 * 5632 + 2 * 5632 == 68_744
+    # norms 2*(4h + 4), projection inputs 2*2h, rotated q and k 2*(2048 + 512) + the qkv buffer v keeps alive
+    # 2*(2048 + 2*512), out 2*2048 + lse 4*32, gate|up 4I, down 2I
+    qkv = 2 * 2560 + 2 * 3072
+    assert parts["total"] == 2 * (4 * 2048 + 4) + 4 * 2048 + qkv + 2 * 2048 + 128 + 4 * 5632 + 2 * 5632 == 73_864
     tp_sp = acc.activation_bytes_per_token_per_layer(cfg, tp=2, sequence_parallel=True)["total"]
-    assert tp_sp == 68_744 / 2
+    assert tp_sp == 73_864 / 2
     tp_only = acc.activation_bytes_per_token_per_layer(cfg, tp=2)["total"]
-    assert tp_only == 68_744 - (qkv + 2 * 2048 + 128 + 6 * 5632) / 2
+    assert tp_only == 73_864 - (qkv + 2 * 2048 + 128 + 6 * 5632) / 2
     assert acc.activation_bytes_per_token_per_layer(cfg, recompute="full")["total"] == 2 * 2048 + 4 * 2048
-    assert acc.activation_bytes_per_token_per_layer(cfg, recompute="selective")["total"] == 68_744 - 128
-    assert acc.activation_bytes_per_token_per_layer(cfg, fused_kernels=False)["total"] == 68_744 + 8 * 2048 + 2 * 5632
-    assert acc.activation_bytes_per_token_per_layer(cfg, kv_repeated=True)["total"] == 68_744 - qkv + 2 * 3 * 2048
+    assert acc.activation_bytes_per_token_per_layer(cfg, recompute="selective")["total"] == 73_864 - 128
+    assert acc.activation_bytes_per_token_per_layer(cfg, fused_kernels=False)["total"] == 73_864 + 8 * 2048 + 2 * 5632
+    assert acc.activation_bytes_per_token_per_layer(cfg, kv_repeated=True)["total"] == 73_864 - qkv + 2 * 3 * 2048
     # lean fused linears: per norm round_c(y) 2h + 1/rms 4 (no fp32 residual, no separate projection input), no
     # down input (rebuilt from gate|up in backward)
     lean = acc.activation_bytes_per_token_per_layer(cfg, fused_linear=True)
-    assert lean["total"] == 2 * (2 * 2048 + 4) + qkv + 2 * 2048 + 128 + 4 * 5632 == 41_096
+    assert lean["total"] == 2 * (2 * 2048 + 4) + qkv + 2 * 2048 + 128 + 4 * 5632 == 46_216
     assert lean["projection inputs"] == lean["down input"] == 0
     assert acc.activation_bytes_per_token_per_layer(cfg, tp=2, sequence_parallel=True,
-                                                    fused_linear=True)["total"] == 41_096 / 2
+                                                    fused_linear=True)["total"] == 46_216 / 2
     m = acc.peak_memory_bytes(cfg, 8, 2048, fused_linear=True)
     assert m["weight_copies"] == 0  # block weights cast again in backward; the fused loss takes the head's as is
-    assert m["activations"] == 8 * 2048 * (22 * 41_096 + 8 + 4 * 2048 + 4 + 2 * 2048)
+    assert m["activations"] == 8 * 2048 * (22 * 46_216 + 8 + 4 * 2048 + 4 + 2 * 2048)
     assert acc.autocast_weight_copy_bytes(cfg, fused_linear=True) == 2 * 64320 * 2048
 
 
@@ -221,10 +220,9 @@ def test_activation_formula_matches_saved_tensors(precision, dtype, kw):
     tokens = torch.randint(0, cfg.vocab_size, (B, T))
     targets = torch.randint(0, cfg.vocab_size, (B, T))
     measured = acc.saved_activation_bytes(model, tokens, targets, dtype)
-    # the torch ops path (no fused kernels, logits materialised); CPU SDPA repeats K/V heads for GQA only where
-    # it has no GQA of its own
+    # the torch ops path (no fused kernels, logits materialised); CPU SDPA repeats K/V heads for GQA
     per_layer = acc.activation_bytes_per_token_per_layer(cfg, precision, fused_kernels=False,
-                                                         kv_repeated=not ops._sdpa_has_gqa())["total"]
+                                                         kv_repeated=True)["total"]
     head = acc.head_activation_bytes_per_token(cfg, precision, fused_cross_entropy=False,
                                                fused_kernels=False)["total"]
     predicted = B * T * (cfg.n_layers * per_layer + head)
@@ -237,7 +235,7 @@ def test_peak_memory_and_largest_micro_batch():
     cfg = preset("z2all-1.1b")
     m = acc.peak_memory_bytes(cfg, 8, 2048)
     assert m["model_states"] == 16 * 1_255_499_776
-    assert m["activations"] == 8 * 2048 * (22 * 68_744 + 8 + 4 * 2048 + 4 + 2 * 2048)
+    assert m["activations"] == 8 * 2048 * (22 * 73_864 + 8 + 4 * 2048 + 4 + 2 * 2048)
     # one micro-batch per step: gradients are created as activations are freed, so they are not in the peak
     assert m["total"] == m["weights"] + m["optimizer"] + m["weight_copies"] + m["activations"]
     assert m["weight_copies"] == 2 * (acc.param_counts(cfg).matmul - 64320 * 2048)  # fused loss: no head copy
@@ -355,7 +353,7 @@ def test_estimate_cli_table_and_json(capsys):
     assert est["layout"]["sequence_parallel"] is True
     # the preset's ops are "auto": the estimate assumes the GPU path, lean fused linears included
     assert est["layout"]["fused_linear"] is True
-    assert est["memory_per_gpu"]["activation_per_token_per_layer"]["total"] == 41_096 / 2
+    assert est["memory_per_gpu"]["activation_per_token_per_layer"]["total"] == 46_216 / 2
 
 
 @pytest.mark.parametrize("argv,message", [

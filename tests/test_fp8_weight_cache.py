@@ -1,8 +1,10 @@
 """The FP8 weight casts of ``fp8_ref.WEIGHT_CASTS``: W^T is cast once per optimizer step, reused across the
 micro-batches of a step, made again after any in-place change of the weight, after an optimizer step, and for
 another tensor at the same shape; the forward cast W is made per micro-batch (rowwise) or transposed back from
-the cached W^T (tensorwise: the same codes), unless ``keep_forward``."""
+the cached W^T (tensorwise: the same codes) with ``keep_forward = False`` (``model.ops.fp8_weight_cache =
+"transposed"``); by default W is kept as well."""
 
+import pytest
 import torch
 
 from zero2all.kernels import fp8_ref
@@ -28,7 +30,8 @@ def weight_casts(quant, w):
     return [c for c in quant.calls if c[0] in (tuple(w.shape),)]
 
 
-def test_weight_cast_once_per_step_and_again_after_changes():
+def test_weight_cast_once_per_step_and_again_after_changes(monkeypatch):
+    monkeypatch.setattr(WEIGHT_CASTS, "keep_forward", False)
     WEIGHT_CASTS.clear()
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(24, 40, generator=g) / 40 ** 0.5).requires_grad_()
@@ -62,7 +65,8 @@ def test_weight_cast_once_per_step_and_again_after_changes():
     WEIGHT_CASTS.clear()
 
 
-def test_keep_forward_caches_both_casts():
+def test_keep_forward_caches_both_casts(monkeypatch):
+    monkeypatch.setattr(WEIGHT_CASTS, "keep_forward", False)
     WEIGHT_CASTS.clear()
     w = torch.randn(24, 40).requires_grad_()
     xs = [torch.randn(7, 40).requires_grad_() for _ in range(3)]
@@ -79,7 +83,8 @@ def test_keep_forward_caches_both_casts():
     assert all(torch.equal(a, b) for a, b in zip(plain, kept))
 
 
-def test_tensorwise_and_disabled_cache():
+def test_tensorwise_and_disabled_cache(monkeypatch):
+    monkeypatch.setattr(WEIGHT_CASTS, "keep_forward", False)
     WEIGHT_CASTS.clear()
     w = torch.randn(16, 32).requires_grad_()
     x = torch.randn(5, 32).requires_grad_()
@@ -98,3 +103,22 @@ def test_tensorwise_and_disabled_cache():
     assert len(weight_casts(quant, w)) == 3 and torch.equal(fresh, y)
     fp8_ref.WEIGHT_CASTS.clear()
     assert not WEIGHT_CASTS._entries
+
+
+def test_config_options_set_the_switches():
+    from zero2all.config import ConfigError, ModelConfig, OpsConfig
+    from zero2all.kernels import fp8
+    from zero2all.model.z2all import build_model
+
+    kw = dict(vocab_size=64, hidden_dim=32, intermediate_size=48, n_layers=1, n_heads=2, n_kv_heads=1,
+              max_seq_len=16)
+    try:
+        build_model(ModelConfig(**kw, ops=OpsConfig(linear_precision="fp8_rowwise", fp8_weight_cache="transposed",
+                                                     fp8_fused_amax=True)), seed=0)
+        assert not WEIGHT_CASTS.keep_forward and fp8.AMAX_HINTS.enabled
+        build_model(ModelConfig(**kw, ops=OpsConfig(linear_precision="fp8_rowwise")), seed=0)
+        assert WEIGHT_CASTS.keep_forward and not fp8.AMAX_HINTS.enabled       # the defaults
+    finally:
+        fp8_ref.apply_fp8_options("both", False)
+    with pytest.raises(ConfigError, match="fp8_weight_cache"):
+        OpsConfig(fp8_weight_cache="none").validate()

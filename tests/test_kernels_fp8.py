@@ -113,6 +113,7 @@ def test_swiglu_backward_writes_the_maxima_of_its_outputs(monkeypatch, rows, I, 
     from zero2all.kernels.swiglu import _swiglu_bwd_kernel
 
     monkeypatch.setattr(fp8, "TILE", tile)
+    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
     amax_calls = []
     real_amax = fp8._amax_kernel
     monkeypatch.setattr(fp8, "_amax_kernel", type("Counted", (), {
@@ -152,6 +153,7 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
     import zero2all.kernels.fp8 as fp8
     from zero2all.kernels.swiglu import triton_swiglu
 
+    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
     monkeypatch.setattr(fp8, "ROWWISE_TILE", tile)
     g = torch.Generator().manual_seed(rows + I)
     gate_up = (torch.randn(rows, 2 * I, generator=g) * 3).to(dtype)
@@ -175,14 +177,16 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
 
 
 @pytest.mark.parametrize("rows,N,res", [(6, 40, True), (3, 130, False)])
-def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
+def test_norm_rowwise_cast_matches_norm_then_cast(monkeypatch, rows, N, res):
     """norm_quantize (residual add + RMSNorm with the rowwise cast of its output in one pass) against the RMSNorm
     kernel followed by the rowwise cast: the same residual, rstd and y, and the same codes, scales and counters."""
     import triton
 
+    import zero2all.kernels.fp8 as fp8
     from zero2all.kernels.fp8 import norm_quantize
     from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd_kernel, _warps
 
+    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
     g = torch.Generator().manual_seed(rows * N)
     x = (torch.randn(rows, N, generator=g) * 4).to(torch.bfloat16)
     residual = torch.randn(rows, N, generator=g) if res else None
@@ -220,17 +224,17 @@ def test_norm_rowwise_cast_matches_norm_then_cast(rows, N, res):
     assert_same(q1.q, q0.q, "q")
     assert_same(q1.q_scale, q0.q_scale, "scale")
     assert torch.equal(q1.counts, q0.counts)
-    import zero2all.kernels.fp8 as fp8
     assert not fp8.AMAX_HINTS._entries or all(e[0]() is None for e in fp8.AMAX_HINTS._entries.values())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_kernels_on_gpu_bit_for_bit():
+def test_kernels_on_gpu_bit_for_bit(monkeypatch):
     """The compiled kernels (the hardware FP8 conversion, split bands, transposed stores) on a GPU."""
     import zero2all.kernels.fp8 as fp8
     from zero2all.kernels.swiglu import triton_swiglu
 
+    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
     for shape in [(1000, 1030), (4099, 300), (17, 5000)]:
         x = operand(shape, torch.bfloat16, seed=shape[0]).cuda()
         for fmt in (E4M3, E5M2):

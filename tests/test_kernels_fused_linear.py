@@ -243,14 +243,12 @@ def test_saved_bytes_match_the_lean_prediction():
         cfg = ModelConfig(**kw, ops=OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch",
                                               attention="sdpa", fused_linear=fused_linear))
         measured[fused_linear] = acc.saved_activation_bytes(build_model(cfg, seed=0), tokens, tokens, torch.bfloat16)
-    # CPU SDPA repeats K/V heads for grouped-query attention only where it has no GQA of its own; the final norm
-    # and the loss stay on the torch path
+    # CPU SDPA repeats K/V heads for grouped-query attention; the final norm and the loss stay on the torch path
     head = acc.head_activation_bytes_per_token(cfg, "bf16-amp", fused_cross_entropy=False,
                                                fused_kernels=False)["total"]
 
     def predicted(fused_linear):
-        per_layer = acc.activation_bytes_per_token_per_layer(cfg, "bf16-amp", fused_kernels=False,
-                                                             kv_repeated=not ops._sdpa_has_gqa(),
+        per_layer = acc.activation_bytes_per_token_per_layer(cfg, "bf16-amp", fused_kernels=False, kv_repeated=True,
                                                              fused_linear=fused_linear)["total"]
         return B * T * (cfg.n_layers * per_layer + head)
 

@@ -335,11 +335,11 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf1
         attention norm   r*h + 4        residual input + 1/rms        (torch path also keeps the fp32 normalised
         mlp norm         r*h + 4        same                           value: + 4*h each)
         qkv input        e*h            the normed activation the projection needs for its weight gradient
-        q, k, v          e*(q_dim + 2*kv_dim)
-                                        the attention kernel saves the rotated q and k (new tensors) and v (a
-                                        contiguous copy, so the fused qkv output is not kept); when K/V heads
-                                        are repeated for GQA (``kv_repeated``: CPU SDPA, torch < 2.5) it saves
-                                        the repeated copies instead: e*3*q_dim
+        q, k, v          e*(q_dim + kv_dim) + e*(q_dim + 2*kv_dim)
+                                        the attention kernel saves the rotated q and k (new tensors) and v, a
+                                        view that keeps the whole fused qkv output alive; when K/V heads are
+                                        repeated for GQA (``kv_repeated``: CPU SDPA, torch < 2.5) it saves the
+                                        repeated copies instead: e*3*q_dim
         attn out + lse   e*q_dim + 4*a  kernel output (also the o projection's input) + log-sum-exp per head
         gate_up input    e*h
         gate|up          2*e*I          SwiGLU's input (the fused kernel recomputes silu in backward)
@@ -367,7 +367,7 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, precision: str = "bf1
     if kv_repeated and kv_dim < q_dim:
         qkv_saved = e * 3 * q_dim
     else:
-        qkv_saved = e * (q_dim + 2 * kv_dim)
+        qkv_saved = e * (q_dim + kv_dim) + e * (q_dim + 2 * kv_dim)
     t = tp
     sp = t if sequence_parallel else 1
     if recompute not in ("none", "selective", "full"):

@@ -100,7 +100,10 @@ class OpsConfig:
     Linear precision: ``bf16`` runs the blocks' projections in the compute dtype; ``fp8_rowwise`` /
     ``fp8_tensorwise`` run their GEMMs on FP8 operands with dynamic per-row / per-tensor scales
     (``zero2all/kernels/fp8.py``; GPUs of compute capability >= 8.9, a float32 emulation on CPU). The LM head and
-    the embedding stay in the compute dtype.
+    the embedding stay in the compute dtype. FP8 options (docs/fp8.md; both change no value, only memory and
+    speed): ``fp8_weight_cache`` = ``both`` keeps each weight's casts W and W^T until the optimizer step,
+    ``transposed`` only W^T (1 byte per parameter less; W cast per micro-batch); ``fp8_fused_amax`` = true lets
+    the norm and SwiGLU kernels write the maxima of what they produce for its FP8 casts (one read less each).
     """
 
     rmsnorm: str = "auto"
@@ -111,6 +114,8 @@ class OpsConfig:
     fused_linear: str = "auto"
     grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
     linear_precision: str = "bf16"
+    fp8_weight_cache: str = "both"
+    fp8_fused_amax: bool = False
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -121,6 +126,7 @@ class OpsConfig:
         "fused_linear": ("torch", "triton", "auto"),
         "grouped_gemm": ("auto", "triton", "torch", "loop"),
         "linear_precision": ("bf16", "fp8_rowwise", "fp8_tensorwise"),
+        "fp8_weight_cache": ("both", "transposed"),
     }
 
     def validate(self, prefix: str = "model.ops") -> None:

@@ -409,10 +409,11 @@ class AmaxHints:
     view of) is the same object, with the same shape, strides and ``_version`` (unchanged since the kernel
     wrote it); it is used once. Entries whose tensor has been freed are dropped. Values are unchanged: the
     maxima are those ``_amax_kernel`` would compute (partial maxima over other tiles, the same maximum).
-    ``enabled = False`` turns the hand-over off."""
+    Off by default (``enabled = True`` turns it on: the producing kernels then write the maxima); not yet
+    measured on a GPU."""
 
     def __init__(self):
-        self.enabled = True
+        self.enabled = False
         self._entries: dict[int, tuple] = {}
 
     def put(self, x: torch.Tensor, row_part: torch.Tensor, col_part: Optional[torch.Tensor]) -> None:

@@ -165,17 +165,16 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, bt_scale: t
 
 
 class WeightCasts:
-    """The FP8 copy of each weight's transposed cast W^T, made once per optimizer step instead of once per
-    micro-batch.
+    """The FP8 casts of the weights, made once per optimizer step instead of once per micro-batch.
 
     A weight is cast twice per micro-batch: W row-scaled (over K) for the forward GEMM, W^T column-scaled (over N)
-    for d input. Between two optimizer steps the weights do not change, so with gradient accumulation a cast of
-    the first micro-batch can serve the others. Only W^T is kept (1 byte per parameter until the step): it is the
-    slower cast (a maximum per column, then the transposed write). The forward copy is made per micro-batch:
-    with tensorwise scaling it is W^T transposed back (the very same codes and scale: a byte copy), with rowwise
-    scaling its own one-pass cast from the weight (the scales differ: per row of W, not per column, so it cannot
-    be made from W^T exactly). ``keep_forward = True`` keeps the forward copy as well (1 more byte per parameter,
-    the speed measured in BENCHMARKS.md).
+    for d input. Between two optimizer steps the weights do not change, so with gradient accumulation the casts of
+    the first micro-batch can serve the others. By default both are kept until the step (2 bytes per parameter;
+    the speed-up is measured in BENCHMARKS.md). ``keep_forward = False`` keeps only W^T, the slower cast (a
+    maximum per column, then the transposed write): 1 byte per parameter. The forward copy is then made per
+    micro-batch: with tensorwise scaling it is W^T transposed back (the very same codes and scale: a byte copy),
+    with rowwise scaling its own one-pass cast of the weight (its scales are per row of W, W^T's per column, so
+    it cannot be made from W^T exactly). Not yet measured on a GPU.
 
     An entry is keyed by the weight's storage address, shape, strides, dtype and the cast asked for, and used
     only while it describes the very same tensor object (a weak reference) at the same ``_version`` (any
@@ -188,7 +187,7 @@ class WeightCasts:
 
     def __init__(self):
         self.enabled = True
-        self.keep_forward = False
+        self.keep_forward = True
         self._entries: dict[tuple, tuple] = {}
 
     def get(self, weight: torch.Tensor, scaling: str, transposed: bool, quant) -> Quantized:
@@ -222,6 +221,25 @@ class WeightCasts:
 
 WEIGHT_CASTS = WeightCasts()
 register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
+
+
+def apply_fp8_options(weight_cache: str, fused_amax: bool) -> None:
+    """``model.ops.fp8_weight_cache`` (both | transposed) and ``model.ops.fp8_fused_amax``, set process-wide
+    (the weight-cast cache and the hand-over of maxima are module state) when a model with FP8 linears is built."""
+    if weight_cache not in ("both", "transposed"):
+        raise ValueError(f"model.ops.fp8_weight_cache: {weight_cache!r} is not one of both, transposed")
+    WEIGHT_CASTS.keep_forward = weight_cache == "both"
+    WEIGHT_CASTS.clear()
+    if fused_amax:
+        from zero2all.kernels.fp8 import AMAX_HINTS
+
+        AMAX_HINTS.enabled = True
+    else:
+        try:
+            from zero2all.kernels.fp8 import AMAX_HINTS
+        except ImportError:          # no Triton: nothing to turn off
+            return
+        AMAX_HINTS.enabled = False
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -82,8 +82,6 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                     # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if torch.is_grad_enabled():  # attention saves v: a view would keep the whole qkv output alive
-            v = v.contiguous()
         q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
         if kv_cache is not None:
@@ -178,6 +176,10 @@ class Z2all(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        if cfg.ops.linear_precision != "bf16":
+            from zero2all.kernels.fp8_ref import apply_fp8_options
+
+            apply_fp8_options(cfg.ops.fp8_weight_cache, cfg.ops.fp8_fused_amax)
         V = cfg.padded_vocab_size
         self.embed_tokens = nn.Embedding(V, cfg.hidden_dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
