@@ -10,7 +10,9 @@ and prints:
   parameters a Function saves are not counted again), grouped by dtype and bytes per token, with the shapes seen;
 - each phase's allocated memory at its start and its peak (the step's peak is the largest of them).
 
-    python benchmarks/fp8_memory.py --rows use_all_fp8,use_all_fp8_tensorwise [--out DIR] [overrides...]
+    python benchmarks/fp8_memory.py --rows use_all_fp8,use_all_fp8_tensorwise [--out DIR] [--tag T] [overrides...]
+
+e.g. ``model.ops.fp8_weight_cache=transposed`` as an override (the bench rows take the FP8 options from it).
 """
 from __future__ import annotations
 
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--out", default=None, help="a folder for memory_ROW.json / .txt")
-    p.add_argument("--keep-forward", action="store_true", help="WEIGHT_CASTS keeps the forward casts as well")
+    p.add_argument("--tag", default="", help="appended to the output file names")
     p.add_argument("--quiet", action="store_true", help="print one line per row")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -178,10 +180,6 @@ def main(argv=None) -> int:
         return 2
     base = load_config(args.config, args.overrides).model
     base = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, args.seq))
-    if args.keep_forward:
-        from zero2all.kernels.fp8_ref import WEIGHT_CASTS
-
-        WEIGHT_CASTS.keep_forward = True
     for row in args.rows.split(","):
         m = measure(row, base, args.micro_batch, args.seq, args.accum)
         text = report(m)
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
         if args.out:
             d = Path(args.out)
             d.mkdir(parents=True, exist_ok=True)
-            row = row + ("_keep_forward" if args.keep_forward else "")
+            row = row + (f"_{args.tag}" if args.tag else "")
             (d / f"memory_{row}.json").write_text(json.dumps(m, indent=1))
             (d / f"memory_{row}.txt").write_text(text + "\n")
     return 0

@@ -47,10 +47,10 @@ Kernels (one read of the operand from memory each, where the scales allow it):
 Tiles are 64 x 128 (rows x columns; measured, see ``TILE``). So a rowwise cast of a forward input is one
 pass (none of its own for the normed inputs and the SwiGLU output); where backward needs the transposed,
 column-scaled copy (the gradient dy for both backward GEMMs, the inputs and W for their transposes) the amax pass
-comes first and one cast pass writes both copies. Where the kernel that produced the operand wrote its maxima
-(``AMAX_HINTS``: the norm backward for dx and normed', the SwiGLU backward for d gate_up and a, and with
-tensorwise scaling the norm and SwiGLU forward for normed and a) the amax pass is skipped. W^T is cast once per
-optimizer step (``fp8_ref.WEIGHT_CASTS``).
+comes first and one cast pass writes both copies. With ``model.ops.fp8_fused_amax`` the kernel that produced
+the operand writes its maxima (``AMAX_HINTS``: the norm backward for dx and normed', the SwiGLU backward for
+d gate_up and a, and with tensorwise scaling the norm and SwiGLU forward for normed and a) and the amax pass is
+skipped. The weights' casts are made once per optimizer step (``fp8_ref.WEIGHT_CASTS``).
 
 Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
 atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer

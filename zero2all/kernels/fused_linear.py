@@ -48,9 +48,10 @@ FP8: each function takes ``precision`` (``bf16`` = the compute dtype, or ``fp8_r
 With FP8 the three GEMMs of each projection run on FP8 operands (``kernels/fp8.py``): the forward casts its input
 and W rowwise (with rowwise scaling the SwiGLU output a is cast straight from gate_up by ``fp8.quantize_swiglu``
 and never written in bf16), backward quantises d out once (row-scaled for d input, transposed and column-scaled
-for d W), W as W^T, and the rebuilt input (normed', a, or x) transposed. W^T is cast once per optimizer step
-(``fp8_ref.WEIGHT_CASTS``). The norm and SwiGLU backward kernels write the maxima of what they produce (dx,
-normed', d gate_up, a) for those casts (``fp8.AMAX_HINTS``). What is saved for backward is unchanged. The ops
+for d W), W as W^T, and the rebuilt input (normed', a, or x) transposed. The weights' casts are made once per
+optimizer step (``fp8_ref.WEIGHT_CASTS``). With ``model.ops.fp8_fused_amax`` the norm and SwiGLU kernels write
+the maxima of what they produce (dx, normed', d gate_up, a; with tensorwise scaling also normed and a in
+forward) for those casts (``fp8.AMAX_HINTS``). What is saved for backward is unchanged. The ops
 also return the casts' saturation / underflow counts, which the wrappers add to ``fp8_ref.FP8_STATS`` under
 ``kind`` (qkv, o, gate_up, down).
 
