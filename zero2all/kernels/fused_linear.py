@@ -63,6 +63,7 @@ import torch
 import triton
 
 from zero2all.kernels import fp8, fp8_ref, grid_programs
+from zero2all.kernels.compute_casts import COMPUTE_CASTS
 from zero2all.kernels.rmsnorm import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel, _residual_dtype, _warps
 from zero2all.kernels.swiglu import _BLOCK as _SWIGLU_BLOCK
 from zero2all.kernels.swiglu import _rows, _swiglu_bwd_kernel, _swiglu_fwd_kernel
@@ -79,6 +80,21 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with torch.autocast(a.device.type, enabled=False):
         return a @ b
+
+
+# The weight gradient's GEMM writes the parameter's dtype itself (cuBLAS accumulates in float32 anyway), instead of
+# a bf16 product cast in a second pass; the CPU has no such GEMM (``aten::mm.dtype`` is CUDA only).
+WIDE_GRAD_GEMM = True
+
+
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b).to(dtype)`` without autocast; a bf16/fp16 GEMM on CUDA writes a float32 ``dtype`` directly (the
+    float32 accumulator unrounded: more exact, and one pass over the result fewer)."""
+    if (WIDE_GRAD_GEMM and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+            and b.dtype == a.dtype):
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.mm(a, b, out_dtype=dtype)
+    return _matmul(a, b).to(dtype)
 
 
 def _no_counts(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +120,7 @@ def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         if bias is not None:
             out += bias.to(dtype)
         return out, counts
-    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), weight.to(dtype).t()
+    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), COMPUTE_CASTS.get(weight, dtype).t()
     with torch.autocast(a.device.type, enabled=False):
         if bias is None:
             torch.mm(a2, w_t, out=out.view(-1, M))
@@ -129,7 +145,7 @@ class _Backward:
     def grad_input(self) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.grad_input(self.weight, self.cdt)
-        return _matmul(self.g2, self.weight.to(self.cdt))
+        return _matmul(self.g2, COMPUTE_CASTS.get(self.weight, self.cdt))
 
     def param_grads(self, inp: torch.Tensor, want_dweight: bool, want_dbias: bool):
         """d W = g^T inp and d b = sum over rows of g."""
@@ -139,7 +155,7 @@ class _Backward:
         elif self.fp8 is not None:
             dw = self.fp8.grad_weight(inp, weight.dtype)
         else:
-            dw = _matmul(self.g2.t(), inp).to(weight.dtype)
+            dw = matmul_to(self.g2.t(), inp, weight.dtype)
         db = self.g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
         return dw, db
 

@@ -1,0 +1,101 @@
+"""The bf16 path's step-level savings: weight casts once per optimizer step, weight gradients written in float32.
+
+``COMPUTE_CASTS`` must hand out a cast only while the weight is unchanged (same object, same ``_version``), and
+training with it on must give exactly the losses and gradients of training with it off (the same bf16 values reach
+the same GEMMs). ``matmul_to`` must equal the product computed in float64 to float32 accuracy.
+"""
+
+import pytest
+import torch
+from kernel_check import assert_close_to_reference
+
+from zero2all.config import ModelConfig, OpsConfig
+from zero2all.kernels.compute_casts import COMPUTE_CASTS, ComputeCasts
+from zero2all.kernels.fused_linear import matmul_to
+from zero2all.model.z2all import build_model
+
+
+@pytest.fixture
+def casts_on():
+    COMPUTE_CASTS.enabled = True
+    COMPUTE_CASTS.clear()
+    yield COMPUTE_CASTS
+    COMPUTE_CASTS.enabled = False
+    COMPUTE_CASTS.clear()
+
+
+def test_cache_hits_only_while_the_weight_is_unchanged():
+    cache = ComputeCasts()
+    cache.enabled = True
+    w = torch.randn(37, 19, requires_grad=True)
+    a = cache.get(w, torch.bfloat16)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, w.detach().to(torch.bfloat16))
+    assert cache.get(w, torch.bfloat16) is a                       # unchanged: the same copy
+    assert cache.get(w, torch.float32) is w                        # no cast needed: the weight itself
+    with torch.no_grad():
+        w.add_(1.0)                                                # an in-place write bumps _version
+    b = cache.get(w, torch.bfloat16)
+    assert b is not a and torch.equal(b, w.detach().to(torch.bfloat16))
+    other = torch.randn(37, 19)                                    # another tensor never hits
+    assert torch.equal(cache.get(other, torch.bfloat16), other.to(torch.bfloat16))
+    cache.clear()
+    assert len(cache) == 0
+    cache.enabled = False
+    assert cache.get(w, torch.bfloat16) is not cache.get(w, torch.bfloat16) and len(cache) == 0
+
+
+def test_optimizer_step_empties_the_cache(casts_on):
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    casts_on.get(w, torch.bfloat16)
+    assert len(casts_on) == 1
+    w.grad = torch.ones_like(w)
+    torch.optim.SGD([w], lr=0.1).step()
+    assert len(casts_on) == 0
+
+
+def _train(steps: int, accum: int):
+    cfg = ModelConfig(vocab_size=96, hidden_dim=48, intermediate_size=72, n_layers=1, n_heads=4, n_kv_heads=2,
+                      max_seq_len=16, ops=OpsConfig(rmsnorm="triton", swiglu="triton", fused_linear="triton",
+                                                    rope="torch", cross_entropy="torch", attention="sdpa"))
+    model = build_model(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        for _ in range(accum):
+            tokens = torch.randint(0, 96, (2, 13), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+            (loss / accum).backward()
+            losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def test_training_with_cached_casts_is_identical(casts_on):
+    """Two optimizer steps of 2 micro-batches under bf16 autocast: the same losses and gradients, bit for bit."""
+    casts_on.enabled = False
+    want_losses, want_grads = _train(2, 2)
+    casts_on.enabled = True
+    hits = casts_on.hits
+    got_losses, got_grads = _train(2, 2)
+    assert casts_on.hits - hits == 2 * 4 * 3      # per step: 4 block weights, 4 uses each, the first one a miss
+    assert got_losses == want_losses
+    for name, grad in want_grads.items():
+        assert torch.equal(got_grads[name], grad), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("shape", [(33, 70, 45), (300, 1000, 129)])
+def test_matmul_to_float32_matches_float64(device, shape):
+    """The weight-gradient GEMM (a^T b with a transposed view, as in backward) in float32 from bf16 operands."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(k, m, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(k, n, generator=g).to(device, torch.bfloat16)
+    got = matmul_to(a.t(), b, torch.float32)
+    want = a.double().t() @ b.double()
+    assert got.dtype == torch.float32
+    assert_close_to_reference(got, want, rel_l2=1e-5 if device == "cuda" else 5e-3, what="a^T b in float32")
