@@ -13,7 +13,8 @@ kernel into a category:
 
 Variants (``--variants``, comma separated; ``+`` combines): ``base`` (the weight-gradient GEMM writes bf16 and a
 cast pass widens it; every weight cast per use), ``wide`` (the GEMM writes float32 itself), ``casts`` (bf16 weight
-copies once per optimizer step, ``kernels/compute_casts.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
+copies once per optimizer step, ``kernels/compute_casts.py``), ``accum`` (gradient accumulation inside the
+weight-gradient GEMM, ``fused_linear.ACCUMULATE_INTO_GRAD``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
 2^29 logits), ``flash`` (SDPA flash backend first).
 
     python benchmarks/step_profile.py --variants base,wide,casts,wide+casts --out DIR
@@ -64,6 +65,7 @@ def set_variant(variant: str):
 
     parts = set(variant.split("+"))
     fused_linear.WIDE_GRAD_GEMM = "wide" in parts
+    fused_linear.ACCUMULATE_INTO_GRAD = "accum" in parts
     COMPUTE_CASTS.enabled = "casts" in parts
     COMPUTE_CASTS.clear()
     cross_entropy.CHUNK_ELEMENTS = 2 ** 30 if "ce30" in parts else 2 ** 29 if "ce29" in parts else 2 ** 28

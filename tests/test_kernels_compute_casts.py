@@ -99,3 +99,37 @@ def test_matmul_to_float32_matches_float64(device, shape):
     want = a.double().t() @ b.double()
     assert got.dtype == torch.float32
     assert_close_to_reference(got, want, rel_l2=1e-5 if device == "cuda" else 5e-3, what="a^T b in float32")
+
+
+@pytest.mark.gpu
+def test_gradient_accumulation_inside_the_gemm_gpu():
+    """Three micro-batches with ``ACCUMULATE_INTO_GRAD`` give the gradients of plain accumulation (float32 sums of
+    the same products, added in another place), and hooks on the accumulated gradient still run."""
+    from zero2all.kernels import fused_linear
+
+    cfg = ModelConfig(vocab_size=256, hidden_dim=128, intermediate_size=352, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=64, ops=OpsConfig(rmsnorm="triton", swiglu="triton", fused_linear="triton",
+                                                    rope="triton", cross_entropy="fused", attention="sdpa"))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (4, 65), generator=g).cuda() for _ in range(3)]
+
+    def grads(accumulate):
+        fused_linear.ACCUMULATE_INTO_GRAD = accumulate
+        try:
+            model = build_model(cfg, device="cuda", seed=0)
+            seen = []
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
+            for b in batches:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(b[:, :-1], b[:, 1:])[1]
+                loss.backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters()}, len(seen)
+        finally:
+            fused_linear.ACCUMULATE_INTO_GRAD = False
+
+    want, n_want = grads(False)
+    got, n_got = grads(True)
+    assert n_got == n_want == 3 * len(want)
+    for name in want:
+        assert_close_to_reference(got[name], want[name], rel_l2=1e-5, what=name)

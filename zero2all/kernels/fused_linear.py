@@ -97,6 +97,26 @@ def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return _matmul(a, b).to(dtype)
 
 
+# Gradient accumulation folded into the weight-gradient GEMM: d W is computed as grad + g^T x by one GEMM reading
+# the accumulated gradient (beta = 1), and the result replaces the parameter's .grad (autograd takes it over as
+# the new gradient instead of adding it). Single-process training only (a data-parallel wrapper keeps its own
+# gradient buffers).
+ACCUMULATE_INTO_GRAD = False
+
+
+def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """d W = g^T inp in W's dtype; with ``ACCUMULATE_INTO_GRAD`` (CUDA, float32 leaf parameter with a float32
+    .grad) it returns ``W.grad + g^T inp`` and clears ``W.grad``, so that autograd installs the sum."""
+    acc = weight.grad if ACCUMULATE_INTO_GRAD and weight.is_leaf and g_t.is_cuda else None
+    if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype == torch.float32
+            and acc.shape == weight.shape and acc.is_contiguous() and g_t.dtype in (torch.bfloat16, torch.float16)
+            and inp.dtype == g_t.dtype):
+        weight.grad = None
+        with torch.autocast(g_t.device.type, enabled=False):
+            return torch.addmm(acc, g_t, inp, out_dtype=torch.float32)
+    return matmul_to(g_t, inp, weight.dtype)
+
+
 def _no_counts(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty((0,), dtype=torch.int64)
 
@@ -155,7 +175,7 @@ class _Backward:
         elif self.fp8 is not None:
             dw = self.fp8.grad_weight(inp, weight.dtype)
         else:
-            dw = matmul_to(self.g2.t(), inp, weight.dtype)
+            dw = weight_grad(self.g2.t(), inp, weight)
         db = self.g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
         return dw, db
 
