@@ -15,7 +15,8 @@ Variants (``--variants``, comma separated; ``+`` combines): ``base`` (the weight
 cast pass widens it; every weight cast per use), ``wide`` (the GEMM writes float32 itself), ``casts`` (bf16 weight
 copies once per optimizer step, ``kernels/compute_casts.py``), ``accum`` (gradient accumulation inside the
 weight-gradient GEMM, ``fused_linear.ACCUMULATE_INTO_GRAD``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
-2^29 logits), ``flash`` (SDPA flash backend first).
+2^29 logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
+false``, other numerics than the preset).
 
     python benchmarks/step_profile.py --variants base,wide,casts,wide+casts --out DIR
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -187,7 +189,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         try:
             with set_variant(variant):
-                model, opt, step = build(cfg, a.micro_batch, a.seq, a.accum)
+                vcfg = dataclasses.replace(cfg, residual_in_fp32=False) if "res16" in variant.split("+") else cfg
+                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum)
                 times = time_steps(step, a.iters, a.warmup)
                 ms = statistics.median(times)
                 tps = tokens / (ms / 1e3)
