@@ -16,7 +16,8 @@ cast pass widens it; every weight cast per use), ``wide`` (the GEMM writes float
 copies once per optimizer step, ``kernels/compute_casts.py``), ``accum`` (gradient accumulation inside the
 weight-gradient GEMM, ``fused_linear.ACCUMULATE_INTO_GRAD``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
 2^29 logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
-false``, other numerics than the preset).
+false``, other numerics than the preset), ``graph`` (the micro-step captured as a CUDA graph; not with ``casts`` or
+``accum``, which change Python-side state per call).
 
     python benchmarks/step_profile.py --variants base,wide,casts,wide+casts --out DIR
 """
@@ -78,7 +79,9 @@ def set_variant(variant: str):
     return contextlib.nullcontext()
 
 
-def build(cfg, micro_batch, seq, accum):
+def build(cfg, micro_batch, seq, accum, graph=False):
+    """(model, optimizer, step); with ``graph`` the micro-step (forward + backward, accumulating into static .grad
+    buffers) is captured once as a CUDA graph and replayed for every micro-batch copied into a static input."""
     from zero2all.bench import _build_ours
 
     model, loss_fn = _build_ours(cfg, "use_all", "cuda")
@@ -95,7 +98,34 @@ def build(cfg, micro_batch, seq, accum):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return model, opt, step
+    if not graph:
+        return model, opt, step
+    static = batches[0].clone()
+
+    def micro():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = loss_fn(static[:, :-1], static[:, 1:])
+        (loss / accum).backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            micro()
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        micro()
+    opt.zero_grad(set_to_none=False)
+
+    def graphed_step():
+        for b in batches:
+            static.copy_(b)
+            cuda_graph.replay()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return model, opt, graphed_step
 
 
 def time_steps(step, iters, warmup):
@@ -168,7 +198,7 @@ def main() -> None:
     from zero2all.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="base,wide,casts,wide+casts")
+    p.add_argument("--variants", default="base,wide,wide+accum,wide+accum+casts")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -190,7 +220,7 @@ def main() -> None:
         try:
             with set_variant(variant):
                 vcfg = dataclasses.replace(cfg, residual_in_fp32=False) if "res16" in variant.split("+") else cfg
-                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum)
+                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in variant.split("+"))
                 times = time_steps(step, a.iters, a.warmup)
                 ms = statistics.median(times)
                 tps = tokens / (ms / 1e3)
@@ -206,7 +236,7 @@ def main() -> None:
                   flush=True)
         del model, opt, step
         gc.collect()
-    (out / "step_variants.json").write_text(json.dumps(results, indent=1))
+        (out / "step_variants.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
