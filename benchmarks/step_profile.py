@@ -13,8 +13,8 @@ kernel into a category:
 
 Variants (``--variants``, comma separated; ``+`` combines): ``base`` (the weight-gradient GEMM writes bf16 and a
 cast pass widens it; every weight cast per use), ``wide`` (the GEMM writes float32 itself), ``casts`` (bf16 weight
-copies once per optimizer step, ``kernels/compute_casts.py``), ``accum`` (gradient accumulation inside the
-weight-gradient GEMM, ``fused_linear.ACCUMULATE_INTO_GRAD``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
+copies once per optimizer step) and ``accum`` (gradient accumulation inside the weight-gradient GEMM; both
+``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
 2^29 logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
 false``, other numerics than the preset), ``graph`` (the micro-step captured as a CUDA graph; not with ``casts`` or
 ``accum``, which change Python-side state per call).
@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from zero2all.kernels import step_fusion
+
+_WIDE = step_fusion.matmul_to
 CATEGORIES = [  # (category, substrings of the kernel name, lower case); the first match wins
     ("attention bwd", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "_attn_bwd")),
     ("attention fwd", ("fprop", "flash_fwd", "fmha_fwd", "attention_fwd", "_attn_fwd")),
@@ -61,16 +64,19 @@ def category(name: str) -> str:
     return "other"
 
 
+def narrow_weight_grads(a, b, dtype):
+    """The weight-gradient GEMM as before ``step_fusion.matmul_to``: a bf16 product, then a cast pass."""
+    with torch.autocast(a.device.type, enabled=False):
+        return (a @ b).to(dtype)
+
+
 def set_variant(variant: str):
-    """Apply a variant's switches; returns the SDPA context it runs under."""
-    from zero2all.kernels import cross_entropy, fused_linear
-    from zero2all.kernels.compute_casts import COMPUTE_CASTS
+    """Apply a variant's process-wide switches; returns the SDPA context it runs under."""
+    from zero2all.kernels import cross_entropy
 
     parts = set(variant.split("+"))
-    fused_linear.WIDE_GRAD_GEMM = "wide" in parts
-    fused_linear.ACCUMULATE_INTO_GRAD = "accum" in parts
-    COMPUTE_CASTS.enabled = "casts" in parts
-    COMPUTE_CASTS.clear()
+    step_fusion.matmul_to = _WIDE if "wide" in parts else narrow_weight_grads
+    step_fusion.CASTS.clear()
     cross_entropy.CHUNK_ELEMENTS = 2 ** 30 if "ce30" in parts else 2 ** 29 if "ce29" in parts else 2 ** 28
     if "flash" in parts:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,12 +85,13 @@ def set_variant(variant: str):
     return contextlib.nullcontext()
 
 
-def build(cfg, micro_batch, seq, accum, graph=False):
+def build(cfg, micro_batch, seq, accum, graph=False, casts=False, accumulate=False):
     """(model, optimizer, step); with ``graph`` the micro-step (forward + backward, accumulating into static .grad
     buffers) is captured once as a CUDA graph and replayed for every micro-batch copied into a static input."""
     from zero2all.bench import _build_ours
 
     model, loss_fn = _build_ours(cfg, "use_all", "cuda")
+    step_fusion.mark(model, casts=casts, accumulate=accumulate)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     g = torch.Generator(device="cpu").manual_seed(1234)
     batches = [torch.randint(0, cfg.padded_vocab_size, (micro_batch, seq + 1), generator=g).cuda()
@@ -220,7 +227,9 @@ def main() -> None:
         try:
             with set_variant(variant):
                 vcfg = dataclasses.replace(cfg, residual_in_fp32=False) if "res16" in variant.split("+") else cfg
-                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in variant.split("+"))
+                parts = variant.split("+")
+                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in parts,
+                                         casts="casts" in parts, accumulate="accum" in parts)
                 times = time_steps(step, a.iters, a.warmup)
                 ms = statistics.median(times)
                 tps = tokens / (ms / 1e3)

@@ -62,8 +62,7 @@ from typing import Optional
 import torch
 import triton
 
-from zero2all.kernels import fp8, fp8_ref, grid_programs
-from zero2all.kernels.compute_casts import COMPUTE_CASTS
+from zero2all.kernels import fp8, fp8_ref, grid_programs, step_fusion
 from zero2all.kernels.rmsnorm import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel, _residual_dtype, _warps
 from zero2all.kernels.swiglu import _BLOCK as _SWIGLU_BLOCK
 from zero2all.kernels.swiglu import _rows, _swiglu_bwd_kernel, _swiglu_fwd_kernel
@@ -80,41 +79,6 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with torch.autocast(a.device.type, enabled=False):
         return a @ b
-
-
-# The weight gradient's GEMM writes the parameter's dtype itself (cuBLAS accumulates in float32 anyway), instead of
-# a bf16 product cast in a second pass; the CPU has no such GEMM (``aten::mm.dtype`` is CUDA only).
-WIDE_GRAD_GEMM = True
-
-
-def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(a @ b).to(dtype)`` without autocast; a bf16/fp16 GEMM on CUDA writes a float32 ``dtype`` directly (the
-    float32 accumulator unrounded: more exact, and one pass over the result fewer)."""
-    if (WIDE_GRAD_GEMM and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
-            and b.dtype == a.dtype):
-        with torch.autocast(a.device.type, enabled=False):
-            return torch.mm(a, b, out_dtype=dtype)
-    return _matmul(a, b).to(dtype)
-
-
-# Gradient accumulation folded into the weight-gradient GEMM: d W is computed as grad + g^T x by one GEMM reading
-# the accumulated gradient (beta = 1), and the result replaces the parameter's .grad (autograd takes it over as
-# the new gradient instead of adding it). Single-process training only (a data-parallel wrapper keeps its own
-# gradient buffers).
-ACCUMULATE_INTO_GRAD = False
-
-
-def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """d W = g^T inp in W's dtype; with ``ACCUMULATE_INTO_GRAD`` (CUDA, float32 leaf parameter with a float32
-    .grad) it returns ``W.grad + g^T inp`` and clears ``W.grad``, so that autograd installs the sum."""
-    acc = weight.grad if ACCUMULATE_INTO_GRAD and weight.is_leaf and g_t.is_cuda else None
-    if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype == torch.float32
-            and acc.shape == weight.shape and acc.is_contiguous() and g_t.dtype in (torch.bfloat16, torch.float16)
-            and inp.dtype == g_t.dtype):
-        weight.grad = None
-        with torch.autocast(g_t.device.type, enabled=False):
-            return torch.addmm(acc, g_t, inp, out_dtype=torch.float32)
-    return matmul_to(g_t, inp, weight.dtype)
 
 
 def _no_counts(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +104,7 @@ def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         if bias is not None:
             out += bias.to(dtype)
         return out, counts
-    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), COMPUTE_CASTS.get(weight, dtype).t()
+    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), step_fusion.cast(weight, dtype).t()
     with torch.autocast(a.device.type, enabled=False):
         if bias is None:
             torch.mm(a2, w_t, out=out.view(-1, M))
@@ -165,7 +129,7 @@ class _Backward:
     def grad_input(self) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.grad_input(self.weight, self.cdt)
-        return _matmul(self.g2, COMPUTE_CASTS.get(self.weight, self.cdt))
+        return _matmul(self.g2, step_fusion.cast(self.weight, self.cdt))
 
     def param_grads(self, inp: torch.Tensor, want_dweight: bool, want_dbias: bool):
         """d W = g^T inp and d b = sum over rows of g."""
@@ -175,7 +139,7 @@ class _Backward:
         elif self.fp8 is not None:
             dw = self.fp8.grad_weight(inp, weight.dtype)
         else:
-            dw = weight_grad(self.g2.t(), inp, weight)
+            dw = step_fusion.weight_grad(self.g2.t(), inp, weight)
         db = self.g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
         return dw, db
 

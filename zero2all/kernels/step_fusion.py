@@ -1,0 +1,104 @@
+"""Work done once per optimizer step instead of once per micro-batch, for single-process bf16 training.
+
+The lean projections (``kernels/fused_linear.py``) keep float32 master weights. Per micro-batch and weight W
+(P parameters) the plain path costs, beyond its three GEMMs:
+
+* two casts of W to bf16 (forward, and again in backward for d input): 2 x 6 P bytes;
+* the weight gradient accumulated by autograd: the GEMM writes d W, then ``W.grad += d W`` reads both and writes
+  the sum: 4 P + 12 P bytes (float32 d W; ``matmul_to``).
+
+With gradient accumulation over ``a`` micro-batches the weights do not change between the casts, and the
+gradient's only reader before the optimizer step is the next micro-batch's sum. So, for the weights marked by
+:func:`mark` (``model.ops.step_fusion``):
+
+* ``cast(W, bf16)`` keeps the first cast of a step and hands it to the other ``2 a - 1`` GEMMs (``CASTS``);
+  it holds 2 bytes per parameter from the first forward to the step (the copies autocast keeps anyway on the
+  plain path). An entry is used only while it describes the very same tensor object (a weak reference) at the
+  same ``_version`` (every in-place write, the optimizer's included, bumps it), so a stale copy is never read;
+  every ``torch.optim.Optimizer.step`` empties the cache (a global step hook).
+* ``weight_grad(g^T, x, W)`` computes ``W.grad + g^T x`` in one GEMM reading the accumulated gradient
+  (``addmm`` with beta = 1, float32 output from bf16 operands: 8 P bytes instead of 16 P) and clears
+  ``W.grad``, so that autograd installs the sum as the new gradient (its post-accumulate hooks still run).
+
+Both need one process owning plain parameters: under FSDP the gathered weights are freed after each use (a cache
+would keep them), and DDP keeps gradients in its own buckets. ``fully_shard`` replaces the parameters (the marks
+go with the old objects), and the trainer marks only when it runs without a data-parallel wrapper.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+STEP_CAST = "_z2all_step_cast"          # attribute on a parameter: its compute-dtype cast is kept for the step
+GRAD_IN_GEMM = "_z2all_grad_in_gemm"    # attribute on a parameter: its gradient is accumulated by the GEMM
+
+
+def mark(model: torch.nn.Module, casts: bool = True, accumulate: bool = True) -> int:
+    """Mark the matrix parameters (2-D, float32) of ``model`` for step-level casts / accumulation; returns how
+    many were marked. Only the lean projections read the marks."""
+    n = 0
+    for p in model.parameters():
+        if p.dim() == 2 and p.dtype == torch.float32:
+            setattr(p, STEP_CAST, casts)
+            setattr(p, GRAD_IN_GEMM, accumulate)
+            n += 1
+    return n
+
+
+class ComputeCasts:
+    def __init__(self):
+        self.hits = 0                       # casts served from the cache (for tests and benchmarks)
+        self._entries: dict[tuple, tuple] = {}
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight.to(dtype)``, from the cache when the weight is marked and the entry is current."""
+        if weight.dtype == dtype or not getattr(weight, STEP_CAST, False) or weight.is_inference():
+            return weight.to(dtype)
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, dtype)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            self.hits += 1
+            return entry[2]
+        cast = weight.detach().to(dtype)
+        self._entries[key] = (weakref.ref(weight), weight._version, cast)
+        return cast
+
+    def clear(self, *_args) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+CASTS = ComputeCasts()
+register_optimizer_step_post_hook(CASTS.clear)
+
+
+def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the compute dtype (a cached copy for marked weights)."""
+    return CASTS.get(weight, dtype)
+
+
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b).to(dtype)`` without autocast. A bf16/fp16 GEMM on CUDA writes a float32 ``dtype`` itself (the
+    float32 accumulator unrounded: more exact, and no second pass over the result); the CPU has no such GEMM
+    (``aten::mm.dtype`` is CUDA only)."""
+    with torch.autocast(a.device.type, enabled=False):
+        if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+            return torch.mm(a, b, out_dtype=dtype)
+        return (a @ b).to(dtype)
+
+
+def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """d W = g^T inp in W's dtype. For a marked float32 leaf W on CUDA with a float32 ``.grad``: returns
+    ``W.grad + g^T inp`` (one GEMM) and clears ``W.grad``, so that autograd installs the sum instead of adding."""
+    acc = weight.grad if g_t.is_cuda and getattr(weight, GRAD_IN_GEMM, False) and weight.is_leaf else None
+    if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype == torch.float32
+            and acc.shape == weight.shape and acc.is_contiguous() and g_t.dtype in (torch.bfloat16, torch.float16)
+            and inp.dtype == g_t.dtype):
+        weight.grad = None
+        with torch.autocast(g_t.device.type, enabled=False):
+            return torch.addmm(acc, g_t, inp, out_dtype=torch.float32)
+    return matmul_to(g_t, inp, weight.dtype)
