@@ -41,6 +41,15 @@ def test_cache_hits_only_while_the_weight_is_unchanged():
     assert cache.get(unmarked, torch.bfloat16) is not cache.get(unmarked, torch.bfloat16) and len(cache) == 0
 
 
+def test_an_entry_dies_with_its_weight():
+    cache = ComputeCasts()
+    w = marked(torch.randn(16, 8))
+    cache.get(w, torch.bfloat16)
+    assert len(cache) == 1
+    del w
+    assert len(cache) == 0
+
+
 def test_optimizer_step_empties_the_cache():
     w = marked(torch.nn.Parameter(torch.randn(8, 8)))
     CASTS.get(w, torch.bfloat16)

@@ -62,8 +62,15 @@ class ComputeCasts:
             self.hits += 1
             return entry[2]
         cast = weight.detach().to(dtype)
-        self._entries[key] = (weakref.ref(weight), weight._version, cast)
+        # the entry dies with its weight (a model dropped before any optimizer step leaves no copy behind)
+        self._entries[key] = (weakref.ref(weight, lambda _ref, key=key: self._drop(key, _ref)), weight._version,
+                              cast)
         return cast
+
+    def _drop(self, key, ref) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._entries[key]
 
     def clear(self, *_args) -> None:
         self._entries.clear()
