@@ -11,15 +11,17 @@ kernel into a category:
     casts / copies, adds, other element-wise, memsets, optimizer
     idle                     the step's GPU span minus the union of its kernels' intervals
 
-Variants (``--variants``, comma separated; ``+`` combines): ``base`` (the weight-gradient GEMM writes bf16 and a
-cast pass widens it; every weight cast per use), ``wide`` (the GEMM writes float32 itself), ``casts`` (bf16 weight
-copies once per optimizer step) and ``accum`` (gradient accumulation inside the weight-gradient GEMM; both
-``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 /
-2^29 logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
-false``, other numerics than the preset), ``graph`` (the micro-step captured as a CUDA graph; not with ``casts`` or
-``accum``, which change Python-side state per call).
+Variants (``--variants``, comma separated; ``+`` combines). Today's code by default (the weight-gradient GEMM
+writes float32, the LM head's weight reaches the fused loss in float32); ``narrow`` (the weight-gradient GEMM
+writes bf16 and a cast pass widens it, as before ``step_fusion.matmul_to``), ``oldce`` (the LM head's weight cast
+to bf16 by autograd outside the fused loss, as before), ``base`` = narrow + oldce (the code before these changes),
+``casts`` (bf16 weight copies once per optimizer step) and ``accum`` (gradient accumulation inside the
+weight-gradient GEMM; both ``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 / 2^29
+logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
+false``, other numerics than the preset), ``graph`` (the micro-step captured as a CUDA graph; not with ``casts``
+or ``accum``, which change Python-side state per call). Any other name (e.g. ``new``) adds nothing.
 
-    python benchmarks/step_profile.py --variants base,wide,casts,wide+casts --out DIR
+    python benchmarks/step_profile.py --variants base,new,accum,accum+casts --profile base --out DIR
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ from pathlib import Path
 
 import torch
 
-from zero2all.kernels import step_fusion
+from zero2all.kernels import cross_entropy, step_fusion
 
 _WIDE = step_fusion.matmul_to
+_FUSED_CE = cross_entropy.fused_linear_cross_entropy
 CATEGORIES = [  # (category, substrings of the kernel name, lower case); the first match wins
     ("attention bwd", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "_attn_bwd")),
     ("attention fwd", ("fprop", "flash_fwd", "fmha_fwd", "attention_fwd", "_attn_fwd")),
@@ -64,6 +67,12 @@ def category(name: str) -> str:
     return "other"
 
 
+def precast_linear_cross_entropy(hidden, weight, targets, **kwargs):
+    """The LM head as before: autograd casts the weight to bf16 outside the fused loss (a bf16 gradient, cast
+    back to float32 by autograd)."""
+    return _FUSED_CE(hidden, weight.to(hidden.dtype), targets, **kwargs)
+
+
 def narrow_weight_grads(a, b, dtype):
     """The weight-gradient GEMM as before ``step_fusion.matmul_to``: a bf16 product, then a cast pass."""
     with torch.autocast(a.device.type, enabled=False):
@@ -72,10 +81,10 @@ def narrow_weight_grads(a, b, dtype):
 
 def set_variant(variant: str):
     """Apply a variant's process-wide switches; returns the SDPA context it runs under."""
-    from zero2all.kernels import cross_entropy
-
     parts = set(variant.split("+"))
-    step_fusion.matmul_to = _WIDE if "wide" in parts else narrow_weight_grads
+    narrow, oldce = bool(parts & {"base", "narrow"}), bool(parts & {"base", "oldce"})
+    step_fusion.matmul_to = narrow_weight_grads if narrow else _WIDE
+    cross_entropy.fused_linear_cross_entropy = precast_linear_cross_entropy if oldce else _FUSED_CE
     step_fusion.CASTS.clear()
     cross_entropy.CHUNK_ELEMENTS = 2 ** 30 if "ce30" in parts else 2 ** 29 if "ce29" in parts else 2 ** 28
     if "flash" in parts:
@@ -205,7 +214,7 @@ def main() -> None:
     from zero2all.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="base,wide,wide+accum,wide+accum+casts")
+    p.add_argument("--variants", default="base,new,accum,accum+casts")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=8)

@@ -98,6 +98,19 @@ def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
         return (a @ b).to(dtype)
 
 
+def addmm_to(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in float32 (``a @ b`` when ``acc`` is None), without autocast: one GEMM reading ``acc`` on
+    CUDA for bf16/fp16 operands; ``acc`` may be updated in place."""
+    if acc is None:
+        return matmul_to(a, b, torch.float32)
+    with torch.autocast(a.device.type, enabled=False):
+        if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32)
+        if a.dtype == torch.float32 and b.dtype == torch.float32:
+            return acc.addmm_(a, b)
+        return acc.add_(a @ b)
+
+
 def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """d W = g^T inp in W's dtype. For a marked float32 leaf W on CUDA with a float32 ``.grad``: returns
     ``W.grad + g^T inp`` (one GEMM) and clears ``W.grad``, so that autograd installs the sum instead of adding."""
