@@ -142,3 +142,15 @@ def test_gradient_accumulation_inside_the_gemm_gpu():
     assert n_got == n_want == 3 * len(want)
     for name in want:
         assert_close_to_reference(got[name], want[name], rel_l2=1e-5, what=name)
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_the_trainer_marks_a_single_process_model(tmp_path, setting):
+    from test_trainer import tiny_cfg
+
+    from zero2all.train.trainer import Trainer
+
+    trainer = Trainer(tiny_cfg(tmp_path, f"model.ops.step_fusion='{setting}'"), show_progress=False)
+    w = trainer.raw_model.layers[0].self_attn.qkv_proj.weight
+    assert getattr(w, step_fusion.STEP_CAST, False) == (setting == "auto")
+    assert getattr(w, step_fusion.GRAD_IN_GEMM, False) == (setting == "auto")
