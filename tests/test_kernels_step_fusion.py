@@ -59,12 +59,15 @@ def test_optimizer_step_empties_the_cache():
     assert len(CASTS) == 0
 
 
-def test_mark_sets_both_switches_on_matrices_only():
+def test_mark_sets_the_switches_on_matrices_only():
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
-    assert step_fusion.mark(model, casts=True, accumulate=False) == 1
     w = model[0].weight
-    assert getattr(w, step_fusion.STEP_CAST) and not getattr(w, step_fusion.GRAD_IN_GEMM)
+    for setting, grads, casts in (("grads", True, False), ("all", True, True), ("off", False, False)):
+        assert step_fusion.mark(model, setting) == (setting != "off")
+        assert getattr(w, step_fusion.GRAD_IN_GEMM) == grads and getattr(w, step_fusion.STEP_CAST) == casts
     assert not hasattr(model[0].bias, step_fusion.STEP_CAST)
+    with pytest.raises(ValueError, match="step_fusion: 'auto' is not one of off, grads, all"):
+        step_fusion.mark(model, "auto")
 
 
 def _train(steps: int, accum: int, casts: bool):
@@ -72,7 +75,7 @@ def _train(steps: int, accum: int, casts: bool):
                       max_seq_len=16, ops=OpsConfig(rmsnorm="triton", swiglu="triton", fused_linear="triton",
                                                     rope="torch", cross_entropy="torch", attention="sdpa"))
     model = build_model(cfg, seed=0)
-    step_fusion.mark(model, casts=casts, accumulate=False)
+    step_fusion.mark(model, "all" if casts else "off")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(3)
     losses = []
@@ -115,36 +118,47 @@ def test_matmul_to_float32_matches_float64(device, shape):
 
 
 @pytest.mark.gpu
-def test_gradient_accumulation_inside_the_gemm_gpu():
-    """Three micro-batches with the gradients accumulated inside the GEMM give the gradients of autograd's
-    accumulation (float32 sums of the same products, added in another place), and hooks on the accumulated
-    gradient still run."""
+@pytest.mark.parametrize("setting", ["grads", "all"])
+def test_gradient_accumulation_inside_the_gemm_gpu(setting):
+    """Three micro-batches with the gradients summed inside the GEMMs give the sum of the three micro-batches'
+    gradients taken one at a time (float32 sums of the same float32 products, added in another order), every
+    hook on the accumulated gradient still runs, and against the default path (bf16 products) the gradients
+    differ by bf16 rounding only."""
     cfg = ModelConfig(vocab_size=256, hidden_dim=128, intermediate_size=352, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=64, ops=OpsConfig(rmsnorm="triton", swiglu="triton", fused_linear="triton",
                                                     rope="triton", cross_entropy="fused", attention="sdpa"))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 65), generator=g).cuda() for _ in range(3)]
 
-    def grads(accumulate):
+    def grads(mark, one_at_a_time):
         model = build_model(cfg, device="cuda", seed=0)
-        step_fusion.mark(model, casts=accumulate, accumulate=accumulate)
-        seen = []
+        step_fusion.mark(model, mark)
+        seen, total = [], {}
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
         for b in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(b[:, :-1], b[:, 1:])[1]
             loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(seen)
+            if one_at_a_time:  # each micro-batch's own gradient (no .grad before it: nothing to sum into)
+                for n, p in model.named_parameters():
+                    total[n] = total[n] + p.grad if n in total else p.grad.clone()
+                    p.grad = None
+        if not one_at_a_time:
+            total = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return total, len(seen)
 
-    want, n_want = grads(False)
-    got, n_got = grads(True)
-    assert n_got == n_want == 3 * len(want)
-    for name in want:
-        assert_close_to_reference(got[name], want[name], rel_l2=1e-5, what=name)
+    summed, n_summed = grads(setting, one_at_a_time=False)
+    separate, _ = grads(setting, one_at_a_time=True)
+    default, n_default = grads("off", one_at_a_time=False)
+    assert n_summed == n_default == 3 * len(default)
+    for name in default:
+        assert summed[name].dtype == torch.float32
+        assert_close_to_reference(summed[name], separate[name], rel_l2=1e-5, what=name)
+        assert_close_to_reference(summed[name], default[name], rel_l2=4e-3, what=f"{name} vs the default path")
 
 
-@pytest.mark.parametrize("setting", ["auto", "off"])
+@pytest.mark.parametrize("setting", ["off", "grads", "all"])
 def test_the_trainer_marks_a_single_process_model(tmp_path, setting):
     from test_trainer import tiny_cfg
 
@@ -152,5 +166,42 @@ def test_the_trainer_marks_a_single_process_model(tmp_path, setting):
 
     trainer = Trainer(tiny_cfg(tmp_path, f"model.ops.step_fusion='{setting}'"), show_progress=False)
     w = trainer.raw_model.layers[0].self_attn.qkv_proj.weight
-    assert getattr(w, step_fusion.STEP_CAST, False) == (setting == "auto")
-    assert getattr(w, step_fusion.GRAD_IN_GEMM, False) == (setting == "auto")
+    assert getattr(w, step_fusion.GRAD_IN_GEMM, False) == (setting != "off")
+    assert getattr(w, step_fusion.STEP_CAST, False) == (setting == "all")
+
+
+def test_config_refuses_an_unknown_setting(tmp_path):
+    from test_trainer import tiny_cfg
+
+    from zero2all.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.ops.step_fusion: 'on' is not one of off, grads, all"):
+        tiny_cfg(tmp_path, "model.ops.step_fusion='on'").validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_elements", [2 ** 10, 2 ** 28])
+def test_fused_loss_with_a_marked_weight_matches_float64(monkeypatch, dtype, chunk_elements):
+    """The LM head under step fusion: the stored float32 weight enters the fused loss, which casts it and returns
+    its gradient in float32; loss and gradients against a float64 reference, with several chunks and with one."""
+    from zero2all.kernels import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, 11, 96, generator=g).to(dtype).requires_grad_()
+    weight = (0.1 * torch.randn(257, 96, generator=g)).requires_grad_()
+    targets = torch.randint(0, 257, (3, 11), generator=g)
+    targets[0, :2] = -100
+    setattr(weight, step_fusion.GRAD_IN_GEMM, True)
+    setattr(weight, step_fusion.STEP_CAST, True)
+    loss = ce.fused_linear_cross_entropy(hidden, weight, targets)
+    gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    assert gw.dtype == torch.float32 and gh.dtype == dtype
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().to(dtype).double().requires_grad_()   # the weight as the GEMMs see it
+    want = torch.nn.functional.cross_entropy((h64 @ w64.t()).reshape(-1, 257), targets.reshape(-1))
+    wh, ww = torch.autograd.grad(want, (h64, w64))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close_to_reference(loss, want, rel_l2=tol / 4, what="loss")
+    assert_close_to_reference(gh, wh, rel_l2=tol, what="grad hidden")
+    assert_close_to_reference(gw, ww, rel_l2=tol, what="grad weight")

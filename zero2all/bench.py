@@ -162,10 +162,10 @@ def _build_ours(base_cfg, row: str, device):
 
         FP8_STATS.read()  # start the row's saturation counts afresh
     model = build_model(cfg, device=device, seed=0)
-    if cfg.ops.step_fusion == "auto":  # one process, no wrapper: weight casts and grad sums per step
+    if cfg.ops.step_fusion != "off":  # one process, no wrapper (kernels/step_fusion.py)
         from zero2all.kernels import step_fusion
 
-        step_fusion.mark(model)
+        step_fusion.mark(model, cfg.ops.step_fusion)
     if row.startswith("layout_"):
         layout = row.split("_")[1]
         return model, (lambda tokens, targets: layout_forward(model, tokens, targets, layout))

@@ -101,9 +101,10 @@ class OpsConfig:
     ``fp8_tensorwise`` run their GEMMs on FP8 operands with dynamic per-row / per-tensor scales
     (``zero2all/kernels/fp8.py``; GPUs of compute capability >= 8.9, a float32 emulation on CPU). The LM head and
     the embedding stay in the compute dtype.
-    Step fusion: ``auto`` makes the lean projections cast each weight to bf16 once per optimizer step and add each
-    weight gradient to the accumulated one inside its GEMM (``zero2all/kernels/step_fusion.py``) when training
-    runs in one process without a data-parallel wrapper (the trainer and ``z2all bench train``); ``off``: per use.
+    Step fusion (``zero2all/kernels/step_fusion.py``; only where training runs in one process without a
+    data-parallel wrapper: the trainer and ``z2all bench train``): ``grads`` sums each weight gradient into the
+    accumulated one inside its GEMM, in float32; ``all`` also casts each weight to bf16 once per optimizer step
+    (2 bytes per parameter kept until the step); ``off`` (default): per use.
     """
 
     rmsnorm: str = "auto"
@@ -114,7 +115,7 @@ class OpsConfig:
     fused_linear: str = "auto"
     grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
     linear_precision: str = "bf16"
-    step_fusion: str = "auto"
+    step_fusion: str = "off"
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -125,7 +126,7 @@ class OpsConfig:
         "fused_linear": ("torch", "triton", "auto"),
         "grouped_gemm": ("auto", "triton", "torch", "loop"),
         "linear_precision": ("bf16", "fp8_rowwise", "fp8_tensorwise"),
-        "step_fusion": ("auto", "off"),
+        "step_fusion": ("off", "grads", "all"),
     }
 
     def validate(self, prefix: str = "model.ops") -> None:

@@ -13,10 +13,10 @@ sum_i loss_i / n_valid, the mean over tokens whose target is not ignore_index (`
 Because the loss is a scalar, its gradients are computed during the forward (when autograd will need them) and
 merely scaled by the incoming gradient in the backward: the peak extra memory is one chunk of logits plus the two
 gradients, instead of (tokens x vocab) logits in float32 plus their gradient. The weight gradient is accumulated
-in float32 over chunks (each chunk's GEMM adds into the running sum: ``step_fusion.addmm_to``) and returned in the
-weight's own dtype: the op takes the weight as stored (float32 master weights) and casts it to the compute dtype
-itself (``step_fusion.cast``: once per optimizer step for a marked weight), so the float32 gradient reaches
-autograd without a bf16 round trip.
+in float32 over chunks and cast to the weight's dtype at the end. With step fusion (a weight marked by
+``step_fusion.mark``) the op receives the weight as stored (float32 master weights) and casts it itself
+(``step_fusion.cast``), each chunk's GEMM adds its product to the running float32 sum (``step_fusion.addmm_to``),
+and the gradient reaches autograd in float32 without a bf16 round trip.
 """
 
 import torch
@@ -85,9 +85,10 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     grad_hidden = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0,))
     chunk = _chunk_rows(N, V)
     block = min(4096, triton.next_power_of_2(V))
+    fused = w.dtype != weight.dtype          # step fusion: the stored weight came in, its gradient goes out float32
     with torch.autocast(hidden.device.type, enabled=False):  # GEMMs in the inputs' dtype, as the caller chose
         grad_weight = _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss,
-                              grad_hidden, chunk, block)
+                              grad_hidden, chunk, block, fused)
     if not compute_grad:
         grad_weight = weight.new_empty((0,))
     elif grad_weight is None:                                          # no tokens
@@ -98,9 +99,12 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     return loss, grad_hidden, grad_weight
 
 
-def _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss, grad_hidden, chunk, block):
-    """Loss rows and d hidden per chunk of tokens; returns d W summed over the chunks in float32 (None: no rows)."""
+def _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss, grad_hidden, chunk, block,
+            fused):
+    """Loss rows and d hidden per chunk of tokens; returns d W summed over the chunks (None: no rows): in
+    float32 with more than one chunk or ``fused``, else in w's dtype."""
     N, V = hidden.shape[0], w.shape[0]
+    n_chunks = triton.cdiv(N, chunk) if N else 0
     grad_weight = None
     for start in range(0, N, chunk):
         h = hidden[start:start + chunk]
@@ -109,9 +113,20 @@ def _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row
                                                   row_loss[start:start + chunk], n_valid, V, ignore_index,
                                                   float(z_loss), COMPUTE_GRAD=compute_grad, BLOCK=block,
                                                   num_warps=8 if block >= 2048 else 4)
-        if compute_grad:                                                 # logits now hold d loss / d logits
-            torch.mm(logits, w, out=grad_hidden[start:start + chunk])
+        if not compute_grad:                                             # logits now hold d loss / d logits
+            continue
+        torch.mm(logits, w, out=grad_hidden[start:start + chunk])
+        if fused:
             grad_weight = step_fusion.addmm_to(grad_weight, logits.t(), h)
+        elif n_chunks == 1:
+            grad_weight = logits.t() @ h
+        else:
+            if grad_weight is None:
+                grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            if w.dtype == torch.float32:
+                grad_weight.addmm_(logits.t(), h)
+            else:
+                grad_weight += logits.t() @ h
     return grad_weight
 
 
@@ -144,8 +159,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index, plus ``z_loss * mean(lse^2)``.
 
-    hidden (..., H); weight (V, H) (cast to hidden's dtype inside, as autocast's linear would; its gradient comes
-    back in its own dtype); targets (...) int64.
+    hidden (..., H); weight (V, H) (cast to hidden's dtype, as autocast's linear would); targets (...) int64.
     Equal to ``ops.linear_cross_entropy_torch``; gradients flow to hidden and weight.
     """
     H = hidden.shape[-1]
@@ -160,7 +174,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
             raise ValueError(f"linear_cross_entropy: target {int(targets[bad][0])} outside the vocabulary "
                              f"[0, {weight.shape[0]}) (and not ignore_index={ignore_index})")
     h2 = hidden.reshape(-1, H)
+    # a weight marked for step fusion enters as stored (the op casts it); otherwise autograd casts it here
+    w = weight if getattr(weight, step_fusion.GRAD_IN_GEMM, False) else weight.to(hidden.dtype)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, _, _ = _linear_cross_entropy(h2, weight, targets.reshape(-1), int(ignore_index), float(z_loss),
-                                       compute_grad)
+    loss, _, _ = _linear_cross_entropy(h2, w, targets.reshape(-1), int(ignore_index), float(z_loss), compute_grad)
     return loss

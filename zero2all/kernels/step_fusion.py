@@ -1,28 +1,35 @@
-"""Work done once per optimizer step instead of once per micro-batch, for single-process bf16 training.
+"""Opt-in step-level work for single-process bf16 training (``model.ops.step_fusion``): weight gradients
+summed inside their GEMMs, weight casts made once per optimizer step.
 
 The lean projections (``kernels/fused_linear.py``) keep float32 master weights. Per micro-batch and weight W
-(P parameters) the plain path costs, beyond its three GEMMs:
+(P parameters) the default path costs, beyond its three GEMMs:
 
 * two casts of W to bf16 (forward, and again in backward for d input): 2 x 6 P bytes;
-* the weight gradient accumulated by autograd: the GEMM writes d W, then ``W.grad += d W`` reads both and writes
-  the sum: 4 P + 12 P bytes (float32 d W; ``matmul_to``).
+* the weight gradient: the GEMM writes d W in bf16, a cast widens it to float32 (2 + 6 P bytes), then autograd's
+  accumulation ``W.grad += d W`` reads both and writes the sum (12 P bytes).
 
 With gradient accumulation over ``a`` micro-batches the weights do not change between the casts, and the
-gradient's only reader before the optimizer step is the next micro-batch's sum. So, for the weights marked by
-:func:`mark` (``model.ops.step_fusion``):
+gradient's only reader before the optimizer step is the next micro-batch's sum. For the weights marked by
+:func:`mark`:
 
-* ``cast(W, bf16)`` keeps the first cast of a step and hands it to the other ``2 a - 1`` GEMMs (``CASTS``);
-  it holds 2 bytes per parameter from the first forward to the step (the copies autocast keeps anyway on the
-  plain path). An entry is used only while it describes the very same tensor object (a weak reference) at the
-  same ``_version`` (every in-place write, the optimizer's included, bumps it), so a stale copy is never read;
-  every ``torch.optim.Optimizer.step`` empties the cache (a global step hook).
-* ``weight_grad(g^T, x, W)`` computes ``W.grad + g^T x`` in one GEMM reading the accumulated gradient
-  (``addmm`` with beta = 1, float32 output from bf16 operands: 8 P bytes instead of 16 P) and clears
-  ``W.grad``, so that autograd installs the sum as the new gradient (its post-accumulate hooks still run).
+* ``grads`` (``GRAD_IN_GEMM``): ``weight_grad(g^T, x, W)`` computes ``W.grad + g^T x`` in one GEMM that reads
+  the accumulated gradient and writes float32 from bf16 operands (``addmm`` with beta = 1, ``out_dtype``: 8 P
+  bytes instead of 20 P, and the product is never rounded to bf16), then clears ``W.grad`` so that autograd
+  installs the sum as the new gradient (its post-accumulate hooks still run). The first micro-batch's GEMM
+  writes float32 directly (``matmul_to``). The LM head's weight enters the fused loss as stored and its float32
+  gradient is summed over the loss's chunks the same way (``kernels/cross_entropy.py``).
+* ``all`` adds ``STEP_CAST``: ``cast(W, bf16)`` keeps the first cast of a step and hands it to the other
+  ``2 a - 1`` GEMMs (``CASTS``); it holds 2 bytes per parameter from the first forward to the step (the copies
+  autocast keeps anyway on the plain path). An entry is used only while it describes the very same tensor object
+  (a weak reference) at the same ``_version`` (every in-place write, the optimizer's included, bumps it), so a
+  stale copy is never read; every ``torch.optim.Optimizer.step`` empties the cache (a global step hook).
 
-Both need one process owning plain parameters: under FSDP the gathered weights are freed after each use (a cache
-would keep them), and DDP keeps gradients in its own buckets. ``fully_shard`` replaces the parameters (the marks
-go with the old objects), and the trainer marks only when it runs without a data-parallel wrapper.
+The float32-output GEMMs (``aten::mm`` / ``addmm`` with ``out_dtype``) exist on CUDA only; on the CPU the marked
+path computes the same sums with a bf16 product and a cast. Both need one process owning plain parameters:
+under FSDP the gathered weights are freed after each use (a cache would keep them), and DDP keeps gradients in
+its own buckets. ``fully_shard`` replaces the parameters (the marks go with the old objects), and the trainer
+marks only when it runs without a data-parallel wrapper. Off by default: the speed has not been measured on a
+GPU yet (``benchmarks/bf16_gpu_check.sh`` measures it).
 """
 from __future__ import annotations
 
@@ -35,15 +42,21 @@ STEP_CAST = "_z2all_step_cast"          # attribute on a parameter: its compute-
 GRAD_IN_GEMM = "_z2all_grad_in_gemm"    # attribute on a parameter: its gradient is accumulated by the GEMM
 
 
-def mark(model: torch.nn.Module, casts: bool = True, accumulate: bool = True) -> int:
-    """Mark the matrix parameters (2-D, float32) of ``model`` for step-level casts / accumulation; returns how
-    many were marked. Only the lean projections read the marks."""
+SETTINGS = ("off", "grads", "all")   # model.ops.step_fusion
+
+
+def mark(model: torch.nn.Module, setting: str = "all") -> int:
+    """Mark the matrix parameters (2-D, float32) of ``model`` for ``setting`` (one of ``SETTINGS``; ``off``
+    clears the marks); returns how many matrices were marked. Only the lean projections and the fused loss read
+    the marks."""
+    if setting not in SETTINGS:
+        raise ValueError(f"step_fusion: {setting!r} is not one of {', '.join(SETTINGS)}")
     n = 0
     for p in model.parameters():
         if p.dim() == 2 and p.dtype == torch.float32:
-            setattr(p, STEP_CAST, casts)
-            setattr(p, GRAD_IN_GEMM, accumulate)
-            n += 1
+            setattr(p, GRAD_IN_GEMM, setting != "off")
+            setattr(p, STEP_CAST, setting == "all")
+            n += setting != "off"
     return n
 
 
@@ -112,9 +125,13 @@ def addmm_to(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torc
 
 
 def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """d W = g^T inp in W's dtype. For a marked float32 leaf W on CUDA with a float32 ``.grad``: returns
+    """d W = g^T inp in W's dtype. Unmarked W: a product in the operands' dtype, then a cast. A marked W
+    (``GRAD_IN_GEMM``): the product in float32, and on CUDA with a float32 ``.grad`` already there, returns
     ``W.grad + g^T inp`` (one GEMM) and clears ``W.grad``, so that autograd installs the sum instead of adding."""
-    acc = weight.grad if g_t.is_cuda and getattr(weight, GRAD_IN_GEMM, False) and weight.is_leaf else None
+    if not getattr(weight, GRAD_IN_GEMM, False):
+        with torch.autocast(g_t.device.type, enabled=False):
+            return (g_t @ inp).to(weight.dtype)
+    acc = weight.grad if g_t.is_cuda and weight.is_leaf else None
     if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype == torch.float32
             and acc.shape == weight.shape and acc.is_contiguous() and g_t.dtype in (torch.bfloat16, torch.float16)
             and inp.dtype == g_t.dtype):
