@@ -11,17 +11,14 @@ kernel into a category:
     casts / copies, adds, other element-wise, memsets, optimizer
     idle                     the step's GPU span minus the union of its kernels' intervals
 
-Variants (``--variants``, comma separated; ``+`` combines). Today's code by default (the weight-gradient GEMM
-writes float32, the LM head's weight reaches the fused loss in float32); ``narrow`` (the weight-gradient GEMM
-writes bf16 and a cast pass widens it, as before ``step_fusion.matmul_to``), ``oldce`` (the LM head's weight cast
-to bf16 by autograd outside the fused loss, as before), ``base`` = narrow + oldce (the code before these changes),
-``casts`` (bf16 weight copies once per optimizer step) and ``accum`` (gradient accumulation inside the
-weight-gradient GEMM; both ``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 / 2^29
-logits), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16: ``residual_in_fp32 =
-false``, other numerics than the preset), ``graph`` (the micro-step captured as a CUDA graph; not with ``casts``
-or ``accum``, which change Python-side state per call). Any other name (e.g. ``new``) adds nothing.
+Variants (``--variants``, comma separated; ``+`` combines): ``off`` (the default path), ``grads`` / ``all``
+(``model.ops.step_fusion``: weight gradients summed inside their GEMMs in float32; ``all`` also casts the weights
+once per optimizer step; ``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 / 2^29
+logits instead of 2^28), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16:
+``residual_in_fp32 = false``, other numerics than the preset), ``graph`` (the micro-step captured once as a CUDA
+graph and replayed; only with ``off``: the step fusion changes Python-side state per call).
 
-    python benchmarks/step_profile.py --variants base,new,accum,accum+casts --profile base --out DIR
+    python benchmarks/step_profile.py --variants off,grads,all --profile off --out DIR
 """
 from __future__ import annotations
 
@@ -39,8 +36,6 @@ import torch
 
 from zero2all.kernels import cross_entropy, step_fusion
 
-_WIDE = step_fusion.matmul_to
-_FUSED_CE = cross_entropy.fused_linear_cross_entropy
 CATEGORIES = [  # (category, substrings of the kernel name, lower case); the first match wins
     ("attention bwd", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "_attn_bwd")),
     ("attention fwd", ("fprop", "flash_fwd", "fmha_fwd", "attention_fwd", "_attn_fwd")),
@@ -67,24 +62,9 @@ def category(name: str) -> str:
     return "other"
 
 
-def precast_linear_cross_entropy(hidden, weight, targets, **kwargs):
-    """The LM head as before: autograd casts the weight to bf16 outside the fused loss (a bf16 gradient, cast
-    back to float32 by autograd)."""
-    return _FUSED_CE(hidden, weight.to(hidden.dtype), targets, **kwargs)
-
-
-def narrow_weight_grads(a, b, dtype):
-    """The weight-gradient GEMM as before ``step_fusion.matmul_to``: a bf16 product, then a cast pass."""
-    with torch.autocast(a.device.type, enabled=False):
-        return (a @ b).to(dtype)
-
-
 def set_variant(variant: str):
     """Apply a variant's process-wide switches; returns the SDPA context it runs under."""
     parts = set(variant.split("+"))
-    narrow, oldce = bool(parts & {"base", "narrow"}), bool(parts & {"base", "oldce"})
-    step_fusion.matmul_to = narrow_weight_grads if narrow else _WIDE
-    cross_entropy.fused_linear_cross_entropy = precast_linear_cross_entropy if oldce else _FUSED_CE
     step_fusion.CASTS.clear()
     cross_entropy.CHUNK_ELEMENTS = 2 ** 30 if "ce30" in parts else 2 ** 29 if "ce29" in parts else 2 ** 28
     if "flash" in parts:
@@ -94,13 +74,15 @@ def set_variant(variant: str):
     return contextlib.nullcontext()
 
 
-def build(cfg, micro_batch, seq, accum, graph=False, casts=False, accumulate=False):
+def build(cfg, micro_batch, seq, accum, graph=False, fusion="off"):
     """(model, optimizer, step); with ``graph`` the micro-step (forward + backward, accumulating into static .grad
     buffers) is captured once as a CUDA graph and replayed for every micro-batch copied into a static input."""
     from zero2all.bench import _build_ours
 
+    if graph and fusion != "off":
+        raise ValueError("step_profile: the graph variant runs with step fusion off")
     model, loss_fn = _build_ours(cfg, "use_all", "cuda")
-    step_fusion.mark(model, casts=casts, accumulate=accumulate)
+    step_fusion.mark(model, fusion)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     g = torch.Generator(device="cpu").manual_seed(1234)
     batches = [torch.randint(0, cfg.padded_vocab_size, (micro_batch, seq + 1), generator=g).cuda()
@@ -214,7 +196,7 @@ def main() -> None:
     from zero2all.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="base,new,accum,accum+casts")
+    p.add_argument("--variants", default="off,grads,all")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -237,8 +219,8 @@ def main() -> None:
             with set_variant(variant):
                 vcfg = dataclasses.replace(cfg, residual_in_fp32=False) if "res16" in variant.split("+") else cfg
                 parts = variant.split("+")
-                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in parts,
-                                         casts="casts" in parts, accumulate="accum" in parts)
+                fusion = "all" if "all" in parts else "grads" if "grads" in parts else "off"
+                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in parts, fusion=fusion)
                 times = time_steps(step, a.iters, a.warmup)
                 ms = statistics.median(times)
                 tps = tokens / (ms / 1e3)

@@ -156,6 +156,7 @@ def _build_ours(base_cfg, row: str, device):
     ops = _ops_for("use_all" if row in EXTRA_ROWS else row)
     if row not in FP8_ROWS:  # model.ops.linear_precision=... on the command line applies to every row of ours
         ops.linear_precision = base_cfg.ops.linear_precision
+    ops.step_fusion = base_cfg.ops.step_fusion  # model.ops.step_fusion=... applies to every row of ours
     cfg = dataclasses.replace(base_cfg, ops=ops)
     if cfg.ops.linear_precision != "bf16":
         from zero2all.kernels.fp8_ref import FP8_STATS
