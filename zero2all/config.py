@@ -746,6 +746,10 @@ class Config:
         if self.parallel.cp > 1 and self.data.document_mask:
             raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
                               f"takes the causal mask only, not document masks; set one of them off")
+        mode = self.parallel.resolved_mode(world_size or 1)
+        if self.model.ops.step_fusion != "off" and mode != "none":
+            raise ConfigError(f"model.ops.step_fusion={self.model.ops.step_fusion!r} needs training in one process "
+                              f"without a data-parallel wrapper (parallel mode {mode!r}); set it to 'off'")
         if world_size is not None:
             check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self

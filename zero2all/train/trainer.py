@@ -308,11 +308,7 @@ class Trainer:
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
-        if cfg.model.ops.step_fusion != "off":  # kernels/step_fusion.py: one process owning plain parameters
-            if self.parallel != "none":
-                raise ConfigError(f"model.ops.step_fusion={cfg.model.ops.step_fusion!r} needs training in one "
-                                  f"process without a data-parallel wrapper (parallel mode {self.parallel!r}); "
-                                  f"set model.ops.step_fusion='off'")
+        if cfg.model.ops.step_fusion != "off":  # kernels/step_fusion.py (Config.validate: one process, no wrapper)
             step_fusion.mark(self.raw_model, cfg.model.ops.step_fusion)
         self.pipeline = self.run.pipeline  # pp > 1: this rank's stages and their schedule (distributed/pp.py)
         if self.pipeline is not None:
