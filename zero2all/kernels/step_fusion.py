@@ -5,8 +5,8 @@ The lean projections (``kernels/fused_linear.py``) keep float32 master weights. 
 (P parameters) the default path costs, beyond its three GEMMs:
 
 * two casts of W to bf16 (forward, and again in backward for d input): 2 x 6 P bytes;
-* the weight gradient: the GEMM writes d W in bf16, a cast widens it to float32 (2 + 6 P bytes), then autograd's
-  accumulation ``W.grad += d W`` reads both and writes the sum (12 P bytes).
+* the weight gradient: the GEMM writes d W in bf16, a cast widens it to float32 (2 P + 6 P bytes), then
+  autograd's accumulation ``W.grad += d W`` reads both and writes the sum (12 P bytes).
 
 With gradient accumulation over ``a`` micro-batches the weights do not change between the casts, and the
 gradient's only reader before the optimizer step is the next micro-batch's sum. For the weights marked by
@@ -27,8 +27,8 @@ gradient's only reader before the optimizer step is the next micro-batch's sum. 
 The float32-output GEMMs (``aten::mm`` / ``addmm`` with ``out_dtype``) exist on CUDA only; on the CPU the marked
 path computes the same sums with a bf16 product and a cast. Both need one process owning plain parameters:
 under FSDP the gathered weights are freed after each use (a cache would keep them), and DDP keeps gradients in
-its own buckets. ``fully_shard`` replaces the parameters (the marks go with the old objects), and the trainer
-marks only when it runs without a data-parallel wrapper. Off by default: the speed has not been measured on a
+its own buckets: ``Config.validate`` refuses the setting with any data-parallel mode (and ``fully_shard`` would
+replace the parameters, the marks going with the old objects). Off by default: the speed has not been measured on a
 GPU yet (``benchmarks/bf16_gpu_check.sh`` measures it).
 """
 from __future__ import annotations
