@@ -32,7 +32,8 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
                        fp8_rowwise; LM head and embedding stay bf16); use_all_fp8_mb16 the same at micro-batch 16;
                        use_all_fp8_tensorwise with tensorwise scaling (fp8 = the three). The override
                        model.ops.linear_precision=fp8_rowwise runs every other row of ours with FP8 linears
-                       (the ablation table in FP8)
+                       (the ablation table in FP8); model.ops.step_fusion=grads|all likewise applies the
+                       per-step weight-gradient sums / weight casts (kernels/step_fusion.py) to every row of ours
 """
 
 from __future__ import annotations
