@@ -2,7 +2,7 @@
 
 Trains z2all-1.1b as ``z2all bench train --rows use_all`` does (random tokens, seq 2048, micro-batch 8 x 4
 accumulation, fp32 master weights + bf16 autocast, fused AdamW) once per variant, in one process, timing
-``--iters`` steps after ``--warmup`` (median), then profiles one step of the first variant and sorts every GPU
+``--iters`` steps after ``--warmup`` (median), then profiles one step of the ``--profile`` variant and sorts every GPU
 kernel into a category:
 
     GEMMs (cuBLAS)           against 6 N tokens FLOPs          (N: non-embedding parameters with the LM head)
