@@ -31,7 +31,7 @@ docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs build --strict --quiet
 
 test: lint docs
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site

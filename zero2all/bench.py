@@ -32,7 +32,8 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
                        fp8_rowwise; LM head and embedding stay bf16); use_all_fp8_mb16 the same at micro-batch 16;
                        use_all_fp8_tensorwise with tensorwise scaling (fp8 = the three). The override
                        model.ops.linear_precision=fp8_rowwise runs every other row of ours with FP8 linears
-                       (the ablation table in FP8)
+                       (the ablation table in FP8); model.ops.step_fusion=grads|all likewise applies the
+                       per-step weight-gradient sums / weight casts (kernels/step_fusion.py) to every row of ours
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def _build_ours(base_cfg, row: str, device):
     ops = _ops_for("use_all" if row in EXTRA_ROWS else row)
     if row not in FP8_ROWS:  # model.ops.linear_precision=... on the command line applies to every row of ours
         ops.linear_precision = base_cfg.ops.linear_precision
+    ops.step_fusion = base_cfg.ops.step_fusion  # model.ops.step_fusion=... applies to every row of ours
     ops.fp8_weight_cache, ops.fp8_fused_amax = base_cfg.ops.fp8_weight_cache, base_cfg.ops.fp8_fused_amax
     cfg = dataclasses.replace(base_cfg, ops=ops)
     if cfg.ops.linear_precision != "bf16":
@@ -163,6 +165,10 @@ def _build_ours(base_cfg, row: str, device):
 
         FP8_STATS.read()  # start the row's saturation counts afresh
     model = build_model(cfg, device=device, seed=0)
+    if cfg.ops.step_fusion != "off":  # one process, no wrapper (kernels/step_fusion.py)
+        from zero2all.kernels import step_fusion
+
+        step_fusion.mark(model, cfg.ops.step_fusion)
     if row.startswith("layout_"):
         layout = row.split("_")[1]
         return model, (lambda tokens, targets: layout_forward(model, tokens, targets, layout))

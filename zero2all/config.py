@@ -104,6 +104,10 @@ class OpsConfig:
     speed): ``fp8_weight_cache`` = ``both`` keeps each weight's casts W and W^T until the optimizer step,
     ``transposed`` only W^T (1 byte per parameter less; W cast per micro-batch); ``fp8_fused_amax`` = true lets
     the norm and SwiGLU kernels write the maxima of what they produce for its FP8 casts (one read less each).
+    Step fusion (``zero2all/kernels/step_fusion.py``; only where training runs in one process without a
+    data-parallel wrapper: the trainer and ``z2all bench train``): ``grads`` sums each weight gradient into the
+    accumulated one inside its GEMM, in float32; ``all`` also casts each weight to bf16 once per optimizer step
+    (2 bytes per parameter kept until the step); ``off`` (default): per use.
     """
 
     rmsnorm: str = "auto"
@@ -114,6 +118,7 @@ class OpsConfig:
     fused_linear: str = "auto"
     grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
     linear_precision: str = "bf16"
+    step_fusion: str = "off"
     fp8_weight_cache: str = "both"
     fp8_fused_amax: bool = False
 
@@ -126,6 +131,7 @@ class OpsConfig:
         "fused_linear": ("torch", "triton", "auto"),
         "grouped_gemm": ("auto", "triton", "torch", "loop"),
         "linear_precision": ("bf16", "fp8_rowwise", "fp8_tensorwise"),
+        "step_fusion": ("off", "grads", "all"),
         "fp8_weight_cache": ("both", "transposed"),
     }
 
@@ -746,6 +752,10 @@ class Config:
         if self.parallel.cp > 1 and self.data.document_mask:
             raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
                               f"takes the causal mask only, not document masks; set one of them off")
+        mode = self.parallel.resolved_mode(world_size or 1)
+        if self.model.ops.step_fusion != "off" and mode != "none":
+            raise ConfigError(f"model.ops.step_fusion={self.model.ops.step_fusion!r} needs training in one process "
+                              f"without a data-parallel wrapper (parallel mode {mode!r}); set it to 'off'")
         if world_size is not None:
             check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self

@@ -21,6 +21,8 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
                       RoPE + cache write + attention  decode_attention
     eager.py          the lean projections and RoPE through plain autograd Functions (eager mode: less host
                       time per call than the custom-op path; model/ops.py picks it when not compiling)
+    step_fusion.py    opt-in per-step work for one-process training (model.ops.step_fusion): weight gradients
+                      summed inside their GEMMs in float32, weight casts once per optimizer step
 """
 
 from __future__ import annotations

@@ -13,12 +13,17 @@ sum_i loss_i / n_valid, the mean over tokens whose target is not ignore_index (`
 Because the loss is a scalar, its gradients are computed during the forward (when autograd will need them) and
 merely scaled by the incoming gradient in the backward: the peak extra memory is one chunk of logits plus the two
 gradients, instead of (tokens x vocab) logits in float32 plus their gradient. The weight gradient is accumulated
-in float32 over chunks and cast to the weight's dtype at the end.
+in float32 over chunks and cast to the weight's dtype at the end. With step fusion (a weight marked by
+``step_fusion.mark``) the op receives the weight as stored (float32 master weights) and casts it itself
+(``step_fusion.cast``), each chunk's GEMM adds its product to the running float32 sum (``step_fusion.addmm_to``),
+and the gradient reaches autograd in float32 without a bf16 round trip.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from zero2all.kernels import step_fusion
 
 # at most this many logits per chunk (2^28 = 512 MiB in bf16): 4096 tokens at a 64k vocabulary
 CHUNK_ELEMENTS = 2 ** 28
@@ -68,51 +73,60 @@ def _chunk_rows(n_tokens: int, vocab: int) -> int:
 @torch.library.custom_op("z2all::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                           z_loss: float, compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden (N, H), weight (V, H) in one dtype, targets (N,) -> (loss, d loss/d hidden, d loss/d weight)."""
+    """hidden (N, H), weight (V, H) (any float dtype: cast to hidden's for the GEMMs), targets (N,) -> (loss,
+    d loss/d hidden, d loss/d weight in weight's dtype)."""
     N, H = hidden.shape
     V = weight.shape[0]
     hidden = hidden.contiguous()
-    weight = weight.contiguous()
+    w = step_fusion.cast(weight.contiguous(), hidden.dtype)         # the compute-dtype weight (V, H)
     targets = targets.contiguous()
     n_valid = (targets != ignore_index).sum()
     row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0,))
     chunk = _chunk_rows(N, V)
-    n_chunks = triton.cdiv(N, chunk) if N else 0
-    grad_weight_acc = None
-    if compute_grad and n_chunks > 1:
-        grad_weight_acc = torch.zeros((V, H), dtype=torch.float32, device=hidden.device)
-    grad_weight = weight.new_zeros(weight.shape) if compute_grad and n_chunks == 0 else None
     block = min(4096, triton.next_power_of_2(V))
+    fused = w.dtype != weight.dtype          # step fusion: the stored weight came in, its gradient goes out float32
     with torch.autocast(hidden.device.type, enabled=False):  # GEMMs in the inputs' dtype, as the caller chose
-        grad_weight = _chunks(hidden, weight, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss,
-                              grad_hidden, grad_weight, grad_weight_acc, chunk, block)
-    if grad_weight is None:
+        grad_weight = _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss,
+                              grad_hidden, chunk, block, fused)
+    if not compute_grad:
         grad_weight = weight.new_empty((0,))
+    elif grad_weight is None:                                          # no tokens
+        grad_weight = torch.zeros_like(weight)
+    else:
+        grad_weight = grad_weight.to(weight.dtype)
     loss = row_loss.sum() / n_valid
     return loss, grad_hidden, grad_weight
 
 
-def _chunks(hidden, weight, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss, grad_hidden,
-            grad_weight, grad_weight_acc, chunk, block):
-    N, V = hidden.shape[0], weight.shape[0]
+def _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row_loss, grad_hidden, chunk, block,
+            fused):
+    """Loss rows and d hidden per chunk of tokens; returns d W summed over the chunks (None: no rows): in
+    float32 with more than one chunk or ``fused``, else in w's dtype."""
+    N, V = hidden.shape[0], w.shape[0]
+    n_chunks = triton.cdiv(N, chunk) if N else 0
+    grad_weight = None
     for start in range(0, N, chunk):
         h = hidden[start:start + chunk]
-        logits = h @ weight.t()                                          # (C, V), the only logits alive
+        logits = h @ w.t()                                               # (C, V), the only logits alive
         _cross_entropy_rows_kernel[(h.shape[0],)](logits, logits.stride(0), targets[start:start + chunk],
                                                   row_loss[start:start + chunk], n_valid, V, ignore_index,
                                                   float(z_loss), COMPUTE_GRAD=compute_grad, BLOCK=block,
                                                   num_warps=8 if block >= 2048 else 4)
-        if compute_grad:                                                 # logits now hold d loss / d logits
-            torch.mm(logits, weight, out=grad_hidden[start:start + chunk])
-            if grad_weight_acc is None:
-                grad_weight = logits.t() @ h
-            elif weight.dtype == torch.float32:
-                grad_weight_acc.addmm_(logits.t(), h)
+        if not compute_grad:                                             # logits now hold d loss / d logits
+            continue
+        torch.mm(logits, w, out=grad_hidden[start:start + chunk])
+        if fused:
+            grad_weight = step_fusion.addmm_to(grad_weight, logits.t(), h)
+        elif n_chunks == 1:
+            grad_weight = logits.t() @ h
+        else:
+            if grad_weight is None:
+                grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            if w.dtype == torch.float32:
+                grad_weight.addmm_(logits.t(), h)
             else:
-                grad_weight_acc += logits.t() @ h
-    if grad_weight_acc is not None:
-        grad_weight = grad_weight_acc.to(weight.dtype)
+                grad_weight += logits.t() @ h
     return grad_weight
 
 
@@ -160,7 +174,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
             raise ValueError(f"linear_cross_entropy: target {int(targets[bad][0])} outside the vocabulary "
                              f"[0, {weight.shape[0]}) (and not ignore_index={ignore_index})")
     h2 = hidden.reshape(-1, H)
-    w = weight.to(hidden.dtype)
+    # a weight marked for step fusion enters as stored (the op casts it); otherwise autograd casts it here
+    w = weight if getattr(weight, step_fusion.GRAD_IN_GEMM, False) else weight.to(hidden.dtype)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _ = _linear_cross_entropy(h2, w, targets.reshape(-1), int(ignore_index), float(z_loss), compute_grad)
     return loss

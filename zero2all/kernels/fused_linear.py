@@ -64,7 +64,7 @@ from typing import Optional
 import torch
 import triton
 
-from zero2all.kernels import fp8, fp8_ref, grid_programs
+from zero2all.kernels import fp8, fp8_ref, grid_programs, step_fusion
 from zero2all.kernels.rmsnorm import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel, _residual_dtype, _warps
 from zero2all.kernels.swiglu import _BLOCK as _SWIGLU_BLOCK
 from zero2all.kernels.swiglu import _rows, _swiglu_bwd_kernel, _swiglu_fwd_kernel
@@ -106,7 +106,7 @@ def _linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         if bias is not None:
             out += bias.to(dtype)
         return out, counts
-    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), weight.to(dtype).t()
+    a2, w_t = a.reshape(-1, a.shape[-1]).to(dtype), step_fusion.cast(weight, dtype).t()
     with torch.autocast(a.device.type, enabled=False):
         if bias is None:
             torch.mm(a2, w_t, out=out.view(-1, M))
@@ -131,7 +131,7 @@ class _Backward:
     def grad_input(self) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.grad_input(self.weight, self.cdt)
-        return _matmul(self.g2, self.weight.to(self.cdt))
+        return _matmul(self.g2, step_fusion.cast(self.weight, self.cdt))
 
     def param_grads(self, inp: torch.Tensor, want_dweight: bool, want_dbias: bool):
         """d W = g^T inp and d b = sum over rows of g."""
@@ -141,7 +141,7 @@ class _Backward:
         elif self.fp8 is not None:
             dw = self.fp8.grad_weight(inp, weight.dtype)
         else:
-            dw = _matmul(self.g2.t(), inp).to(weight.dtype)
+            dw = step_fusion.weight_grad(self.g2.t(), inp, weight)
         db = self.g2.sum(0, dtype=torch.float32).to(weight.dtype) if want_dbias else weight.new_empty((0,))
         return dw, db
 

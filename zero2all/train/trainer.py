@@ -48,6 +48,7 @@ from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import save_json
+from zero2all.kernels import step_fusion
 from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_model, save_model
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
@@ -307,6 +308,8 @@ class Trainer:
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
+        if cfg.model.ops.step_fusion != "off":  # kernels/step_fusion.py (Config.validate: one process, no wrapper)
+            step_fusion.mark(self.raw_model, cfg.model.ops.step_fusion)
         self.pipeline = self.run.pipeline  # pp > 1: this rank's stages and their schedule (distributed/pp.py)
         if self.pipeline is not None:
             self.pipeline.set_objective(self.objective)
