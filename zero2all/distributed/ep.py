@@ -135,6 +135,7 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
     # experts stay out of FSDP2 (no gather / reduce-scatter hooks per layer) and are cast to the compute dtype
     # in the forward instead
     alone = mesh["dp"].size() == 1
+    reshard = pc.ep_reshard_after_forward
     ignored: set[nn.Parameter] = set()
     for _, moe in layers:
         experts = moe.experts
@@ -147,14 +148,13 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
             ignored.update(experts.parameters())
             experts.compute_dtype = None if param_dtype == torch.float32 else param_dtype
         else:
-            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=world, mp_policy=mp, ignored_params=ignored or None,
-                    reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None,
-                reshard_after_forward=pc.reshard_after_forward)
+                    reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None, reshard_after_forward=reshard)
     # each MoE layer's forward waits once on the host for its split sizes, which stops the host from running
     # ahead to issue the next block's all-gather early: ask for it at this block's start instead
     for block, following in zip(blocks, blocks[1:]):
