@@ -20,8 +20,11 @@ Sharding and checkpoints. Expert weights are DTensors sharded on dim 0 (the expe
 dimension, and FSDP2 shards them further over ``dp`` (2D: dp x ep); the other parameters are FSDP2-sharded over
 all ranks. With dp = 1 (ep = the world size) the experts stay out of FSDP2: each is held by one rank, so there
 is nothing to gather or reduce; their forward casts them to the compute dtype (bf16), their gradients and
-optimizer state stay float32. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
-(``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
+optimizer state stay float32. The blocks keep their gathered non-expert weights from the forward to the backward
+(``parallel.ep_reshard_after_forward = false``, the default: next to the experts they are small), which saves the
+backward's re-gather per block and micro-batch. The checkpoint (``zero2all/checkpoint``, DCP) stores global
+tensors under the plain names (``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one
+process included.
 
 Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
 mesh that also has tp/pp/cp dimensions passes ``mesh["dp", "ep"]`` to :func:`apply_expert_parallel`. The
