@@ -21,6 +21,7 @@ from test_distributed import assert_same_losses, free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
 from zero2all.config import ModelConfig, MoEConfig, OpsConfig, ParallelConfig, to_dict
+from zero2all.distributed.ac import transformer_blocks
 from zero2all.model.moe import gather_rows
 from zero2all.model.z2all import build_model
 
@@ -44,8 +45,11 @@ def batches() -> torch.Tensor:
     return torch.cat(seq, -1)
 
 
-def make(env, ep: int, reshard: bool = False):
+def make(env, ep: int, reshard: bool = False, compile_blocks: bool = False):
     model = build_model(moe_cfg(), seed=7)
+    if compile_blocks:  # as train.compile does (per block, before wrapping); the eager backend: tracing only
+        for block in transformer_blocks(model):
+            block.compile(backend="eager")
     pc = ParallelConfig(mode="auto" if ep > 1 else "none", ep=ep, ep_reshard_after_forward=reshard)
     run = zd.parallelize(model, pc, env, precision="fp32")
     opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -71,10 +75,11 @@ def parts(run, opt, step):
             "trainer": ckpt.JsonState(lambda: {"step": step[0]}, lambda s: step.__setitem__(0, s["step"]))}
 
 
-def scenario(env, out: Path, ep: int, save_at: int = 0, reshard: bool = False):
+def scenario(env, out: Path, ep: int, save_at: int = 0, reshard: bool = False, compile_blocks: bool = False):
     """Train STEPS steps under ep (all ranks data-parallel); with ``save_at``, checkpoint after that step;
-    ``reshard``: FSDP2 frees the gathered weights after each block's forward (parallel.ep_reshard_after_forward)."""
-    run, opt = make(env, ep, reshard)
+    ``reshard``: FSDP2 frees the gathered weights after each block's forward (parallel.ep_reshard_after_forward);
+    ``compile_blocks``: each block under torch.compile (the exchanges stay eager)."""
+    run, opt = make(env, ep, reshard, compile_blocks)
     w = run.plain.layers[1].mlp.experts.gate_up_proj
     assert w.to_local().shape[0] * env.world_size == w.shape[0]  # dp x ep: each rank holds its share
     # one ep group (dp = 1): the experts stay out of FSDP2 (FSDP2 renames the class of what it wraps)
@@ -106,9 +111,9 @@ def test_ep2_and_ep2_dp2_match_single_process_and_resume(tmp_path):
     want, experts = reference()
     assert want[-1] < want[0] - 0.5, want  # training happens, so the comparison means something
     half = STEPS // 2
-    # ep2 also saves a checkpoint at step 10 on the way; ep2 x dp2 reshards after the forward (the default keeps
-    # the gathered weights), so both FSDP2 settings are checked
-    for name, world, kw in (("save", 2, {"save_at": half}), ("ep2dp2", 4, {"reshard": True})):
+    # ep2 runs its blocks under torch.compile and saves a checkpoint at step 10 on the way; ep2 x dp2 reshards
+    # after the forward (the default keeps the gathered weights), so both FSDP2 settings are checked
+    for name, world, kw in (("save", 2, {"save_at": half, "compile_blocks": True}), ("ep2dp2", 4, {"reshard": True})):
         got = spawn(tmp_path / name, world, ep=2, **kw)
         assert_same_losses(got["losses"], want, RTOL, f"ep2 on {world} processes")
         torch.testing.assert_close(torch.tensor(got["experts"]), experts, rtol=1e-4, atol=1e-6)

@@ -80,6 +80,9 @@ class AllToAllDispatch:
     def __init__(self, group, ep: int, n_experts: int):
         self.group, self.ep, self.local = group, ep, n_experts // ep
 
+    # under torch.compile (train.compile: per block) the exchanges run eagerly: their split sizes are read on the
+    # host and the expert weights are DTensors, neither of which traces; the rest of the block is compiled
+    @torch.compiler.disable
     def plan(self, counts: torch.Tensor) -> SplitPlan:
         send = counts.to(torch.int64).view(self.ep, self.local)   # rows for destination d, its local expert l
         recv = torch.empty_like(send)                              # rows from source s for my local expert l
@@ -93,6 +96,7 @@ class AllToAllDispatch:
         ready.record()
         return SplitPlan(both, host, ready)
 
+    @torch.compiler.disable
     def __call__(self, moe, x_sorted: torch.Tensor, plan: SplitPlan) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
