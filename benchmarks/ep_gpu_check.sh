@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert-parallel scaling of z2all-moe-1b on 2 GPUs (issue 18): one command for the whole measurement.
 #
-#   bash benchmarks/ep_gpu_check.sh [OUT_DIR]            # 2 GPUs of one host, about 6 minutes
+#   bash benchmarks/ep_gpu_check.sh [OUT_DIR]            # 2 GPUs of one host, about 8 minutes with warm compile caches
 #   EP_CHECK_SMOKE=1 bash benchmarks/ep_gpu_check.sh     # CPU (gloo), tiny-moe, two rows: the plumbing only
 #
 # 1. the per-GPU batch sweep: micro-batch 16, 8, 4 (x accum 2 x seq 2048) for the 1-GPU baseline (no wrapper),
@@ -9,7 +9,7 @@
 #    and the same settings otherwise; scaling = 2-GPU tokens/s / 1-GPU tokens/s at the same micro-batch
 # 2. ep2 at micro-batch 16 with one profiled step per rank (all-to-all kernel time, host waits) and the bytes of
 #    every collective counted; then one knob at a time: NCCL_PROTO=Simple, fsdp_accum_no_sync,
-#    ep_reshard_after_forward=true
+#    ep_reshard_after_forward=true; then both with torch.compile (--compile)
 # 3. the all-to-all alone at the sizes of one layer's exchange (benchmarks/all_to_all_bandwidth.py) and the
 #    estimated volume per step (z2all estimate --ep 2)
 # Every row is its own process under its own timeout; results/logs/profiles go to OUT_DIR, summary.txt last.
@@ -24,7 +24,7 @@ if [ -n "${EP_CHECK_SMOKE:-}" ]; then
   MBS="2"; ROW_TIMEOUT=240
 else
   CFG="--config z2all-moe-1b --seq-len 2048 --steps 3 --warmup 2"
-  MBS="16 8 4"; ROW_TIMEOUT=180
+  MBS="16 8 4"; ROW_TIMEOUT=300
 fi
 B="$PY benchmarks/distributed_throughput.py $CFG --accum 2 --timeout $ROW_TIMEOUT"
 
@@ -47,6 +47,9 @@ if [ -z "${EP_CHECK_SMOKE:-}" ]; then
   row ep2-mb16-nosync --micro-batch 16 --gpus 2 --variants ours-fsdp --ep 2 --fsdp-no-sync
   row ep2-mb16-reshard --micro-batch 16 --gpus 2 --variants ours-fsdp --ep 2 \
     --override parallel.ep_reshard_after_forward=true
+  # torch.compile: per block under ep (the exchanges stay eager), the whole model on 1 GPU; cold compile caches
+  row base1-mb16-compile --micro-batch 16 --gpus 1 --variants ours --compile
+  row ep2-mb16-compile --micro-batch 16 --gpus 2 --variants ours-fsdp --ep 2 --compile
   echo "== all-to-all alone"
   timeout 120 $PY -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/all_to_all_bandwidth.py \
     --tokens 8192,16384,32768 > "$OUT/a2a.log" 2>&1 || echo "[a2a] failed: $OUT/a2a.log"
