@@ -73,7 +73,7 @@ class AllToAllDispatch:
     Host syncs: ``all_to_all_single`` needs the split sizes on the host (dropless routing: they change every
     step), so each layer's forward reads them once: the send and receive counts in one small copy, started in
     :meth:`plan` right after the router and awaited in :meth:`__call__` after the layer's other launches
-    (gather, auxiliary losses, shared experts), so the GPU stays busy while the host waits. Nothing else in the
+    (sort, gather, auxiliary losses, shared experts), so the GPU stays busy while the host waits. Nothing else in the
     layer syncs (the regrouping is sized from the host counts); the backward needs no sync at all: the
     exchanges' gradients reuse the forward's splits, reversed."""
 
