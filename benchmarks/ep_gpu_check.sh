@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert-parallel scaling of z2all-moe-1b on 2 GPUs (issue 18): one command for the whole measurement.
 #
-#   bash benchmarks/ep_gpu_check.sh [OUT_DIR]            # 2 GPUs of one host, 16 rows (3 of them compile)
+#   bash benchmarks/ep_gpu_check.sh [OUT_DIR]            # 2 GPUs of one host: 15 rows (2 compiled) + the all-to-all alone
 #   EP_CHECK_SMOKE=1 bash benchmarks/ep_gpu_check.sh     # CPU (gloo), tiny-moe, two rows: the plumbing only
 #
 # 1. the per-GPU batch sweep: micro-batch 16, 8, 4 (x accum 2 x seq 2048) for the 1-GPU baseline (no wrapper),
