@@ -428,6 +428,9 @@ class ParallelConfig:
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
     timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
     ep: int = 1                    # expert parallel: experts divided over this many ranks (mesh dims ("dp", "ep"))
+    # ep > 1: FSDP2 reshard_after_forward of the blocks (replaces reshard_after_forward there); false keeps the
+    # gathered non-expert weights from forward to backward (they are small next to the experts)
+    ep_reshard_after_forward: bool = False
     # the device mesh (distributed/mesh.py): pp x dp_replicate x dp_shard x cp x tp = the number of processes
     dp_replicate: int = 1          # HSDP replicas (gradients all-reduced across them)
     dp_shard: int = -1             # FSDP2 shards within a replica; -1 = the rest of the processes
