@@ -265,7 +265,8 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
 
         fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks, pc.tp_graphs)
         if env.is_main:
-            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks), flush=True)
+            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks,
+                                  pc.tp_graphs), flush=True)
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
     if compile_blocks:
         for block in transformer_blocks(model):

@@ -31,6 +31,9 @@ Two implementations (``parallel.tp_impl``):
   residual add are per token; attention and RoPE run after the gather on whole sequences, (b, s, h) again. The
   embedding reduce-scatters its vocab-partial output into that layout, the LM head all-gathers it and returns
   logits (1, b*s, V) (flattened tokens, sharded over the vocabulary).
+  With ``parallel.tp_graphs`` (CUDA) each block's forward and backward are captured once and replayed as CUDA
+  graphs, the region edges' NCCL collectives included (``graphs.py``): the host issues a few calls per block
+  instead of every kernel.
 - ``dtensor``: DTensor ``parallelize_module`` with Colwise/RowwiseParallel on every linear and SP as Shard(1)
   of (b, s, h): per-op DTensor dispatch (CPU time) and gathers along dim 1 (copies); kept for comparison.
 
@@ -104,7 +107,8 @@ def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     return out
 
 
-def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1) -> str:
+def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1,
+                    graphs: bool = False) -> str:
     """One line: the implementation of each op under tensor parallelism on ``device``."""
     probe = torch.empty(0, device=device)
 
@@ -124,9 +128,10 @@ def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: st
             loss = "fused vocab-parallel linear+cross-entropy on the local vocabulary rows (tp_loss.py)"
     else:
         projections = "projections = torch linear on DTensor shards (Colwise/Rowwise per linear)"
+    blocks = "; blocks replayed as CUDA graphs (forward and backward, graphs.py)" if graphs else ""
     return (f"tensor parallel ops ({impl}): {projections}; rmsnorm = {pick(o.rmsnorm)} on local {tokens}; "
             f"rope = {pick(o.rope)}, swiglu = {pick(o.swiglu)}, attention = {o.attention} on local heads; "
-            f"fused norm+qkv: off; loss: {loss}")
+            f"fused norm+qkv: off; loss: {loss}{blocks}")
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "local",
