@@ -1,7 +1,11 @@
 """CUDA graphs of the tensor-parallel blocks (``parallel.tp_graphs``, zero2all/distributed/graphs.py).
 
 CPU: the switch is refused, naming the reason, wherever graphs cannot run (no CUDA, FSDP2 / pp / cp meshes,
-activation checkpointing, compiled blocks, tp = 1 or the DTensor implementation).
+activation checkpointing, compiled blocks, tp = 1 or the DTensor implementation). The plumbing around the graphs
+(static buffers, the order of copies and captures, which gradient goes where) is checked on CPU with the CUDA
+graph calls replaced by a stand-in whose capture runs the code and whose replay does nothing: the capture call
+then computes for real, and must give the eager block's loss and gradients (later calls would need a real
+replay: that is the GPU test).
 
 GPU (``-k gpu``, two CUDA devices, NCCL): tp2 + SP on a small model in bf16, the same 6 training steps eagerly and
 with the graphs (eager warm-up, capture, replays): the loss sequences agree (the graphs replay the eager kernels;
@@ -44,6 +48,65 @@ def test_tp_graphs_refused_where_they_cannot_run():
     for fields in ({"tp": 1}, {"tp": 2, "tp_impl": "dtensor"}):
         with pytest.raises(ConfigError, match="parallel.tp_graphs"):
             ParallelConfig(tp_graphs=True, **fields).validate(2)
+
+
+def _capture_call_on_cpu(env) -> dict:
+    """One process, a 1-rank tp mesh with SP (the regions' collectives are identities): per call, the loss and
+    the norm of two gradients, eagerly and through graphs.py with the stand-in; call 3 is the capture call."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero2all.config import OpsConfig
+    from zero2all.distributed import graphs, tp
+    from zero2all.model.z2all import build_model
+
+    class Stand:  # CUDA's stream, graph and pool calls: capture = run the code, replay = nothing
+        def wait_stream(self, other):
+            pass
+
+        def replay(self):
+            pass
+
+    torch.cuda.Stream = lambda device=None: Stand()
+    torch.cuda.current_stream = lambda device=None: Stand()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.graph_pool_handle = lambda: None
+    torch.cuda.CUDAGraph = Stand
+    torch.cuda.graph = lambda *args, **kwargs: contextlib.nullcontext()
+    graphs.BlockGraphs.applies = lambda self, x, cos, doc_ids, mask: torch.is_grad_enabled()
+    cfg = ModelConfig(vocab_size=96, hidden_dim=32, intermediate_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=16, ops=OpsConfig.plain())
+    mesh = init_device_mesh("cpu", (1,))
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for use in (False, True):
+        model = build_model(cfg, seed=1)
+        tp.apply_tp(model, mesh, True, "local", graphs=use)
+        rows = []
+        for _ in range(graphs.WARMUP_CALLS + 1):
+            model.zero_grad(set_to_none=True)
+            with tp.loss_parallel_context():
+                _, loss = model(tokens, tokens)
+                loss.backward()
+            grads = [model.layers[0].mlp.down_proj.weight.grad, model.layers[1].input_layernorm.weight.grad,
+                     model.embed_tokens.weight.grad]
+            rows.append([float(loss.to_local())] + [float(g.to_local().norm()) for g in grads])
+        out["graphs" if use else "eager"] = rows
+        if use:
+            out["captured"] = [len(v) for v in tp.regions_of(model.layers[0]).graphs.graphs.values()]
+    return out
+
+
+def test_graph_plumbing_of_the_capture_call_on_cpu(tmp_path):
+    from tests.test_distributed import gloo_worker
+
+    mp.spawn(gloo_worker, args=(1, free_port(), str(tmp_path), _capture_call_on_cpu), nprocs=1, join=True)
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["captured"] == [1, 1]     # both blocks captured on the last call, one signature each
+    for call, (eager, graphed) in enumerate(zip(res["eager"], res["graphs"])):
+        for a, b in zip(eager, graphed):
+            assert abs(a - b) <= 1e-6 * max(abs(a), 1e-6), f"call {call}: {graphed} vs eager {eager}"
 
 
 # ------------------------------------------------------------------------------------------------------- GPU

@@ -79,6 +79,7 @@ class _Graphs:
     grad_outputs: tuple = ()
     grads: tuple = ()                   # the backward graph's gradient buffers, one per True in grad_mask
     pending: object = None              # weakref to the output of a forward whose backward has not run
+    fresh: bool = True                  # captured from this call's inputs, whose backward is yet to capture
 
     def pointers_match(self, weights) -> bool:
         return all((a is None) == (b is None) and (a is None or a.data_ptr() == b.data_ptr())
@@ -90,7 +91,6 @@ class _Graphs:
     def capture_backward(self) -> None:
         """Capture ``autograd.grad`` of the static outputs (when autograd first reaches this block)."""
         inputs = [t for t, need in zip((self.x, self.residual, *self.weights), self.grad_mask) if need]
-        self.grad_outputs = tuple(torch.empty_like(o) for o in self.outputs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(self.outputs, inputs, self.grad_outputs, allow_unused=True)
@@ -206,11 +206,14 @@ class _GraphedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: _Graphs, x, residual, cos, sin, *weights):
-        g.x.copy_(x)
-        if residual is not None:
-            g.residual.copy_(residual)
-        g.cos.copy_(cos)
-        g.sin.copy_(sin)
+        if g.fresh:  # the buffers hold these inputs already; a copy would bump the version of tensors that the
+            g.fresh = False  # captured autograd graph saved, and its backward is captured later
+        else:
+            g.x.copy_(x)
+            if residual is not None:
+                g.residual.copy_(residual)
+            g.cos.copy_(cos)
+            g.sin.copy_(sin)
         g.forward.replay()
         ctx.g = g
         out, res = (o.detach() for o in g.outputs)
@@ -220,13 +223,15 @@ class _GraphedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_res):
         g: _Graphs = ctx.g
-        if g.backward is None:
-            g.capture_backward()
+        if not g.grad_outputs:
+            g.grad_outputs = tuple(torch.empty_like(o) for o in g.outputs)
         for buf, grad in zip(g.grad_outputs, (grad_out, grad_res)):
             if grad is None:
                 buf.zero_()
             else:
                 buf.copy_(grad)
+        if g.backward is None:
+            g.capture_backward()
         g.backward.replay()
         g.pending = None
         it = iter(g.grads)
