@@ -75,6 +75,7 @@ class _Graphs:
     grad_mask: tuple[bool, ...]         # which of (x, residual, *weights) need a gradient
     forward: torch.cuda.CUDAGraph
     outputs: tuple                      # (out, residual) with their autograd graph, until the backward capture
+    results: tuple                      # the same buffers as plain tensors, what each replay returns
     backward: torch.cuda.CUDAGraph | None = None
     grad_outputs: tuple = ()
     grads: tuple = ()                   # the backward graph's gradient buffers, one per True in grad_mask
@@ -99,7 +100,7 @@ class _Graphs:
                     _wait_inside(grad)
         self.grads = tuple(grads)
         self.backward = graph
-        self.outputs = tuple(o.detach() for o in self.outputs)   # drop the captured autograd graph
+        self.outputs = self.results   # drop the captured autograd graph
 
 
 @dataclass
@@ -182,7 +183,8 @@ class BlockGraphs:
             outs = block_math(regions, block, sx, sres, scos, ssin, _weights_tuple(sw))
             for o in outs:
                 _wait_inside(o)
-        return _Graphs(stream, pool, sx, sres, scos, ssin, sw, need, graph, tuple(outs))
+        results = tuple(_plain(o).detach() for o in outs)
+        return _Graphs(stream, pool, sx, sres, scos, ssin, sw, need, graph, tuple(outs), results)
 
 
 def _wait_inside(t: torch.Tensor) -> None:
@@ -192,6 +194,13 @@ def _wait_inside(t: torch.Tensor) -> None:
 
     if isinstance(t, AsyncCollectiveTensor):
         t.trigger_wait()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a functional collective's lazy result (already waited on by the capture)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _weights_tuple(weights):
@@ -216,7 +225,7 @@ class _GraphedBlock(torch.autograd.Function):
             g.sin.copy_(sin)
         g.forward.replay()
         ctx.g = g
-        out, res = (o.detach() for o in g.outputs)
+        out, res = (r.detach() for r in g.results)
         g.pending = weakref.ref(out)
         return out, res
 
@@ -224,7 +233,7 @@ class _GraphedBlock(torch.autograd.Function):
     def backward(ctx, grad_out, grad_res):
         g: _Graphs = ctx.g
         if not g.grad_outputs:
-            g.grad_outputs = tuple(torch.empty_like(o) for o in g.outputs)
+            g.grad_outputs = tuple(torch.empty_like(r) for r in g.results)
         for buf, grad in zip(g.grad_outputs, (grad_out, grad_res)):
             if grad is None:
                 buf.zero_()
