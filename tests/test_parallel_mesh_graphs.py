@@ -68,12 +68,18 @@ def _capture_call_on_cpu(env) -> dict:
         def replay(self):
             pass
 
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            pass
+
+        def capture_end(self):
+            pass
+
     torch.cuda.Stream = lambda device=None: Stand()
     torch.cuda.current_stream = lambda device=None: Stand()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.graph_pool_handle = lambda: None
     torch.cuda.CUDAGraph = Stand
-    torch.cuda.graph = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
     graphs.BlockGraphs.applies = lambda self, x, cos, doc_ids, mask: torch.is_grad_enabled()
     cfg = ModelConfig(vocab_size=96, hidden_dim=32, intermediate_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=16, ops=OpsConfig.plain())

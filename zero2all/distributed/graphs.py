@@ -27,6 +27,7 @@ positions or masks, a second forward before the backward of the first (the stati
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -93,7 +94,7 @@ class _Graphs:
         """Capture ``autograd.grad`` of the static outputs (when autograd first reaches this block)."""
         inputs = [t for t, need in zip((self.x, self.residual, *self.weights), self.grad_mask) if need]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with _capturing(graph, self.pool, self.stream):
             grads = torch.autograd.grad(self.outputs, inputs, self.grad_outputs, allow_unused=True)
             for grad in grads:
                 if grad is not None:
@@ -178,13 +179,30 @@ class BlockGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         torch.clear_autocast_cache()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
-                torch.autocast(**autocast):
+        with _capturing(graph, pool, stream), torch.autocast(**autocast):
             outs = block_math(regions, block, sx, sres, scos, ssin, _weights_tuple(sw))
             for o in outs:
                 _wait_inside(o)
         results = tuple(_plain(o).detach() for o in outs)
         return _Graphs(stream, pool, sx, sres, scos, ssin, sw, need, graph, tuple(outs), results)
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
+    """Capture the work issued inside into ``graph`` on ``stream`` (``torch.cuda.graph`` without its
+    ``gc.collect()`` and ``empty_cache()``, which would cost seconds over a model's 2 x n_layers captures). Only
+    the capturing thread is checked for unsafe calls (``thread_local``): NCCL's watchdog keeps polling its own
+    events meanwhile."""
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture is void; report the first error
+                graph.capture_end()
+            raise
+        graph.capture_end()
 
 
 def _wait_inside(t: torch.Tensor) -> None:
