@@ -4,8 +4,10 @@ CPU: the switch is refused, naming the reason, wherever graphs cannot run (no CU
 activation checkpointing, compiled blocks, tp = 1 or the DTensor implementation). The plumbing around the graphs
 (static buffers, the order of copies and captures, which gradient goes where) is checked on CPU with the CUDA
 graph calls replaced by a stand-in whose capture runs the code and whose replay does nothing: the capture call
-then computes for real, and must give the eager block's loss and gradients (later calls would need a real
-replay: that is the GPU test).
+then computes for real and must give the eager block's loss and gradients; later calls with the same tokens and
+weights find the right values still in the buffers, which checks the replay path, and a second forward before
+the first one's backward must run eagerly (a replay there would lose its gradient). A parameter whose storage
+moved is refused. Changing values between replays needs a real replay: that is the GPU test.
 
 GPU (``-k gpu``, two CUDA devices, NCCL): tp2 + SP on a small model in bf16, the same 6 training steps eagerly and
 with the graphs (eager warm-up, capture, replays): the loss sequences agree (the graphs replay the eager kernels;
@@ -86,21 +88,31 @@ def _capture_call_on_cpu(env) -> dict:
     mesh = init_device_mesh("cpu", (1,))
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = {}
+
+    def step(model, scales=(1.0,)):  # forwards with these loss weights, one backward: loss and 3 grad norms
+        model.zero_grad(set_to_none=True)
+        with tp.loss_parallel_context():
+            losses = [model(tokens, tokens)[1] for _ in scales]
+            sum(w * loss for w, loss in zip(scales, losses)).backward()
+        grads = [model.layers[0].mlp.down_proj.weight.grad, model.layers[1].input_layernorm.weight.grad,
+                 model.embed_tokens.weight.grad]
+        return [float(losses[0].to_local())] + [float(g.to_local().norm()) for g in grads]
+
     for use in (False, True):
         model = build_model(cfg, seed=1)
         tp.apply_tp(model, mesh, True, "local", graphs=use)
-        rows = []
-        for _ in range(graphs.WARMUP_CALLS + 1):
-            model.zero_grad(set_to_none=True)
-            with tp.loss_parallel_context():
-                _, loss = model(tokens, tokens)
-                loss.backward()
-            grads = [model.layers[0].mlp.down_proj.weight.grad, model.layers[1].input_layernorm.weight.grad,
-                     model.embed_tokens.weight.grad]
-            rows.append([float(loss.to_local())] + [float(g.to_local().norm()) for g in grads])
+        # warm-up calls, the capture call, two replays (same tokens and weights: the stand-in's buffers still hold
+        # the right values), then two forwards before one backward (the second must run eagerly)
+        rows = [step(model) for _ in range(graphs.WARMUP_CALLS + 3)] + [step(model, (1.0, 2.0))]
         out["graphs" if use else "eager"] = rows
         if use:
             out["captured"] = [len(v) for v in tp.regions_of(model.layers[0]).graphs.graphs.values()]
+            o_proj = model.layers[0].self_attn.o_proj
+            o_proj.weight = torch.nn.Parameter(o_proj.weight.detach().clone())   # new storage
+            try:
+                step(model)
+            except RuntimeError as e:
+                out["moved"] = str(e)
     return out
 
 
@@ -109,7 +121,8 @@ def test_graph_plumbing_of_the_capture_call_on_cpu(tmp_path):
 
     mp.spawn(gloo_worker, args=(1, free_port(), str(tmp_path), _capture_call_on_cpu), nprocs=1, join=True)
     res = json.loads((tmp_path / "result.json").read_text())
-    assert res["captured"] == [1, 1]     # both blocks captured on the last call, one signature each
+    assert res["captured"] == [1, 1]     # both blocks captured, one signature each
+    assert "no longer has the storage" in res.get("moved", "")
     for call, (eager, graphed) in enumerate(zip(res["eager"], res["graphs"])):
         for a, b in zip(eager, graphed):
             assert abs(a - b) <= 1e-6 * max(abs(a), 1e-6), f"call {call}: {graphed} vs eager {eager}"

@@ -80,7 +80,7 @@ class _Graphs:
     backward: torch.cuda.CUDAGraph | None = None
     grad_outputs: tuple = ()
     grads: tuple = ()                   # the backward graph's gradient buffers, one per True in grad_mask
-    pending: object = None              # weakref to the output of a forward whose backward has not run
+    pending: object = None              # weakref to the autograd node of a forward whose backward has not run
     fresh: bool = True                  # captured from this call's inputs, whose backward is yet to capture
 
     def pointers_match(self, weights) -> bool:
@@ -243,8 +243,8 @@ class _GraphedBlock(torch.autograd.Function):
             g.sin.copy_(sin)
         g.forward.replay()
         ctx.g = g
+        g.pending = weakref.ref(ctx)  # alive as long as that forward's autograd graph is
         out, res = (r.detach() for r in g.results)
-        g.pending = weakref.ref(out)
         return out, res
 
     @staticmethod
