@@ -53,8 +53,8 @@ def test_tp_graphs_refused_where_they_cannot_run():
 
 
 def _capture_call_on_cpu(env) -> dict:
-    """One process, a 1-rank tp mesh with SP (the regions' collectives are identities): per call, the loss and
-    the norm of two gradients, eagerly and through graphs.py with the stand-in; call 3 is the capture call."""
+    """tp2 + SP on 2 gloo processes: per call, the loss and the norms of three gradients (this rank's shards),
+    eagerly and through graphs.py with the stand-in; call 3 is the capture call."""
     import contextlib
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +85,7 @@ def _capture_call_on_cpu(env) -> dict:
     graphs.BlockGraphs.applies = lambda self, x, cos, doc_ids, mask: torch.is_grad_enabled()
     cfg = ModelConfig(vocab_size=96, hidden_dim=32, intermediate_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=16, ops=OpsConfig.plain())
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh("cpu", (env.world_size,))
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = {}
 
@@ -119,7 +119,7 @@ def _capture_call_on_cpu(env) -> dict:
 def test_graph_plumbing_of_the_capture_call_on_cpu(tmp_path):
     from tests.test_distributed import gloo_worker
 
-    mp.spawn(gloo_worker, args=(1, free_port(), str(tmp_path), _capture_call_on_cpu), nprocs=1, join=True)
+    mp.spawn(gloo_worker, args=(2, free_port(), str(tmp_path), _capture_call_on_cpu), nprocs=2, join=True)
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["captured"] == [1, 1]     # both blocks captured, one signature each
     assert "no longer has the storage" in res.get("moved", "")
