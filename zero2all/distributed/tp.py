@@ -139,8 +139,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "lo
     """Shard ``model`` (the plain Z2all, weights already initialised identically on every rank) over ``tp_mesh``
     in place, with the ``impl`` implementation (``local`` or ``dtensor``, see the module docstring; ``chunks``:
     groups of sequences per block under ``local`` + SP, see :func:`block_forward`; ``graphs``: the blocks as
-    CUDA graphs, ``graphs.py``). Returns the fused
-    parameters' layouts (for checkpoints and the HF export)."""
+    CUDA graphs, ``graphs.py``). Returns the fused parameters' layouts (for checkpoints and the HF export)."""
     t = tp_mesh.size()
     layouts = fused_layouts(model, t)
     with torch.no_grad():
@@ -263,6 +262,7 @@ class BlockWeights(NamedTuple):
 
 
 def block_weights(regions: TPRegions, block: nn.Module) -> BlockWeights:
+    """The local tensors of ``block``'s parameters (autograd carries their gradients back to the DTensors)."""
     attn, mlp = block.self_attn, block.mlp
     o_bias = attn.o_proj.bias
     return BlockWeights(regions.replicated(block.input_layernorm.weight), attn.qkv_proj.weight.to_local(),
