@@ -442,6 +442,8 @@ class ParallelConfig:
                                    # dtensor (DTensor parallelize_module on every linear); distributed/tp.py
     tp_chunks: int = 1             # tp local + SP: each block runs as this many groups of whole sequences, so
                                    # one group's collectives overlap another's GEMMs (1 = one group)
+    tp_graphs: bool = False        # tp local, CUDA: each block's forward / backward replayed as CUDA graphs
+                                   # (distributed/graphs.py); plain tp only (no FSDP2, pp, cp, AC, compile)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
@@ -520,6 +522,9 @@ class ParallelConfig:
         _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
             raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
+        if self.tp_graphs and (self.tp == 1 or self.tp_impl != "local"):
+            raise ConfigError(f"{prefix}.tp_graphs captures the blocks of tp_impl = 'local': it needs {prefix}.tp "
+                              f"> 1 and tp_impl = 'local' (got tp={self.tp}, tp_impl={self.tp_impl!r})")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:
