@@ -222,8 +222,8 @@ class StageModule(nn.Module):
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
         # this tensor-parallel rank's slice of the sequence
         T = labels.shape[1] if labels is not None else x.shape[1]
-        if self.graphed is not None and x.is_cuda and doc_ids is None and position_ids is None \
-                and T == x.shape[1] and torch.is_grad_enabled():
+        graphed = self.graphed is not None and self.graphed.enabled and torch.is_grad_enabled()
+        if graphed and x.device.type != "meta" and doc_ids is None and position_ids is None and T == x.shape[1]:
             x, residual = self.graphed(x) if residual is None else self.graphed(x, residual)
         else:
             x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
@@ -384,6 +384,7 @@ class PipelineRun:
         self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
                        for m, s in zip(self.modules, self.stage_ids)]
         self._cast_store = None   # pp_cuda_graphs: weight cast copies kept across updates, refreshed in place
+        self._graphed_counts: set[int] = set()   # microbatch counts whose schedule has run once (graphs on)
         if pc.pp_cuda_graphs:
             self._enable_graphs()
         self.timer = BusyTimer(env.device.type == "cuda")
@@ -499,12 +500,14 @@ class PipelineRun:
             from zero2all.kernels.eager import refresh_weight_casts
 
             refresh_weight_casts(self._cast_store)
-        for g in self._graphs():
+        for g in self._graphs():   # the first step of a schedule runs eagerly: torch's runtime infers its
+            g.enabled = n_micro in self._graphed_counts   # shapes then (one forward without a backward)
             g.begin_step()
         with self._loss_context(), ops.weight_cast_cache(self._cast_store):  # weights fixed until the optimizer
             schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
         for g in self._graphs():
             g.finish_step()
+        self._graphed_counts.add(n_micro)
         if self.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0

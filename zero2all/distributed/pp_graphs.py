@@ -29,7 +29,9 @@ copies are refreshed in place (``copy_``) at the start of every schedule step, b
 
 Capture runs under autocast without its cast cache (a cached cast from before the capture would be a stale
 constant inside the graph) and in thread-local capture mode (the NCCL watchdog thread keeps querying its events).
-Capture needs warm-up calls first (Triton compiles and autotunes outside the graph). Only plain pipeline stages are
+Capture needs warm-up calls first (Triton compiles and autotunes outside the graph); the pipeline turns the graphs
+on (``enabled``) from the second schedule step of a microbatch count, after torch's runtime has inferred its
+shapes with a forward that has no backward (it would hold a slot). Only plain pipeline stages are
 graphed: no FSDP, tensor or context parallelism, activation checkpointing, document masks or per-row positions;
 the zero-bubble schedule (which splits a backward into two parts) is refused (``pp.check_pipeline_graphs``).
 """
@@ -123,6 +125,8 @@ class GraphedBlocks:
     (adds them to ``param.grad``). A call whose input shapes differ from the first captured ones, or that finds no
     free slot, runs ``fn`` eagerly (normal autograd)."""
 
+    slot_type = _Slot   # what one in-flight microbatch runs on (the tests' CPU stand-in has the same interface)
+
     def __init__(self, fn: Callable, params: list[nn.Parameter], max_slots: int, warmup: int = 2):
         if max_slots < 1:
             raise ValueError(f"CUDA graph slots must be >= 1, got {max_slots}")
@@ -134,6 +138,8 @@ class GraphedBlocks:
         self.signature: tuple | None = None
         self.eager_calls = 0     # calls that found no free slot or other shapes
         self.replays = 0
+        self.most_in_flight = 0  # the most slots taken at once (what the schedule needed)
+        self.enabled = False     # set by the pipeline from its second schedule step of a shape on
 
     def _signature(self, inputs) -> tuple:
         return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
@@ -147,12 +153,13 @@ class GraphedBlocks:
             if self.free:
                 slot = self.free.pop()
             elif len(self.slots) < self.max_slots:
-                slot = _Slot(self.fn, inputs, self.params, self.accumulators, self.warmup)
+                slot = self.slot_type(self.fn, inputs, self.params, self.accumulators, self.warmup)
                 self.slots.append(slot)
         if slot is None:
             self.eager_calls += 1
             return tuple(self.fn(*inputs))
         self.replays += 1
+        self.most_in_flight = max(self.most_in_flight, len(self.slots) - len(self.free))
         return _Replay.apply(self, slot, *inputs)
 
     def release(self, slot: _Slot) -> None:
