@@ -168,7 +168,7 @@ def _graph_entry(rank: int, world: int, port: int, out: str, runs: list[list[str
             trainer = Trainer(load_config("tiny", BASE + [f"train.out_dir='{run_out}'", *overrides]),
                               show_progress=False)
             trainer.fit()
-            stats.append([(g.most_in_flight, len(g.slots), g.eager_calls) for g in trainer.pipeline._graphs()])
+            stats.append([(g.most_in_flight, len(g.slots), g.eager_calls) for g in trainer.pipeline.graphed_blocks()])
         (Path(out) / f"stats{env.rank}.json").write_text(json.dumps(stats))
 
     gloo_worker(rank, world, port, out, work, timeout_s=120.0)

@@ -435,7 +435,8 @@ class PipelineRun:
         for m in self.modules:
             m.graphed = GraphedBlocks(m.run_blocks, list(m.layers.parameters()), max_slots=1)
 
-    def _graphs(self) -> list:
+    def graphed_blocks(self) -> list:
+        """This rank's ``pp_graphs.GraphedBlocks`` (one per stage; empty without ``pp_cuda_graphs``)."""
         return [m.graphed for m in self.modules if m.graphed is not None]
 
     def _maybe_timed(self, fn):
@@ -500,12 +501,12 @@ class PipelineRun:
             from zero2all.kernels.eager import refresh_weight_casts
 
             refresh_weight_casts(self._cast_store)
-        for g in self._graphs():   # the first step of a schedule runs eagerly: torch's runtime infers its
+        for g in self.graphed_blocks():   # the first step of a schedule runs eagerly: torch's runtime infers its
             g.enabled = n_micro in self._graphed_counts   # shapes then (one forward without a backward)
             g.begin_step()
         with self._loss_context(), ops.weight_cast_cache(self._cast_store):  # weights fixed until the optimizer
             schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
-        for g in self._graphs():
+        for g in self.graphed_blocks():
             g.finish_step()
         self._graphed_counts.add(n_micro)
         if self.measure:
