@@ -1,6 +1,6 @@
 """CUDA graphs of pipeline stages (zero2all/distributed/pp_graphs.py, parallel.pp_cuda_graphs).
 
-CPU: the switch's refusals (no CUDA device, other mesh dimensions, activation checkpointing, zero bubble), the
+CPU: the switch's refusals (no CUDA device, other mesh dimensions, activation checkpointing, zero bubble, FP8), the
 number of graph slots each schedule needs, and the slot bookkeeping under torch's real schedules on 2 gloo
 processes (slots replaced by an eager stand-in with the same contract) against the single-process loss
 sequence. GPU (``-k gpu``, skipped without CUDA): a stage's blocks graphed with
@@ -33,6 +33,8 @@ def test_graph_switch_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         check_pipeline_graphs(ParallelConfig(pp=2, pp_cuda_graphs=True, activation_checkpointing="full"),
                               {"pp": 2}, torch.device("cuda"))
+    with pytest.raises(ConfigError, match="linear_precision = 'fp8_rowwise'"):
+        check_pipeline_graphs(pc, {"pp": 2}, torch.device("cuda"), "fp8_rowwise")
     for bad in (ParallelConfig(pp=1, pp_cuda_graphs=True),
                 ParallelConfig(pp=2, pp_cuda_graphs=True, pp_schedule="zero_bubble", pp_stages_per_rank=2)):
         with pytest.raises(ConfigError, match="pp_cuda_graphs needs"):
@@ -159,7 +161,8 @@ def _graph_entry(rank: int, world: int, port: int, out: str, runs: list[list[str
 
     GraphedBlocks.slot_type = SlotStandIn
     device_check = pp.check_pipeline_graphs
-    pp.check_pipeline_graphs = lambda pc, shape, device: device_check(pc, shape, torch.device("cuda"))
+    pp.check_pipeline_graphs = lambda pc, shape, device, precision: device_check(pc, shape, torch.device("cuda"),
+                                                                                 precision)
 
     def work(env):
         stats = []

@@ -83,9 +83,14 @@ def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
                           f"interleaved_1f1b with data parallelism")
 
 
-def check_pipeline_graphs(pc: ParallelConfig, shape: dict[str, int], device: torch.device) -> None:
-    """``pp_cuda_graphs`` graphs plain stages on CUDA devices only (``pp_graphs.py``); the rest is refused here,
-    naming what is in the way."""
+def check_pipeline_graphs(pc: ParallelConfig, shape: dict[str, int], device: torch.device,
+                          linear_precision: str = "bf16") -> None:
+    """``pp_cuda_graphs`` graphs plain bf16 stages on CUDA devices only (``pp_graphs.py``); the rest is refused
+    here, naming what is in the way (FP8 linears keep host-side statistics and weight caches per call, which a
+    replay would not update)."""
+    if linear_precision != "bf16":
+        raise ConfigError(f"parallel.pp_cuda_graphs = true with model.ops.linear_precision = {linear_precision!r}: "
+                          f"not available (FP8 statistics and weight caches are kept per call); use 'bf16'")
     if device.type != "cuda":
         raise ConfigError(f"parallel.pp_cuda_graphs = true needs CUDA devices (this run is on {device.type}); "
                           f"set it to false")
@@ -430,7 +435,7 @@ class PipelineRun:
         from the schedule when the number of microbatches is known (:meth:`_schedule_for`)."""
         from zero2all.distributed.pp_graphs import GraphedBlocks
 
-        check_pipeline_graphs(self.pc, self.dims.shape, self.env.device)
+        check_pipeline_graphs(self.pc, self.dims.shape, self.env.device, self.modules[0].cfg.ops.linear_precision)
         self._cast_store = {}
         for m in self.modules:
             m.graphed = GraphedBlocks(m.run_blocks, list(m.layers.parameters()), max_slots=1)
