@@ -195,6 +195,9 @@ def worker(args) -> None:
     median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
     memory = zd.gather_memory_stats(env)
     bubbles = zd.all_gather_object(trainer.pipeline.measured_bubble(), env) if pipeline else None
+    graphs = zd.all_gather_object([(g.most_in_flight, len(g.slots), g.eager_calls)
+                                  for g in trainer.pipeline.graphed_blocks()], env) \
+        if pipeline else None   # pp_cuda_graphs: (most slots in use, captured, eager calls) per stage
     comm = None
     if args.count_comm and family == "ours":  # one more step with every collective's bytes counted
         from comm_count import CommCounter
@@ -232,7 +235,7 @@ def worker(args) -> None:
         if pipeline:
             result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
                           bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble(),
-                          pp_layout=[len(ids) for ids in trainer.pipeline.layout])
+                          pp_layout=[len(ids) for ids in trainer.pipeline.layout], pp_graphs=graphs)
             if trainer.pipeline.costs:  # parallel.pp_balance = time: the measured ms per microbatch
                 embed, blocks, head = trainer.pipeline.costs
                 result["pp_costs_ms"] = [round(1e3 * embed, 2), round(1e3 * max(blocks), 2), round(1e3 * head, 2)]
@@ -315,7 +318,9 @@ def print_table(results: list[dict]) -> None:
                   f"update (accum x --pp-microbatches); measured bubble per rank "
                   + " ".join(f"r{i}:{100 * b:.1f}%" for i, b in enumerate(r["bubble_measured"]))
                   + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%); blocks per stage "
-                  + str(r.get("pp_layout"))
+                  + str(r.get("pp_layout")) + f"; loss {r['loss']:.4f}"
+                  + (f"; CUDA graph (most in flight, slots, eager calls) per rank {r['pp_graphs']}"
+                     if any(r.get("pp_graphs") or []) else "")
                   + (f" (measured ms per microbatch: embedding, block, head {r['pp_costs_ms']})"
                      if r.get("pp_costs_ms") else ""))
     if results:

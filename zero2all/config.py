@@ -452,6 +452,7 @@ class ParallelConfig:
     # blocks per pipeline stage, first to last (e.g. [11, 11]); [] = balanced by pp_balance (distributed/pp.py)
     pp_split: list[int] = field(default_factory=list)
     pp_balance: str = "flops"      # stage costs: flops (the model's FLOPs) | time (timed on the devices at start)
+    pp_cuda_graphs: bool = False   # each stage's blocks replayed as CUDA graphs (distributed/pp_graphs.py; GPU)
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -535,6 +536,10 @@ class ParallelConfig:
         if self.pp_microbatches < 0:
             raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = train.micro_batch_size), "
                               f"got {self.pp_microbatches}")
+        if self.pp_cuda_graphs and (self.pp == 1 or self.pp_schedule == "zero_bubble"):
+            raise ConfigError(f"{prefix}.pp_cuda_graphs needs {prefix}.pp > 1 and a schedule other than zero_bubble "
+                              f"(got pp={self.pp}, pp_schedule={self.pp_schedule!r}): the graphs replay whole "
+                              f"block forwards and backwards, zero_bubble splits a backward in two")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel shards the sequence over the tp ranks: it needs "
                               f"{prefix}.tp > 1")
