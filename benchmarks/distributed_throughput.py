@@ -14,7 +14,8 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
 ``z2all pretrain`` runs per update, logging collectives included)
     ours         1 GPU, no wrapper: the baseline for both scalings
     ours-ddp     N GPUs, DDP, no_sync on all but the last micro-step
-    ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard
+    ours-fsdp    N GPUs, FSDP2 per block, bf16 params / fp32 reduce, reshard_after_forward per --reshard; with
+                 ``--ep N`` (MoE configs) expert parallel: the experts divided over N ranks (distributed/ep.py)
     ours-pp      N GPUs, pipeline parallel over N stages (--pp-schedule, --pp-microbatches pipeline microbatches
                  per micro-batch, an update's accum micro-batches in one schedule; one data-parallel replica, so a
                  step holds micro-batch x accum sequences), with the measured bubble per rank (1 - busy / wall
@@ -127,6 +128,8 @@ def worker(args) -> None:
         overrides += [f"parallel.cp={env.world_size}"]
     if mode == "fsdp" and args.fsdp_no_sync:
         overrides.append("parallel.fsdp_accum_no_sync=true")
+    if mode == "fsdp" and args.ep > 1:
+        overrides.append(f"parallel.ep={args.ep}")
     cfg = load_config(args.config, overrides)
     seq = args.seq_len or cfg.model.max_seq_len
     liger = False
@@ -192,6 +195,9 @@ def worker(args) -> None:
     median = zd.all_reduce_mean(statistics.median(times), env)  # equal after the barrier, up to noise
     memory = zd.gather_memory_stats(env)
     bubbles = zd.all_gather_object(trainer.pipeline.measured_bubble(), env) if pipeline else None
+    graphs = zd.all_gather_object([(g.most_in_flight, len(g.slots), g.eager_calls)
+                                  for g in trainer.pipeline.graphed_blocks()], env) \
+        if pipeline else None   # pp_cuda_graphs: (most slots in use, captured, eager calls) per stage
     comm = None
     if args.count_comm and family == "ours":  # one more step with every collective's bytes counted
         from comm_count import CommCounter
@@ -221,6 +227,7 @@ def worker(args) -> None:
                   "tokens_per_s": tok_s, "step_s": median, "mfu": mfu, "mem_gib": [m[key] for m in memory],
                   "mem_kind": key, "loss": float(last), "liger": liger, "seq_len": seq,
                   "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),
+                  "ep": cfg.parallel.ep,
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__}
         if comm is not None:
@@ -228,7 +235,7 @@ def worker(args) -> None:
         if pipeline:
             result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
                           bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble(),
-                          pp_layout=[len(ids) for ids in trainer.pipeline.layout])
+                          pp_layout=[len(ids) for ids in trainer.pipeline.layout], pp_graphs=graphs)
             if trainer.pipeline.costs:  # parallel.pp_balance = time: the measured ms per microbatch
                 embed, blocks, head = trainer.pipeline.costs
                 result["pp_costs_ms"] = [round(1e3 * embed, 2), round(1e3 * max(blocks), 2), round(1e3 * head, 2)]
@@ -252,6 +259,7 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     cmd += ["--compile"] if args.compile else []
     cmd += ["--count-comm"] if args.count_comm else []
     cmd += ["--fsdp-no-sync"] if args.fsdp_no_sync else []
+    cmd += ["--ep", str(args.ep)] if args.ep > 1 else []
     cmd += ["--profile", args.profile] if args.profile else []
     for o in args.override:
         cmd += ["--override", o]
@@ -310,7 +318,9 @@ def print_table(results: list[dict]) -> None:
                   f"update (accum x --pp-microbatches); measured bubble per rank "
                   + " ".join(f"r{i}:{100 * b:.1f}%" for i, b in enumerate(r["bubble_measured"]))
                   + f" (ideal (K-1)/(K+M-1) = {100 * r['bubble_ideal']:.1f}%); blocks per stage "
-                  + str(r.get("pp_layout"))
+                  + str(r.get("pp_layout")) + f"; loss {r['loss']:.4f}"
+                  + (f"; CUDA graph (most in flight, slots, eager calls) per rank {r['pp_graphs']}"
+                     if any(r.get("pp_graphs") or []) else "")
                   + (f" (measured ms per microbatch: embedding, block, head {r['pp_costs_ms']})"
                      if r.get("pp_costs_ms") else ""))
     if results:
@@ -337,6 +347,9 @@ def main(argv=None) -> int:
                    help="FSDP reshard_after_forward (true = ZeRO-3-like, false = ZeRO-2-like)")
     p.add_argument("--fsdp-no-sync", action="store_true",
                    help="ours-fsdp: parallel.fsdp_accum_no_sync (one reduce-scatter per update, not per micro-step)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="ours-fsdp: expert parallel, parallel.ep=N (MoE configs; FSDP2 over the rest; the blocks' "
+                   "resharding is parallel.ep_reshard_after_forward, not --reshard)")
     p.add_argument("--pp-schedule", default="1f1b", help="ours-pp: gpipe | 1f1b | interleaved_1f1b | zero_bubble")
     p.add_argument("--pp-microbatches", type=int, default=8,
                    help="ours-pp: pipeline microbatches per micro-batch (must divide --micro-batch)")

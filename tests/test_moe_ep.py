@@ -21,6 +21,7 @@ from test_distributed import assert_same_losses, free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
 from zero2all.config import ModelConfig, MoEConfig, OpsConfig, ParallelConfig, to_dict
+from zero2all.distributed.ac import transformer_blocks
 from zero2all.model.moe import gather_rows
 from zero2all.model.z2all import build_model
 
@@ -44,9 +45,13 @@ def batches() -> torch.Tensor:
     return torch.cat(seq, -1)
 
 
-def make(env, ep: int):
+def make(env, ep: int, reshard: bool = False, compile_blocks: bool = False):
     model = build_model(moe_cfg(), seed=7)
-    run = zd.parallelize(model, ParallelConfig(mode="auto" if ep > 1 else "none", ep=ep), env, precision="fp32")
+    if compile_blocks:  # as train.compile does (per block, before wrapping); the eager backend: tracing only
+        for block in transformer_blocks(model):
+            block.compile(backend="eager")
+    pc = ParallelConfig(mode="auto" if ep > 1 else "none", ep=ep, ep_reshard_after_forward=reshard)
+    run = zd.parallelize(model, pc, env, precision="fp32")
     opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1)
     return run, opt
 
@@ -70,9 +75,11 @@ def parts(run, opt, step):
             "trainer": ckpt.JsonState(lambda: {"step": step[0]}, lambda s: step.__setitem__(0, s["step"]))}
 
 
-def scenario(env, out: Path, ep: int, save_at: int = 0):
-    """Train STEPS steps under ep (all ranks data-parallel); with ``save_at``, checkpoint after that step."""
-    run, opt = make(env, ep)
+def scenario(env, out: Path, ep: int, save_at: int = 0, reshard: bool = False, compile_blocks: bool = False):
+    """Train STEPS steps under ep (all ranks data-parallel); with ``save_at``, checkpoint after that step;
+    ``reshard``: FSDP2 frees the gathered weights after each block's forward (parallel.ep_reshard_after_forward);
+    ``compile_blocks``: each block under torch.compile (the exchanges stay eager)."""
+    run, opt = make(env, ep, reshard, compile_blocks)
     w = run.plain.layers[1].mlp.experts.gate_up_proj
     assert w.to_local().shape[0] * env.world_size == w.shape[0]  # dp x ep: each rank holds its share
     # one ep group (dp = 1): the experts stay out of FSDP2 (FSDP2 renames the class of what it wraps)
@@ -104,8 +111,9 @@ def test_ep2_and_ep2_dp2_match_single_process_and_resume(tmp_path):
     want, experts = reference()
     assert want[-1] < want[0] - 0.5, want  # training happens, so the comparison means something
     half = STEPS // 2
-    # ep2 also saves a checkpoint at step 10 on the way
-    for name, world, kw in (("save", 2, {"save_at": half}), ("ep2dp2", 4, {})):
+    # ep2 runs its blocks under torch.compile and saves a checkpoint at step 10 on the way; ep2 x dp2 reshards
+    # after the forward (the default keeps the gathered weights), so both FSDP2 settings are checked
+    for name, world, kw in (("save", 2, {"save_at": half, "compile_blocks": True}), ("ep2dp2", 4, {"reshard": True})):
         got = spawn(tmp_path / name, world, ep=2, **kw)
         assert_same_losses(got["losses"], want, RTOL, f"ep2 on {world} processes")
         torch.testing.assert_close(torch.tensor(got["experts"]), experts, rtol=1e-4, atol=1e-6)
@@ -141,8 +149,9 @@ MOE_KEYS = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_inte
 
 @pytest.mark.slow
 def test_trainer_with_expert_parallelism_matches_one_process(tmp_path):
-    """`z2all pretrain` under torchrun with parallel.ep=2: the loss sequence of one process (the sigmoid router's
-    bias update sums the load over the ranks), expert-load metrics logged, the final model gathered."""
+    """`z2all pretrain` under torchrun with parallel.ep=2 (2 micro-steps per update): the loss sequence of one
+    process (the sigmoid router's bias update sums the load over the ranks), expert-load metrics logged, the final
+    model gathered; the same sequence with parallel.fsdp_accum_no_sync."""
     from test_distributed_trainer import assert_close_losses, single_process, torchrun
 
     from zero2all.model.io import load_model
@@ -154,6 +163,11 @@ def test_trainer_with_expert_parallelism_matches_one_process(tmp_path):
     assert_close_losses(got, want, range(1, 7))
     assert "parallel: fsdp on 2 processes" in proc.stdout
     assert [r["step"] for r in recs if "moe/layer1/load_max" in r] == [2, 4, 6]
+    # one reduce-scatter per update (gradients accumulated unsharded over the 2 micro-steps): the same sequence
+    torchrun(tmp_path, tmp_path / "nosync", *MOE_KEYS, "train.max_steps=6", "parallel.ep=2",
+             "parallel.fsdp_accum_no_sync=true")
+    nosync = [json.loads(line) for line in (tmp_path / "nosync" / "metrics.jsonl").read_text().splitlines()]
+    assert_close_losses({r["step"]: r["loss"] for r in nosync if r["kind"] == "train"}, want, range(1, 7))
     single = load_model(tmp_path / "single" / "final")
     model = load_model(tmp_path / "ep" / "final")
     for (name, a), b in zip(single.named_parameters(), model.parameters()):

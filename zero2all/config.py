@@ -434,6 +434,9 @@ class ParallelConfig:
     ac_every: int = 2              # selective blocks: checkpoint blocks 0, k, 2k, ...
     timeout_s: float = 600.0       # a collective that does not complete within this many seconds fails the run
     ep: int = 1                    # expert parallel: experts divided over this many ranks (mesh dims ("dp", "ep"))
+    # ep > 1: FSDP2 reshard_after_forward of the blocks (replaces reshard_after_forward there); false keeps the
+    # gathered non-expert weights from forward to backward (they are small next to the experts)
+    ep_reshard_after_forward: bool = False
     # the device mesh (distributed/mesh.py): pp x dp_replicate x dp_shard x cp x tp = the number of processes
     dp_replicate: int = 1          # HSDP replicas (gradients all-reduced across them)
     dp_shard: int = -1             # FSDP2 shards within a replica; -1 = the rest of the processes
@@ -445,6 +448,8 @@ class ParallelConfig:
                                    # dtensor (DTensor parallelize_module on every linear); distributed/tp.py
     tp_chunks: int = 1             # tp local + SP: each block runs as this many groups of whole sequences, so
                                    # one group's collectives overlap another's GEMMs (1 = one group)
+    tp_graphs: bool = False        # tp local, CUDA: each block's forward / backward replayed as CUDA graphs
+                                   # (distributed/graphs.py); plain tp only (no FSDP2, pp, cp, AC, compile)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
@@ -453,6 +458,7 @@ class ParallelConfig:
     # blocks per pipeline stage, first to last (e.g. [11, 11]); [] = balanced by pp_balance (distributed/pp.py)
     pp_split: list[int] = field(default_factory=list)
     pp_balance: str = "flops"      # stage costs: flops (the model's FLOPs) | time (timed on the devices at start)
+    pp_cuda_graphs: bool = False   # each stage's blocks replayed as CUDA graphs (distributed/pp_graphs.py; GPU)
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -523,6 +529,9 @@ class ParallelConfig:
         _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
             raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
+        if self.tp_graphs and (self.tp == 1 or self.tp_impl != "local"):
+            raise ConfigError(f"{prefix}.tp_graphs captures the blocks of tp_impl = 'local': it needs {prefix}.tp "
+                              f"> 1 and tp_impl = 'local' (got tp={self.tp}, tp_impl={self.tp_impl!r})")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:
@@ -533,6 +542,10 @@ class ParallelConfig:
         if self.pp_microbatches < 0:
             raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = train.micro_batch_size), "
                               f"got {self.pp_microbatches}")
+        if self.pp_cuda_graphs and (self.pp == 1 or self.pp_schedule == "zero_bubble"):
+            raise ConfigError(f"{prefix}.pp_cuda_graphs needs {prefix}.pp > 1 and a schedule other than zero_bubble "
+                              f"(got pp={self.pp}, pp_schedule={self.pp_schedule!r}): the graphs replay whole "
+                              f"block forwards and backwards, zero_bubble splits a backward in two")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel shards the sequence over the tp ranks: it needs "
                               f"{prefix}.tp > 1")

@@ -251,6 +251,10 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     from zero2all.config import ConfigError, check_mesh
 
     check_mesh(model.cfg, None, pc, env.world_size)
+    if pc.tp_graphs:
+        from zero2all.distributed.graphs import check_graphs_supported
+
+        check_graphs_supported(env.device, pc, env.world_size, compile_blocks)
     dims = build_mesh(pc, env)
     if dims.enabled("pp") and dims.enabled("cp"):
         raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
@@ -259,9 +263,10 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
 
-        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks)
+        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks, pc.tp_graphs)
         if env.is_main:
-            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks), flush=True)
+            print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks,
+                                  pc.tp_graphs), flush=True)
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
     if compile_blocks:
         for block in transformer_blocks(model):

@@ -20,8 +20,11 @@ Sharding and checkpoints. Expert weights are DTensors sharded on dim 0 (the expe
 dimension, and FSDP2 shards them further over ``dp`` (2D: dp x ep); the other parameters are FSDP2-sharded over
 all ranks. With dp = 1 (ep = the world size) the experts stay out of FSDP2: each is held by one rank, so there
 is nothing to gather or reduce; their forward casts them to the compute dtype (bf16), their gradients and
-optimizer state stay float32. The checkpoint (``zero2all/checkpoint``, DCP) stores global tensors under the plain names
-(``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one process included.
+optimizer state stay float32. The blocks keep their gathered non-expert weights from the forward to the backward
+(``parallel.ep_reshard_after_forward = false``, the default: next to the experts they are small), which saves the
+backward's re-gather per block and micro-batch. The checkpoint (``zero2all/checkpoint``, DCP) stores global
+tensors under the plain names (``layers.1.mlp.experts.gate_up_proj``), so a run resumes on any ep size, one
+process included.
 
 Composition with the other mesh dimensions (tp/pp/cp): this module needs only the ("dp", "ep") sub-mesh; a full
 mesh that also has tp/pp/cp dimensions passes ``mesh["dp", "ep"]`` to :func:`apply_expert_parallel`. The
@@ -70,13 +73,16 @@ class AllToAllDispatch:
     Host syncs: ``all_to_all_single`` needs the split sizes on the host (dropless routing: they change every
     step), so each layer's forward reads them once: the send and receive counts in one small copy, started in
     :meth:`plan` right after the router and awaited in :meth:`__call__` after the layer's other launches
-    (gather, auxiliary losses, shared experts), so the GPU stays busy while the host waits. Nothing else in the
+    (sort, gather, auxiliary losses, shared experts), so the GPU stays busy while the host waits. Nothing else in the
     layer syncs (the regrouping is sized from the host counts); the backward needs no sync at all: the
     exchanges' gradients reuse the forward's splits, reversed."""
 
     def __init__(self, group, ep: int, n_experts: int):
         self.group, self.ep, self.local = group, ep, n_experts // ep
 
+    # under torch.compile (train.compile: per block) the exchanges run eagerly: their split sizes are read on the
+    # host and the expert weights are DTensors, neither of which traces; the rest of the block is compiled
+    @torch.compiler.disable
     def plan(self, counts: torch.Tensor) -> SplitPlan:
         send = counts.to(torch.int64).view(self.ep, self.local)   # rows for destination d, its local expert l
         recv = torch.empty_like(send)                              # rows from source s for my local expert l
@@ -90,6 +96,7 @@ class AllToAllDispatch:
         ready.record()
         return SplitPlan(both, host, ready)
 
+    @torch.compiler.disable
     def __call__(self, moe, x_sorted: torch.Tensor, plan: SplitPlan) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -135,6 +142,7 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
     # experts stay out of FSDP2 (no gather / reduce-scatter hooks per layer) and are cast to the compute dtype
     # in the forward instead
     alone = mesh["dp"].size() == 1
+    reshard = pc.ep_reshard_after_forward
     ignored: set[nn.Parameter] = set()
     for _, moe in layers:
         experts = moe.experts
@@ -147,14 +155,13 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
             ignored.update(experts.parameters())
             experts.compute_dtype = None if param_dtype == torch.float32 else param_dtype
         else:
-            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+            fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=world, mp_policy=mp, ignored_params=ignored or None,
-                    reshard_after_forward=pc.reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None,
-                reshard_after_forward=pc.reshard_after_forward)
+                    reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=world, mp_policy=mp, ignored_params=ignored or None, reshard_after_forward=reshard)
     # each MoE layer's forward waits once on the host for its split sizes, which stops the host from running
     # ahead to issue the next block's all-gather early: ask for it at this block's start instead
     for block, following in zip(blocks, blocks[1:]):

@@ -83,6 +83,37 @@ def check_pipeline_mesh(pc: ParallelConfig, shape: dict[str, int]) -> None:
                           f"interleaved_1f1b with data parallelism")
 
 
+def check_pipeline_graphs(pc: ParallelConfig, shape: dict[str, int], device: torch.device,
+                          linear_precision: str = "bf16") -> None:
+    """``pp_cuda_graphs`` graphs plain bf16 stages on CUDA devices only (``pp_graphs.py``); the rest is refused
+    here, naming what is in the way (FP8 linears keep host-side statistics and weight caches per call, which a
+    replay would not update)."""
+    if linear_precision != "bf16":
+        raise ConfigError(f"parallel.pp_cuda_graphs = true with model.ops.linear_precision = {linear_precision!r}: "
+                          f"not available (FP8 statistics and weight caches are kept per call); use 'bf16'")
+    if device.type != "cuda":
+        raise ConfigError(f"parallel.pp_cuda_graphs = true needs CUDA devices (this run is on {device.type}); "
+                          f"set it to false")
+    others = {k: v for k, v in shape.items() if k != "pp" and v > 1}
+    if others:
+        raise ConfigError(f"parallel.pp_cuda_graphs = true graphs plain pipeline stages only, not with {others} "
+                          f"(FSDP / tensor / context parallel collectives inside the blocks); set it to false")
+    if pc.activation_checkpointing != "none":
+        raise ConfigError(f"parallel.pp_cuda_graphs = true with parallel.activation_checkpointing = "
+                          f"{pc.activation_checkpointing!r}: not available; use one or the other")
+
+
+def graph_slots(schedule: str, n_stages: int, stage: int, n_microbatches: int) -> int:
+    """The most microbatches in flight (forward done, backward not yet) on ``stage``: 1F1B runs K - k forwards
+    before its first backward and then alternates, GPipe runs all M forwards first. Interleaved schedules: at
+    most every stage's share of a round, 2 x K (a forward beyond the slots runs eagerly, still correct)."""
+    if schedule == "1f1b":
+        return max(1, min(n_microbatches, n_stages - stage))
+    if schedule == "gpipe":
+        return n_microbatches
+    return min(n_microbatches, 2 * n_stages)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # balancing the stages
 
@@ -173,6 +204,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self._rope_cache: dict = {}
+        self.graphed = None   # a pp_graphs.GraphedBlocks over run_blocks (parallel.pp_cuda_graphs)
 
     def _rope_tables(self, T: int, device, position_ids):
         """cos, sin for this microbatch: the tables of positions 0..T-1 are the same for every microbatch, so
@@ -195,14 +227,25 @@ class StageModule(nn.Module):
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
         # this tensor-parallel rank's slice of the sequence
         T = labels.shape[1] if labels is not None else x.shape[1]
-        cos, sin = self._rope_tables(T, x.device, position_ids)
-        for layer in self.layers.values():
-            x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
+        graphed = self.graphed is not None and self.graphed.enabled and torch.is_grad_enabled()
+        if graphed and x.device.type != "meta" and doc_ids is None and position_ids is None and T == x.shape[1]:
+            x, residual = self.graphed(x) if residual is None else self.graphed(x, residual)
+        else:
+            x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
         if not self.last:
             return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
+
+
+    def run_blocks(self, x, residual=None, rope=None, doc_ids=None):
+        """The stage's blocks on ``(x, residual)`` (residual None before the first block of the model); ``rope``:
+        the (cos, sin) tables, by default those of positions 0..T-1 (what the CUDA graphs capture)."""
+        cos, sin = rope if rope is not None else self._rope_tables(x.shape[1], x.device, None)
+        for layer in self.layers.values():
+            x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
+        return x, residual
 
 
 def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
@@ -345,6 +388,10 @@ class PipelineRun:
             self._shard(param_dtype)
         self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
                        for m, s in zip(self.modules, self.stage_ids)]
+        self._cast_store = None   # pp_cuda_graphs: weight cast copies kept across updates, refreshed in place
+        self._graphed_counts: set[int] = set()   # microbatch counts whose schedule has run once (graphs on)
+        if pc.pp_cuda_graphs:
+            self._enable_graphs()
         self.timer = BusyTimer(env.device.type == "cuda")
         self.measure = False
         for st in self.stages:
@@ -376,7 +423,26 @@ class PipelineRun:
             extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
             self._schedules[n_microbatches] = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss, **extra)
         self.n_microbatches = n_microbatches
+        n_stages = len(self.layout)
+        for sid, m in zip(self.stage_ids, self.modules):
+            if m.graphed is not None:
+                m.graphed.max_slots = max(m.graphed.max_slots,
+                                          graph_slots(self.pc.pp_schedule, n_stages, sid, n_microbatches))
         return self._schedules[n_microbatches]
+
+    def _enable_graphs(self) -> None:
+        """Every stage's block stack replayed through CUDA graphs (``pp_graphs.py``); slots per stage are set
+        from the schedule when the number of microbatches is known (:meth:`_schedule_for`)."""
+        from zero2all.distributed.pp_graphs import GraphedBlocks
+
+        check_pipeline_graphs(self.pc, self.dims.shape, self.env.device, self.modules[0].cfg.ops.linear_precision)
+        self._cast_store = {}
+        for m in self.modules:
+            m.graphed = GraphedBlocks(m.run_blocks, list(m.layers.parameters()), max_slots=1)
+
+    def graphed_blocks(self) -> list:
+        """This rank's ``pp_graphs.GraphedBlocks`` (one per stage; empty without ``pp_cuda_graphs``)."""
+        return [m.graphed for m in self.modules if m.graphed is not None]
 
     def _maybe_timed(self, fn):
         timed = self.timer.wrap(fn)
@@ -436,8 +502,18 @@ class PipelineRun:
         if self.measure:
             self._sync()
             t0 = time.perf_counter()
-        with self._loss_context(), ops.weight_cast_cache():  # weights are fixed until the optimizer step
+        if self._cast_store:   # CUDA graphs read these copies: the weights changed in the last optimizer step
+            from zero2all.kernels.eager import refresh_weight_casts
+
+            refresh_weight_casts(self._cast_store)
+        for g in self.graphed_blocks():   # the first step of a schedule runs eagerly: torch's runtime infers its
+            g.enabled = n_micro in self._graphed_counts   # shapes then (one forward without a backward)
+            g.begin_step()
+        with self._loss_context(), ops.weight_cast_cache(self._cast_store):  # weights fixed until the optimizer
             schedule.step(*self._first_stage_args(tokens), target=weight, labels=labels, **kwargs)
+        for g in self.graphed_blocks():
+            g.finish_step()
+        self._graphed_counts.add(n_micro)
         if self.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0

@@ -31,6 +31,9 @@ Two implementations (``parallel.tp_impl``):
   residual add are per token; attention and RoPE run after the gather on whole sequences, (b, s, h) again. The
   embedding reduce-scatters its vocab-partial output into that layout, the LM head all-gathers it and returns
   logits (1, b*s, V) (flattened tokens, sharded over the vocabulary).
+  With ``parallel.tp_graphs`` (CUDA) each block's forward and backward are captured once and replayed as CUDA
+  graphs, the region edges' NCCL collectives included (``graphs.py``): the host issues a few calls per block
+  instead of every kernel.
 - ``dtensor``: DTensor ``parallelize_module`` with Colwise/RowwiseParallel on every linear and SP as Shard(1)
   of (b, s, h): per-op DTensor dispatch (CPU time) and gathers along dim 1 (copies); kept for comparison.
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -103,7 +107,8 @@ def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     return out
 
 
-def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1) -> str:
+def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: str = "local", chunks: int = 1,
+                    graphs: bool = False) -> str:
     """One line: the implementation of each op under tensor parallelism on ``device``."""
     probe = torch.empty(0, device=device)
 
@@ -123,17 +128,18 @@ def describe_tp_ops(cfg, device: torch.device, sequence_parallel: bool, impl: st
             loss = "fused vocab-parallel linear+cross-entropy on the local vocabulary rows (tp_loss.py)"
     else:
         projections = "projections = torch linear on DTensor shards (Colwise/Rowwise per linear)"
+    blocks = "; blocks replayed as CUDA graphs (forward and backward, graphs.py)" if graphs else ""
     return (f"tensor parallel ops ({impl}): {projections}; rmsnorm = {pick(o.rmsnorm)} on local {tokens}; "
             f"rope = {pick(o.rope)}, swiglu = {pick(o.swiglu)}, attention = {o.attention} on local heads; "
-            f"fused norm+qkv: off; loss: {loss}")
+            f"fused norm+qkv: off; loss: {loss}{blocks}")
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "local",
-             chunks: int = 1) -> dict[str, FusedRows]:
+             chunks: int = 1, graphs: bool = False) -> dict[str, FusedRows]:
     """Shard ``model`` (the plain Z2all, weights already initialised identically on every rank) over ``tp_mesh``
     in place, with the ``impl`` implementation (``local`` or ``dtensor``, see the module docstring; ``chunks``:
-    groups of sequences per block under ``local`` + SP, see :func:`block_forward`). Returns the fused
-    parameters' layouts (for checkpoints and the HF export)."""
+    groups of sequences per block under ``local`` + SP, see :func:`block_forward`; ``graphs``: the blocks as
+    CUDA graphs, ``graphs.py``). Returns the fused parameters' layouts (for checkpoints and the HF export)."""
     t = tp_mesh.size()
     layouts = fused_layouts(model, t)
     with torch.no_grad():
@@ -145,7 +151,9 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, impl: str = "lo
         attn.n_heads, attn.n_kv_heads = attn.n_heads // t, attn.n_kv_heads // t
         attn.q_size, attn.kv_size = attn.q_size // t, attn.kv_size // t
     if impl == "local":
-        _apply_local(model, TPRegions(tp_mesh, sequence_parallel, chunks))
+        from zero2all.distributed.graphs import BlockGraphs
+
+        _apply_local(model, TPRegions(tp_mesh, sequence_parallel, chunks, BlockGraphs() if graphs else None))
     else:
         _apply_dtensor(model, tp_mesh, sequence_parallel)
     model.tie_weights()  # the LM head and the embedding are both Shard(0) over the vocabulary
@@ -193,6 +201,7 @@ class TPRegions:
     mesh: object
     sequence_parallel: bool
     chunks: int = 1
+    graphs: object = None   # graphs.BlockGraphs with parallel.tp_graphs, else None
 
     def groups(self, x: torch.Tensor, seq_len: int, per_row: bool) -> int:
         """How many groups of whole sequences the block runs as (``block_forward``): ``chunks`` when SP is on,
@@ -238,43 +247,74 @@ def regions_of(block: nn.Module) -> TPRegions | None:
     return _REGIONS.get(block)
 
 
+class BlockWeights(NamedTuple):
+    """A sharded block's parameters as the local tensors its math reads (None where the model has none): the
+    norm weights and o's bias through :meth:`TPRegions.replicated`, the projections' local shards."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def block_weights(regions: TPRegions, block: nn.Module) -> BlockWeights:
+    """The local tensors of ``block``'s parameters (autograd carries their gradients back to the DTensors)."""
+    attn, mlp = block.self_attn, block.mlp
+    o_bias = attn.o_proj.bias
+    return BlockWeights(regions.replicated(block.input_layernorm.weight), attn.qkv_proj.weight.to_local(),
+                        _local(attn.qkv_proj.bias), attn.o_proj.weight.to_local(),
+                        None if o_bias is None else regions.replicated(o_bias),
+                        regions.replicated(block.post_attention_layernorm.weight),
+                        mlp.gate_up_proj.weight.to_local(), mlp.down_proj.weight.to_local())
+
+
 def block_forward(regions: TPRegions, block: nn.Module, x, residual, cos, sin, doc_ids=None, attn_mask=None):
     """``Block.forward`` on local shards: residual += x; h = attn(norm(residual)); residual += h;
     out = mlp(norm(residual)), with ``enter`` / ``exit`` around each region. x and residual are in the
-    residual-stream layout ((b*s/t, h) flattened-token shards under SP, (b, s, h) otherwise).
+    residual-stream layout ((b*s/t, h) flattened-token shards under SP, (b, s, h) otherwise). With
+    ``parallel.tp_graphs`` the block runs as replays of its captured CUDA graphs where it can (graphs.py)."""
+    c = block.cfg
+    if c.ops.linear_precision != "bf16":
+        raise ValueError(f"model.ops.linear_precision = {c.ops.linear_precision!r} is not available with tensor "
+                         f"parallelism; use 'bf16'")
+    if regions.graphs is not None and regions.graphs.applies(x, cos, doc_ids, attn_mask):
+        return regions.graphs.run(regions, block, x, residual, cos, sin)
+    return block_math(regions, block, x, residual, cos, sin, block_weights(regions, block), doc_ids, attn_mask)
+
+
+def block_math(regions: TPRegions, block: nn.Module, x, residual, cos, sin, w: BlockWeights, doc_ids=None,
+               attn_mask=None):
+    """The block's math on the local tensors ``w`` (see :func:`block_forward`).
 
     With ``regions.chunks`` = k > 1 (SP, whole sequences per rank) the local tokens are cut into k groups of whole
     sequences and each stage runs over all groups before the next stage starts: group j+1's all-gather and group
     j's reduce-scatter run on NCCL's stream while the GEMMs of another group run. Every op in the block is per
     sequence, and the gather of group j of every rank is a set of whole sequences, so the groups never mix."""
-    c, attn, mlp = block.cfg, block.self_attn, block.mlp
-    if c.ops.linear_precision != "bf16":
-        raise ValueError(f"model.ops.linear_precision = {c.ops.linear_precision!r} is not available with tensor "
-                         f"parallelism; use 'bf16'")
+    c, attn = block.cfg, block.self_attn
     T, H, impl, eps, fp32 = cos.size(-2), c.hidden_dim, c.ops.fused_linear, c.rms_norm_eps, c.residual_in_fp32
-    w_qkv, b_qkv = attn.qkv_proj.weight.to_local(), _local(attn.qkv_proj.bias)
-    w_o, w_gate_up, w_down = attn.o_proj.weight.to_local(), mlp.gate_up_proj.weight.to_local(), \
-        mlp.down_proj.weight.to_local()
     k = regions.groups(x, T, per_row=cos.dim() == 3 or doc_ids is not None or attn_mask is not None)
     xs = x.chunk(k) if k > 1 else [x]
     rs = residual.chunk(k) if k > 1 and residual is not None else [residual] * k
 
     def norm(hs, weight):
-        out = [ops.add_rmsnorm(h, r, regions.replicated(weight), eps, fp32, impl=c.ops.rmsnorm) for h, r in
-               zip(hs, rs)]
+        out = [ops.add_rmsnorm(h, r, weight, eps, fp32, impl=c.ops.rmsnorm) for h, r in zip(hs, rs)]
         return [o[0] for o in out], [o[1] for o in out]
 
-    hs, rs = norm(xs, block.input_layernorm.weight)
+    hs, rs = norm(xs, w.input_norm)
     fulls = [regions.enter(h).view(-1, T, H) for h in hs]        # every group's all-gather before the GEMMs
     outs = []
     for full in fulls:
-        y = attn.attend(ops.lean_linear(full, w_qkv, b_qkv, impl), cos, sin, None, 0, doc_ids, attn_mask)
-        outs.append(regions.exit(ops.lean_linear(y, w_o, None, impl)))
-    if attn.o_proj.bias is not None:
-        outs = [o + regions.replicated(attn.o_proj.bias) for o in outs]
-    hs, rs = norm(outs, block.post_attention_layernorm.weight)
+        y = attn.attend(ops.lean_linear(full, w.qkv, w.qkv_bias, impl), cos, sin, None, 0, doc_ids, attn_mask)
+        outs.append(regions.exit(ops.lean_linear(y, w.o, None, impl)))
+    if w.o_bias is not None:
+        outs = [o + w.o_bias for o in outs]
+    hs, rs = norm(outs, w.post_norm)
     fulls = [regions.enter(h).view(-1, T, H) for h in hs]
-    outs = [regions.exit(ops.swiglu_linear(ops.lean_linear(full, w_gate_up, None, impl), w_down, None, impl))
+    outs = [regions.exit(ops.swiglu_linear(ops.lean_linear(full, w.gate_up, None, impl), w.down, None, impl))
             for full in fulls]
     if k == 1:
         return outs[0], rs[0]

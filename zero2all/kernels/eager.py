@@ -50,15 +50,24 @@ _CASTS: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None   # id(weight
 
 
 @contextlib.contextmanager
-def cached_weight_casts():
+def cached_weight_casts(store: dict | None = None):
     """Within the block, each weight is cast to the compute dtype once and the copy reused (see the module
-    docstring). Only for spans in which no weight changes: the copies are not refreshed."""
+    docstring). Only for spans in which no weight changes: the copies are not refreshed. ``store``: a dict kept
+    by the caller across spans (CUDA graphs read its copies at fixed addresses; :func:`refresh_weight_casts`
+    brings them up to date in place); by default a new one per span."""
     global _CASTS
-    previous, _CASTS = _CASTS, {}
+    previous, _CASTS = _CASTS, ({} if store is None else store)
     try:
         yield
     finally:
         _CASTS = previous
+
+
+def refresh_weight_casts(store: dict) -> None:
+    """Every cast copy of a :func:`cached_weight_casts` store rewritten in place from its (changed) weight."""
+    with torch.no_grad():
+        for weight, copy in store.values():
+            copy.copy_(weight)
 
 
 def _compute_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,

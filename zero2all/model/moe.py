@@ -108,11 +108,13 @@ class Permutation:
     n_assignments: int
 
 
-def permute(experts: torch.Tensor, n_experts: int, capacity: int = 0) -> Permutation:
-    """Sort the flat assignments by expert (stable); with ``capacity`` > 0 keep each expert's first ``capacity``."""
+def permute(experts: torch.Tensor, n_experts: int, capacity: int = 0, counts: torch.Tensor | None = None
+            ) -> Permutation:
+    """Sort the flat assignments by expert (stable); with ``capacity`` > 0 keep each expert's first ``capacity``.
+    ``counts``: the assignments per expert before drops when already computed (:func:`expert_counts`)."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat, n_experts)
+    counts = expert_counts(flat, n_experts) if counts is None else counts
     if capacity:
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
@@ -259,9 +261,11 @@ class MoE(nn.Module):
         routing = self.router(flat)
         capacity = expert_capacity(flat.size(0), m.top_k, m.n_experts, m.capacity_factor) if m.capacity_factor \
             else 0
-        perm = permute(routing.experts, m.n_experts, capacity)
-        plan = self.dispatch.plan(perm.counts)  # expert parallelism: the split-size exchange starts here
+        # expert parallelism: the split-size exchange starts right after the router, before the sort
+        counts = expert_counts(routing.experts, m.n_experts)
+        plan = self.dispatch.plan(counts.clamp(max=capacity) if capacity else counts)
         # work that does not need the exchange's result is launched before the dispatch waits for it
+        perm = permute(routing.experts, m.n_experts, capacity, counts)
         x_sorted = gather_rows(flat, perm.order, m.top_k)
         self._account(routing, perm)
         s = None

@@ -217,17 +217,18 @@ def swiglu(gate_up, impl="auto"):
 # Functions (kernels/eager.py: less host time per call); torch.compile traces the custom ops.
 
 
-def weight_cast_cache():
+def weight_cast_cache(store: dict | None = None):
     """A context within which the fused projections cast each weight to the compute dtype once and reuse the
     copy (``kernels/eager.py``): for spans in which no weight changes, such as a pipeline schedule step over all
-    the microbatches of an update. A no-op context without Triton."""
+    the microbatches of an update (``store``: copies kept across spans, see ``cached_weight_casts``). A no-op
+    context without Triton."""
     if not triton_available():
         import contextlib
 
         return contextlib.nullcontext()
     from zero2all.kernels.eager import cached_weight_casts
 
-    return cached_weight_casts()
+    return cached_weight_casts(store)
 
 
 def fp8_casts_use_triton(x: torch.Tensor) -> bool:
