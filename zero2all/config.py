@@ -149,7 +149,9 @@ class MoEConfig:
     ``sigmoid`` (DeepSeek-V3: sigmoid scores, a per-expert bias added for the selection only and moved by
     ``bias_update_rate`` * sign(mean load - load) after each step, or with ``bias_update = "error"`` by
     ``bias_update_rate`` * clip((mean load - load) / mean load, -1, 1): balance without an auxiliary loss).
-    ``capacity_factor`` 0 = dropless; c > 0 keeps at most ceil(c * tokens * top_k / n_experts) tokens per expert.
+    ``seq_aux_loss_coef`` weighs the load-balancing loss computed within each sequence (DeepSeek-V3's complementary
+    sequence-wise loss, beside the bias). ``capacity_factor`` 0 = dropless; c > 0 keeps at most
+    ceil(c * tokens * top_k / n_experts) tokens per expert.
     """
 
     n_experts: int = 0
