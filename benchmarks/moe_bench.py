@@ -2,6 +2,8 @@
 shape, the grouped GEMM against a dense GEMM of equal FLOPs, and a demo-size pretraining run's expert load.
 
     python benchmarks/moe_bench.py --out DIR [--parts train,gemm,balance] [--steps 6] [--micro-batch 4]
+    python benchmarks/moe_bench.py --out DIR --parts balance [--balance-variants "OVERRIDES;..."]
+        [--balance-steps 400 --balance-warmup 100 --balance-micro-batch 32 --balance-seq 256 --balance-seed 0]
 
 Training rows: fp32 master weights, bf16 autocast, fused AdamW, random tokens, seq 2048; median step time after
 warm-up; MFU on active FLOPs: tokens/s * (6 N_active + 12 L H T) / 989e12 (N_active = non-embedding parameters a

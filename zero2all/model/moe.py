@@ -13,8 +13,8 @@ step it moves against the expert's load error (aux-loss-free balancing, DeepSeek
 Auxiliary losses (added to the training loss by the model, their weights in the config):
 - load balancing (Switch / GShard): ``aux = E * sum_e f_e * P_e``, f_e the fraction of the N*k assignments that go
   to expert e, P_e the mean router probability of e; 1 when perfectly balanced.
-- sequence-wise load balancing (DeepSeek-V3): the same within each sequence, averaged over the sequences; a small
-  weight of it beside the bias keeps a batch balanced whatever the mix of its sequences' content.
+- sequence-wise load balancing (DeepSeek-V3): the same within each sequence, averaged over the sequences; beside
+  the bias, it asks every sequence to be balanced, so that no mix of sequences' content overloads an expert.
 - router z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``, keeps the logits small.
 
 Permutation: the N*k (token, expert) assignments are sorted by expert (stable, so each expert sees its tokens in
@@ -83,8 +83,9 @@ def load_balancing_loss(routing: Routing, n_experts: int, groups: int = 1) -> to
 
     ``groups = 1``: over the whole micro-batch (Switch / GShard). ``groups = B``, one group per sequence: the
     complementary sequence-wise balance loss of DeepSeek-V3 (sec. 2.1.2), which asks every *sequence* to spread
-    its tokens over the experts. A batch of B sequences is then balanced however its content is mixed, where a
-    batch-wise loss (and the bias, which acts between steps) balances only the average batch."""
+    its tokens over the experts, whatever mix of them a batch holds, where a batch-wise loss (and the bias, which
+    acts between steps) balances only the average batch. Like the batch-wise loss it is also lowered by flatter
+    scores P, which do not move the hard assignments: keep its weight small."""
     N, k = routing.experts.shape
     group = torch.arange(N, device=routing.experts.device).div_(N // groups, rounding_mode="floor")
     slot = (group[:, None] * n_experts + routing.experts).reshape(-1)            # (group, expert) of each slot
