@@ -2,6 +2,8 @@
 shape, the grouped GEMM against a dense GEMM of equal FLOPs, and a demo-size pretraining run's expert load.
 
     python benchmarks/moe_bench.py --out DIR [--parts train,gemm,balance] [--steps 6] [--micro-batch 4]
+    python benchmarks/moe_bench.py --out DIR --parts balance [--balance-variants "OVERRIDES;..."]
+        [--balance-steps 400 --balance-warmup 100 --balance-micro-batch 32 --balance-seq 256 --balance-seed 0]
 
 Training rows: fp32 master weights, bf16 autocast, fused AdamW, random tokens, seq 2048; median step time after
 warm-up; MFU on active FLOPs: tokens/s * (6 N_active + 12 L H T) / 989e12 (N_active = non-embedding parameters a
@@ -11,6 +13,7 @@ token goes through: attention, router, top_k experts, LM head). Writes results.j
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import statistics
@@ -360,59 +363,107 @@ def bench_gemm(args, results):
                             "counts_min_max": [int(counts.min()), int(counts.max())]}
 
 
-def stdlib_bytes() -> torch.Tensor:
-    """The Python standard library's source as a byte stream (the demo corpus, vocabulary 256)."""
+def stdlib_bytes() -> tuple[torch.Tensor, list[tuple[int, str]]]:
+    """The Python standard library's source as a byte stream (the demo corpus, vocabulary 256), and the
+    (start offset, file) of each file in it."""
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
+    chunks, files, total = [], [], 0
     for p in sorted(root.rglob("*.py")):
         if "test" in p.parts:
             continue
         b = p.read_bytes()
         chunks.append(b)
+        files.append((total, str(p.relative_to(root))))
         total += len(b)
         if total > 8_000_000:
             break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long(), files
+
+
+def quantiles(values: list[float], threshold: float = 1.3) -> dict:
+    s = sorted(values)
+    return {"median": statistics.median(s), "p95": s[int(0.95 * (len(s) - 1))], "max": s[-1],
+            "steps_over": sum(v > threshold for v in s)}
 
 
 def balance_run(args, over: list[str]) -> dict:
-    """One demo-size pretraining run: the per-step, per-layer max / mean expert load and the losses."""
-    from zero2all.model.moe import moe_layers, update_router_biases
+    """One demo-size pretraining run: the per-step, per-layer max / mean expert load and the losses.
+
+    Besides the loads of the whole step it records, per layer and step, how far the B windows of the batch
+    disagree about the experts (``window_spread``: the mean over experts of the standard deviation across windows
+    of the expert's share of a window's assignments, divided by 1/E), and for the worst steps which windows (and
+    files) the overloaded expert's tokens came from. Training windows come from the first 95 % of the bytes, the
+    evaluation batches (language-model loss alone, at the end) from the last 5 %."""
+    from zero2all.model.moe import moe_aux_loss, moe_layers, update_router_biases
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = load_config("tiny-moe", ["model.vocab_size=256"] + over).model
-    model = build_model(cfg, device=dev, seed=0)
-    data = stdlib_bytes().to(dev)
+    model = build_model(cfg, device=dev, seed=args.balance_seed)
+    data, files = stdlib_bytes()
+    offsets = [o for o, _ in files]
+    data = data.to(dev)
+    split = int(0.95 * data.numel())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     mb, seq, steps, warm = args.balance_micro_batch, args.balance_seq, args.balance_steps, args.balance_warmup
+    E, k = cfg.moe.n_experts, cfg.moe.top_k
     layers = moe_layers(model)
-    history, losses = [], []
-    g = torch.Generator(device=dev).manual_seed(0)
+    routed = {}  # layer -> (mb, seq * k) experts of the last forward
+    for i, moe in layers:
+        moe.router.register_forward_hook(lambda mod, inp, out, i=i: routed.__setitem__(i, out.experts.detach()))
+    history, spread, losses, lm_losses, windows = [], [], [], [], []
+    g = torch.Generator(device=dev).manual_seed(args.balance_seed)
+    t0 = time.time()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = 2e-3 * min(1.0, (step + 1) / warm)
-        starts = torch.randint(0, data.numel() - seq - 1, (mb,), device=dev, generator=g)
+        starts = torch.randint(0, split - seq - 1, (mb,), device=dev, generator=g)
         batch = data[starts[:, None] + torch.arange(seq + 1, device=dev)]
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             _, loss = model(batch[:, :-1], batch[:, 1:])
+        aux = moe_aux_loss(model)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loads = torch.stack([moe.step_load for _, moe in layers])
         update_router_biases(model)
+        # per window: (layers, mb, E) counts -> shares; spread across windows in units of the balanced share 1/E
+        per_window = torch.stack([F.one_hot(routed[i].view(mb, -1), E).sum(1) for i, _ in layers]).float()
+        share = per_window / per_window.sum(-1, keepdim=True)
+        spread.append((share.std(1).mean(-1) * E).tolist())
         history.append((loads.max(1).values / loads.mean(1)).tolist())
         losses.append(loss.item())
-    after = sorted(max(h) for h in history[warm:])
-    per_layer = [max(h[j] for h in history[warm:]) for j in range(len(layers))]
+        lm_losses.append(losses[-1] - (aux.item() if aux is not None else 0.0))
+        if step >= warm and max(history[-1]) > 1.3:  # which windows carry the overloaded expert
+            j = max(range(len(layers)), key=lambda j: history[-1][j])
+            e = int(loads[j].argmax())
+            top = per_window[j, :, e].argsort(descending=True)[:4].tolist()
+            windows.append({"step": step, "layer": layers[j][0], "expert": e, "load_max": history[-1][j],
+                            "expert_tokens_per_window": per_window[j, :, e].int().tolist(),
+                            "top_windows": [files[bisect.bisect_right(offsets, int(starts[w])) - 1][1] for w in top]})
+    train_s = time.time() - t0
+    model.eval()
+    ge = torch.Generator(device=dev).manual_seed(1234)
+    with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+        evals = []
+        for _ in range(args.balance_eval_batches):
+            starts = torch.randint(split, data.numel() - seq - 1, (mb,), device=dev, generator=ge)
+            batch = data[starts[:, None] + torch.arange(seq + 1, device=dev)]
+            evals.append(model(batch[:, :-1], batch[:, 1:])[1].item())
+    after = [max(h) for h in history[warm:]]
+    per_layer = {i: quantiles([h[j] for h in history[warm:]]) for j, (i, _) in enumerate(layers)}
     return {"overrides": over, "steps": steps, "warmup": warm, "micro_batch": mb, "seq": seq,
+            "seed": args.balance_seed, "tokens_per_expert_per_step": mb * seq * k / E, "train_s": train_s,
             "final_loss_mean_last_20": statistics.mean(losses[-20:]),
-            "max_over_mean_after_warmup": {"median": statistics.median(after),
-                                           "p95": after[int(0.95 * (len(after) - 1))], "max": after[-1]},
-            "per_layer_max_after_warmup": dict(zip([i for i, _ in layers], per_layer)),
-            "first_steps": [max(h) for h in history[:5]], "history": history, "losses": losses}
+            "lm_loss_mean_last_20": statistics.mean(lm_losses[-20:]),
+            "eval_lm_loss": statistics.mean(evals) if evals else None,
+            "max_over_mean_after_warmup": quantiles(after), "per_layer_after_warmup": per_layer,
+            "window_spread_median_per_layer": {i: statistics.median(sp[j] for sp in spread[warm:])
+                                               for j, (i, _) in enumerate(layers)},
+            "first_steps": [max(h) for h in history[:5]], "history": history, "window_spread": spread,
+            "spike_windows": windows, "losses": losses}
 
 
 def bench_balance(args, results, out: Path):
@@ -422,7 +473,8 @@ def bench_balance(args, results, out: Path):
     for variant in args.balance_variants.split(";"):
         rec = balance_run(args, [o for o in variant.split(",") if o])
         results["balance"].append(rec)
-        print(json.dumps({k: v for k, v in rec.items() if k not in ("history", "losses")}), flush=True)
+        print(json.dumps({k: v for k, v in rec.items()
+                          if k not in ("history", "losses", "window_spread", "spike_windows")}), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     try:
         plot_balance(results["balance"], out / "moe_balance.png")
@@ -466,6 +518,8 @@ def main():
     ap.add_argument("--balance-micro-batch", type=int, default=32)
     ap.add_argument("--balance-seq", type=int, default=256)
     ap.add_argument("--balance-variants", default="")
+    ap.add_argument("--balance-seed", type=int, default=0, help="model initialisation and data order")
+    ap.add_argument("--balance-eval-batches", type=int, default=8)
     ap.add_argument("--plot-balance", default="", help="redraw the balance plot from a results.json into --out")
     args = ap.parse_args()
     out = Path(args.out)
@@ -473,12 +527,14 @@ def main():
     if args.plot_balance:
         plot_balance(json.loads(Path(args.plot_balance).read_text())["balance"], out / "moe_balance.png")
         return
-    import transformers
-
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results = {"device": device, "train": [], "gemm": [], "torch": torch.__version__,
-               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(json.dumps({k: results[k] for k in ("device", "torch", "transformers")}), flush=True)
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if "train" in args.parts:
+        import transformers
+
+        results["transformers"] = transformers.__version__
+    print(json.dumps({k: results.get(k) for k in ("device", "torch", "transformers")}), flush=True)
     for part in args.parts.split(","):
         t0 = time.time()
         parts = {"gemm": bench_gemm, "train": bench_train, "balance": lambda a, r: bench_balance(a, r, out)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zero2all.config import ConfigError, ModelConfig, MoEConfig, OpsConfig
-from zero2all.model.moe import MoE, expert_counts
+from zero2all.model.moe import MoE, expert_counts, load_balancing_loss
 
 
 def make_moe(**moe) -> MoE:
@@ -73,3 +73,54 @@ def test_error_rule_settles_where_the_sign_rule_oscillates():
 def test_unknown_rule_is_refused():
     with pytest.raises(ConfigError, match="model.moe.bias_update: 'pid' is not one of sign, error"):
         MoEConfig(n_experts=4, bias_update="pid").validate()
+
+
+def topic_batch(centres: torch.Tensor, topics: torch.Tensor, seq: int, g: torch.Generator) -> torch.Tensor:
+    """Sequences of ``seq`` tokens, each token its sequence's topic centre plus unit noise: (B * seq, H)."""
+    x = centres[topics].unsqueeze(1) + torch.randn(len(topics), seq, centres.shape[1], generator=g)
+    return x.reshape(-1, centres.shape[1])
+
+
+def train_router(groups: str, steps=150, batch=16, seq=64) -> tuple[float, float]:
+    """A router whose expert e starts aligned with topic e (experts specialised on content), trained with Adam on
+    the balance loss alone (``groups``: "batch" or "sequence"), over batches of sequences of random topics; the
+    bias moves after every step as in training. Returns the max / mean load, after training, of a batch mixing
+    all topics and of a batch whose sequences are all of topic 0."""
+    moe = make_moe(bias_update="error", bias_update_rate=0.02)
+    g = torch.Generator().manual_seed(0)
+    centres = 0.5 * torch.randn(8, 32, generator=g)
+    with torch.no_grad():
+        moe.router.weight.copy_(0.02 * torch.randn(8, 32, generator=g) + centres / centres.norm(dim=1, keepdim=True))
+    one_topic = topic_batch(centres, torch.zeros(16, dtype=torch.long), 128, g)
+    mixed = topic_batch(centres, torch.arange(16) % 8, 128, g)
+    assert load_ratio(moe, one_topic) > 3.5  # before: a batch of topic 0 goes to expert 0 (and one other)
+    opt = torch.optim.Adam(moe.router.parameters(), lr=3e-3)
+    for _ in range(steps):
+        routing = moe.router(topic_batch(centres, torch.randint(0, 8, (batch,), generator=g), seq, g))
+        load_balancing_loss(routing, 8, batch if groups == "sequence" else 1).backward()
+        opt.step()
+        opt.zero_grad()
+        moe.update_bias(expert_counts(routing.experts, 8).float())
+    with torch.no_grad():
+        return load_ratio(moe, mixed), load_ratio(moe, one_topic)
+
+
+def test_sequence_wise_loss_is_the_batch_loss_of_each_sequence_averaged():
+    moe = make_moe()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randn(8, 32, generator=g))
+    x = torch.randn(3 * 10, 32, generator=g)
+    per_seq = [load_balancing_loss(moe.router(x[i * 10:(i + 1) * 10]), 8) for i in range(3)]
+    torch.testing.assert_close(load_balancing_loss(moe.router(x), 8, 3), torch.stack(per_seq).mean())
+
+
+def test_sequence_wise_loss_balances_a_batch_of_one_topic():
+    """Experts specialised on topics: the bias and the batch-wise loss balance the mixed batches they see, but a
+    batch drawn from one topic still sends most of its tokens to that topic's expert. The sequence-wise loss asks
+    every sequence to spread its tokens, so a batch of any mix of topics is balanced."""
+    mixed_b, one_b = train_router("batch")
+    mixed_s, one_s = train_router("sequence")
+    assert mixed_b < 1.25 and mixed_s < 1.25
+    assert one_b > 3.0        # batch-wise: the one-topic batch stays as skewed as before
+    assert one_s < 1.3        # sequence-wise: balanced within each sequence, so within any batch

@@ -161,7 +161,9 @@ class MoEConfig:
     ``sigmoid`` (DeepSeek-V3: sigmoid scores, a per-expert bias added for the selection only and moved by
     ``bias_update_rate`` * sign(mean load - load) after each step, or with ``bias_update = "error"`` by
     ``bias_update_rate`` * clip((mean load - load) / mean load, -1, 1): balance without an auxiliary loss).
-    ``capacity_factor`` 0 = dropless; c > 0 keeps at most ceil(c * tokens * top_k / n_experts) tokens per expert.
+    ``seq_aux_loss_coef`` weighs the load-balancing loss computed within each sequence (DeepSeek-V3's complementary
+    sequence-wise loss, beside the bias). ``capacity_factor`` 0 = dropless; c > 0 keeps at most
+    ceil(c * tokens * top_k / n_experts) tokens per expert.
     """
 
     n_experts: int = 0
@@ -177,6 +179,7 @@ class MoEConfig:
     bias_update: str = "sign"              # sign (DeepSeek-V3) | error (proportional to the relative load error)
     routed_scaling: float = 1.0            # routed experts' output multiplied by this (DeepSeek-V3)
     aux_loss_coef: float = 0.0             # Switch/GShard load-balancing loss weight
+    seq_aux_loss_coef: float = 0.0         # the same loss per sequence, averaged (DeepSeek-V3 sequence-wise)
     z_loss_coef: float = 0.0               # router z-loss weight (ST-MoE)
     capacity_factor: float = 0.0           # 0 = dropless
 
@@ -192,7 +195,7 @@ class MoEConfig:
         _check_choice(self, "router", MOE_ROUTERS, prefix)
         _check_choice(self, "bias_update", ("sign", "error"), prefix)
         for name in ("n_experts", "n_shared_experts", "expert_intermediate_size", "first_dense_layers",
-                     "aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate"):
+                     "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.moe_every < 1:

@@ -13,6 +13,8 @@ step it moves against the expert's load error (aux-loss-free balancing, DeepSeek
 Auxiliary losses (added to the training loss by the model, their weights in the config):
 - load balancing (Switch / GShard): ``aux = E * sum_e f_e * P_e``, f_e the fraction of the N*k assignments that go
   to expert e, P_e the mean router probability of e; 1 when perfectly balanced.
+- sequence-wise load balancing (DeepSeek-V3): the same within each sequence, averaged over the sequences; beside
+  the bias, it asks every sequence to be balanced, so that no mix of sequences' content overloads an expert.
 - router z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``, keeps the logits small.
 
 Permutation: the N*k (token, expert) assignments are sorted by expert (stable, so each expert sees its tokens in
@@ -75,11 +77,21 @@ class Router(nn.Module):
         return Routing(weights, experts, logits, probs)
 
 
-def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
-    """Switch / GShard: E * sum_e f_e P_e (f from the hard assignments, no gradient; P carries it)."""
-    f = expert_counts(routing.experts, n_experts).float() / routing.experts.numel()
+def load_balancing_loss(routing: Routing, n_experts: int, groups: int = 1) -> torch.Tensor:
+    """Switch / GShard: E * sum_e f_e P_e (f from the hard assignments, no gradient; P carries it), computed
+    within each of ``groups`` equal runs of tokens and averaged over them.
+
+    ``groups = 1``: over the whole micro-batch (Switch / GShard). ``groups = B``, one group per sequence: the
+    complementary sequence-wise balance loss of DeepSeek-V3 (sec. 2.1.2), which asks every *sequence* to spread
+    its tokens over the experts, whatever mix of them a batch holds, where a batch-wise loss (and the bias, which
+    acts between steps) balances only the average batch. Like the batch-wise loss it is also lowered by flatter
+    scores P, which do not move the hard assignments: keep its weight small."""
+    N, k = routing.experts.shape
+    group = torch.arange(N, device=routing.experts.device).div_(N // groups, rounding_mode="floor")
+    slot = (group[:, None] * n_experts + routing.experts).reshape(-1)            # (group, expert) of each slot
+    f = expert_counts(slot, groups * n_experts).view(groups, n_experts).float() / (k * (N // groups))
     probs = routing.probs / routing.probs.sum(-1, keepdim=True)  # sigmoid scores normalised like softmax's
-    return n_experts * (f * probs.mean(0)).sum()
+    return n_experts * (f * probs.view(groups, N // groups, n_experts).mean(1)).sum(-1).mean()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -251,8 +263,8 @@ class MoE(nn.Module):
         # running sums since the last read (metrics) / bias update: tokens per expert, dropped, aux terms
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("step_load", torch.zeros(m.n_experts), persistent=False)
-        # [aux loss, z-loss, dropped, assignments, forwards]
-        self.register_buffer("sums", torch.zeros(5), persistent=False)
+        # [aux loss, z-loss, dropped, assignments, forwards, sequence-wise aux loss]
+        self.register_buffer("sums", torch.zeros(6), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.cfg.moe
@@ -267,7 +279,7 @@ class MoE(nn.Module):
         # work that does not need the exchange's result is launched before the dispatch waits for it
         perm = permute(routing.experts, m.n_experts, capacity, counts)
         x_sorted = gather_rows(flat, perm.order, m.top_k)
-        self._account(routing, perm)
+        self._account(routing, perm, B)
         s = None
         if self.shared is not None:
             s = self.shared(flat)
@@ -281,18 +293,18 @@ class MoE(nn.Module):
             out = out + s
         return out.view(B, T, H).to(x.dtype)
 
-    def _account(self, routing: Routing, perm: Permutation) -> None:
+    def _account(self, routing: Routing, perm: Permutation, batch: int) -> None:
         """This forward's weighted auxiliary losses into ``aux_loss``; in training, the window's statistics."""
         m = self.cfg.moe
         self.aux_loss = None
         if not self.training:
             return
         aux = load_balancing_loss(routing, m.n_experts)
+        seq_aux = load_balancing_loss(routing, m.n_experts, batch) if m.seq_aux_loss_coef else aux.new_zeros(())
         z = router_z_loss(routing.logits)
-        if m.aux_loss_coef:
-            self.aux_loss = m.aux_loss_coef * aux
-        if m.z_loss_coef:
-            self.aux_loss = m.z_loss_coef * z if self.aux_loss is None else self.aux_loss + m.z_loss_coef * z
+        terms = [c * t for c, t in ((m.aux_loss_coef, aux), (m.seq_aux_loss_coef, seq_aux), (m.z_loss_coef, z)) if c]
+        if terms:
+            self.aux_loss = sum(terms[1:], terms[0])
         with torch.no_grad():
             counts = perm.counts.float()
             self.load += counts
@@ -300,7 +312,8 @@ class MoE(nn.Module):
             dropped = float(perm.n_assignments - perm.order.numel())
             # new_full fills on the device: new_tensor would copy from the host and wait for the GPU
             self.sums += torch.stack([aux.detach(), z.detach(), aux.new_full((), dropped),
-                                      aux.new_full((), float(perm.n_assignments)), aux.new_full((), 1.0)])
+                                      aux.new_full((), float(perm.n_assignments)), aux.new_full((), 1.0),
+                                      seq_aux.detach()])
 
     @torch.no_grad()
     def update_bias(self, step_load: torch.Tensor) -> None:
@@ -352,6 +365,7 @@ def moe_window_metrics(model: nn.Module, all_reduce_sum=None) -> dict[str, float
         moe/layer{i}/load_max, load_min   max_e / mean, min_e / mean of the tokens per expert (1 = balanced)
         moe/layer{i}/load_entropy         -sum p_e log p_e / log E of the load shares (1 = uniform)
         moe/layer{i}/aux_loss, z_loss     mean unweighted load-balancing loss and router z-loss per forward
+        moe/layer{i}/seq_aux_loss         the same of the sequence-wise balance loss (when its weight is set)
         moe/layer{i}/dropped              fraction of the (token, expert) assignments dropped by the capacity
     """
     out = {}
@@ -371,6 +385,8 @@ def moe_window_metrics(model: nn.Module, all_reduce_sum=None) -> dict[str, float
                     f"{key}/load_entropy": float(entropy), f"{key}/aux_loss": float(sums[0]) / forwards,
                     f"{key}/z_loss": float(sums[1]) / forwards,
                     f"{key}/dropped": float(sums[2]) / max(float(sums[3]), 1.0)})
+        if moe.cfg.moe.seq_aux_loss_coef:
+            out[f"{key}/seq_aux_loss"] = float(sums[5]) / forwards
     return out
 
 
