@@ -16,9 +16,11 @@ Variants (``--variants``, comma separated; ``+`` combines): ``off`` (the default
 once per optimizer step; ``kernels/step_fusion.py``), ``ce30`` / ``ce29`` (cross-entropy chunks of 2^30 / 2^29
 logits instead of 2^28), ``flash`` (SDPA flash backend first), ``res16`` (the residual stream in bf16:
 ``residual_in_fp32 = false``, other numerics than the preset), ``graph`` (the micro-step captured once as a CUDA
-graph and replayed; only with ``off``: the step fusion changes Python-side state per call).
+graph and replayed; only with ``off``: the step fusion changes Python-side state per call), ``graphstep`` (the
+whole optimizer step, every micro-batch and AdamW, captured as one CUDA graph; with any step fusion).
 
     python benchmarks/step_profile.py --variants off,grads,all --profile off --out DIR
+    python benchmarks/step_profile.py --row use_all_fp8_tensorwise --variants off --profile off --out DIR
 """
 from __future__ import annotations
 
@@ -74,16 +76,17 @@ def set_variant(variant: str):
     return contextlib.nullcontext()
 
 
-def build(cfg, micro_batch, seq, accum, graph=False, fusion="off"):
+def build(cfg, micro_batch, seq, accum, graph=False, fusion="off", row="use_all"):
     """(model, optimizer, step); with ``graph`` the micro-step (forward + backward, accumulating into static .grad
     buffers) is captured once as a CUDA graph and replayed for every micro-batch copied into a static input."""
     from zero2all.bench import _build_ours
 
-    if graph and fusion != "off":
+    if graph == "micro" and fusion != "off":
         raise ValueError("step_profile: the graph variant runs with step fusion off")
-    model, loss_fn = _build_ours(cfg, "use_all", "cuda")
+    model, loss_fn = _build_ours(cfg, row, "cuda")
     step_fusion.mark(model, fusion)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True,
+                            capturable=graph == "step")
     g = torch.Generator(device="cpu").manual_seed(1234)
     batches = [torch.randint(0, cfg.padded_vocab_size, (micro_batch, seq + 1), generator=g).cuda()
                for _ in range(accum)]
@@ -98,6 +101,8 @@ def build(cfg, micro_batch, seq, accum, graph=False, fusion="off"):
 
     if not graph:
         return model, opt, step
+    if graph == "step":
+        return model, opt, _graph_whole_step(loss_fn, opt, batches, accum)
     static = batches[0].clone()
 
     def micro():
@@ -124,6 +129,40 @@ def build(cfg, micro_batch, seq, accum, graph=False, fusion="off"):
         opt.zero_grad(set_to_none=False)
 
     return model, opt, graphed_step
+
+
+def _graph_whole_step(loss_fn, opt, batches, accum):
+    """The whole optimizer step (every micro-batch's forward and backward, AdamW with ``capturable=True``, the
+    gradients zeroed in place) captured once as one CUDA graph; each step copies its micro-batches into static
+    inputs and replays it. The Python-side state that changes within a step (the weight-cast caches filled by the
+    first micro-batch and emptied by the optimizer step) follows the same path at every step, so the capture
+    records the step exactly as eager runs it."""
+    statics = [b.clone() for b in batches]
+
+    def eager():
+        for b in statics:
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                loss = loss_fn(b[:, :-1], b[:, 1:])
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager()
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        eager()
+
+    def graphed_step():
+        for s, b in zip(statics, batches):
+            s.copy_(b)
+        cuda_graph.replay()
+
+    return graphed_step
 
 
 def time_steps(step, iters, warmup):
@@ -202,6 +241,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--row", default="use_all", help="the z2all bench train row of ours to build (use_all, "
+                   "use_all_fp8, use_all_fp8_tensorwise, ...)")
     p.add_argument("--profile", default="", help="the variant to profile one step of (default: none)")
     p.add_argument("--out", default=".")
     a = p.parse_args()
@@ -220,15 +261,19 @@ def main() -> None:
                 vcfg = dataclasses.replace(cfg, residual_in_fp32=False) if "res16" in variant.split("+") else cfg
                 parts = variant.split("+")
                 fusion = "all" if "all" in parts else "grads" if "grads" in parts else "off"
-                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="graph" in parts, fusion=fusion)
+                model, opt, step = build(vcfg, a.micro_batch, a.seq, a.accum, graph="step" if "graphstep" in parts
+                                             else "micro" if "graph" in parts else None, fusion=fusion,
+                                             row=a.row)
                 times = time_steps(step, a.iters, a.warmup)
                 ms = statistics.median(times)
                 tps = tokens / (ms / 1e3)
                 peak = torch.cuda.max_memory_allocated() / 1e9
+                reserved = torch.cuda.max_memory_reserved() / 1e9
                 results[variant] = {"step_ms": ms, "tok_s": tps, "mfu": mfu(tps, cfg, a.seq, 989e12),
-                                    "peak_gb": peak, "times": times}
+                                    "peak_gb": peak, "reserved_gb": reserved, "times": times}
                 print(f"{variant:22s} step {ms:7.1f} ms  {tps:8.0f} tok/s  MFU {100 * results[variant]['mfu']:.1f} %"
-                      f"  peak {peak:.1f} GB  steps {[round(t, 1) for t in times]}", flush=True)
+                      f"  peak {peak:.1f} GB (reserved {reserved:.1f})  steps {[round(t, 1) for t in times]}",
+                      flush=True)
                 if variant == a.profile:
                     print(profile_step(step, cfg, tokens, a.seq, out, ms), flush=True)
         except Exception as e:
