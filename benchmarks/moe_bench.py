@@ -92,6 +92,11 @@ def bench_train(args, results):
     flops_tok = 6 * n_act + 12 * base.n_layers * base.hidden_dim * seq
     rows = [("ours triton", lambda: ours(["model.ops.grouped_gemm=triton"])),
             ("ours torch._grouped_mm", lambda: ours(["model.ops.grouped_gemm=torch"])),
+            ("ours triton, sigmoid router", lambda: ours(["model.ops.grouped_gemm=triton", "model.moe.router=sigmoid",
+                                                           "model.moe.aux_loss_coef=0"])),
+            ("ours triton, sigmoid router, balance_iters 8",
+             lambda: ours(["model.ops.grouped_gemm=triton", "model.moe.router=sigmoid", "model.moe.aux_loss_coef=0",
+                           "model.moe.balance_iters=8"])),
             ("HF Mixtral eager experts", lambda: hf_mixtral(base, "eager")),
             ("HF Mixtral grouped_mm", lambda: hf_mixtral(base, "grouped_mm")),
             ("ours triton + compile", lambda: ours(["model.ops.grouped_gemm=triton"], True)),

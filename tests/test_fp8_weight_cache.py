@@ -113,12 +113,12 @@ def test_config_options_set_the_switches():
     kw = dict(vocab_size=64, hidden_dim=32, intermediate_size=48, n_layers=1, n_heads=2, n_kv_heads=1,
               max_seq_len=16)
     try:
-        build_model(ModelConfig(**kw, ops=OpsConfig(linear_precision="fp8_rowwise", fp8_weight_cache="transposed",
+        build_model(ModelConfig(**kw, ops=OpsConfig(linear_precision="fp8_rowwise", fp8_weight_cache="both",
                                                      fp8_fused_amax=True)), seed=0)
-        assert not WEIGHT_CASTS.keep_forward and fp8.AMAX_HINTS.enabled
+        assert WEIGHT_CASTS.keep_forward and fp8.AMAX_HINTS.enabled
         build_model(ModelConfig(**kw, ops=OpsConfig(linear_precision="fp8_rowwise")), seed=0)
-        assert WEIGHT_CASTS.keep_forward and not fp8.AMAX_HINTS.enabled       # the defaults
+        assert not WEIGHT_CASTS.keep_forward and not fp8.AMAX_HINTS.enabled       # the defaults
     finally:
-        fp8_ref.apply_fp8_options("both", False)
+        fp8_ref.apply_fp8_options("transposed", False)
     with pytest.raises(ConfigError, match="fp8_weight_cache"):
         OpsConfig(fp8_weight_cache="none").validate()

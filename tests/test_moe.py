@@ -13,7 +13,9 @@ from zero2all.model.io import load_model
 from zero2all.model.moe import (
     MoE,
     Router,
+    balanced_bias,
     expert_capacity,
+    expert_counts,
     load_balancing_loss,
     moe_layers,
     moe_window_metrics,
@@ -183,6 +185,10 @@ def test_config_validation_names_the_field():
         cfg(router="hash").validate()
     with pytest.raises(ConfigError, match="shared_expert_gate"):
         cfg(n_shared_experts=0, shared_expert_gate=True).validate()
+    with pytest.raises(ConfigError, match="balance_iters=4 solves the sigmoid router"):
+        cfg(balance_iters=4).validate()
+    with pytest.raises(ConfigError, match="model.moe.balance_iters: must be >= 0"):
+        cfg(router="sigmoid", balance_iters=-1).validate()
     with pytest.raises(ConfigError, match="parallel.ep=4 does not divide model.moe.n_experts=6"):
         load_config("tiny-moe", ["model.moe.n_experts=6", "parallel.ep=4"])
     with pytest.raises(ConfigError, match="parallel.ep=2 needs parallel.mode = fsdp"):
@@ -260,3 +266,72 @@ def test_mfu_counts_the_active_parameters():
     n_active = moe_param_counts(c).active_non_embedding
     assert n_active == 217_154_560  # attention + routers + 2 of 16 experts + LM head, 16 layers
     assert mfu_flops_per_token(c, 2048) == 6 * n_active + 12 * 16 * 1024 * 2048
+
+
+def _clustered_scores(n_tokens, n_experts, seed):
+    """Sigmoid scores with a low-rank structure and per-expert offsets: far from balanced under a zero bias."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randn(n_tokens, 8, generator=g) @ torch.randn(8, n_experts, generator=g)
+    return torch.sigmoid(0.8 * low + torch.linspace(-1.0, 1.0, n_experts) + 0.3 * torch.randn(n_experts, generator=g))
+
+
+def _max_over_mean(scores, bias, k):
+    counts = expert_counts((scores + bias).topk(k, dim=-1).indices, scores.shape[1]).float()
+    return float(counts.max() / counts.mean())
+
+
+@pytest.mark.parametrize("n_tokens,n_experts,k,seed", [(2048, 8, 2, 0), (1537, 16, 2, 1), (999, 12, 3, 2),
+                                                       (4096, 64, 6, 3)])
+def test_balanced_bias_balances_the_batch(n_tokens, n_experts, k, seed):
+    from zero2all.model import moe as moe_module
+
+    scores = _clustered_scores(n_tokens, n_experts, seed)
+    start = 0.05 * torch.randn(n_experts, generator=torch.Generator().manual_seed(seed))
+    before = _max_over_mean(scores, start, k)
+    assert before > 1.4   # the case is a real test: unbalanced to begin with
+    bias = balanced_bias(scores, start, k, 16)
+    assert _max_over_mean(scores, bias, k) <= 1.05
+    # never worse than where it started, at any number of rounds; 0 rounds return the bias itself
+    for rounds in (1, 2, 3):
+        assert _max_over_mean(scores, balanced_bias(scores, start, k, rounds), k) <= before
+    assert balanced_bias(scores, start, k, 0) is start
+    # the column selection methods give the same bias
+    results = []
+    for method in ("topk", "sort", "kthvalue"):
+        old, moe_module.EDGE_METHOD = moe_module.EDGE_METHOD, method
+        try:
+            results.append(balanced_bias(scores, start, k, 4))
+        finally:
+            moe_module.EDGE_METHOD = old
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_balance_iters_balances_training_batches_and_keeps_the_running_bias_learning():
+    model = build_model(cfg(router="sigmoid", bias_update="error", bias_update_rate=0.05, balance_iters=16), seed=0)
+    layers = moe_layers(model)
+    with torch.no_grad():  # a router that strongly prefers two experts
+        for _, moe in layers:
+            moe.router.weight[:2] += 0.5
+    x = torch.randint(0, 80, (8, 32))
+    model.train()
+    model(x, x)
+    for _, moe in layers:
+        routing_load = moe.step_load
+        assert float(routing_load.max() / routing_load.mean()) <= 1.1
+        base = moe.bias_load   # what the running bias alone would have chosen: unbalanced
+        assert float(base.max() / base.mean()) > 1.3
+        assert routing_load.sum() == base.sum()
+        expected = 0.05 * ((base.mean() - base) / base.mean()).clamp(-1, 1)
+        moe._expected = expected.clone()
+    update_router_biases(model)
+    for _, moe in layers:
+        torch.testing.assert_close(moe.router.expert_bias, moe._expected)
+        assert moe.bias_load.sum() == 0 and moe.step_load.sum() == 0
+    # evaluation routes with the running bias alone (no per-batch solve)
+    model.eval()
+    flat = torch.randn(64, 32)
+    router = layers[0][1].router
+    routing = router(flat)
+    probs = torch.sigmoid(flat @ router.weight.t())
+    assert torch.equal(routing.experts, (probs + router.expert_bias).topk(2, dim=-1).indices)
+    assert router.base_counts is None

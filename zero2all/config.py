@@ -101,8 +101,8 @@ class OpsConfig:
     ``fp8_tensorwise`` run their GEMMs on FP8 operands with dynamic per-row / per-tensor scales
     (``zero2all/kernels/fp8.py``; GPUs of compute capability >= 8.9, a float32 emulation on CPU). The LM head and
     the embedding stay in the compute dtype. FP8 options (docs/fp8.md; both change no value, only memory and
-    speed): ``fp8_weight_cache`` = ``both`` keeps each weight's casts W and W^T until the optimizer step,
-    ``transposed`` only W^T (1 byte per parameter less; W cast per micro-batch); ``fp8_fused_amax`` = true lets
+    speed): ``fp8_weight_cache`` = ``transposed`` (default) keeps each weight's W^T cast until the optimizer step
+    and casts W per micro-batch, ``both`` keeps W too (1 byte per parameter more, no faster on an H100); ``fp8_fused_amax`` = true lets
     the norm and SwiGLU kernels write the maxima of what they produce for its FP8 casts (one read less each).
     Step fusion (``zero2all/kernels/step_fusion.py``; only where training runs in one process without a
     data-parallel wrapper: the trainer and ``z2all bench train``): ``grads`` sums each weight gradient into the
@@ -119,7 +119,7 @@ class OpsConfig:
     grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
     linear_precision: str = "bf16"
     step_fusion: str = "off"
-    fp8_weight_cache: str = "both"
+    fp8_weight_cache: str = "transposed"
     fp8_fused_amax: bool = False
 
     _CHOICES = {
@@ -163,7 +163,10 @@ class MoEConfig:
     ``bias_update_rate`` * clip((mean load - load) / mean load, -1, 1): balance without an auxiliary loss).
     ``seq_aux_loss_coef`` weighs the load-balancing loss computed within each sequence (DeepSeek-V3's complementary
     sequence-wise loss, beside the bias). ``capacity_factor`` 0 = dropless; c > 0 keeps at most
-    ceil(c * tokens * top_k / n_experts) tokens per expert.
+    ceil(c * tokens * top_k / n_experts) tokens per expert. ``balance_iters`` n > 0 (sigmoid router, training
+    only): each micro-batch's selection bias is solved in n rounds, starting from the running bias, so that every
+    expert receives nearly the same number of the batch's assignments (``model/moe.py: balanced_bias``); the
+    running bias keeps following the load it alone would have given and is what evaluation and inference use.
     """
 
     n_experts: int = 0
@@ -182,6 +185,7 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0         # the same loss per sequence, averaged (DeepSeek-V3 sequence-wise)
     z_loss_coef: float = 0.0               # router z-loss weight (ST-MoE)
     capacity_factor: float = 0.0           # 0 = dropless
+    balance_iters: int = 0                 # sigmoid router, training: rounds of the per-batch bias (0 = off)
 
     @property
     def enabled(self) -> bool:
@@ -195,7 +199,8 @@ class MoEConfig:
         _check_choice(self, "router", MOE_ROUTERS, prefix)
         _check_choice(self, "bias_update", ("sign", "error"), prefix)
         for name in ("n_experts", "n_shared_experts", "expert_intermediate_size", "first_dense_layers",
-                     "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate"):
+                     "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate",
+                     "balance_iters"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.moe_every < 1:
@@ -204,6 +209,9 @@ class MoEConfig:
             raise ConfigError(f"{prefix}.routed_scaling: must be positive, got {self.routed_scaling}")
         if self.enabled and not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"{prefix}.top_k: must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.balance_iters and self.router != "sigmoid":
+            raise ConfigError(f"{prefix}.balance_iters={self.balance_iters} solves the sigmoid router's selection "
+                              f"bias; router is {self.router!r}")
         if self.shared_expert_gate and not self.n_shared_experts:
             raise ConfigError(f"{prefix}.shared_expert_gate needs {prefix}.n_shared_experts > 0")
 

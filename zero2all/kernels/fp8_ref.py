@@ -169,12 +169,14 @@ class WeightCasts:
 
     A weight is cast twice per micro-batch: W row-scaled (over K) for the forward GEMM, W^T column-scaled (over N)
     for d input. Between two optimizer steps the weights do not change, so with gradient accumulation the casts of
-    the first micro-batch can serve the others. By default both are kept until the step (2 bytes per parameter;
-    the speed-up is measured in BENCHMARKS.md). ``keep_forward = False`` keeps only W^T, the slower cast (a
+    the first micro-batch can serve the others (the speed-up is measured in BENCHMARKS.md). By default
+    (``keep_forward = False``, ``model.ops.fp8_weight_cache = "transposed"``) only W^T is kept, the slower cast (a
     maximum per column, then the transposed write): 1 byte per parameter. The forward copy is then made per
     micro-batch: with tensorwise scaling it is W^T transposed back (the very same codes and scale: a byte copy),
     with rowwise scaling its own one-pass cast of the weight (its scales are per row of W, W^T's per column, so
-    it cannot be made from W^T exactly). Not yet measured on a GPU.
+    it cannot be made from W^T exactly). ``keep_forward = True`` (``both``) keeps W as well: 2 bytes per
+    parameter, 1 GB more for z2all-1.1b, and no faster on an H100 (72.8k / 74.4k tok/s rowwise / tensorwise
+    against 72.3k / 74.4k with W^T alone, BENCHMARKS.md).
 
     An entry is keyed by the weight's storage address, shape, strides, dtype and the cast asked for, and used
     only while it describes the very same tensor object (a weak reference) at the same ``_version`` (any
@@ -187,7 +189,7 @@ class WeightCasts:
 
     def __init__(self):
         self.enabled = True
-        self.keep_forward = True
+        self.keep_forward = False      # model.ops.fp8_weight_cache = "transposed" (the default)
         self._entries: dict[tuple, tuple] = {}
 
     def get(self, weight: torch.Tensor, scaling: str, transposed: bool, quant) -> Quantized:

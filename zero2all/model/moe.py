@@ -59,6 +59,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(m.n_experts, cfg.hidden_dim))
         # sigmoid router: the selection bias (a buffer: no gradient, saved with the model)
         self.register_buffer("expert_bias", torch.zeros(m.n_experts), persistent=m.router == "sigmoid")
+        self.base_counts: torch.Tensor | None = None  # with balance_iters: the last forward's load under expert_bias
 
     def forward(self, x: torch.Tensor) -> Routing:
         m = self.moe
@@ -71,10 +72,72 @@ class Router(nn.Module):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         else:
             probs = torch.sigmoid(logits)
-            _, experts = (probs + self.expert_bias).topk(m.top_k, dim=-1)
+            bias = self.expert_bias
+            self.base_counts = None
+            if self.training and m.balance_iters:
+                with torch.no_grad():
+                    # the running bias's own load (what update_bias corrects), then this batch's refinement
+                    self.base_counts = expert_counts((probs + bias).topk(m.top_k, dim=-1).indices, m.n_experts)
+                    bias = balanced_bias(probs, bias, m.top_k, m.balance_iters)
+            _, experts = (probs + bias).topk(m.top_k, dim=-1)
             weights = probs.gather(1, experts)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(weights, experts, logits, probs)
+
+
+@torch.no_grad()
+def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int, damping: float = 0.7
+                  ) -> torch.Tensor:
+    """A selection bias that gives each expert (nearly) the same number of this batch's N*k assignments
+    (``model.moe.balance_iters``), searched from ``bias`` in ``iters`` rounds.
+
+    Token t picks expert e iff s_te + b_e beats its rival r_te: the k-th largest biased score of t when e is not
+    among its top k, else the (k+1)-th (the expert that e's leaving would let in). With the margins
+    m_te = s_te - r_te, expert e keeps exactly n tokens when -b_e lies between the n-th and (n+1)-th largest
+    margins of its column, n = N*k/E. Each round moves every b_e ``damping`` of the way there at once, the rivals
+    taken from the current biases (a damped Jacobi step: undamped steps can oscillate when the scores cluster, as
+    a language model's do), and the bias of the best round (lowest largest load) is returned, so the result is
+    never worse than ``bias``. Ties aside, the selection stays top-k of scores + bias: the weights are the
+    unbiased scores as before, and no token is dropped."""
+    N, E = scores.shape
+    if N < 2 or k >= E or iters <= 0:
+        return bias
+    n = min(N - 1, max(1, round(N * k / E)))
+    s = scores.float()
+    b = bias.float().clone()
+    best, best_max = b, None
+    for i in range(iters + 1):
+        biased = s + b
+        top = biased.topk(k + 1, dim=-1).values
+        chosen = biased >= top[:, k - 1:k]
+        largest = chosen.sum(0).max()
+        if best_max is None:
+            best, best_max = b, largest
+        else:   # no host sync: the comparison stays on the device
+            better = largest < best_max
+            best, best_max = torch.where(better, b, best), torch.minimum(largest, best_max)
+        if i == iters:
+            break
+        margin = s - torch.where(chosen, top[:, k:k + 1], top[:, k - 1:k])
+        hi, lo = _nth_largest(margin, n)
+        b = b + damping * (-(hi + lo) / 2 - b)
+    return best.to(bias.dtype)
+
+
+EDGE_METHOD = "topk"   # how balanced_bias finds each column's n-th / (n+1)-th largest margin: sort | topk | kthvalue
+
+
+def _nth_largest(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n-th and (n+1)-th largest values of each column of ``x`` (N, E), n < N (the same values by every
+    method; ``benchmarks/moe_balance_solve_time.py`` times them)."""
+    if EDGE_METHOD == "topk":
+        v = x.topk(n + 1, dim=0).values
+        return v[n - 1], v[n]
+    if EDGE_METHOD == "kthvalue":
+        N = x.shape[0]
+        return x.kthvalue(N - n + 1, dim=0).values, x.kthvalue(N - n, dim=0).values
+    v = x.t().contiguous().sort(dim=-1, descending=True).values       # rows: one segmented sort per expert
+    return v[:, n - 1], v[:, n]
 
 
 def load_balancing_loss(routing: Routing, n_experts: int, groups: int = 1) -> torch.Tensor:
@@ -263,6 +326,8 @@ class MoE(nn.Module):
         # running sums since the last read (metrics) / bias update: tokens per expert, dropped, aux terms
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("step_load", torch.zeros(m.n_experts), persistent=False)
+        # the load under the running bias alone, which update_bias corrects (= step_load unless balance_iters)
+        self.register_buffer("bias_load", torch.zeros(m.n_experts), persistent=False)
         # [aux loss, z-loss, dropped, assignments, forwards, sequence-wise aux loss]
         self.register_buffer("sums", torch.zeros(6), persistent=False)
 
@@ -309,6 +374,8 @@ class MoE(nn.Module):
             counts = perm.counts.float()
             self.load += counts
             self.step_load += counts
+            base = self.router.base_counts
+            self.bias_load += counts if base is None else base.float()
             dropped = float(perm.n_assignments - perm.order.numel())
             # new_full fills on the device: new_tensor would copy from the host and wait for the GPU
             self.sums += torch.stack([aux.detach(), z.detach(), aux.new_full((), dropped),
@@ -350,11 +417,15 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
 @torch.no_grad()
 def update_router_biases(model: nn.Module, all_reduce=None) -> None:
     """After an optimizer step: each sigmoid router's bias moves against its layer's load over the step (summed
-    over the data-parallel ranks by ``all_reduce`` when given); the step's load counters restart."""
+    over the data-parallel ranks by ``all_reduce`` when given); the step's load counters restart. With
+    ``balance_iters`` the load is the one the running bias alone would have given (the batches themselves were
+    balanced by :func:`balanced_bias`), so that the running bias, used at evaluation and inference, keeps
+    following the router."""
     for _, moe in moe_layers(model):
-        load = moe.step_load if all_reduce is None else all_reduce(moe.step_load.clone())
+        load = moe.bias_load if all_reduce is None else all_reduce(moe.bias_load.clone())
         moe.update_bias(load)
         moe.step_load.zero_()
+        moe.bias_load.zero_()
 
 
 @torch.no_grad()
