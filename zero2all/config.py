@@ -102,8 +102,9 @@ class OpsConfig:
     (``zero2all/kernels/fp8.py``; GPUs of compute capability >= 8.9, a float32 emulation on CPU). The LM head and
     the embedding stay in the compute dtype. FP8 options (docs/fp8.md; both change no value, only memory and
     speed): ``fp8_weight_cache`` = ``transposed`` (default) keeps each weight's W^T cast until the optimizer step
-    and casts W per micro-batch, ``both`` keeps W too (1 byte per parameter more, no faster on an H100); ``fp8_fused_amax`` = true lets
-    the norm and SwiGLU kernels write the maxima of what they produce for its FP8 casts (one read less each).
+    and casts W per micro-batch, ``both`` keeps W too (1 byte per parameter more, no faster on an H100);
+    ``fp8_fused_amax`` = true lets the norm and SwiGLU kernels write the maxima of what they produce for its FP8
+    casts (one read less each).
     Step fusion (``zero2all/kernels/step_fusion.py``; only where training runs in one process without a
     data-parallel wrapper: the trainer and ``z2all bench train``): ``grads`` sums each weight gradient into the
     accumulated one inside its GEMM, in float32; ``all`` also casts each weight to bf16 once per optimizer step
