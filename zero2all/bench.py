@@ -30,7 +30,8 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     use_all_flash / use_all_cudnn   use_all with that SDPA backend first in the priority order
     use_all_fp8        use_all with the blocks' projections on FP8 GEMMs, rowwise scaling (linear_precision =
                        fp8_rowwise; LM head and embedding stay bf16); use_all_fp8_mb16 the same at micro-batch 16;
-                       use_all_fp8_tensorwise with tensorwise scaling (fp8 = the three). The override
+                       use_all_fp8_tensorwise with tensorwise scaling; use_all_fp8_delayed tensorwise with
+                       delayed scaling (model.ops.fp8_amax_history = 16) (fp8 = the four). The override
                        model.ops.linear_precision=fp8_rowwise runs every other row of ours with FP8 linears
                        (the ablation table in FP8); model.ops.step_fusion=grads|all likewise applies the
                        per-step weight-gradient sums / weight casts (kernels/step_fusion.py) to every row of ours
@@ -55,7 +56,8 @@ ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", 
 PEER_ROWS = ["hf", "hf_compile", "hf_liger", "hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]
 EXTERNAL_PEER_ROWS = ["hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]  # run by bench_peers.py
 EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
-FP8_ROWS = ["use_all_fp8", "use_all_fp8_mb16", "use_all_fp8_tensorwise"]
+FP8_ROWS = ["use_all_fp8", "use_all_fp8_mb16", "use_all_fp8_tensorwise", "use_all_fp8_delayed"]
+DELAYED_HISTORY = 16        # use_all_fp8_delayed: model.ops.fp8_amax_history
 ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-attn", "no_rope": "w/o rope",
               "no_cross_entropy": "w/o cross_entropy", "no_rmsnorm": "w/o rmsnorm", "no_swiglu": "w/o swiglu",
               "no_fused_linear": "w/o fused_linear",
@@ -65,6 +67,7 @@ ROW_LABELS = {"naive": "naive", "use_all": "use_all", "no_flash": "w/o flash-att
               "layout_sbh": "layout (seq, batch, hidden)", "use_all_flash": "use_all, SDPA flash first",
               "use_all_cudnn": "use_all, SDPA cuDNN first", "use_all_fp8": "use_all FP8 rowwise",
               "use_all_fp8_mb16": "use_all FP8 rowwise mb16", "use_all_fp8_tensorwise": "use_all FP8 tensorwise",
+              "use_all_fp8_delayed": "use_all FP8 tensorwise delayed",
               "hf_ao_fp8": "HF + torchao fp8 rw + compile", "tt_compile": "torchtitan + compile",
               "tt_fp8": "torchtitan fp8 rw + compile",
               "tt_fp8_tensorwise": "torchtitan fp8 tw + compile"}  # rw / tw: rowwise / tensorwise scaling
@@ -103,7 +106,8 @@ def _ops_for(row: str):
     if row == "no_cross_entropy":
         fused["cross_entropy"] = "torch"
     if row in FP8_ROWS:
-        fused["linear_precision"] = "fp8_tensorwise" if row.endswith("tensorwise") else "fp8_rowwise"
+        fused["linear_precision"] = ("fp8_tensorwise" if row.endswith(("tensorwise", "delayed"))
+                                     else "fp8_rowwise")
     return OpsConfig(**fused)
 
 
@@ -159,6 +163,8 @@ def _build_ours(base_cfg, row: str, device):
         ops.linear_precision = base_cfg.ops.linear_precision
     ops.step_fusion = base_cfg.ops.step_fusion  # model.ops.step_fusion=... applies to every row of ours
     ops.fp8_weight_cache, ops.fp8_fused_amax = base_cfg.ops.fp8_weight_cache, base_cfg.ops.fp8_fused_amax
+    if ops.linear_precision == "fp8_tensorwise":
+        ops.fp8_amax_history = DELAYED_HISTORY if row == "use_all_fp8_delayed" else base_cfg.ops.fp8_amax_history
     cfg = dataclasses.replace(base_cfg, ops=ops)
     if cfg.ops.linear_precision != "bf16":
         from zero2all.kernels.fp8_ref import FP8_STATS

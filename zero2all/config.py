@@ -104,7 +104,10 @@ class OpsConfig:
     speed): ``fp8_weight_cache`` = ``transposed`` (default) keeps each weight's W^T cast until the optimizer step
     and casts W per micro-batch, ``both`` keeps W too (1 byte per parameter more, no faster on an H100);
     ``fp8_fused_amax`` = true lets the norm and SwiGLU kernels write the maxima of what they produce for its FP8
-    casts (one read less each).
+    casts (one read less each). ``fp8_amax_history`` = n (2 .. 1024; ``fp8_tensorwise`` only; 0 = off, the
+    default) is delayed scaling: each activation / gradient cast takes its scale from the largest amax of the
+    n - 1 previous casts at the same place and records its own in the same pass (no amax pass; values beyond the
+    scale saturate and are counted: docs/fp8.md).
     Step fusion (``zero2all/kernels/step_fusion.py``; only where training runs in one process without a
     data-parallel wrapper: the trainer and ``z2all bench train``): ``grads`` sums each weight gradient into the
     accumulated one inside its GEMM, in float32; ``all`` also casts each weight to bf16 once per optimizer step
@@ -122,6 +125,7 @@ class OpsConfig:
     step_fusion: str = "off"
     fp8_weight_cache: str = "transposed"
     fp8_fused_amax: bool = False
+    fp8_amax_history: int = 0
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -141,6 +145,12 @@ class OpsConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ConfigError(f"{prefix}.{name}: {value!r} is not one of {', '.join(choices)}")
+        n = self.fp8_amax_history
+        if isinstance(n, bool) or not isinstance(n, int) or (n != 0 and not 2 <= n <= 1024):
+            raise ConfigError(f"{prefix}.fp8_amax_history: {n!r} is neither 0 (off) nor a window of 2 .. 1024 casts")
+        if n and self.linear_precision != "fp8_tensorwise":
+            raise ConfigError(f"{prefix}.fp8_amax_history: delayed scaling keeps one amax per tensor, so it needs "
+                              f"{prefix}.linear_precision = 'fp8_tensorwise' (it is {self.linear_precision!r})")
 
     @classmethod
     def plain(cls) -> "OpsConfig":

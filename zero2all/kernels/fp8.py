@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from zero2all.kernels import grid_programs
-from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, Quantized, _rows2d
+from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, AmaxSite, Quantized, _rows2d
 from zero2all.kernels.rmsnorm import add_rmsnorm_row
 
 # (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
@@ -194,21 +194,30 @@ def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS
 
 
 @triton.jit
-def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x, FMAX: tl.constexpr,
-                 MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                 TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                 NATIVE: tl.constexpr):
+def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, HIST_LEN, M, K, stride_x,
+                 FMAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
+                 WRITE_QT: tl.constexpr, TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, NATIVE: tl.constexpr, HISTORY: tl.constexpr, OBSERVE: tl.constexpr,
+                 HIST_BLOCK: tl.constexpr):
     # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
     # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
     # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
-    # amax / FMAX go to ROW_S (by the programs j = 0; ROW_S[0] for a tensor) and COL_S (by the programs i = 0)
+    # amax / FMAX go to ROW_S (by the programs j = 0; ROW_S[0] for a tensor) and COL_S (by the programs i = 0).
+    # HISTORY (tensorwise, delayed scaling): the tensor's amax is the maximum of HIST[0 .. HIST_LEN) except
+    # HIST[SLOT], and with OBSERVE each program adds the amax of its tiles to HIST[SLOT] (an atomic maximum)
     pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     fmax = tl.full([], FMAX, tl.float32)
+    seen = tl.zeros([], dtype=tl.float32)
     if TENSOR:
-        ta = tl.maximum(tl.load(ROW_AMAX), 1e-12)
+        if HISTORY:
+            hidx = tl.arange(0, HIST_BLOCK)
+            h = tl.load(HIST + hidx, mask=(hidx < HIST_LEN) & (hidx != SLOT), other=0.0)
+            ta = tl.maximum(tl.max(h, 0), 1e-12)
+        else:
+            ta = tl.maximum(tl.load(ROW_AMAX), 1e-12)
         r = tl.math.div_rn(fmax, ta)
         if (pid_m == 0) & (pid_s == 0):
             tl.store(ROW_S, tl.math.div_rn(ta, fmax))
@@ -225,6 +234,8 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
         cmask = cols < K
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if OBSERVE:
+            seen = tl.maximum(seen, tl.max(tl.max(tl.abs(x), 1), 0))
         if WRITE_Q:
             if TENSOR:
                 q = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
@@ -253,6 +264,8 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, M, K, stride_x
     if COUNT:
         tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
         tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
+    if OBSERVE:
+        tl.atomic_max(HIST + SLOT, seen)
 
 
 @triton.jit
@@ -341,12 +354,15 @@ def _split(device: torch.device, bands: int, tiles_k: int) -> int:
     return max(1, min(tiles_k, -(-grid_programs(device, bands * tiles_k) // bands)))
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
-             ) -> Quantized:
+def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False,
+             history: Optional[AmaxSite] = None, observe: bool = True) -> Quantized:
     """Quantise a 2-D tensor with the Triton kernels. ``scaling``: ``axis`` (q per row, qt per column) or
     ``tensor`` (one scale for both). Where the kernel that produced ``x`` left its partial maxima
-    (``AMAX_HINTS``), the amax pass is skipped."""
+    (``AMAX_HINTS``), the amax pass is skipped. ``history`` (tensorwise): delayed scaling, the scale from that
+    site's recorded maxima and no amax pass (``fp8_ref.AmaxHistory``); ``observe``: record x's own amax there."""
     x = _rows2d(x)
+    if scaling != "tensor":
+        history = None
     M, K = x.shape
     mant, min_exp = _GRID[dtype]
     fmax = float(torch.finfo(dtype).max)
@@ -375,6 +391,17 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
                          floor.expand(K).clone() if want_qt else None, counts)
     rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
     hint = AMAX_HINTS.take(x)
+    if history is not None and not history.empty and hint is None:      # delayed scaling: one pass
+        q_s = torch.empty((), dtype=torch.float32, device=x.device)
+        slot = history.open_slot() if observe else -1
+        L = history.buf.numel()
+        _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, q_s, q_s, q_s, q_s, counts,
+                                       history.buf, slot, L, M, K, x.stride(0), FMAX=fmax, MANT=mant,
+                                       MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=True, COUNT=True,
+                                       BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=True,
+                                       OBSERVE=observe, HIST_BLOCK=triton.next_power_of_2(L),
+                                       num_warps=TILE["num_warps"])
+        return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     if hint is not None and (hint[1] is not None or not cols_wanted):
         row_part, col_part = hint
     else:
@@ -385,6 +412,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
                                        COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
     if tensor:
         row_amax = row_part.amax().reshape(1)
+        if history is not None and observe:         # the site's first cast (or maxima handed over): record it
+            history.record(row_amax)
     else:
         row_amax = (row_part.amax(0) if row_part.shape[0] > 1 else row_part[0]) if want_q else row_part
     col_amax = (col_part.amax(0) if col_part.shape[0] > 1 else col_part[0]) if cols_wanted else col_part
@@ -392,10 +421,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
     _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
                                    q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
-                                   counts, M, K, x.stride(0), FMAX=fmax, MANT=mant, MIN_EXP=min_exp,
-                                   WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=BM, BK=BK,
-                                   NATIVE=x.is_cuda and NATIVE_CAST,
-                                   num_warps=TILE["num_warps"])
+                                   counts, row_amax, -1, 1, M, K, x.stride(0), FMAX=fmax, MANT=mant,
+                                   MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True,
+                                   BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=False, OBSERVE=False,
+                                   HIST_BLOCK=1, num_warps=TILE["num_warps"])
     if tensor:
         return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     return Quantized(q, q_s, qt, qt_s, counts)

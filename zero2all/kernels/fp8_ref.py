@@ -84,14 +84,18 @@ def _cast_torch(xf: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     return q, a / torch.full_like(a, fmax), counts        # a true division on every device (see r above)
 
 
-def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False
-                   ) -> Quantized:
-    """The reference of ``quantize``: the same rule in PyTorch (torch's float8 casts round to nearest even)."""
+def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False,
+                   history: Optional["AmaxSite"] = None, observe: bool = True) -> Quantized:
+    """The reference of ``quantize``: the same rule in PyTorch (torch's float8 casts round to nearest even).
+    ``history`` (tensorwise only): delayed scaling from that site's recorded maxima (``AmaxHistory``); with
+    ``observe`` the operand's own amax is recorded there."""
     xf = _rows2d(x).float()
     counts = torch.zeros(2, dtype=torch.int64, device=x.device)
     q = q_s = qt = qt_s = None
     if scaling == "tensor":
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        if history is not None:
+            amax = history.reference_amax(amax, observe)
         if want_q:
             q, q_s, c = _cast_torch(xf, amax, dtype)
             counts += c
@@ -225,11 +229,107 @@ WEIGHT_CASTS = WeightCasts()
 register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
 
 
-def apply_fp8_options(weight_cache: str, fused_amax: bool) -> None:
-    """``model.ops.fp8_weight_cache`` (both | transposed) and ``model.ops.fp8_fused_amax``, set process-wide
-    (the weight-cast cache and the hand-over of maxima are module state) when a model with FP8 linears is built."""
+# --------------------------------------------------------------------------------------------------------------
+# delayed scaling: tensorwise scales from the maxima of earlier casts
+
+
+class AmaxSite:
+    """The recorded maxima of one cast site (a linear's input or its output gradient): a ring of ``length``
+    float32 maxima on the device (``buf``) and how many were recorded (``n``, host side).
+
+    A cast with ``observe`` opens the next slot (the oldest entry, zeroed), takes its scale from the maximum of
+    the other entries and writes its own amax into the opened slot in the same pass (``kernels/fp8.py``: each
+    program an atomic maximum); without ``observe`` it takes the maximum of every entry. The first cast of a site
+    (nothing recorded) scales from its own amax, as dynamic scaling does, and records it."""
+
+    def __init__(self, ref, length: int, device: torch.device):
+        self.ref, self.n = ref, 0
+        self.buf = torch.zeros(length, dtype=torch.float32, device=device)
+
+    @property
+    def empty(self) -> bool:
+        return self.n == 0
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Record an amax computed elsewhere (the first cast, or a cast whose maxima were handed over)."""
+        self.buf[self.n % self.buf.numel()] = amax.reshape(())
+        self.n += 1
+
+    def open_slot(self) -> int:
+        """The slot this cast's own amax goes to: zeroed now; the scale comes from the other entries."""
+        slot = self.n % self.buf.numel()
+        self.buf[slot] = 0.0
+        self.n += 1
+        return slot
+
+    def reference_amax(self, own: torch.Tensor, observe: bool) -> torch.Tensor:
+        """``quantize_torch``'s rule: the amax the scale is taken from, given the operand's own (``own``)."""
+        if self.empty:
+            if observe:
+                self.record(own)
+            return own
+        if not observe:
+            return self.buf.max()
+        slot = self.open_slot()
+        used = self.buf.max()                # the opened slot holds 0: the maximum of the others
+        self.buf[slot] = own
+        return used
+
+
+class AmaxHistory:
+    """Delayed scaling (``model.ops.fp8_amax_history = length``; ``fp8_tensorwise`` only): the scale of a cast is
+    taken from the largest amax recorded by the ``length - 1`` previous casts at the same site, not from the
+    operand itself, so the cast needs no amax pass of its own (its amax is recorded in the same pass).
+
+    Sites: ``(weight, "x")`` the input of the linear with that weight, ``(weight, "g")`` its output gradient. The
+    backward's transposed cast of the input (for d W) reads the input's site without recording (its values are
+    the forward's, already recorded). Elements beyond the scale's range saturate (clamped to the format's largest
+    value) and are counted in the saturation statistics (``FP8_STATS``). A site is keyed by the weight object
+    (a weak reference: under FSDP2 the unsharded parameter is the same object at every gather) and lives until
+    its weight is freed or ``clear()``; the maxima are not part of checkpoints (after a resume the first cast of
+    each site scales from its own amax). ``length = 0``: off (every scale from the operand's own amax)."""
+
+    def __init__(self):
+        self.length = 0
+        self._sites: dict[tuple, AmaxSite] = {}
+
+    def site(self, weight: Optional[torch.Tensor], role: str) -> Optional[AmaxSite]:
+        if not self.length or weight is None or torch.compiler.is_compiling():
+            return None
+        key = (id(weight), role)
+        entry = self._sites.get(key)
+        if entry is not None and entry.ref() is weight and entry.buf.numel() == self.length:
+            return entry
+        self._sites = {k: e for k, e in self._sites.items() if e.ref() is not None}
+        entry = AmaxSite(weakref.ref(weight), self.length, weight.device)
+        self._sites[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        self._sites.clear()
+
+
+AMAX_HISTORY = AmaxHistory()
+AMAX_HISTORY_MAX = 1024
+
+
+def _site(weight: Optional[torch.Tensor], scaling: str, role: str, observe: bool = True) -> dict:
+    """The keyword arguments of a quantiser for the cast at (weight, role): none without delayed scaling."""
+    site = AMAX_HISTORY.site(weight, role) if scaling == "tensor" else None
+    return {} if site is None else {"history": site, "observe": observe}
+
+
+def apply_fp8_options(weight_cache: str, fused_amax: bool, amax_history: int = 0) -> None:
+    """``model.ops.fp8_weight_cache`` (both | transposed), ``model.ops.fp8_fused_amax`` and
+    ``model.ops.fp8_amax_history`` (0, or 2 to 1024: delayed scaling), set process-wide (the weight-cast cache,
+    the hand-over of maxima and the recorded maxima are module state) when a model with FP8 linears is built."""
     if weight_cache not in ("both", "transposed"):
         raise ValueError(f"model.ops.fp8_weight_cache: {weight_cache!r} is not one of both, transposed")
+    if amax_history != 0 and not 2 <= amax_history <= AMAX_HISTORY_MAX:
+        raise ValueError(f"model.ops.fp8_amax_history: {amax_history} is neither 0 (off) nor in 2 .. "
+                         f"{AMAX_HISTORY_MAX}")
+    AMAX_HISTORY.length = amax_history
+    AMAX_HISTORY.clear()
     WEIGHT_CASTS.keep_forward = weight_cache == "both"
     WEIGHT_CASTS.clear()
     if fused_amax:
@@ -253,7 +353,7 @@ def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dty
     """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,)).
     ``a2d`` may come already quantised (a ``Quantized`` with ``q``, cast by the op that produced it)."""
     scaling = scaling_of(recipe)
-    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling)
+    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling, **_site(weight, scaling, "x"))
     qw = WEIGHT_CASTS.get(weight, scaling, False, quant)
     y = fp8_mm(qa.q, qa.q_scale, qw.q, qw.q_scale, out_dtype, out=out, fast_accum=FAST_ACCUM_FORWARD)
     return y, qa.counts + qw.counts
@@ -261,11 +361,14 @@ def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dty
 
 class LinearBackward:
     """The two backward GEMMs of ``y = a W^T`` from one quantisation of the gradient ``g`` (M, N): ``q`` (row
-    scaled) for d a = g W, ``qt`` (column scaled, transposed) for d W = g^T a. ``counts`` covers g's casts."""
+    scaled) for d a = g W, ``qt`` (column scaled, transposed) for d W = g^T a. ``counts`` covers g's casts.
+    ``weight``: the layer's weight, whose sites delayed scaling uses (``AMAX_HISTORY``; None: none)."""
 
-    def __init__(self, g2d: torch.Tensor, recipe: str, want_da: bool, want_dw: bool, quant=quantize_torch):
-        self.recipe, self.scaling, self.quant = recipe, scaling_of(recipe), quant
-        self.g = quant(g2d, grad_dtype(recipe), self.scaling, want_q=want_da, want_qt=want_dw)
+    def __init__(self, g2d: torch.Tensor, recipe: str, want_da: bool, want_dw: bool, quant=quantize_torch,
+                 weight: Optional[torch.Tensor] = None):
+        self.recipe, self.scaling, self.quant, self.weight = recipe, scaling_of(recipe), quant, weight
+        self.g = quant(g2d, grad_dtype(recipe), self.scaling, want_q=want_da, want_qt=want_dw,
+                       **_site(weight, self.scaling, "g"))
         self.counts = self.g.counts
 
     def grad_input(self, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -273,7 +376,8 @@ class LinearBackward:
         return fp8_mm(self.g.q, self.g.q_scale, wt.qt, wt.qt_scale, out_dtype)
 
     def grad_weight(self, a2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        at = self.quant(a2d, E4M3, self.scaling, want_q=False, want_qt=True)             # a^T (K, M)
+        at = self.quant(a2d, E4M3, self.scaling, want_q=False, want_qt=True,            # a^T (K, M)
+                        **_site(self.weight, self.scaling, "x", observe=False))
         return fp8_mm(self.g.qt, self.g.qt_scale, at.qt, at.qt_scale, out_dtype)
 
 
@@ -344,7 +448,7 @@ class FP8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, weight.shape[0])
         need = ctx.needs_input_grad
-        bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant)
+        bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant, weight=weight)
         FP8_STATS.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
         dx = bwd.grad_input(weight, x.dtype).view(x.shape) if need[0] else None
         dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if need[1] else None

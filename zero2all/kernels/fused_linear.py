@@ -124,7 +124,7 @@ class _Backward:
                  want_dweight: bool):
         self.weight, self.cdt = weight, cdt
         self.fp8 = None if precision == "bf16" else fp8_ref.LinearBackward(g2, precision, want_dinp, want_dweight,
-                                                                                 quant=fp8.quantize)
+                                                                                 quant=fp8.quantize, weight=weight)
         self.g2 = g2 if self.fp8 is not None else g2.to(cdt)
         self.counts = self.fp8.counts if self.fp8 is not None else _no_counts(g2)
 

@@ -179,7 +179,7 @@ class Z2all(nn.Module):
         if cfg.ops.linear_precision != "bf16":
             from zero2all.kernels.fp8_ref import apply_fp8_options
 
-            apply_fp8_options(cfg.ops.fp8_weight_cache, cfg.ops.fp8_fused_amax)
+            apply_fp8_options(cfg.ops.fp8_weight_cache, cfg.ops.fp8_fused_amax, cfg.ops.fp8_amax_history)
         V = cfg.padded_vocab_size
         self.embed_tokens = nn.Embedding(V, cfg.hidden_dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
