@@ -159,12 +159,16 @@ def test_config_refusals():
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_gpu_kernel_matches_reference_over_a_sequence_of_casts(fp8):
     """On the GPU (hardware rounding, many programs adding to the recorded amax at once): the same codes, scales,
-    counts and recorded maxima as the reference."""
+    counts and recorded maxima as the reference, and a delayed cast never waits for the device."""
     dev = torch.device("cuda")
     mine, ref = AmaxSite(None, 16, dev), AmaxSite(None, 16, dev)
     for i, x in enumerate(operands((4099, 2560), torch.bfloat16, 7, seed=11)):
         x = x.to(dev)
-        got = quantize(x, fp8, "tensor", True, True, history=mine, observe=i != 5)
+        torch.cuda.set_sync_debug_mode("error" if i else "default")    # no host-device synchronisation
+        try:
+            got = quantize(x, fp8, "tensor", True, True, history=mine, observe=i != 5)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         want = quantize_torch(x, fp8, "tensor", True, True, history=ref, observe=i != 5)
         for name in ("q", "q_scale", "qt", "qt_scale"):
             assert_same(getattr(got, name), getattr(want, name), f"cast {i}: {name}")

@@ -252,14 +252,14 @@ class AmaxSite:
 
     def record(self, amax: torch.Tensor) -> None:
         """Record an amax computed elsewhere (the first cast, or a cast whose maxima were handed over)."""
-        self.buf[self.n % self.buf.numel()] = amax.reshape(())
+        self.buf.narrow(0, self.n % self.buf.numel(), 1).copy_(amax.reshape(1))
         self.n += 1
 
     def open_slot(self) -> int:
         """The slot this cast's own amax goes to: zeroed now; the scale comes from the other entries."""
         slot = self.n % self.buf.numel()
-        self.buf[slot] = 0.0
-        self.n += 1
+        self.buf.narrow(0, slot, 1).zero_()     # a fill kernel (``buf[slot] = 0.0`` would copy from the host
+        self.n += 1                             # and wait for the device)
         return slot
 
     def reference_amax(self, own: torch.Tensor, observe: bool) -> torch.Tensor:
@@ -272,7 +272,7 @@ class AmaxSite:
             return self.buf.max()
         slot = self.open_slot()
         used = self.buf.max()                # the opened slot holds 0: the maximum of the others
-        self.buf[slot] = own
+        self.buf.narrow(0, slot, 1).copy_(own.reshape(1))
         return used
 
 
