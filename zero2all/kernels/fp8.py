@@ -194,7 +194,7 @@ def _amax_kernel(X, ROW_PART, COL_PART, M, K, stride_x, ROWS: tl.constexpr, COLS
 
 
 @triton.jit
-def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, HIST_LEN, M, K, stride_x,
+def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, NEXT, HIST_LEN, M, K, stride_x,
                  FMAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
                  WRITE_QT: tl.constexpr, TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, NATIVE: tl.constexpr, HISTORY: tl.constexpr, OBSERVE: tl.constexpr,
@@ -204,18 +204,21 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, HI
     # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
     # amax / FMAX go to ROW_S (by the programs j = 0; ROW_S[0] for a tensor) and COL_S (by the programs i = 0).
     # HISTORY (tensorwise, delayed scaling): the tensor's amax is the maximum of HIST[0 .. HIST_LEN) except
-    # HIST[SLOT], and with OBSERVE each program adds the amax of its tiles to HIST[SLOT] (an atomic maximum)
+    # HIST[SLOT] and HIST[NEXT]; with OBSERVE each program adds the amax of its tiles to HIST[SLOT] (an atomic
+    # maximum; the slot holds 0) and program (0, 0) zeroes HIST[NEXT], the slot of the site's next cast
     pid_m, pid_s, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     fmax = tl.full([], FMAX, tl.float32)
-    seen = tl.zeros([], dtype=tl.float32)
+    seen = tl.zeros([BM], dtype=tl.float32)
     if TENSOR:
         if HISTORY:
             hidx = tl.arange(0, HIST_BLOCK)
-            h = tl.load(HIST + hidx, mask=(hidx < HIST_LEN) & (hidx != SLOT), other=0.0)
+            h = tl.load(HIST + hidx, mask=(hidx < HIST_LEN) & (hidx != SLOT) & (hidx != NEXT), other=0.0)
             ta = tl.maximum(tl.max(h, 0), 1e-12)
+            if OBSERVE and (pid_m == 0) & (pid_s == 0):
+                tl.store(HIST + NEXT, 0.0)
         else:
             ta = tl.maximum(tl.load(ROW_AMAX), 1e-12)
         r = tl.math.div_rn(fmax, ta)
@@ -235,7 +238,7 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, HI
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if OBSERVE:
-            seen = tl.maximum(seen, tl.max(tl.max(tl.abs(x), 1), 0))
+            seen = tl.maximum(seen, tl.max(tl.abs(x), 1))
         if WRITE_Q:
             if TENSOR:
                 q = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
@@ -265,7 +268,7 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, HI
         tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
         tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
     if OBSERVE:
-        tl.atomic_max(HIST + SLOT, seen)
+        tl.atomic_max(HIST + SLOT, tl.max(seen, 0))
 
 
 @triton.jit
@@ -393,10 +396,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     hint = AMAX_HINTS.take(x)
     if history is not None and not history.empty and hint is None:      # delayed scaling: one pass
         q_s = torch.empty((), dtype=torch.float32, device=x.device)
-        slot = history.open_slot() if observe else -1
+        slot, nxt = history.open_slot() if observe else (-1, -1)
         L = history.buf.numel()
         _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, q_s, q_s, q_s, q_s, counts,
-                                       history.buf, slot, L, M, K, x.stride(0), FMAX=fmax, MANT=mant,
+                                       history.buf, slot, nxt, L, M, K, x.stride(0), FMAX=fmax, MANT=mant,
                                        MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=True, COUNT=True,
                                        BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=True,
                                        OBSERVE=observe, HIST_BLOCK=triton.next_power_of_2(L),
@@ -421,7 +424,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
     _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
                                    q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
-                                   counts, row_amax, -1, 1, M, K, x.stride(0), FMAX=fmax, MANT=mant,
+                                   counts, row_amax, -1, -1, 1, M, K, x.stride(0), FMAX=fmax, MANT=mant,
                                    MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True,
                                    BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=False, OBSERVE=False,
                                    HIST_BLOCK=1, num_warps=TILE["num_warps"])

@@ -234,17 +234,19 @@ register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
 
 
 class AmaxSite:
-    """The recorded maxima of one cast site (a linear's input or its output gradient): a ring of ``length``
-    float32 maxima on the device (``buf``) and how many were recorded (``n``, host side).
+    """The recorded maxima of one cast site (a linear's input or its output gradient): a ring of
+    ``length + 1`` float32 slots on the device (``buf``) and how many maxima were recorded (``n``, host side).
+    One slot is always 0: the one the next cast writes to.
 
-    A cast with ``observe`` opens the next slot (the oldest entry, zeroed), takes its scale from the maximum of
-    the other entries and writes its own amax into the opened slot in the same pass (``kernels/fp8.py``: each
-    program an atomic maximum); without ``observe`` it takes the maximum of every entry. The first cast of a site
-    (nothing recorded) scales from its own amax, as dynamic scaling does, and records it."""
+    A cast with ``observe`` takes the slot ``n % (length + 1)`` (holding 0), takes its scale from the maximum of
+    the slots other than it and the one after it (that is, of the ``length - 1`` previous maxima), writes its
+    own amax into its slot in the same pass (``kernels/fp8.py``: each program an atomic maximum) and zeroes the
+    one after it, the next cast's; without ``observe`` it takes the maximum of every slot. The first cast of a
+    site (nothing recorded) scales from its own amax, as dynamic scaling does, and records it."""
 
     def __init__(self, ref, length: int, device: torch.device):
         self.ref, self.n = ref, 0
-        self.buf = torch.zeros(length, dtype=torch.float32, device=device)
+        self.buf = torch.zeros(length + 1, dtype=torch.float32, device=device)
 
     @property
     def empty(self) -> bool:
@@ -252,15 +254,17 @@ class AmaxSite:
 
     def record(self, amax: torch.Tensor) -> None:
         """Record an amax computed elsewhere (the first cast, or a cast whose maxima were handed over)."""
-        self.buf.narrow(0, self.n % self.buf.numel(), 1).copy_(amax.reshape(1))
-        self.n += 1
+        slot, nxt = self.open_slot()
+        # device kernels only: ``buf[slot] = value`` with a Python number would copy from the host and wait
+        self.buf.narrow(0, slot, 1).copy_(amax.reshape(1))
+        self.buf.narrow(0, nxt, 1).zero_()
 
-    def open_slot(self) -> int:
-        """The slot this cast's own amax goes to: zeroed now; the scale comes from the other entries."""
-        slot = self.n % self.buf.numel()
-        self.buf.narrow(0, slot, 1).zero_()     # a fill kernel (``buf[slot] = 0.0`` would copy from the host
-        self.n += 1                             # and wait for the device)
-        return slot
+    def open_slot(self) -> tuple[int, int]:
+        """(the slot this cast's amax goes to, the slot to zero for the next cast)."""
+        slots = self.buf.numel()
+        slot = self.n % slots
+        self.n += 1
+        return slot, (slot + 1) % slots
 
     def reference_amax(self, own: torch.Tensor, observe: bool) -> torch.Tensor:
         """``quantize_torch``'s rule: the amax the scale is taken from, given the operand's own (``own``)."""
@@ -270,9 +274,11 @@ class AmaxSite:
             return own
         if not observe:
             return self.buf.max()
-        slot = self.open_slot()
-        used = self.buf.max()                # the opened slot holds 0: the maximum of the others
+        slot, nxt = self.open_slot()
+        idx = torch.arange(self.buf.numel(), device=self.buf.device)
+        used = torch.where((idx != slot) & (idx != nxt), self.buf, torch.zeros_like(self.buf)).max()
         self.buf.narrow(0, slot, 1).copy_(own.reshape(1))
+        self.buf.narrow(0, nxt, 1).zero_()
         return used
 
 
@@ -298,7 +304,7 @@ class AmaxHistory:
             return None
         key = (id(weight), role)
         entry = self._sites.get(key)
-        if entry is not None and entry.ref() is weight and entry.buf.numel() == self.length:
+        if entry is not None and entry.ref() is weight and entry.buf.numel() == self.length + 1:
             return entry
         self._sites = {k: e for k, e in self._sites.items() if e.ref() is not None}
         entry = AmaxSite(weakref.ref(weight), self.length, weight.device)
