@@ -198,7 +198,7 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, NE
                  FMAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
                  WRITE_QT: tl.constexpr, TENSOR: tl.constexpr, COUNT: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, NATIVE: tl.constexpr, HISTORY: tl.constexpr, OBSERVE: tl.constexpr,
-                 HIST_BLOCK: tl.constexpr):
+                 HIST_BLOCK: tl.constexpr, SEEN_ROWS: tl.constexpr = True):
     # Q (M, K): rows scaled by ROW_AMAX (or the tensor's amax, ROW_AMAX[0]); QT (K, M): the transposed copy,
     # scaled per column of X by COL_AMAX (or the tensor's amax). Program (i, j) casts the tiles of band i as in
     # _amax_kernel; the transposed tile is stored as BK rows of BM contiguous bytes. The dequantisation scales
@@ -211,7 +211,10 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, NE
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     fmax = tl.full([], FMAX, tl.float32)
-    seen = tl.zeros([BM], dtype=tl.float32)
+    if SEEN_ROWS:           # the running maxima per row, reduced once at the end
+        seen = tl.zeros([BM], dtype=tl.float32)
+    else:                   # one running maximum, each tile reduced to a scalar
+        seen = tl.zeros([], dtype=tl.float32)
     if TENSOR:
         if HISTORY:
             hidx = tl.arange(0, HIST_BLOCK)
@@ -238,7 +241,10 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, NE
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if OBSERVE:
-            seen = tl.maximum(seen, tl.max(tl.abs(x), 1))
+            if SEEN_ROWS:
+                seen = tl.maximum(seen, tl.max(tl.abs(x), 1))
+            else:
+                seen = tl.maximum(seen, tl.max(tl.max(tl.abs(x), 1), 0))
         if WRITE_Q:
             if TENSOR:
                 q = _round(tl.clamp(x * r, -FMAX, FMAX), MANT, MIN_EXP, NATIVE, Q.dtype.element_ty)
@@ -268,7 +274,10 @@ def _cast_kernel(X, Q, QT, ROW_AMAX, COL_AMAX, ROW_S, COL_S, CNT, HIST, SLOT, NE
         tl.atomic_add(CNT, tl.sum(sat, 0).to(tl.int64))
         tl.atomic_add(CNT + 1, tl.sum(under, 0).to(tl.int64))
     if OBSERVE:
-        tl.atomic_max(HIST + SLOT, tl.max(seen, 0))
+        if SEEN_ROWS:
+            tl.atomic_max(HIST + SLOT, tl.max(seen, 0))
+        else:
+            tl.atomic_max(HIST + SLOT, seen)
 
 
 @triton.jit
@@ -349,6 +358,7 @@ def _swiglu_bwd_amax_kernel(G, GU, DGU, A, DGU_ROW, DGU_COL, A_ROW, A_COL, M, I,
 # and 64 x 64: 2.42 / 2.86 / 2.68 ms over the z2all-1.1b casts)
 ROWWISE_TILE = 8192
 TILE = {"BM": 64, "BK": 128, "num_warps": 4}
+SEEN_ROWS = True        # delayed casts: their own amax as running maxima per row (False: per tile)
 NATIVE_CAST = True      # on a GPU, round with the hardware's FP8 conversion (False: the float32 rounding, _to_grid)
 
 
@@ -403,6 +413,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
                                        MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=True, COUNT=True,
                                        BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=True,
                                        OBSERVE=observe, HIST_BLOCK=triton.next_power_of_2(L),
+                                       SEEN_ROWS=SEEN_ROWS,
                                        num_warps=TILE["num_warps"])
         return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
     if hint is not None and (hint[1] is not None or not cols_wanted):
