@@ -151,6 +151,8 @@ def test_config_refusals():
     for precision in ("fp8_rowwise", "bf16"):
         with pytest.raises(ConfigError, match="fp8_tensorwise"):
             OpsConfig(linear_precision=precision, fp8_amax_history=16).validate()
+    with pytest.raises(ConfigError, match="fp8_fused_amax"):
+        OpsConfig(linear_precision="fp8_tensorwise", fp8_amax_history=16, fp8_fused_amax=True).validate()
     with pytest.raises(ValueError, match="fp8_amax_history"):
         fp8_ref.apply_fp8_options("transposed", False, 1)
 

@@ -148,6 +148,9 @@ class OpsConfig:
         n = self.fp8_amax_history
         if isinstance(n, bool) or not isinstance(n, int) or (n != 0 and not 2 <= n <= 1024):
             raise ConfigError(f"{prefix}.fp8_amax_history: {n!r} is neither 0 (off) nor a window of 2 .. 1024 casts")
+        if n and self.fp8_fused_amax:
+            raise ConfigError(f"{prefix}.fp8_amax_history: delayed scaling does not combine with "
+                              f"{prefix}.fp8_fused_amax (a cast handed its operand's maxima scales from them)")
         if n and self.linear_precision != "fp8_tensorwise":
             raise ConfigError(f"{prefix}.fp8_amax_history: delayed scaling keeps one amax per tensor, so it needs "
                               f"{prefix}.linear_precision = 'fp8_tensorwise' (it is {self.linear_precision!r})")
