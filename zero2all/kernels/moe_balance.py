@@ -16,8 +16,8 @@ program, and the margins written expert-major (E, N) so that each column is cont
 one expert per program and selects the n-th and (n+1)-th largest margin exactly: a float32 maps to an unsigned
 32-bit key in the same order, and the n-th largest key is built bit by bit from the top (32 counts over the
 column, which a program loads once into its registers up to ``EDGE_BLOCK`` tokens and otherwise reads in blocks
-from cache at every count); the (n+1)-th is the same key when more than n reach it, else the largest key below
-it. Both kernels compute with the reference's float32 operations (an addition, a comparison, a subtraction), so the round equals
+from cache at every count); the (n+1)-th is the same key when more than n reach it, else the largest key below it. Both kernels
+compute with the reference's float32 operations (an addition, a comparison, a subtraction), so the round equals
 the PyTorch one bit for bit (``tests/test_moe.py``).
 
 The reference (``model/moe.py``) spends a few dozen small PyTorch operations per round, among them a top-(n+1)
