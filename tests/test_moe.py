@@ -307,10 +307,9 @@ def test_balanced_bias_balances_the_batch(n_tokens, n_experts, k, seed):
 
 
 @pytest.mark.parametrize("n_tokens,n_experts,k,seed", [(301, 8, 2, 0), (200, 12, 3, 4), (257, 5, 1, 5)])
-def test_balance_round_kernels_equal_the_torch_rounds_bit_for_bit(monkeypatch, n_tokens, n_experts, k, seed):
+def test_balance_round_kernels_equal_the_torch_rounds_bit_for_bit(n_tokens, n_experts, k, seed):
     """kernels/moe_balance.py (under the Triton interpreter on CPU): the loads, the edges of every round and the
     resulting bias equal the PyTorch rounds exactly, on odd sizes and with tied scores."""
-    from zero2all.kernels import moe_balance
     from zero2all.kernels.moe_balance import balance_round
     from zero2all.model import moe as moe_module
 
@@ -327,10 +326,6 @@ def test_balance_round_kernels_equal_the_torch_rounds_bit_for_bit(monkeypatch, n
     want_hi, want_lo = moe_module._nth_largest(margin, n)
     assert torch.equal(load.long(), chosen.sum(0))
     assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo)
-    monkeypatch.setattr(moe_balance, "EDGE_BLOCK", 64)      # columns longer than a program holds: read in blocks
-    _, hi_blocked, lo_blocked = balance_round(scores, start, k, n)
-    assert torch.equal(hi_blocked, want_hi) and torch.equal(lo_blocked, want_lo)
-    monkeypatch.undo()
     results = {}
     for how in ("torch", "triton"):
         old, moe_module.ROUND_KERNELS = moe_module.ROUND_KERNELS, how

@@ -14,9 +14,9 @@ per-expert target n = N k / E::
 occurrence removed each time: the same multiset as ``topk``), the loads by one atomic add per column and
 program, and the margins written expert-major (E, N) so that each column is contiguous. ``_edges_kernel`` takes
 one expert per program and selects the n-th and (n+1)-th largest margin exactly: a float32 maps to an unsigned
-32-bit key in the same order, and the n-th largest key is built bit by bit from the top (32 counts over the
-column, which a program loads once into its registers up to ``EDGE_BLOCK`` tokens and otherwise reads in blocks
-from cache at every count); the (n+1)-th is the same key when more than n reach it, else the largest key below it. Both kernels
+32-bit key in the same order, and the n-th largest key is built bit by bit from the top (32 counting passes over
+the column, which a program holds in its registers up to ``EDGE_BLOCK`` tokens and otherwise reads in blocks
+from cache); the (n+1)-th is the same key when more than n reach it, else the largest key below it. Both kernels
 compute with the reference's float32 operations (an addition, a comparison, a subtraction), so the round equals
 the PyTorch one bit for bit (``tests/test_moe.py``).
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-EDGE_BLOCK = 16384      # tokens a column program holds in registers (larger columns are read in blocks)
+EDGE_BLOCK = 8192       # tokens a column program holds at once (larger columns are read in blocks)
 
 
 @triton.jit
@@ -86,35 +86,24 @@ def _count_at_least(X, N, cand, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _edges_kernel(MARGIN_T, HI, LO, N, n, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    # RESIDENT (N <= BLOCK): the column's keys are loaded once and every pass counts them in registers
+def _edges_kernel(MARGIN_T, HI, LO, N, n, BLOCK: tl.constexpr):
     e = tl.program_id(0)
     X = MARGIN_T + e.to(tl.int64) * N
-    idx = tl.arange(0, BLOCK)
-    m = idx < N
-    keys = _key(tl.load(X + idx, mask=m, other=0.0))
     step = tl.full([], 0x80000000, tl.uint32)
     hi_key = tl.zeros([], dtype=tl.uint32)
     for _ in range(32):                         # the n-th largest key, from its top bit down
         cand = hi_key | step
-        if RESIDENT:
-            count = tl.sum((m & (keys >= cand)).to(tl.int32), 0)
-        else:
-            count = _count_at_least(X, N, cand, BLOCK)
-        if count >= n:
+        if _count_at_least(X, N, cand, BLOCK) >= n:
             hi_key = cand
         step = step >> 1
     # the (n+1)-th: the same key when more than n reach it, else the largest key below it
-    if RESIDENT:
-        above = tl.sum((m & (keys >= hi_key)).to(tl.int32), 0)
-        below = tl.max(tl.where(m & (keys < hi_key), keys, tl.zeros_like(keys)), 0)
-    else:
-        above = _count_at_least(X, N, hi_key, BLOCK)
-        below = tl.zeros([], dtype=tl.uint32)
-        for start in range(0, N, BLOCK):
-            k = _key(tl.load(X + start + idx, mask=start + idx < N, other=0.0))
-            below = tl.maximum(below, tl.max(tl.where((start + idx < N) & (k < hi_key), k, tl.zeros_like(k)), 0))
-    lo_key = tl.where(above > n, hi_key, below)
+    below = tl.zeros([], dtype=tl.uint32)
+    for start in range(0, N, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        m = idx < N
+        k = _key(tl.load(X + idx, mask=m, other=0.0))
+        below = tl.maximum(below, tl.max(tl.where(m & (k < hi_key), k, tl.zeros_like(k)), 0))
+    lo_key = tl.where(_count_at_least(X, N, hi_key, BLOCK) > n, hi_key, below)
     tl.store(HI + e, _value(hi_key))
     tl.store(LO + e, _value(lo_key))
 
@@ -137,6 +126,5 @@ def balance_round(s: torch.Tensor, b: torch.Tensor, k: int, n: int
     BN = max(1, min(128, 4096 // BE))
     _rows_kernel[(triton.cdiv(N, BN),)](s, b.contiguous(), margin_t, load, N, E, K=k, BN=BN, BE=BE, num_warps=4)
     block = min(EDGE_BLOCK, triton.next_power_of_2(N))
-    _edges_kernel[(E,)](margin_t, hi, lo, N, n, BLOCK=block, RESIDENT=N <= block,
-                        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    _edges_kernel[(E,)](margin_t, hi, lo, N, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return load, hi, lo
