@@ -1,7 +1,7 @@
 """GPU time of the per-batch balanced selection bias (``model.moe.balance_iters``, ``model/moe.py:
 balanced_bias``) at a preset's router shape, against its rounds: CUDA events around 50 calls after 5 warm-up ones.
 
-    python benchmarks/moe_balance_solve_time.py [--tokens 8192] [--experts 16] [--top-k 2] [--methods triton,topk]
+    python benchmarks/moe_balance_solve_time.py [--tokens 8192] [--experts 16] [--top-k 2]
 """
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--iters", default="0,4,8,16")
-    ap.add_argument("--methods", default="triton,topk,sort,kthvalue",
-                    help="triton (the round kernels, kernels/moe_balance.py) or a moe.EDGE_METHOD of the PyTorch "
-                         "rounds")
+    ap.add_argument("--methods", default="sort,topk,kthvalue", help="moe.EDGE_METHOD values to time")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     # clustered scores, as a language model's router gives: a low-rank part plus per-expert offsets
@@ -32,14 +30,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.tokens} tokens x {a.experts} experts, "
           f"top-{a.top_k}")
     for method, iters in ((m, int(i)) for m in a.methods.split(",") for i in a.iters.split(",")):
-        moe.ROUND_KERNELS = "triton" if method == "triton" else "torch"
-        moe.EDGE_METHOD = method if method != "triton" else "topk"
+        moe.EDGE_METHOD = method
         b = balanced_bias(scores, bias, a.top_k, iters)
-        same = ""
-        if method != "triton" and iters:    # the kernels' bias against this method's (the same, bit for bit)
-            moe.ROUND_KERNELS = "triton"
-            same = f", same bias as triton: {torch.equal(balanced_bias(scores, bias, a.top_k, iters), b)}"
-            moe.ROUND_KERNELS = "torch"
         c = expert_counts((scores + b).topk(a.top_k, dim=-1).indices, a.experts).float()
         for _ in range(5):
             balanced_bias(scores, bias, a.top_k, iters)
@@ -50,7 +42,7 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         print(f"{method:8s} rounds {iters:3d}: {start.elapsed_time(end) / 50 * 1e3:8.1f} us per call, max / mean load "
-              f"{(c.max() / c.mean()).item():.3f}{same}", flush=True)
+              f"{(c.max() / c.mean()).item():.3f}", flush=True)
 
 
 if __name__ == "__main__":

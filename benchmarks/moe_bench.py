@@ -97,9 +97,6 @@ def bench_train(args, results):
             ("ours triton, sigmoid router, balance_iters 8",
              lambda: ours(["model.ops.grouped_gemm=triton", "model.moe.router=sigmoid", "model.moe.aux_loss_coef=0",
                            "model.moe.balance_iters=8"])),
-            ("ours triton, sigmoid router, balance_iters 8, PyTorch rounds",
-             lambda: ours(["model.ops.grouped_gemm=triton", "model.moe.router=sigmoid", "model.moe.aux_loss_coef=0",
-                           "model.moe.balance_iters=8"])),
             ("HF Mixtral eager experts", lambda: hf_mixtral(base, "eager")),
             ("HF Mixtral grouped_mm", lambda: hf_mixtral(base, "grouped_mm")),
             ("ours triton + compile", lambda: ours(["model.ops.grouped_gemm=triton"], True)),
@@ -109,10 +106,6 @@ def bench_train(args, results):
     for name, make in rows:
         if args.rows and not any(r in name for r in args.rows.split(",")):
             continue
-        from zero2all.model import moe as moe_module
-
-        # balanced_bias's rounds: the Triton kernels on a GPU unless the row names the PyTorch ones
-        moe_module.ROUND_KERNELS = "torch" if name.endswith("PyTorch rounds") else "auto"
         try:
             t_start = time.time()
             model, cfg, call = make()

@@ -306,56 +306,6 @@ def test_balanced_bias_balances_the_batch(n_tokens, n_experts, k, seed):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-@pytest.mark.parametrize("n_tokens,n_experts,k,seed", [(301, 8, 2, 0), (200, 12, 3, 4), (257, 5, 1, 5)])
-def test_balance_round_kernels_equal_the_torch_rounds_bit_for_bit(n_tokens, n_experts, k, seed):
-    """kernels/moe_balance.py (under the Triton interpreter on CPU): the loads, the edges of every round and the
-    resulting bias equal the PyTorch rounds exactly, on odd sizes and with tied scores."""
-    from zero2all.kernels.moe_balance import balance_round
-    from zero2all.model import moe as moe_module
-
-    scores = _clustered_scores(n_tokens, n_experts, seed).float().contiguous()
-    scores[::5, 0] = scores[::5, 1]                         # ties inside rows
-    scores[3::11, 2] = scores[3, 2]                         # and inside columns
-    start = 0.05 * torch.randn(n_experts, generator=torch.Generator().manual_seed(seed))
-    n = round(n_tokens * k / n_experts)
-    load, hi, lo = balance_round(scores, start, k, n)
-    biased = scores + start
-    top = biased.topk(k + 1, dim=-1).values
-    chosen = biased >= top[:, k - 1:k]
-    margin = scores - torch.where(chosen, top[:, k:k + 1], top[:, k - 1:k])
-    want_hi, want_lo = moe_module._nth_largest(margin, n)
-    assert torch.equal(load.long(), chosen.sum(0))
-    assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo)
-    results = {}
-    for how in ("torch", "triton"):
-        old, moe_module.ROUND_KERNELS = moe_module.ROUND_KERNELS, how
-        try:
-            results[how] = balanced_bias(scores, start, k, 3)
-        finally:
-            moe_module.ROUND_KERNELS = old
-    assert torch.equal(results["torch"], results["triton"])
-    with pytest.raises(ValueError, match="1 <= n < N"):
-        balance_round(scores, start, k, n_tokens)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n_tokens,n_experts,k", [(8192, 16, 2), (16384, 64, 6), (20001, 16, 2)])
-def test_gpu_balance_round_kernels_equal_the_torch_rounds(n_tokens, n_experts, k):
-    from zero2all.model import moe as moe_module
-
-    scores = _clustered_scores(n_tokens, n_experts, 7).cuda()
-    start = torch.zeros(n_experts, device="cuda")
-    results = {}
-    for how in ("torch", "triton"):
-        old, moe_module.ROUND_KERNELS = moe_module.ROUND_KERNELS, how
-        try:
-            results[how] = balanced_bias(scores, start, k, 8)
-        finally:
-            moe_module.ROUND_KERNELS = old
-    assert torch.equal(results["torch"], results["triton"])
-    assert _max_over_mean(scores, results["triton"], k) <= 1.05
-
-
 def test_balance_iters_balances_training_batches_and_keeps_the_running_bias_learning():
     model = build_model(cfg(router="sigmoid", bias_update="error", bias_update_rate=0.05, balance_iters=16), seed=0)
     layers = moe_layers(model)

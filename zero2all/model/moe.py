@@ -106,20 +106,11 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int, 
     s = scores.float()
     b = bias.float().clone()
     best, best_max = b, None
-    fused = _use_round_kernels(s)
-    if fused:
-        from zero2all.kernels.moe_balance import balance_round
-
-        s = s.contiguous()
     for i in range(iters + 1):
-        if fused:       # the same round in two Triton kernels (kernels/moe_balance.py), bit for bit
-            load, hi, lo = balance_round(s, b, k, n)
-            largest = load.max().long()
-        else:
-            biased = s + b
-            top = biased.topk(k + 1, dim=-1).values
-            chosen = biased >= top[:, k - 1:k]
-            largest = chosen.sum(0).max()
+        biased = s + b
+        top = biased.topk(k + 1, dim=-1).values
+        chosen = biased >= top[:, k - 1:k]
+        largest = chosen.sum(0).max()
         if best_max is None:
             best, best_max = b, largest
         else:   # no host sync: the comparison stays on the device
@@ -127,25 +118,13 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int, 
             best, best_max = torch.where(better, b, best), torch.minimum(largest, best_max)
         if i == iters:
             break
-        if not fused:
-            margin = s - torch.where(chosen, top[:, k:k + 1], top[:, k - 1:k])
-            hi, lo = _nth_largest(margin, n)
+        margin = s - torch.where(chosen, top[:, k:k + 1], top[:, k - 1:k])
+        hi, lo = _nth_largest(margin, n)
         b = b + damping * (-(hi + lo) / 2 - b)
     return best.to(bias.dtype)
 
 
 EDGE_METHOD = "topk"   # how balanced_bias finds each column's n-th / (n+1)-th largest margin: sort | topk | kthvalue
-ROUND_KERNELS = "auto"  # balanced_bias's rounds: auto (the Triton kernels on a GPU) | triton | torch
-
-
-def _use_round_kernels(s: torch.Tensor) -> bool:
-    if ROUND_KERNELS == "torch":
-        return False
-    if ROUND_KERNELS == "triton":
-        return True
-    from zero2all.model.ops import triton_available
-
-    return s.is_cuda and triton_available()
 
 
 def _nth_largest(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
