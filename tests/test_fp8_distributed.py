@@ -12,14 +12,19 @@ the later losses within 1e-2.
 
 from __future__ import annotations
 
+import json
+
 import torch
+import torch.multiprocessing as mp
 from test_distributed import (
     ACCUM,
     MICRO,
     STEPS,
     WORLD,
     assert_same_losses,
+    free_port,
     global_batches,
+    gloo_worker,
     make_run,
     spawn,
     train_steps,
@@ -27,6 +32,7 @@ from test_distributed import (
 
 from zero2all import distributed as zd
 from zero2all.config import OpsConfig
+from zero2all.kernels import fp8_ref
 
 FP8_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
                     fused_linear="torch", linear_precision="fp8_rowwise")
@@ -48,3 +54,36 @@ def test_fp8_fsdp_and_ddp_match_single_process(tmp_path):
         assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
         assert_same_losses(losses[:1], want[:1], rtol=1e-5, msg=f"fp8 {name}, first step")
         assert_same_losses(losses, want, rtol=1e-2, msg=f"fp8 {name}")
+
+
+DELAYED_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
+                        fused_linear="torch", linear_precision="fp8_tensorwise", fp8_amax_history=4)
+
+
+def _delayed_run(env, parallel: str) -> dict:
+    run, opt = make_run(dict(parallel=parallel), env, dict(ops=DELAYED_OPS))
+    losses = train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)
+    sites = fp8_ref.AMAX_HISTORY._sites.values()
+    n_linears = 4 * len(run.plain.layers)
+    return {"losses": losses, "sites": len(sites), "linears": n_linears, "records": sorted({s.n for s in sites})}
+
+
+def _delayed_entry(rank, world, port, out, parallel):
+    gloo_worker(rank, world, port, out, lambda env: _delayed_run(env, parallel))
+
+
+def test_fp8_delayed_scaling_under_fsdp_keeps_its_sites(tmp_path):
+    """Delayed scaling under FSDP2: the gathered weight is the same object at every gather, so each linear keeps
+    its two sites (input, output gradient), each recording once per micro-batch; the losses stay near the single
+    process's (each rank scales from the maxima of its own half of the batch)."""
+    try:
+        want = _delayed_run(zd.DistEnv(), "none")
+    finally:
+        fp8_ref.apply_fp8_options("transposed", False)      # process-wide state: off again for other tests
+    assert want["sites"] == 2 * want["linears"] and want["records"] == [STEPS * ACCUM]
+    mp.spawn(_delayed_entry, args=(WORLD, free_port(), str(tmp_path), "fsdp"), nprocs=WORLD, join=True)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["sites"] == 2 * got["linears"], got
+    assert got["records"] == [STEPS * ACCUM], got
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    assert_same_losses(got["losses"], want["losses"], rtol=2e-2, msg="fp8 delayed fsdp")
