@@ -23,6 +23,9 @@ Variants (ours = ``Trainer.train_step`` of zero2all/train/trainer.py on syntheti
     ours-tp      N GPUs, tensor parallel over N ranks with sequence parallel (one data-parallel replica); the
                  implementation by override: ``parallel.tp_impl='local'|'dtensor'``, ``parallel.tp_chunks=K``
     ours-cp      N GPUs, context parallel over N ranks (ring attention; FSDP2 over the cp ranks)
+    ours-mesh    N GPUs, the mesh of the ``--override parallel.*`` given (e.g. parallel.tp=2 with
+                 parallel.sequence_parallel=true: tp2 x FSDP2 over the rest; parallel.pp=2 parallel.tp=2:
+                 pp2 x tp2 x dp); the pipeline's bubble is measured whenever parallel.pp > 1
     peer         HF transformers LlamaForCausalLM (sdpa; Liger kernels when ``liger_kernel`` imports), fp32
                  master weights + bf16 autocast, fused AdamW: 1 GPU and N GPUs with torch DDP + no_sync
 Ours runs the model with ``ops = auto`` (Triton kernels on CUDA): DDP with fp32 master weights + bf16 autocast,
@@ -38,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -103,7 +107,7 @@ def worker(args) -> None:
 
     family, mode = args.variant.split("-")[0], (args.variant.split("-") + ["none"])[1]
     pipeline = mode == "pp"
-    mesh_kind = mode in ("pp", "tp", "cp")
+    mesh_kind = mode in ("pp", "tp", "cp", "mesh")
     env = zd.init_distributed(device=args.device)
     if env.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // env.world_size))
@@ -131,6 +135,7 @@ def worker(args) -> None:
     if mode == "fsdp" and args.ep > 1:
         overrides.append(f"parallel.ep={args.ep}")
     cfg = load_config(args.config, overrides)
+    pipeline = pipeline or (mode == "mesh" and cfg.parallel.pp > 1)
     seq = args.seq_len or cfg.model.max_seq_len
     liger = False
     dp = env.world_size
@@ -233,7 +238,7 @@ def worker(args) -> None:
         if comm is not None:
             result["comm_per_rank"] = comm
         if pipeline:
-            result.update(pp_schedule=args.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
+            result.update(pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=trainer.pipeline.n_microbatches,
                           bubble_measured=bubbles, bubble_ideal=trainer.pipeline.ideal_bubble(),
                           pp_layout=[len(ids) for ids in trainer.pipeline.layout], pp_graphs=graphs)
             if trainer.pipeline.costs:  # parallel.pp_balance = time: the measured ms per microbatch
@@ -269,8 +274,13 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     took = time.time() - t0
     if proc.returncode != 0 or not result.exists():
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        print(f"[{variant} x{nproc}] FAILED (rc {proc.returncode}, {took:.0f}s):\n{tail}", flush=True)
+        text = proc.stdout + proc.stderr
+        # the workers' own exceptions first (torchrun's summary at the end names only exit codes)
+        errors = list(dict.fromkeys(line for line in text.splitlines()
+                                    if re.match(r"^(\[rank\d+\]:)?\s*[\w.]*(Error|Exception): ", line)
+                                    and "ChildFailedError" not in line))
+        print(f"[{variant} x{nproc}] FAILED (rc {proc.returncode}, {took:.0f}s):\n" + "\n".join(errors[:5])
+              + f"\n{text[-3000:]}", flush=True)
         return None
     out = json.loads(result.read_text())
     out["wall_s"] = took
@@ -286,7 +296,7 @@ def plan(args) -> list[tuple[str, int]]:
         for n in gpus:
             if variant == "ours" and n == 1:
                 runs.append(("ours", 1))
-            elif variant in ("ours-ddp", "ours-fsdp", "ours-pp", "ours-tp", "ours-cp") and n > 1:
+            elif variant in ("ours-ddp", "ours-fsdp", "ours-pp", "ours-tp", "ours-cp", "ours-mesh") and n > 1:
                 runs.append((variant, n))
             elif variant == "peer":
                 runs.append(("peer" if n == 1 else "peer-ddp", n))
