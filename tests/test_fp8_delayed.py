@@ -11,6 +11,7 @@ Runs on CPU under TRITON_INTERPRET=1.
 
 import pytest
 import torch
+from test_kernels_fp8 import assert_same
 
 from zero2all.config import ConfigError, OpsConfig
 from zero2all.kernels import fp8_ref
@@ -28,14 +29,6 @@ def operands(shape, dtype, n, seed):
         x[0, : shape[1] // 3] *= 1e-7                    # tiny values next to normal ones (underflow)
         out.append(x.to(dtype))
     return out
-
-
-def assert_same(got, want, what):
-    assert (got is None) == (want is None), what
-    if got is not None:
-        assert got.shape == want.shape and got.dtype == want.dtype, what
-        assert torch.equal(got.float(), want.float()), \
-            f"{what}: {(got.float() != want.float()).sum().item()} elements differ"
 
 
 @pytest.mark.parametrize("shape,dtype", [((7, 33), torch.bfloat16), ((65, 130), torch.float32),
