@@ -110,15 +110,7 @@ def build(cfg, micro_batch, seq, accum, graph=False, fusion="off", row="use_all"
             loss = loss_fn(static[:, :-1], static[:, 1:])
         (loss / accum).backward()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            micro()
-    torch.cuda.current_stream().wait_stream(side)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        micro()
+    cuda_graph = _capture(micro)
     opt.zero_grad(set_to_none=False)
 
     def graphed_step():
@@ -129,6 +121,21 @@ def build(cfg, micro_batch, seq, accum, graph=False, fusion="off", row="use_all"
         opt.zero_grad(set_to_none=False)
 
     return model, opt, graphed_step
+
+
+def _capture(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """``fn`` run ``warmup`` times on a side stream (allocations and autotuning out of the capture), then captured
+    as one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def _graph_whole_step(loss_fn, opt, batches, accum):
@@ -147,15 +154,7 @@ def _graph_whole_step(loss_fn, opt, batches, accum):
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            eager()
-    torch.cuda.current_stream().wait_stream(side)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        eager()
+    cuda_graph = _capture(eager)
 
     def graphed_step():
         for s, b in zip(statics, batches):
