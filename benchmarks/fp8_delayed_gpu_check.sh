@@ -12,11 +12,8 @@ set -u
 MODE=${1:?usage: bash benchmarks/fp8_delayed_gpu_check.sh speed|convergence OUT_DIR [PEER_WHEELS_DIR]}
 OUT=${2:?usage: bash benchmarks/fp8_delayed_gpu_check.sh speed|convergence OUT_DIR [PEER_WHEELS_DIR]}
 WHEELS=${3:-}
-P=$(command -v python || command -v python3)
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
-"$P" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+. "$(dirname "$0")/gpu_check_common.sh"
 
 case $MODE in
   speed)

@@ -12,12 +12,8 @@
 set -u
 OUT=${1:?usage: bash benchmarks/fp8_gpu_check.sh OUT_DIR [PEER_WHEELS_DIR]}
 WHEELS=${2:-}
-P=$(command -v python || command -v python3)
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
-"$P" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-
-step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+. "$(dirname "$0")/gpu_check_common.sh"
 
 step "GPU tests"
 timeout 240 "$P" -m pytest -q -p no:cacheprovider tests/test_kernels_fp8.py tests/test_fp8_numerics.py \
