@@ -232,7 +232,7 @@ def worker(args) -> None:
                   "tokens_per_s": tok_s, "step_s": median, "mfu": mfu, "mem_gib": [m[key] for m in memory],
                   "mem_kind": key, "loss": float(last), "liger": liger, "seq_len": seq,
                   "micro_batch": args.micro_batch, "accum": args.accum, "device": str(device),
-                  "ep": cfg.parallel.ep,
+                  "ep": cfg.parallel.ep, "step_times_ms": [round(t * 1e3, 2) for t in times],
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__}
         if comm is not None:
@@ -246,6 +246,8 @@ def worker(args) -> None:
                 result["pp_costs_ms"] = [round(1e3 * embed, 2), round(1e3 * max(blocks), 2), round(1e3 * head, 2)]
         Path(args.result).write_text(json.dumps(result))
     zd.barrier(env)
+    if family == "ours":
+        trainer.run.release_graphs()   # tp_graphs: captured collectives would hang the group's destruction
     zd.destroy_distributed()
     zd.finish_process(0)  # the measurement is written: leave without gloo's teardown
 
@@ -285,8 +287,18 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     out = json.loads(result.read_text())
     out["wall_s"] = took
     print(f"[{variant} x{nproc}] {out['tokens_per_s']:,.0f} tok/s, step {out['step_s'] * 1e3:.0f} ms, "
-          f"mem {max(out['mem_gib']):.1f} GiB ({took:.0f}s)", flush=True)
+          f"mem {max(out['mem_gib']):.1f} GiB ({took:.0f}s); {spread(out)}", flush=True)
     return out
+
+
+def spread(out: dict) -> str:
+    """tok/s of rank 0's fastest / median / slowest timed step (the headline is the median, max over ranks)."""
+    ms = out.get("step_times_ms") or []
+    if not ms:
+        return ""
+    tokens = out["tokens_per_s"] * out["step_s"]
+    fast, mid, slow = (tokens / (t / 1e3) for t in (min(ms), sorted(ms)[len(ms) // 2], max(ms)))
+    return f"tok/s min/median/max over {len(ms)} steps: {slow:,.0f} / {mid:,.0f} / {fast:,.0f}"
 
 
 def plan(args) -> list[tuple[str, int]]:

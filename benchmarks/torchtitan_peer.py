@@ -67,6 +67,16 @@ def parse_variant(text: str, nproc: int) -> Variant:
     return v
 
 
+def _spread(got: dict) -> str:
+    """tok/s of rank 0's fastest / median / slowest timed step (the headline is the median)."""
+    ms = got.get("step_times_ms") or []
+    if not ms:
+        return ""
+    tokens = got["tokens_per_s"] * got["step_s"]
+    fast, mid, slow = (tokens / (t / 1e3) for t in (min(ms), sorted(ms)[len(ms) // 2], max(ms)))
+    return f"tok/s min/median/max over {len(ms)} steps: {slow:,.0f} / {mid:,.0f} / {fast:,.0f}"
+
+
 def format_table(results: list[dict]) -> str:
     """One line per variant, as benchmarks/distributed_throughput.py prints them."""
     lines = [f"{'variant':16s} {'GPUs':>4s} {'seq':>6s} {'mb':>3s} {'tok/s':>10s} {'tok/s/GPU':>10s} {'MFU':>6s}  "
@@ -100,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps (median)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pp-microbatch-size", type=int, default=1, help="pp variants: sequences per pipeline "
+                   "microbatch (1: micro-batch 8 gives 8 microbatches; 2: 4 of 2 sequences)")
     p.add_argument("--float8", choices=["rowwise", "tensorwise"], default=None, help="torchtitan's float8")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--amp", choices=["autocast", "native"], default="autocast")
@@ -121,7 +133,8 @@ def main(argv=None) -> int:
             cmd = bench_peers.titan_command(nproc=args.nproc, variant=v.name, result=out, config=args.config,
                                             micro_batch=mb, seq=seq, accum=args.accum, steps=args.steps,
                                             warmup=args.warmup, tp=v.tp, pp=v.pp, cp=v.cp, float8=args.float8,
-                                            compile=not args.no_compile, amp=args.amp, overrides=args.overrides)
+                                            compile=not args.no_compile, amp=args.amp, overrides=args.overrides,
+                                            pp_mbs=args.pp_microbatch_size)
             t0 = time.time()
             got, error = bench_peers.run_titan(cmd, out, args.timeout)
             if got is None:
@@ -129,7 +142,8 @@ def main(argv=None) -> int:
                 print(f"[{v.name}] FAILED ({time.time() - t0:.0f}s): {error}", flush=True)
             else:
                 print(f"[{v.name}] {got['tokens_per_s']:,.0f} tok/s, step {got['step_s'] * 1e3:.0f} ms, "
-                      f"peak {max(got['peak_bytes']) / 2 ** 30:.1f} GiB ({time.time() - t0:.0f}s)", flush=True)
+                      f"peak {max(got['peak_bytes']) / 2 ** 30:.1f} GiB ({time.time() - t0:.0f}s); "
+                      f"{_spread(got)}", flush=True)
             results.append(got)
     print()
     print(format_table(results))

@@ -52,6 +52,42 @@ def test_tp_graphs_refused_where_they_cannot_run():
             ParallelConfig(tp_graphs=True, **fields).validate(2)
 
 
+def test_graphs_are_on_by_default_wherever_they_can_run():
+    """``tp_graphs`` / ``pp_cuda_graphs`` default to "auto": on where the checks above accept the run, off with
+    the reason elsewhere; ``true`` still refuses a run where they cannot work, ``false`` turns them off."""
+    from zero2all.distributed.graphs import tp_graphs_wanted
+    from zero2all.distributed.pp import pipeline_graphs_wanted
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert ParallelConfig().tp_graphs == "auto" and ParallelConfig().pp_cuda_graphs == "auto"
+    tp2 = ParallelConfig(tp=2, sequence_parallel=True)
+    assert tp_graphs_wanted(cuda, tp2, 2, compile_blocks=False) == (True, "")
+    on, why = tp_graphs_wanted(cpu, tp2, 2, compile_blocks=False)
+    assert not on and "needs CUDA devices" in why
+    on, why = tp_graphs_wanted(cuda, tp2, 4, compile_blocks=False)
+    assert not on and "dp_shard=2" in why
+    assert tp_graphs_wanted(cuda, ParallelConfig(tp=2, tp_graphs=False), 2, compile_blocks=False) == (False, "")
+    assert tp_graphs_wanted(cuda, ParallelConfig(), 1, compile_blocks=False) == (False, "")
+    with pytest.raises(ConfigError, match="train.compile"):
+        tp_graphs_wanted(cuda, ParallelConfig(tp=2, tp_graphs=True), 2, compile_blocks=True)
+    with pytest.raises(ConfigError, match="expected true, false or"):
+        ParallelConfig(tp=2, tp_graphs="yes").validate(2)
+
+    pp2 = ParallelConfig(pp=2)
+    assert pipeline_graphs_wanted(pp2, {"pp": 2}, cuda) == (True, "")
+    for pc, shape, device, kw, reason in (
+            (pp2, {"pp": 2}, cpu, {}, "needs CUDA devices"),
+            (pp2, {"pp": 2, "dp_shard": 2}, cuda, {}, "graphs plain pipeline stages only"),
+            (pp2, {"pp": 2}, cuda, {"linear_precision": "fp8_tensorwise"}, "linear_precision"),
+            (pp2, {"pp": 2}, cuda, {"moe": True}, "mixture-of-experts"),
+            (ParallelConfig(pp=2, pp_schedule="zero_bubble", pp_stages_per_rank=2), {"pp": 2}, cuda, {},
+             "zero_bubble")):
+        on, why = pipeline_graphs_wanted(pc, shape, device, **kw)
+        assert not on and reason in why, (pc, shape, why)
+    with pytest.raises(ConfigError, match="needs CUDA devices"):
+        pipeline_graphs_wanted(ParallelConfig(pp=2, pp_cuda_graphs=True), {"pp": 2}, cpu)
+
+
 def _capture_call_on_cpu(env) -> dict:
     """tp2 + SP on 2 gloo processes: per call, the loss and the norms of three gradients (this rank's shards),
     eagerly and through graphs.py with the stand-in; call 3 is the capture call."""
@@ -76,6 +112,9 @@ def _capture_call_on_cpu(env) -> dict:
         def capture_end(self):
             pass
 
+        def reset(self):
+            resets.append(1)
+
     torch.cuda.Stream = lambda device=None: Stand()
     torch.cuda.current_stream = lambda device=None: Stand()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
@@ -88,6 +127,7 @@ def _capture_call_on_cpu(env) -> dict:
     mesh = init_device_mesh("cpu", (env.world_size,))
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = {}
+    resets = []
 
     def step(model, scales=(1.0,)):  # forwards with these loss weights, one backward: loss and 3 grad norms
         model.zero_grad(set_to_none=True)
@@ -113,6 +153,9 @@ def _capture_call_on_cpu(env) -> dict:
                 step(model)
             except RuntimeError as e:
                 out["moved"] = str(e)
+            # the end of a run: every graph freed before the process group goes (NCCL waits for them otherwise)
+            out["freed"] = [tp.block_graphs(model).release(), len(resets),
+                            len(tp.regions_of(model.layers[0]).graphs.graphs)]
     return out
 
 
@@ -123,6 +166,7 @@ def test_graph_plumbing_of_the_capture_call_on_cpu(tmp_path):
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["captured"] == [1, 1]     # both blocks captured, one signature each
     assert "no longer has the storage" in res.get("moved", "")
+    assert res["freed"] == [4, 4, 0]     # 2 blocks x (forward, backward) graphs reset, none left
     for call, (eager, graphed) in enumerate(zip(res["eager"], res["graphs"])):
         for a, b in zip(eager, graphed):
             assert abs(a - b) <= 1e-6 * max(abs(a), 1e-6), f"call {call}: {graphed} vs eager {eager}"
@@ -198,3 +242,25 @@ def test_gpu_tp_graphs_match_the_eager_blocks(tmp_path):
     for step, (a, b) in enumerate(zip(eager, graphed)):
         assert abs(a - b) <= 2e-3 * abs(a), f"step {step}: graphs {b} vs eager {a}"
     assert abs(eager_grad - graphed_grad) <= 2e-3 * eager_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_pretrain_with_tp_graphs_exits(tmp_path):
+    """``z2all pretrain`` with tp_graphs under torchrun: trains, writes final/, and exits 0 (a graph that captured
+    a collective, left alive, makes ``destroy_process_group`` wait forever)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "zero2all.cli", "pretrain", "--config", "tiny", "--out", str(out), "train.max_steps=6",
+           "train.eval_every=0", "train.ckpt_every=0", "train.micro_batch_size=4", "model.vocab_size=512",
+           "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_graphs=true"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(f"exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (out / "final").is_dir()
+    assert "replayed as CUDA graphs" in proc.stdout + proc.stderr

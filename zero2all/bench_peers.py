@@ -147,7 +147,7 @@ def _random_loader_builder(seq: int, vocab: int, accum: int):
 
 
 def titan_job_config(*, mb: int, seq: int, accum: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                     float8: str | None = None, compile: bool = True, dump_folder: str = "."):
+                     float8: str | None = None, compile: bool = True, dump_folder: str = ".", pp_mbs: int = 1):
     """torchtitan's JobConfig for one measurement (flavour ``z2all`` of the registered ``z2all_llama3`` spec)."""
     from torchtitan.config import JobConfig
 
@@ -169,7 +169,7 @@ def titan_job_config(*, mb: int, seq: int, accum: int, dp: int, tp: int = 1, pp:
     p = jc.parallelism
     p.data_parallel_shard_degree, p.data_parallel_replicate_degree = -1, 1
     p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree = tp, pp, cp
-    p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size = "1F1B", 1
+    p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size = "1F1B", pp_mbs
     if float8:
         jc.model.converters = [FLOAT8_CONVERTER]
         jc.quantize.linear.float8.recipe_name = None if float8 == "tensorwise" else float8
@@ -203,7 +203,7 @@ def titan_worker(args) -> None:
     with tempfile.TemporaryDirectory(prefix="z2all-tt-") as dump:
         jc = titan_job_config(mb=args.micro_batch, seq=args.seq, accum=args.accum, dp=dp, tp=args.tp, pp=args.pp,
                               cp=args.cp, float8=args.float8 or None, compile=not args.no_compile,
-                              dump_folder=dump)
+                              dump_folder=dump, pp_mbs=args.pp_microbatch_size)
         trainer = Trainer(jc)
         precision = _titan_precision(trainer, args.amp)
         data = trainer.batch_generator(trainer.dataloader)
@@ -280,13 +280,14 @@ def _version(name: str) -> str | None:
 def titan_command(*, nproc: int, variant: str, result: Path, config: str, micro_batch: int, seq: int,
                   accum: int, steps: int, warmup: int, tp: int = 1, pp: int = 1, cp: int = 1,
                   float8: str | None = None, compile: bool = True, amp: str = "autocast",
-                  overrides: list[str] = ()) -> list[str]:
+                  overrides: list[str] = (), pp_mbs: int = 1) -> list[str]:
     """The ``torchrun`` command line of one torchtitan measurement."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "zero2all.bench_peers", "--variant", variant, "--result", str(result), "--config", config,
            "--micro-batch", str(micro_batch), "--seq", str(seq), "--accum", str(accum), "--steps", str(steps),
            "--warmup", str(warmup), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--amp", amp]
     cmd += ["--float8", float8] if float8 else []
+    cmd += ["--pp-microbatch-size", str(pp_mbs)] if pp_mbs != 1 else []
     cmd += [] if compile else ["--no-compile"]
     for o in overrides:
         cmd += ["--override", o]
@@ -369,6 +370,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp-microbatch-size", type=int, default=1, help="sequences per pipeline microbatch")
     p.add_argument("--float8", choices=["rowwise", "tensorwise"], default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--amp", choices=["autocast", "native"], default="autocast")

@@ -473,8 +473,9 @@ class ParallelConfig:
                                    # dtensor (DTensor parallelize_module on every linear); distributed/tp.py
     tp_chunks: int = 1             # tp local + SP: each block runs as this many groups of whole sequences, so
                                    # one group's collectives overlap another's GEMMs (1 = one group)
-    tp_graphs: bool = False        # tp local, CUDA: each block's forward / backward replayed as CUDA graphs
-                                   # (distributed/graphs.py); plain tp only (no FSDP2, pp, cp, AC, compile)
+    # tp local, CUDA: each block's forward / backward replayed as CUDA graphs (distributed/graphs.py); plain tp
+    # only (no FSDP2, pp, cp, AC, compile). "auto": on wherever that holds (the reason printed where not)
+    tp_graphs: bool | str = "auto"
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
@@ -483,7 +484,9 @@ class ParallelConfig:
     # blocks per pipeline stage, first to last (e.g. [11, 11]); [] = balanced by pp_balance (distributed/pp.py)
     pp_split: list[int] = field(default_factory=list)
     pp_balance: str = "flops"      # stage costs: flops (the model's FLOPs) | time (timed on the devices at start)
-    pp_cuda_graphs: bool = False   # each stage's blocks replayed as CUDA graphs (distributed/pp_graphs.py; GPU)
+    # each stage's blocks replayed as CUDA graphs (distributed/pp_graphs.py; CUDA, bf16 stages, no FSDP2 / tp / cp
+    # / AC / zero_bubble). "auto": on wherever that holds (the reason printed where not)
+    pp_cuda_graphs: bool | str = "auto"
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -554,7 +557,10 @@ class ParallelConfig:
         _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
             raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
-        if self.tp_graphs and (self.tp == 1 or self.tp_impl != "local"):
+        for name in ("tp_graphs", "pp_cuda_graphs"):
+            if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
+                raise ConfigError(f"{prefix}.{name}: expected true, false or \"auto\", got {getattr(self, name)!r}")
+        if self.tp_graphs is True and (self.tp == 1 or self.tp_impl != "local"):
             raise ConfigError(f"{prefix}.tp_graphs captures the blocks of tp_impl = 'local': it needs {prefix}.tp "
                               f"> 1 and tp_impl = 'local' (got tp={self.tp}, tp_impl={self.tp_impl!r})")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
@@ -567,7 +573,7 @@ class ParallelConfig:
         if self.pp_microbatches < 0:
             raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = train.micro_batch_size), "
                               f"got {self.pp_microbatches}")
-        if self.pp_cuda_graphs and (self.pp == 1 or self.pp_schedule == "zero_bubble"):
+        if self.pp_cuda_graphs is True and (self.pp == 1 or self.pp_schedule == "zero_bubble"):
             raise ConfigError(f"{prefix}.pp_cuda_graphs needs {prefix}.pp > 1 and a schedule other than zero_bubble "
                               f"(got pp={self.pp}, pp_schedule={self.pp_schedule!r}): the graphs replay whole "
                               f"block forwards and backwards, zero_bubble splits a backward in two")

@@ -169,6 +169,16 @@ class Parallelized:
             return implicit_replication()
         return nullcontext()
 
+    def release_graphs(self) -> int:
+        """Free the CUDA graphs of ``parallel.tp_graphs`` (none elsewhere): they must be gone before the process
+        group is destroyed (``graphs.BlockGraphs.release``). Returns how many graphs were freed."""
+        if not self.dims.enabled("tp"):
+            return 0
+        from zero2all.distributed.tp import block_graphs
+
+        graphs = block_graphs(self.plain)
+        return graphs.release() if graphs is not None else 0
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1: the optimizer partitioned over ranks; other modes: unchanged."""
         if self.mode != "zero1":
@@ -251,10 +261,11 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     from zero2all.config import ConfigError, check_mesh
 
     check_mesh(model.cfg, None, pc, env.world_size)
-    if pc.tp_graphs:
-        from zero2all.distributed.graphs import check_graphs_supported
+    from zero2all.distributed.graphs import tp_graphs_wanted
 
-        check_graphs_supported(env.device, pc, env.world_size, compile_blocks)
+    tp_graphs, why_not = tp_graphs_wanted(env.device, pc, env.world_size, compile_blocks)
+    if why_not and env.device.type == "cuda" and env.is_main:
+        print(f"parallel.tp_graphs = auto: the blocks run eagerly, since {why_not}", flush=True)
     dims = build_mesh(pc, env)
     if dims.enabled("pp") and dims.enabled("cp"):
         raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
@@ -263,10 +274,10 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
 
-        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks, pc.tp_graphs)
+        fused_rows = apply_tp(model, dims["tp"], pc.sequence_parallel, pc.tp_impl, pc.tp_chunks, tp_graphs)
         if env.is_main:
             print(describe_tp_ops(model.cfg, env.device, pc.sequence_parallel, pc.tp_impl, pc.tp_chunks,
-                                  pc.tp_graphs), flush=True)
+                                  tp_graphs), flush=True)
     apply_activation_checkpointing(model, pc.activation_checkpointing, pc.ac_selective, pc.ac_every)
     if compile_blocks:
         for block in transformer_blocks(model):

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 WARMUP_CALLS = 2   # eager forwards of a block per signature before its capture
+MAX_SIGNATURES = 4  # input signatures captured per model; calls with further ones run eagerly
 
 
 def check_graphs_supported(device: torch.device, pc, world_size: int, compile_blocks: bool) -> None:
@@ -60,6 +61,24 @@ def check_graphs_supported(device: torch.device, pc, world_size: int, compile_bl
         reasons.append("train.compile compiles the blocks instead; use one of the two")
     if reasons:
         raise ConfigError("parallel.tp_graphs: " + "; ".join(reasons))
+
+
+def tp_graphs_wanted(device: torch.device, pc, world_size: int, compile_blocks: bool) -> tuple[bool, str]:
+    """Whether the tensor-parallel blocks run as CUDA graphs, and why not when they don't.
+
+    ``parallel.tp_graphs = true`` insists (a run where they cannot work is refused); ``false`` turns them off;
+    ``"auto"`` (the default) turns them on wherever :func:`check_graphs_supported` accepts the run."""
+    from zero2all.config import ConfigError
+
+    if pc.tp_graphs is False or pc.tp < 2:
+        return False, ""
+    try:
+        check_graphs_supported(device, pc, world_size, compile_blocks)
+    except ConfigError as e:
+        if pc.tp_graphs is True:
+            raise
+        return False, str(e).replace("parallel.tp_graphs: ", "", 1)
+    return True, ""
 
 
 @dataclass
@@ -134,6 +153,10 @@ class BlockGraphs:
         key = self.signature(x, residual, cos, weights)
         per_block = self.graphs.setdefault(block, {})
         g = per_block.get(key)
+        if g is None and key not in self.pools and len(self.pools) >= MAX_SIGNATURES:
+            # shapes that change from call to call (e.g. padded batches of varying length): each new signature
+            # would cost its own captures and memory pool; past a few, new ones run eagerly
+            return block_math(regions, block, x, residual, cos, sin, _weights_tuple(weights))
         if g is None:
             n = self.calls.get((id(block), key), 0)
             if n < WARMUP_CALLS:
@@ -148,6 +171,27 @@ class BlockGraphs:
                                "place or turn tp_graphs off")
         out, res = _GraphedBlock.apply(g, x, residual, cos, sin, *weights)
         return out, res
+
+    def release(self) -> int:
+        """Free every captured graph (call before the process group is destroyed); returns how many were freed.
+
+        A graph that captured an NCCL collective holds a reference on that communicator, and NCCL's communicator
+        teardown waits until every such graph is destroyed: ``destroy_process_group`` with a graph still alive
+        never returns. After this call the blocks run eagerly again until they are captured anew."""
+        if self.stream is not None:
+            torch.cuda.synchronize()
+        freed = 0
+        for per_block in list(self.graphs.values()):
+            for g in per_block.values():
+                for graph in (g.forward, g.backward):
+                    if graph is not None:
+                        graph.reset()
+                        freed += 1
+            per_block.clear()
+        self.graphs = weakref.WeakKeyDictionary()
+        self.calls.clear()
+        self.pools.clear()
+        return freed
 
     def _capture_forward(self, regions, block, x, residual, cos, sin, weights, key) -> _Graphs:
         from zero2all.distributed.tp import block_math

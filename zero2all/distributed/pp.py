@@ -103,6 +103,28 @@ def check_pipeline_graphs(pc: ParallelConfig, shape: dict[str, int], device: tor
                           f"{pc.activation_checkpointing!r}: not available; use one or the other")
 
 
+def pipeline_graphs_wanted(pc: ParallelConfig, shape: dict[str, int], device: torch.device,
+                           linear_precision: str = "bf16", moe: bool = False) -> tuple[bool, str]:
+    """Whether the stages' blocks run as CUDA graphs, and why not when they don't: ``pp_cuda_graphs = true``
+    insists (refused where they cannot work), ``false`` turns them off, ``"auto"`` (the default) turns them on
+    wherever :func:`check_pipeline_graphs` accepts the run, the schedule is not zero_bubble and the blocks are
+    dense (a mixture-of-experts block routes a varying number of tokens to each expert)."""
+    if pc.pp_cuda_graphs is False or pc.pp < 2:
+        return False, ""
+    if pc.pp_cuda_graphs is True:
+        check_pipeline_graphs(pc, shape, device, linear_precision)
+        return True, ""
+    if pc.pp_schedule == "zero_bubble":
+        return False, "the zero_bubble schedule splits a backward in two"
+    if moe:
+        return False, "mixture-of-experts blocks route a varying number of tokens per expert"
+    try:
+        check_pipeline_graphs(pc, shape, device, linear_precision)
+    except ConfigError as e:
+        return False, str(e).replace("parallel.pp_cuda_graphs = true ", "", 1)
+    return True, ""
+
+
 def graph_slots(schedule: str, n_stages: int, stage: int, n_microbatches: int) -> int:
     """The most microbatches in flight (forward done, backward not yet) on ``stage``: 1F1B runs K - k forwards
     before its first backward and then alternates, GPipe runs all M forwards first. Interleaved schedules: at
@@ -390,8 +412,12 @@ class PipelineRun:
                        for m, s in zip(self.modules, self.stage_ids)]
         self._cast_store = None   # pp_cuda_graphs: weight cast copies kept across updates, refreshed in place
         self._graphed_counts: set[int] = set()   # microbatch counts whose schedule has run once (graphs on)
-        if pc.pp_cuda_graphs:
+        graphs, why_not = pipeline_graphs_wanted(pc, dims.shape, env.device, model.cfg.ops.linear_precision,
+                                                 moe=model.cfg.moe.n_experts > 0)
+        if graphs:
             self._enable_graphs()
+        elif why_not and env.device.type == "cuda" and env.is_main:
+            print(f"parallel.pp_cuda_graphs = auto: the stages run eagerly, since {why_not}", flush=True)
         self.timer = BusyTimer(env.device.type == "cuda")
         self.measure = False
         for st in self.stages:

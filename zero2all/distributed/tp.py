@@ -325,6 +325,12 @@ def _local(p):
     return None if p is None else p.to_local()
 
 
+def block_graphs(model: nn.Module):
+    """The ``graphs.BlockGraphs`` of a model sharded with ``parallel.tp_graphs`` (None otherwise)."""
+    regions = _REGIONS.get(model)
+    return None if regions is None else regions.graphs
+
+
 def vocab_parallel_loss(model: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
     """The fused vocab-parallel LM head + cross-entropy (``tp_loss.py``) of a model sharded by ``tp_impl =
     local``: ``h`` (the final norm's output, residual-stream layout) enters the head's region (all-gather under

@@ -779,7 +779,9 @@ class Trainer:
             self.sample()
         if self._last_ckpt != self.step:
             self.save_checkpoint()
-        return self.finish()
+        summary = self.finish()
+        self.run.release_graphs()  # captured collectives would keep the process group from being destroyed
+        return summary
 
     def _loop(self, stop: "_StopSignals") -> None:
         t = self.tcfg
