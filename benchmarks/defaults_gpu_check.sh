@@ -12,6 +12,9 @@
 #   PP    ours pp2 1F1B, defaults (pp_cuda_graphs = auto: on), 16 pipeline microbatches of 2 sequences
 #   PP32  the same with 32 microbatches of 1
 #   TT    torchtitan tp2          TTP   torchtitan pp2 1F1B, 16 microbatches of 2 (its best configuration)
+#   TPC2  ours tp2 + SP with tp_chunks = 2 (two groups of sequences per block: collectives beside GEMMs)
+#   TP7 / TT7   llama2-7b tp2 + SP, seq 4096, micro-batch 2 x 4: ours (defaults) / torchtitan tp2
+#   EP1 / EP2   z2all-moe-1b, micro-batch 16 x accum 2 per GPU: ours on 1 GPU / ours ep2 (defaults)
 set -u
 OUT=${OUT:?set OUT to a folder for the outputs}
 WHEELS=${1:-}
@@ -40,9 +43,16 @@ row TPE 120 "${B[@]}" --variants ours-tp --override=parallel.tp_graphs=false
 row FS 120 "${B[@]}" --variants ours-fsdp --fsdp-no-sync
 row PP 150 "${B[@]}" --variants ours-pp --pp-microbatches 4
 row PP32 150 "${B[@]}" --variants ours-pp --pp-microbatches 8
-if [ -n "$WHEELS" ] && { want TT || want TTP; }; then
+row TPC2 150 "${B[@]}" --variants ours-tp --override=parallel.tp_chunks=2
+row TP7 240 "${B[@]}" --config llama2-7b --seq-len 4096 --micro-batch 2 --variants ours-tp
+M=(python3 benchmarks/distributed_throughput.py --config z2all-moe-1b --seq-len 2048 --micro-batch 16 --accum 2
+   --steps 10 --warmup 3 --timeout 200)
+row EP1 150 "${M[@]}" --gpus 1 --variants ours
+row EP2 150 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2
+if [ -n "$WHEELS" ] && { want TT || want TTP || want TT7; }; then
   eval "$(bash benchmarks/peer_wheels.sh install "$WHEELS")"
   T=(python3 benchmarks/torchtitan_peer.py --steps 10 --warmup 3 --timeout 200)
   row TT 210 "${T[@]}" --variants tp2
   row TTP 210 "${T[@]}" --variants pp2 --pp-microbatch-size 2
+  row TT7 300 "${T[@]}" --config llama2-7b --variants tp2@4096x2
 fi
