@@ -6,7 +6,7 @@ shape, the grouped GEMM against a dense GEMM of equal FLOPs, and a demo-size pre
         [--balance-steps 400 --balance-warmup 100 --balance-micro-batch 32 --balance-seq 256 --balance-seed 0]
 
 Training rows: fp32 master weights, bf16 autocast, fused AdamW, random tokens, seq 2048; median step time after
-warm-up; MFU on active FLOPs: tokens/s * (6 N_active + 12 L H T) / 989e12 (N_active = non-embedding parameters a
+warm-up; MFU on active FLOPs: tokens/s * (6 N_active + 6 L H T) / 989e12 (N_active = non-embedding parameters a
 token goes through: attention, router, top_k experts, LM head). Writes results.json, balance.png and prints a table.
 """
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zero2all.accounting import mfu_flops_per_token  # noqa: E402
 from zero2all.accounting_moe import moe_param_counts  # noqa: E402
 from zero2all.config import load_config  # noqa: E402
 from zero2all.model.z2all import build_model  # noqa: E402
@@ -89,7 +90,7 @@ def bench_train(args, results):
     seq, mb = 2048, args.micro_batch
     base = load_config("z2all-moe-1b").model
     n_act = moe_param_counts(base).active_non_embedding  # N_active of the MFU formula (LM head counts)
-    flops_tok = 6 * n_act + 12 * base.n_layers * base.hidden_dim * seq
+    flops_tok = mfu_flops_per_token(base, seq)  # 6 N_active + 6 L H T
     rows = [("ours triton", lambda: ours(["model.ops.grouped_gemm=triton"])),
             ("ours torch._grouped_mm", lambda: ours(["model.ops.grouped_gemm=torch"])),
             ("ours triton, sigmoid router", lambda: ours(["model.ops.grouped_gemm=triton", "model.moe.router=sigmoid",

@@ -4,7 +4,8 @@
 
 Independent of the trainer's timer and formula code: the step time is the wall-clock gap between consecutive
 ``metrics.jsonl`` records (their ``time`` stamps), the parameter count comes from a meta-device model, and
-MFU = tokens/s x (6N + 12 L H T) / peak is written out here (N = non-embedding parameters, the LM head counts).
+MFU = tokens/s x (6N + 6 L H T) / peak is written out here (N = non-embedding parameters, the LM head counts;
+the causal attention counted as the kernel computes it, half of T x T).
 The first two steps (warm-up) are left out. Prints a per-step table and the medians.
 """
 
@@ -33,7 +34,7 @@ def main() -> None:
     n_non_embedding = sum(p.numel() for name, p in model.named_parameters() if name != "embed_tokens.weight")
     seq_len = cfg["data"]["seq_len"] or model_cfg.max_seq_len
     tokens_per_step = cfg["train"]["grad_accum_steps"] * cfg["train"]["micro_batch_size"] * seq_len
-    flops_per_token = 6 * n_non_embedding + 12 * model_cfg.n_layers * model_cfg.hidden_dim * seq_len
+    flops_per_token = 6 * n_non_embedding + 6 * model_cfg.n_layers * model_cfg.hidden_dim * seq_len
     print(f"non-embedding parameters {n_non_embedding:,}; tokens per step {tokens_per_step:,}; "
           f"FLOPs per token {flops_per_token:.4e}")
     print("step  wall gap (s)  logged step (s)  independent MFU  logged MFU")

@@ -268,12 +268,12 @@ def test_pretrain_command(tmp_path, capsys):
 
 
 def test_logged_mfu_matches_the_formula(tmp_path):
-    """With a configured peak (here on the CPU), MFU = tokens/s * (6N + 12 L H T) / peak, N non-embedding."""
+    """With a configured peak (here on the CPU), MFU = tokens/s * (6N + 6 L H T) / peak, N non-embedding."""
     cfg = tiny_cfg(tmp_path, "train.gpu_peak_flops=1e12", "train.micro_batch_size=3", "train.max_steps=2")
     trainer = Trainer(cfg, show_progress=False)
     rec = trainer.train_step()
     n = sum(p.numel() for name, p in trainer.raw_model.named_parameters() if name != "embed_tokens.weight")
-    flops_per_token = 6 * n + 12 * 2 * 32 * 24
+    flops_per_token = 6 * n + 6 * 2 * 32 * 24
     assert rec["tokens_per_s"] == pytest.approx(3 * 24 / rec["step_time_s"])
     assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * flops_per_token / 1e12, rel=1e-9)
     assert Trainer(tiny_cfg(tmp_path / "b"), show_progress=False).train_step()["mfu"] is None  # CPU: no peak

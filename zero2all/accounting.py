@@ -9,11 +9,13 @@ formula. Symbols used throughout (a Llama-2 decoder, see ``zero2all/model/z2all.
 
 Conventions (and why):
 - FLOPs count multiply-adds as 2 and only matrix products (the elementwise work of norms, RoPE, SwiGLU and softmax
-  is < 1 % for these shapes). Attention is counted over the full s x s score matrix, as in Megatron-LM
-  (Narayanan et al. 2021) and PaLM's MFU; a causal kernel does about half of that work, so ``attention_causal=True``
-  halves the term. Backward = 2 x forward (one product for the input gradient, one for the weight gradient).
-- The MFU formula is the project's one: MFU = tokens/s * (6*N + 12*l*h*s) / peak, with N the non-embedding
-  parameters (the LM head counts) -- see :func:`mfu`. Use it everywhere a throughput is printed.
+  is < 1 % for these shapes). :func:`forward_flops_per_token` counts attention over the full s x s score matrix by
+  default, as in Megatron-LM (Narayanan et al. 2021) and torch's FLOP counter; a causal kernel computes only the
+  lower triangle, half of it, and ``attention_causal=True`` halves the term. Backward = 2 x forward (one product
+  for the input gradient, one for the weight gradient).
+- The MFU formula is the project's one: MFU = tokens/s * (6*N + 6*l*h*s) / peak, with N the non-embedding
+  parameters (the LM head counts) and the causal attention counted as the kernel computes it (half of s^2) --
+  see :func:`mfu`. Use it everywhere a throughput is printed.
 - Memory sizes are bytes; the GPU table lists vendor memory in GB (1e9 bytes) and dense (non-sparse) bf16 tensor
   FLOP/s from the vendors' spec sheets.
 - Nothing here imports torch except the two measurement helpers at the end, which check these formulas against
@@ -202,12 +204,16 @@ def megatron_flops_per_step(batch_size: int, seq_len: int, hidden: int, n_layers
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """The project's model FLOPs per trained token: 6*N + 12*l*h*s, N = non-embedding parameters (LM head counts).
+    """The project's model FLOPs per trained token: 6*N + 6*l*h*s, N = non-embedding parameters (LM head counts).
 
     MoE models: N counts the parameters one token goes through (``accounting_moe``: router, top_k routed and the
-    shared experts). 6*N is the matmul work of forward+backward; 12*l*h*s is the attention score/value products
-    (3 x 4*s*q_dim with q_dim = h). It equals 3 x :func:`forward_flops_per_token` up to the norm weights (6 FLOPs
-    per norm weight).
+    shared experts). 6*N is the matmul work of forward+backward; 6*l*h*s is the attention score/value products of
+    a causal model as the kernel computes them: 3 (forward + backward) x 4*s*q_dim (q k^T and p v, q_dim = h) x 1/2,
+    because under the causal mask a token attends to the positions before it, so only the lower half of the s x s
+    score matrix is computed (flash attention skips the masked blocks). Counting the full s x s (12*l*h*s, the
+    Megatron-LM / PaLM convention) credits work the kernel never does: at seq 65,536 the attention is most of the
+    counted FLOPs and the full count nearly doubles the MFU. It equals 3 x :func:`forward_flops_per_token` with
+    ``attention_causal=True`` up to the norm weights (6 FLOPs per norm weight).
     """
     if cfg.moe.enabled:  # a MoE token goes through top_k of the routed experts: N = active parameters
         from zero2all.accounting_moe import moe_param_counts
@@ -215,11 +221,12 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         n = moe_param_counts(cfg).active_non_embedding
     else:
         n = param_counts(cfg).non_embedding
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.hidden_dim * seq_len
+    return 6.0 * n + 6.0 * cfg.n_layers * cfg.hidden_dim * seq_len
 
 
 def mfu(tokens_per_s: float, cfg, seq_len: int, peak_flops: float) -> float:
-    """Model FLOPs utilisation: tokens/s * (6*N + 12*l*h*s) / peak, as a fraction (0.42 = 42 %).
+    """Model FLOPs utilisation: tokens/s * (6*N + 6*l*h*s) / peak, as a fraction (0.42 = 42 %), causal attention
+    counted as computed (half of s^2, see :func:`mfu_flops_per_token`).
 
     ``cfg`` is a ModelConfig (or a Config, whose ``.model`` is used); ``peak_flops`` is the peak of ALL devices
     the tokens/s were measured on (n_gpus * 989e12 for H100s in bf16). Printed the same way everywhere.
@@ -620,7 +627,7 @@ def training_days(n_tokens: float, flops_per_token: float, n_gpus: int, peak_flo
 
 def step_seconds(cfg: ModelConfig, tokens_per_step: float, seq_len: int, n_gpus: int, peak_flops_per_gpu: float,
                  mfu_fraction: float) -> float:
-    """Predicted time of one optimizer step at a given MFU: tokens_per_step * (6N + 12lhs) / (n * peak * MFU)."""
+    """Predicted time of one optimizer step at a given MFU: tokens_per_step * (6N + 6lhs) / (n * peak * MFU)."""
     return training_seconds(tokens_per_step * mfu_flops_per_token(cfg, seq_len), n_gpus, peak_flops_per_gpu,
                             mfu_fraction)
 
@@ -685,7 +692,7 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     fused_ce = L.fused_cross_entropy and L.tp == 1
     pc = param_counts(cfg)
     tokens = L.tokens if L.tokens is not None else 20.0 * pc.total
-    fwd = forward_flops_per_token(cfg, L.seq_len)
+    fwd = forward_flops_per_token(cfg, L.seq_len, attention_causal=True)  # as the causal kernel computes it
     per_token_mfu = mfu_flops_per_token(cfg, L.seq_len)
     tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
     # ZeRO / FSDP shards over dp x cp (the cp ranks hold the same weights): n_gpus / (tp * pp) ranks
@@ -721,7 +728,7 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
         "flops": {
             "forward_per_token": fwd,
             "training_per_token": 3 * fwd["total"],
-            "mfu_per_token (6N+12lhs)": per_token_mfu,
+            "mfu_per_token (6N+6lhs)": per_token_mfu,
             "6N_per_token": 6.0 * pc.non_embedding,
             "per_step": tokens_per_step * per_token_mfu,
             "total_6ND (N=all params)": flops_6nd(pc.total, tokens),
@@ -784,9 +791,10 @@ def format_estimate(est: dict, name: str = "") -> str:
     section(f"FLOPs (seq {L['seq_len']})")
     fw = f["forward_per_token"]
     rows += [("forward / token", f"{_si(fw['total'], 'FLOP')} (qkv {_si(fw['qkv'])}, o {_si(fw['o'])}, "
-                                 f"attn {_si(fw['attention'])}, mlp {_si(fw['mlp'])}, head {_si(fw['lm_head'])})"),
+                                 f"attn (causal) {_si(fw['attention'])}, mlp {_si(fw['mlp'])}, "
+                                 f"head {_si(fw['lm_head'])})"),
              ("train / token (3x fwd)", _si(f["training_per_token"], "FLOP")),
-             ("MFU FLOPs / token 6N+12lhs", f"{_si(f['mfu_per_token (6N+12lhs)'], 'FLOP')} "
+             ("MFU FLOPs / token 6N+6lhs", f"{_si(f['mfu_per_token (6N+6lhs)'], 'FLOP')} "
                                             f"(6N alone {_si(f['6N_per_token'], 'FLOP')})"),
              ("per step", f"{f['per_step']:.3g} FLOP"),
              (f"total for {L['tokens']:.3g} tokens", f"{f['total']:.3g} FLOP "

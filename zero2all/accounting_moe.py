@@ -7,12 +7,14 @@ With h = hidden, I_e = expert_intermediate_size, E experts of which k are routed
     active / token:  router E h  +  (k + s) * 3 h I_e (+ h)          (the experts a token actually goes through)
 
 FLOPs per token use the project's MFU formula with the *active* non-embedding parameters:
-6 N_active + 12 l h T. Memory under ``parallel.ep`` = ep (distributed/ep.py): every parameter is sharded over all
-N GPUs (the non-expert ones by FSDP2 over N, the experts over ep and then FSDP2 over the N / ep dp ranks), so the
-fp32 weights, gradients and AdamW moments take 16 P / N bytes; while a layer computes, its gathered bf16 weights
-(non-expert part whole, the E / ep local experts) are added, twice for FSDP's prefetch. All-to-all: in each MoE
-layer every token sends k rows of h values out and gets them back (dispatch + combine), again in the backward, and
-a row stays on its own GPU with probability 1 / ep under balanced routing::
+6 N_active + 6 l h T (causal attention counted as computed, half of T x T).
+
+Memory under ``parallel.ep`` = ep (distributed/ep.py): every parameter is sharded over all N GPUs (the non-expert
+ones by FSDP2 over N, the experts over ep and then FSDP2 over the N / ep dp ranks), so the fp32 weights, gradients
+and AdamW moments take 16 P / N bytes; while a layer computes, its gathered bf16 weights (non-expert part whole, the
+E / ep local experts) are added, twice for FSDP's prefetch. All-to-all: in each MoE layer every token sends k rows
+of h values out and gets them back (dispatch + combine), again in the backward, and a row stays on its own GPU with
+probability 1 / ep under balanced routing::
 
     bytes per GPU per step = 4 * n_moe_layers * tokens_per_gpu * k * h * bytes * (ep - 1) / ep
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zero2all.accounting import GB, param_counts
+from zero2all.accounting import GB, mfu_flops_per_token, param_counts
 from zero2all.config import ConfigError, ModelConfig
 
 
@@ -76,7 +78,7 @@ def moe_estimate(cfg: ModelConfig, gpus: int = 1, ep: int = 1, micro_batch: int 
         raise ConfigError(f"--ep {ep} does not divide model.moe.n_experts={cfg.moe.n_experts}")
     m, h, L = cfg.moe, cfg.hidden_dim, cfg.n_layers
     p = moe_param_counts(cfg)
-    flops_token = 6 * p.active_non_embedding + 12 * L * h * seq_len
+    flops_token = mfu_flops_per_token(cfg, seq_len)  # 6 N_active + 6 l h T
     tokens_gpu = micro_batch * seq_len * grad_accum_steps
     state = 16 * p.total / gpus                       # fp32 weights + grads + AdamW m, v
     gathered = 2 * 2 * (p.non_expert / max(L, 1) + p.per_moe_layer_routed / ep)  # bf16, x2 prefetch
@@ -84,9 +86,9 @@ def moe_estimate(cfg: ModelConfig, gpus: int = 1, ep: int = 1, micro_batch: int 
     rows_per_layer = micro_batch * seq_len * m.top_k
     return {
         "params": asdict(p) | {"active_fraction": p.active / p.total},
-        "flops": {"per_token_active (6N_active+12lhT)": flops_token,
-                  "per_token_if_dense (6N_total+12lhT)": 6 * (p.total - param_counts(cfg).embedding)
-                  + 12 * L * h * seq_len,
+        "flops": {"per_token_active (6N_active+6lhT)": flops_token,
+                  "per_token_if_dense (6N_total+6lhT)": 6 * (p.total - param_counts(cfg).embedding)
+                  + 6 * L * h * seq_len,
                   "per_step_per_gpu": flops_token * tokens_gpu},
         "memory_per_gpu": {"sharded_state (16 P / N)": state, "gathered_layer_bf16": gathered,
                            "experts_per_gpu": m.n_experts // ep,
@@ -117,9 +119,9 @@ def format_moe_estimate(est: dict) -> str:
             ("parameters total / active", f"{p['total']:,} / {p['active']:,} ({p['active_fraction'] * 100:.1f} %)"),
             ("  routed experts / the rest", f"{p['experts']:,} / {p['non_expert']:,} ({p['moe_layers']} MoE layers)"),
             ("N_active (non-embedding)", f"{p['active_non_embedding']:,}"),
-            ("FLOPs / token (active)", f"{f['per_token_active (6N_active+12lhT)']:.3g} "
+            ("FLOPs / token (active)", f"{f['per_token_active (6N_active+6lhT)']:.3g} "
                                        f"(a dense model of all parameters: "
-                                       f"{f['per_token_if_dense (6N_total+12lhT)']:.3g})"),
+                                       f"{f['per_token_if_dense (6N_total+6lhT)']:.3g})"),
             (f"memory / GPU (ep {c['ep']} x dp {c['dp']}, FSDP)",
              f"{mem['sharded_state (16 P / N)'] / GB:,.2f} GB sharded state + "
              f"{mem['gathered_layer_bf16'] / GB:,.2f} GB gathered layer + "

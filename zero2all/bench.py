@@ -6,7 +6,9 @@ optimizer step per ``accum`` micro-batches of ``micro_batch x seq`` tokens. A ro
 steps after ``warmup`` steps (CUDA-synchronised wall clock per step, median reported), and its peak allocated GPU
 memory is recorded. MFU uses the project's formula (``accounting.mfu``):
 
-    MFU = tokens/s * (6 N + 12 L H T) / peak,   N = non-embedding parameters (LM head counts), peak = 989e12 (H100)
+    MFU = tokens/s * (6 N + 6 L H T) / peak,    N = non-embedding parameters (LM head counts), peak = 989e12 (H100)
+
+(the causal attention counted as computed: half of the T x T score/value products).
 
 Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
 

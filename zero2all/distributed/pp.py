@@ -142,8 +142,9 @@ def graph_slots(schedule: str, n_stages: int, stage: int, n_microbatches: int) -
 
 def unit_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
     """Training FLOPs per token of (embedding, each block, final norm + LM head): 6 x the parameters of every
-    matmul, plus 12 * H * T per block for attention scores (the MFU formula's terms). The embedding does no
-    matmul; it weighs in with its gradient and optimizer traffic, taken as 2 * V * H."""
+    matmul, plus 12 * H * T per block for attention scores over the full T x T (the MFU formula counts the causal
+    half, 6 * H * T; the split keeps the full count, which puts fewer blocks beside the LM head). The embedding does
+    no matmul; it weighs in with its gradient and optimizer traffic, taken as 2 * V * H."""
     H, V = cfg.hidden_dim, cfg.padded_vocab_size
     attn_params = H * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * H
     block = 6.0 * (attn_params + 3 * H * cfg.intermediate_size) + 12.0 * H * seq_len

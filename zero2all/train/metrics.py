@@ -2,9 +2,10 @@
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s / the device's peak, with the model FLOPs of a token
 (Kaplan / PaLM): 6 * N for the matmuls of forward + backward (N = non-embedding parameters; the LM head counts)
-plus 12 * L * H * T for attention scores and values (L layers, H hidden size, T sequence length)::
+plus 6 * L * H * T for the attention scores and values of a causal model (L layers, H hidden size, T sequence
+length; half of the T x T products, the lower triangle the causal kernel computes)::
 
-    MFU = tokens_per_s * (6 * N + 12 * L * H * T) / peak_flops
+    MFU = tokens_per_s * (6 * N + 6 * L * H * T) / peak_flops
 
 Recomputation is not counted (that would be hardware FLOPs utilisation). The formula itself lives in one place,
 ``zero2all.accounting.mfu``; this module only finds the peak and formats the numbers.
