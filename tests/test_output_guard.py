@@ -266,15 +266,25 @@ def test_a_second_run_on_the_same_out_is_refused_at_once(tmp_path, capsys):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_output_lock_in_one_process(tmp_path):
+def test_output_lock_is_shared_within_a_process_and_released_with_the_last_holder(tmp_path):
     from zero2all.fileio import OutputLock, OutputLockedError
 
-    with OutputLock(tmp_path):
-        # a second descriptor of the same process is refused too (flock locks are per open file)
-        with pytest.raises(OutputLockedError, match="is in use by process"):
-            OutputLock(tmp_path).acquire()
-    with OutputLock(tmp_path):  # released: free again
-        pass
+    code = ("import sys; from zero2all.fileio import OutputLock, OutputLockedError\n"
+            "try:\n    OutputLock(sys.argv[1]).acquire(); print('free')\n"
+            "except OutputLockedError:\n    print('locked')")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def other_process_sees() -> str:
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              env=env, check=True).stdout.strip()
+
+    first = OutputLock(tmp_path).acquire()
+    second = OutputLock(tmp_path).acquire()  # the same process: shared, not refused
+    first.release()
+    assert other_process_sees() == "locked"  # still held by the second holder
+    second.release()
+    assert other_process_sees() == "free"
+    assert OutputLockedError.__mro__[1] is ValueError  # one line, exit code 2 at the command line
 
 
 # ---------------------------------------------------------------------------------------------------- skipped updates

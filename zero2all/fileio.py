@@ -630,12 +630,19 @@ class OutputLock:
     operating system releases an ``flock`` when its holder dies, however it dies, so a lock file left by a killed
     run is stale by construction: the next run takes it over and says whose it was (``on_takeover``). Where
     ``flock`` is unavailable the lock falls back to the file's content: a live process id on this host holds it.
+
+    The lock keeps processes apart, not objects of one process: a second ``OutputLock`` of the same directory in
+    the process that holds it shares the hold (counted; the file is let go with the last release), so a program
+    that builds a second trainer on its own folder (a resumed run in a test, a benchmark) is not refused.
     """
+
+    _held: dict[str, list] = {}  # lock file (resolved) -> [descriptor, holders] of this process
 
     def __init__(self, directory: str | os.PathLike, on_takeover=None):
         self.path = Path(directory) / LOCK_FILE
         self.on_takeover = on_takeover
         self.fd: int | None = None
+        self._key = os.path.realpath(self.path)
 
     @staticmethod
     def _holder(text: str) -> tuple[str, int] | None:
@@ -658,6 +665,13 @@ class OutputLock:
     def acquire(self) -> OutputLock:
         import socket
 
+        if self.fd is not None:
+            return self
+        shared = OutputLock._held.get(self._key)
+        if shared is not None:
+            shared[1] += 1
+            self.fd = shared[0]
+            return self
         host = socket.gethostname()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
@@ -692,12 +706,20 @@ class OutputLock:
             os.close(fd)
             raise
         self.fd = fd
+        OutputLock._held[self._key] = [fd, 1]
         return self
 
     def release(self) -> None:
         """Empty the lock file and let go of it (the file stays: deleting it would race a process opening it)."""
         if self.fd is None:
             return
+        shared = OutputLock._held.get(self._key)
+        if shared is not None and shared[0] == self.fd:
+            shared[1] -= 1
+            if shared[1] > 0:
+                self.fd = None
+                return
+            del OutputLock._held[self._key]
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
         os.close(self.fd)  # closing the descriptor drops the flock

@@ -74,6 +74,8 @@ import numpy as np
 from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
 from zero2all.fileio import (
+    LOCK_FILE,
+    OUTPUT_MARKER,
     AtomicFile,
     atomic_write,
     claim_output_dir,
@@ -399,7 +401,7 @@ _OLD_TEMPORARY = re.compile(r"^\.((train|valid)_\d{5}\.bin|((train|valid)_\d{5}\
 
 
 def _is_output(name: str) -> bool:
-    return name in (META_FILE, STATE_FILE) or bool(_OUTPUT_NAME.match(name))
+    return name in (META_FILE, STATE_FILE, OUTPUT_MARKER) or bool(_OUTPUT_NAME.match(name))
 
 
 def _is_temporary(name: str) -> bool:
@@ -801,7 +803,7 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
 
 def _is_legacy_output(path: Path) -> bool:
     """A `prepare` output written before outputs carried a marker: nothing but the files `prepare` writes."""
-    names = [n for n in os.listdir(path) if not n.startswith(".z2all-")]
+    names = [n for n in os.listdir(path) if n != LOCK_FILE]
     return bool(names) and all(_is_output(n) or _is_temporary(n) for n in names)
 
 

@@ -441,11 +441,13 @@ def _prepare(cfg: Config, stage: str):
     environment is handed to the trainer, which joins no group of its own; the precision is the trainer's rule
     (``resolve_precision``), needed here for DPO's reference log-probs before the trainer exists."""
     check_resume_compatible(cfg, stage)
-    try:  # before the model loads: the trainer claims and locks it again when the run starts
+    try:  # before the model loads: the trainer claims it again and locks it when it starts
         claim_run_dir(cfg.train.out_dir, stage)
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
     env = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
+    if env.is_main:  # marked before the run's tokenizer is copied into it
+        claim_run_dir(cfg.train.out_dir, stage, mark=True)
     device, out_dir = env.device, Path(cfg.train.out_dir)
     precision = resolve_precision(cfg.train.precision, device)
     tok, tok_dir = load_run_tokenizer(cfg, out_dir, env)

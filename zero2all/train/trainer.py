@@ -270,13 +270,12 @@ class Trainer:
     ``final/`` (model + tokenizer), ``loss.png`` and ``report.md``.
     """
 
-    output_kind: str | None = None
-    """The command whose output ``out_dir`` is (its marker, ``fileio.claim_output_dir``); None: the objective's
-    name (pretrain, sft, dpo, reward; rl for the RL algorithms)."""
-
     def __init__(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
                  train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
-                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None):
+                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None,
+                 output_kind: str | None = None):
+        """``output_kind``: the command whose output ``out_dir`` is (its marker, ``fileio.claim_output_dir``);
+        None: the objective's (pretrain, sft, dpo, reward; rl for the RL algorithms)."""
         self.cfg, self.tcfg = cfg, cfg.train
         # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
         # (``env``: a caller that already joined it, e.g. post-training, which loads its model first)
@@ -292,6 +291,8 @@ class Trainer:
         self.device = self.dist.device
         self.precision = resolve_precision(self.tcfg.precision, self.device)
         self.out_dir = Path(self.tcfg.out_dir)
+        self.output_kind = output_kind or run_kind(self.objective.name)
+        self._lock_out_dir()  # before anything is written into it; released at the end of fit()
         self.seq_len = data_seq_len(cfg)
         self.show_progress = show_progress
         seed_everything(self.tcfg.seed)
@@ -752,7 +753,6 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``max_steps`` (resuming first if asked); returns the run summary. ``out_dir`` is claimed
         (:func:`claim_run_dir`) and locked against a second run for the whole time."""
-        self._lock_out_dir()
         try:
             return self._fit()
         finally:
@@ -765,13 +765,9 @@ class Trainer:
         raises the same ConfigError when it cannot."""
         self._lock, problem = None, None
         if self.is_main:
-            kind = self.output_kind or run_kind(self.objective.name)
             try:
-                claim_run_dir(self.out_dir, kind)
-                self.out_dir.mkdir(parents=True, exist_ok=True)
+                claim_run_dir(self.out_dir, self.output_kind, mark=True)
                 self._lock = OutputLock(self.out_dir, on_takeover=self._print).acquire()
-                if read_output_marker(self.out_dir) is None:
-                    write_output_marker(self.out_dir, kind)
             except (OutputDirError, OutputLockedError) as e:
                 problem = str(e)
         problem = zd.broadcast_object(problem, self.dist)
@@ -918,15 +914,22 @@ def run_kind(objective_name: str) -> str:
 
 
 def _is_legacy_run_dir(path: Path) -> bool:
-    """A run folder written before outputs carried a marker: its config.json and metrics.jsonl."""
-    return (path / "config.json").is_file() and (path / "metrics.jsonl").is_file()
+    """A run folder written before outputs carried a marker: its metrics, a checkpoint or its final model."""
+    return (path / "metrics.jsonl").is_file() or (path / "final" / "z2all.json").is_file() or any(
+        ckpt_io.step_of(p) is not None and p.is_dir() for p in path.iterdir())
 
 
-def claim_run_dir(out_dir: str | Path, kind: str) -> str:
+def claim_run_dir(out_dir: str | Path, kind: str, mark: bool = False) -> str:
     """``fileio.claim_output_dir`` for a training run's ``train.out_dir``: new, empty, or a run of the same command
     (to resume or to start over in; ``train.resume`` decides). A run folder is never replaced whole: the trainer
-    writes its own names only (config.json, metrics.jsonl, ckpt-*, final/, ...)."""
-    return claim_output_dir(out_dir, kind, legacy=_is_legacy_run_dir)
+    writes its own names only (config.json, metrics.jsonl, ckpt-*, final/, ...). ``mark``: create the folder and
+    its marker (one process: rank 0)."""
+    state = claim_output_dir(out_dir, kind, legacy=_is_legacy_run_dir)
+    if mark:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        if read_output_marker(out_dir) is None:
+            write_output_marker(out_dir, kind)
+    return state
 
 
 def pretrain(cfg: Config, show_progress: bool = True) -> dict:
