@@ -120,12 +120,10 @@ def test_prepare_with_every_record_skipped_fails_and_leaves_nothing(corpus, tok_
     line = _one_error_line(capsys.readouterr().err, "prepare")
     assert "no documents survived: 12 skipped (empty_file=1, malformed_json=11)" in line
     assert not out.exists() and not out.parent.exists()  # nothing left, not even the directories it created
-    # an existing --out keeps exactly what it held
+    # an existing empty --out is left empty, and the corrected command into it works
     out.mkdir(parents=True)
-    (out / "notes.txt").write_text("mine")
     assert main(args) == 2
-    assert _entries(out) == ["notes.txt"]
-    # the corrected command into the same --out works
+    assert _entries(out) == []
     fixed = ["prepare", "--input", str(corpus / "good.jsonl"), "--tokenizer", str(tok_dir), "--out", str(out),
              "--workers", "1", "--no-progress"]
     assert main(fixed) == 0
@@ -226,15 +224,14 @@ def test_strict_failure_leaves_the_output_as_it_was(corpus, tok_dir, tmp_path, c
     assert not (tmp_path / "new").exists()
     existing = tmp_path / "existing"
     existing.mkdir()
-    (existing / "README").write_text("keep")
     assert main(args + ["--out", str(existing)]) == 2
-    assert _entries(existing) == ["README"] and (existing / "README").read_text() == "keep"
+    assert _entries(existing) == []
     # --overwrite deletes the earlier output first; what the failed run wrote under the same names goes too
     assert main(["prepare", "--input", str(corpus / "good.jsonl"), "--tokenizer", str(tok_dir), "--workers", "1",
                  "--no-progress", "--chunk-mb", "0.002", "--shard-chunks", "1", "--out", str(existing)]) == 0
     assert len(list(existing.glob("train_*.bin"))) > 2
     assert main(args + ["--out", str(existing), "--overwrite"]) == 2
-    assert _entries(existing) == ["README"]
+    assert _entries(existing) == []
 
 
 # ---------------------------------------------------------------------------------------------------- demo
@@ -281,6 +278,7 @@ def test_pretrain_into_a_read_only_out_is_one_line(tmp_path, monkeypatch, capsys
     out = tmp_path / "ro"
     out.mkdir()
     (out / "notes.txt").write_text("before")
+    (out / ".z2all-output.json").write_text('{"kind": "pretrain"}')  # a run folder the user put notes into
     read_only(monkeypatch, out)
     assert main(["pretrain", "--config", "tiny", "--out", str(out), "--no-progress", *TINY_MODEL,
                  "model.vocab_size=64", "model.max_seq_len=16", "train.max_steps=2", *QUIET_RUN]) == 1
@@ -288,7 +286,7 @@ def test_pretrain_into_a_read_only_out_is_one_line(tmp_path, monkeypatch, capsys
     assert f"cannot write {out}" in line and "Read-only file system (errno 30)" in line
     assert line.endswith("choose a writable --out") and ".tmp" not in line
     monkeypatch.undo()
-    assert _entries(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "before"
+    assert _entries(out) == [".z2all-output.json", "notes.txt"] and (out / "notes.txt").read_text() == "before"
 
 
 def test_pretrain_read_only_for_real(tmp_path, capsys):

@@ -277,7 +277,7 @@ def test_prepare_sft_checks_tokenizer_and_input(world, tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".shards*"))  # nothing half-written is left
     meta = prepare_sft([bad], world["root"] / "tok", out, on_error="skip", log=lambda *a: None)
     assert meta["read"]["skipped"] == 2 and meta["splits"]["train"]["samples"] == 1
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ValueError, match="holds a previous output of `z2all prepare-sft`: pass --overwrite"):
         prepare_sft([bad], world["root"] / "tok", out, log=lambda *a: None)
     other = train_tokenizer([str(world["root"] / "corpus.txt")], 448, None, log=lambda *a: None)
     with pytest.raises(SFTShardError, match="re-run `z2all prepare-sft`"):

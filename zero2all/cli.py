@@ -11,8 +11,12 @@ Commands that take dotted ``key=value`` config overrides accept them anywhere on
 
 Exit codes: 0 success; 2 bad usage, config or input (a missing file included), one ``error:`` line; 1 an operating
 system failure while reading or writing (read-only or full disk, permissions), one line naming the path, what failed
-and what to do (``zero2all.fileio.os_error_message``); 130 / 143 a training run stopped by SIGINT / SIGTERM after
-saving a checkpoint.
+and what to do (``zero2all.fileio.os_error_message``); 3 a training run stopped because its updates were skipped for
+non-finite gradients (``train.max_skipped_updates``; no ``final/`` written); 130 / 143 a training run stopped by
+SIGINT / SIGTERM after saving a checkpoint.
+
+Every command that writes a directory writes only into a new or empty folder or into a previous output of the same
+command (``zero2all.fileio.claim_output_dir``); anything else in the way is named in one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -135,14 +139,17 @@ def _info(p):
          "  z2all export-hf --ckpt runs/1b/ckpt-002000 --out hf   # a sharded multi-GPU checkpoint too")
 def _export_hf(p):
     p.add_argument("--ckpt", required=True, help="our checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--out", required=True, help="output directory: new, empty or an earlier export (replaced "
+                                                "atomically)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokenizer", default=None, help="tokenizer directory to include (default: the checkpoint's)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the weights first")
 
     def run(args):
+        from zero2all.fileio import claim_output_dir
         from zero2all.model.io import export_hf, load_model
 
+        claim_output_dir(args.out, "export-hf", inputs=[args.ckpt, args.tokenizer])  # before the slow load
         # any checkpoint directory (a multi-process training checkpoint too); a LoRA adapter only when asked to
         model = load_model(args.ckpt, merge_lora=args.merge_lora)
         out = export_hf(args.ckpt, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer, model=model)
@@ -262,8 +269,8 @@ def _train_tokenizer(p):
                    help="total size incl. the 16 special tokens, at least 336 (337 with spm); rounded up to a "
                         "multiple of 64 (said when it changes the number). A corpus too small for that many merges "
                         "gives a smaller vocabulary, with a warning line naming the size obtained")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically; checked writable before "
-                                                "training starts)")
+    p.add_argument("--out", required=True, help="output directory: new, empty or an earlier train-tokenizer output "
+                                                "(replaced atomically; checked before training starts)")
     p.add_argument("--backend", default="hf", choices=["hf", "spm"])
     p.add_argument("--max-memory-gb", type=float, default=8.0,
                    help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
@@ -294,7 +301,8 @@ def _extend_tokenizer(p):
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="PATH",
                    help="corpus to learn the new tokens on (every 10th document is held out for the report)")
     p.add_argument("--add", type=int, required=True, help="tokens to add (at most)")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--out", required=True, help="output directory: new, empty or an earlier extend-tokenizer "
+                                                "output (replaced atomically)")
     p.add_argument("--base-text", nargs="+", action="extend", default=[], metavar="PATH",
                    help="text of the base's own domain: bytes/token before/after is reported on it")
     p.add_argument("--min-frequency", type=int, default=2, help="byte-level BPE: least count of a learned pair")
@@ -450,7 +458,8 @@ def _prepare_chat_data(p, kind: str, records: str):
     p.add_argument("--valid-fraction", type=float, default=0.0, help="share of records held out (by content)")
     p.add_argument("--workers", type=int, default=1, help="rendering processes")
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a previous output of this command in --out (never a folder of other files)")
 
     def run(args):
         from zero2all.data.sft_shards import prepare_sft
@@ -585,8 +594,10 @@ def _export_reward_hf(p):
     p.add_argument("--out", required=True)
 
     def run(args):
+        from zero2all.fileio import claim_output_dir
         from zero2all.train.reward import export_reward_hf, load_reward_model
 
+        claim_output_dir(args.out, "export-reward-hf", inputs=[args.ckpt])
         print(f"wrote {export_reward_hf(load_reward_model(args.ckpt), args.out, args.ckpt)}")
 
     return run
@@ -1087,14 +1098,18 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
-    from zero2all.config import ConfigError, TrainingInterrupted
+    from zero2all.config import ConfigError, TrainingDiverged, TrainingInterrupted
+    from zero2all.fileio import OutputDirError, OutputLockedError
 
     try:
         result = args._run(args)
     except TrainingInterrupted as e:  # a checkpoint was saved; one line, the shell's code for that signal
         print(f"z2all {args.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except ConfigError as e:
+    except TrainingDiverged as e:
+        print(f"z2all {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ConfigError, OutputDirError, OutputLockedError) as e:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:

@@ -46,6 +46,13 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
+class TrainingDiverged(Exception):
+    """A run stopped because its optimiser updates were skipped (non-finite gradients) ``train.max_skipped_updates``
+    times in a row, or more than half of them by the end: no ``final/`` is written. ``exit_code`` 3."""
+
+    exit_code = 3
+
+
 class TrainingInterrupted(Exception):
     """SIGINT / SIGTERM stopped a training run after an update and a checkpoint; ``exit_code`` is 128 + the
     signal number (130 for Ctrl-C, 143 for SIGTERM), as shells report a process ended by that signal."""
@@ -371,6 +378,9 @@ class TrainConfig:
     log_every: int = 1
     ckpt_every: int = 500
     keep_last: int = 3
+    # stop (exit code 3, no final/) after this many optimiser updates in a row were skipped for non-finite
+    # gradients (0 = never); a run that skipped more than half of its updates writes no final/ either
+    max_skipped_updates: int = 20
     tensorboard: bool = True
     gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
     # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint
@@ -397,6 +407,7 @@ class TrainConfig:
                 raise ConfigError(f"{prefix}.{name}: must be positive, got {getattr(self, name)}")
         for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "sample_every", "num_samples",
                      "sample_new_tokens", "warmup_steps", "keep_last", "sample_top_k", "weight_decay", "z_loss",
+                     "max_skipped_updates",
                      "gpu_peak_flops", "sample_temperature"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
@@ -987,7 +998,11 @@ def migrate_legacy_keys(data: dict, warn=None) -> dict:
                                   f"old name of the second; set parallel.{new} only")
             parallel[new] = value
             warn(f"note: train.{old} is now parallel.{new} (read as parallel.{new}={value!r})")
-    data["train"], data["parallel"] = train, parallel
+    data["parallel"] = parallel
+    if train:
+        data["train"] = train
+    else:  # nothing else was set in [train]: no empty table left to be taken for a setting of all its keys
+        del data["train"]
     return data
 
 

@@ -246,6 +246,32 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return out.commit()
 
 
+def default_file_mode() -> int:
+    """The permissions a new file gets from ``open()``: 0o666 less the process's umask. Read from /proc where it is
+    (setting the umask to read it back would change it for every thread meanwhile)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file`` with the permissions of any other output: the library creates its file
+    owner-only (0o600), which would leave the weights unreadable to the group and others that can read the config
+    beside them. ``path`` is normally inside a temporary directory (:func:`atomic_dir`)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    os.chmod(path, default_file_mode())
+    return Path(path)
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses become dicts (fields named ``_...`` are private and left out), recursively through dicts,
     lists and tuples; everything else is returned as is."""
@@ -360,9 +386,11 @@ def _replace_by_renaming_aside(tmp: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, kind: str | None = None) -> Iterator[Path]:
     """Build a directory under a temporary name beside ``target`` (``.NAME.<random>.tmp``) and put it at ``target``
-    when the block completes.
+    when the block completes. ``kind``: mark the result as an output of that kind (:func:`write_output_marker`,
+    listing what the block wrote), so that a later writer of the same kind recognises it
+    (:func:`claim_output_dir`).
 
     On normal exit every file and directory in it is fsynced and :func:`replace_dir` puts it in place; if the block
     raises, the temporary directory is deleted, ``target`` is left as it was and the exception propagates. The
@@ -380,6 +408,8 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
             continue
     try:
         yield tmp
+        if kind is not None:
+            write_output_marker(tmp, kind, [n for n in os.listdir(tmp) if not _is_ours(n)])
         fsync_tree(tmp)
         replace_dir(tmp, target)
     except BaseException:
@@ -465,3 +495,238 @@ def os_error_message(exc: OSError, path: str | os.PathLike, what: str = "write",
     elif exc.errno in _NOT_WRITABLE:  # read-only file system, permission denied
         line += f"; choose a writable {option}"
     return line
+
+
+# --------------------------------------------------------------------------------------------------------------
+# output directories: whose they are, and who is writing them
+
+
+OUTPUT_MARKER = ".z2all-output.json"
+"""The file every command writes into the directory it produces: ``{"kind": ..., "entries": [...]}``. It is how a
+later command recognises a previous output of the same kind (and so may write over it) and tells it apart from a
+folder of the user's own, which is never written into."""
+
+LOCK_FILE = ".z2all-lock"
+"""The advisory lock file of a directory being written by a run (:class:`OutputLock`)."""
+
+
+class OutputDirError(ValueError):
+    """An output directory holds something that is not a previous output of the same kind (the user's files, the
+    command's own input, the working directory): nothing is written, the command stops with one line."""
+
+
+class OutputLockedError(ValueError):
+    """Another live process holds the lock of an output directory."""
+
+
+def read_output_marker(path: str | os.PathLike) -> dict | None:
+    """The marker of output directory ``path`` (:data:`OUTPUT_MARKER`), or None when it has none (or an unreadable
+    one)."""
+    try:
+        data = json.loads((Path(path) / OUTPUT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
+
+
+def write_output_marker(path: str | os.PathLike, kind: str, entries: list[str] | None = None) -> Path:
+    """Mark directory ``path`` as an output of ``kind``. ``entries``: the top-level names the output consists of
+    (a directory replaced whole: a later writer refuses to replace it when anything else has been added); None for
+    a directory that grows (a training run, token shards) and is never replaced whole."""
+    data: dict[str, Any] = {"kind": kind}
+    if entries is not None:
+        data["entries"] = sorted(entries)
+    return save_json(data, Path(path) / OUTPUT_MARKER)
+
+
+def _is_ours(name: str) -> bool:
+    """Names a writer of this module leaves in an output directory: the marker, the lock, temporaries."""
+    return name in (OUTPUT_MARKER, LOCK_FILE) or temporary_target(name) is not None
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    """``child`` is ``parent`` or lies under it (both resolved)."""
+    return child == parent or parent in child.parents
+
+
+def _listing(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def claim_output_dir(path: str | os.PathLike, kind: str, inputs: Any = (), overwrite: bool = True,
+                     option: str = "--out", legacy: Any = None) -> str:
+    """Check, before any work, that a command of ``kind`` may write directory ``path``; returns what it holds:
+    ``"absent"``, ``"empty"`` or ``"previous"`` (an earlier output of the same kind). Anything else raises
+    :class:`OutputDirError` with one line naming what is in the way, and nothing is written:
+
+    * ``path`` is the working directory or one of its parents, or holds one of ``inputs`` (paths the command
+      reads, ``NAME=PATH`` understood: ``export-hf --ckpt keep/ckpt --out keep``), whatever ``overwrite`` says;
+    * ``path`` is a file, or a folder with anything but a previous output of ``kind`` in it (recognised by its
+      :data:`OUTPUT_MARKER`; for a whole-directory output, also nothing added since it was written);
+    * a previous output of ``kind`` when ``overwrite`` is False (the message says to pass ``--overwrite``).
+
+    ``legacy(path) -> bool`` recognises an output of ``kind`` written before outputs carried a marker. ``option``
+    is the command-line option named in messages.
+    """
+    target = Path(path)
+    where = f"{option} {os.fspath(path)}"
+    what_kind = f"`z2all {kind}`"
+    resolved = target.resolve()
+    cwd = Path.cwd().resolve()
+    if _inside(cwd, resolved):
+        what = "the working directory" if resolved == cwd else "a parent of the working directory"
+        raise OutputDirError(f"{where} is {what}: choose a new folder for the output (e.g. {option} "
+                             f"{os.fspath(target / kind)})")
+    for item in [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs or ()):
+        if item is not None and not os.path.lexists(item) and "=" in os.fspath(item):
+            item = os.fspath(item).split("=", 1)[1]  # a named source, NAME=PATH
+        if item is None or not os.path.lexists(item):
+            continue
+        if _inside(Path(item).resolve(), resolved):
+            raise OutputDirError(f"{where} holds the input {os.fspath(item)}: writing there would replace it; "
+                                 f"choose another {option}")
+    if not os.path.lexists(target):
+        return "absent"
+    if not target.is_dir():
+        raise OutputDirError(f"{where} is a file, not a folder: choose another {option}")
+    names = sorted(os.listdir(target))
+    foreign = [n for n in names if not _is_ours(n)]
+    if not foreign:
+        marker = read_output_marker(target)
+        if marker is None or marker["kind"] == kind:
+            return "empty" if marker is None else _previous(where, kind, overwrite)
+    marker = read_output_marker(target)
+    if marker is None and legacy is not None and legacy(target):
+        return _previous(where, kind, overwrite)
+    shown = _listing([n + "/" if (target / n).is_dir() else n for n in foreign])
+    if marker is None:
+        raise OutputDirError(f"{where} already holds files that are not an output of {what_kind} ({shown}): "
+                             f"choose a new or empty folder, or move them away")
+    if marker["kind"] != kind:
+        raise OutputDirError(f"{where} holds an output of `z2all {marker['kind']}`, not of {what_kind}: choose another "
+                             f"{option}")
+    entries = marker.get("entries")
+    if isinstance(entries, list):
+        added = [n for n in foreign if n not in entries]
+        if added:
+            raise OutputDirError(f"{where} holds a previous output of {what_kind} with files added to it "
+                                 f"({_listing(added)}): move them away or choose another {option}")
+    return _previous(where, kind, overwrite)
+
+
+def _previous(where: str, kind: str, overwrite: bool) -> str:
+    if not overwrite:
+        raise OutputDirError(f"{where} holds a previous output of `z2all {kind}`: pass --overwrite to replace it, or "
+                             f"choose another folder")
+    return "previous"
+
+
+class OutputLock:
+    """An advisory lock on an output directory for the time a process writes it: ``DIR/.z2all-lock``, held with
+    ``flock`` and naming the host and process id of its holder.
+
+    A second process that asks for the lock while the first holds it gets :class:`OutputLockedError` at once. The
+    operating system releases an ``flock`` when its holder dies, however it dies, so a lock file left by a killed
+    run is stale by construction: the next run takes it over and says whose it was (``on_takeover``). Where
+    ``flock`` is unavailable the lock falls back to the file's content: a live process id on this host holds it.
+
+    The lock keeps processes apart, not objects of one process: a second ``OutputLock`` of the same directory in
+    the process that holds it shares the hold (counted; the file is let go with the last release), so a program
+    that builds a second trainer on its own folder (a resumed run in a test, a benchmark) is not refused.
+    """
+
+    _held: dict[str, list] = {}  # lock file (resolved) -> [descriptor, holders] of this process
+
+    def __init__(self, directory: str | os.PathLike, on_takeover=None):
+        self.path = Path(directory) / LOCK_FILE
+        self.on_takeover = on_takeover
+        self.fd: int | None = None
+        self._key = os.path.realpath(self.path)
+
+    @staticmethod
+    def _holder(text: str) -> tuple[str, int] | None:
+        try:
+            data = json.loads(text)
+            return str(data["host"]), int(data["pid"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's live process
+            return True
+        return True
+
+    def acquire(self) -> OutputLock:
+        import socket
+
+        if self.fd is not None:
+            return self
+        shared = OutputLock._held.get(self._key)
+        if shared is not None:
+            shared[1] += 1
+            self.fd = shared[0]
+            return self
+        host = socket.gethostname()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            previous = os.read(fd, 4096).decode("utf-8", "replace")
+            holder = self._holder(previous)
+            try:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked_by_os = True
+            except ImportError:
+                locked_by_os = False
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                who = f"process {holder[1]} on {holder[0]}" if holder else "another process"
+                raise OutputLockedError(f"{self.path.parent} is in use by {who} (lock file {self.path}): wait "
+                                        f"for it to finish or choose another --out") from None
+            if holder is not None and holder != (host, os.getpid()):
+                if not locked_by_os and holder[0] == host and self._alive(holder[1]):
+                    raise OutputLockedError(f"{self.path.parent} is in use by process {holder[1]} on {holder[0]} "
+                                            f"(lock file {self.path}): wait for it to finish or choose another "
+                                            f"--out")
+                if self.on_takeover is not None:
+                    self.on_takeover(f"{self.path}: taking over the lock left by process {holder[1]} on "
+                                     f"{holder[0]}, which no longer holds it")
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, json.dumps({"host": host, "pid": os.getpid()}).encode() + b"\n")
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        OutputLock._held[self._key] = [fd, 1]
+        return self
+
+    def release(self) -> None:
+        """Empty the lock file and let go of it (the file stays: deleting it would race a process opening it)."""
+        if self.fd is None:
+            return
+        shared = OutputLock._held.get(self._key)
+        if shared is not None and shared[0] == self.fd:
+            shared[1] -= 1
+            if shared[1] > 0:
+                self.fd = None
+                return
+            del OutputLock._held[self._key]
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, 0)
+        os.close(self.fd)  # closing the descriptor drops the flock
+        self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -73,7 +73,18 @@ import numpy as np
 
 from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
-from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_dirs, temporary_target
+from zero2all.fileio import (
+    LOCK_FILE,
+    OUTPUT_MARKER,
+    AtomicFile,
+    atomic_write,
+    claim_output_dir,
+    make_dirs,
+    read_output_marker,
+    remove_empty_dirs,
+    temporary_target,
+    write_output_marker,
+)
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"
@@ -390,7 +401,7 @@ _OLD_TEMPORARY = re.compile(r"^\.((train|valid)_\d{5}\.bin|((train|valid)_\d{5}\
 
 
 def _is_output(name: str) -> bool:
-    return name in (META_FILE, STATE_FILE) or bool(_OUTPUT_NAME.match(name))
+    return name in (META_FILE, STATE_FILE, OUTPUT_MARKER) or bool(_OUTPUT_NAME.match(name))
 
 
 def _is_temporary(name: str) -> bool:
@@ -541,6 +552,9 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
     out = Path(out_dir)
+    # new, empty or a `prepare` output (to resume, or replace with --overwrite); a folder of other files: refused
+    claim_output_dir(out, "prepare", inputs=[tokenizer_dir, *([inputs] if isinstance(inputs, (str, os.PathLike))
+                                                              else inputs)], legacy=_is_legacy_output)
     created = make_dirs(out)
     before = _snapshot(out)
     try:
@@ -782,7 +796,15 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
     with atomic_write(out / META_FILE) as f:
         json.dump(meta, f, indent=2, ensure_ascii=False)
         f.write("\n")
+    if read_output_marker(out) is None:
+        write_output_marker(out, "prepare")
     return meta
+
+
+def _is_legacy_output(path: Path) -> bool:
+    """A `prepare` output written before outputs carried a marker: nothing but the files `prepare` writes."""
+    names = [n for n in os.listdir(path) if n != LOCK_FILE]
+    return bool(names) and all(_is_output(n) or _is_temporary(n) for n in names)
 
 
 def read_meta(data_dir) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence as SequenceABC
@@ -51,7 +52,7 @@ from zero2all.data.chat import (
     render_dpo_record,
     render_sft_record,
 )
-from zero2all.fileio import atomic_dir, save_json
+from zero2all.fileio import atomic_dir, claim_output_dir, save_json
 
 FORMAT = "zero2all-sft-shards"
 FORMAT_VERSION = 1
@@ -161,9 +162,10 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
     out = Path(out_dir)
-    if (out / META_FILE).exists() and not overwrite:
-        raise FileExistsError(f"{out}: already holds prepared data (pass --overwrite to replace it)")
     paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    # a previous output of this command is replaced with --overwrite only; anything else is never replaced
+    claim_output_dir(out, f"prepare-{kind}", inputs=[*paths, tokenizer_dir], overwrite=overwrite,
+                     legacy=lambda d: _is_legacy_output(d, kind))
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"{p}: no such file")
@@ -174,7 +176,8 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     stats = LoadStats()
-    with atomic_dir(out) as tmp:  # a failure or a kill leaves the previous directory (if any) as it was
+    # a failure or a kill leaves the previous directory (if any) as it was
+    with atomic_dir(out, kind=f"prepare-{kind}") as tmp:
         writers = {s: _SplitWriter(tmp, s, dtype) for s in SPLITS}
         if workers > 1:
             import multiprocessing as mp
@@ -249,6 +252,14 @@ def is_sft_shard_dir(path: str | Path, kind: str | None = None) -> bool:
     except json.JSONDecodeError:
         return False
     return meta.get("format") == FORMAT and (kind is None or meta.get("kind", "sft") == kind)
+
+
+def _is_legacy_output(path: Path, kind: str) -> bool:
+    """An output of this command written before outputs carried a marker: its meta.json and nothing but the
+    files it writes."""
+    names = {META_FILE} | {f"{s}.{part}" for s in SPLITS for part in ("tokens.bin", "labels.bin", "index.npy",
+                                                                      "first_label.npy")}
+    return is_sft_shard_dir(path, kind) and all(n in names for n in os.listdir(path))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zero2all.config import ConfigError, ModelConfig, from_dict, to_dict
-from zero2all.fileio import atomic_dir, copy_file, save_json
+from zero2all.fileio import atomic_dir, claim_output_dir, copy_file, save_json, save_safetensors
 from zero2all.model import hf as hfmap
 from zero2all.model.z2all import Z2all, build_model
 
@@ -60,21 +60,20 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model(model: Z2all, path: str | Path, extra: dict | None = None, tokenizer_dir: str | Path | None = None,
-               atomic: bool = True) -> Path:
+               atomic: bool = True, kind: str | None = None) -> Path:
     """Write ``model`` to directory ``path``. ``atomic``: built beside it and swapped in whole (``fileio.atomic_dir``),
     so a kill leaves the previous version; without it the files go straight into ``path``, for a caller that is
-    itself writing a temporary directory (a training checkpoint)."""
-    from safetensors.torch import save_file
-
+    itself writing a temporary directory (a training checkpoint). ``kind``: the output marker of the command that
+    writes it (``fileio.claim_output_dir``, which the caller runs first)."""
     path = Path(path)
     if atomic:
         path.parent.mkdir(parents=True, exist_ok=True)
-        where = atomic_dir(path)
+        where = atomic_dir(path, kind=kind)
     else:
         path.mkdir(parents=True, exist_ok=True)
         where = contextlib.nullcontext(path)
     with where as d:
-        save_file(_unique_state_dict(model), str(d / WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(_unique_state_dict(model), d / WEIGHTS, metadata={"format": "pt"})
         meta = {"format": "zero2all", "model": to_dict(model.cfg)}
         meta.update(extra or {})
         save_json(meta, d / OUR_CONFIG)
@@ -282,9 +281,13 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokeniz
     tokenizer files when the checkpoint carries them).
 
     The directory is built beside ``out`` and swapped in whole (``fileio.atomic_dir``): a process killed at any
-    point of an export over an existing one leaves the previous export, complete, under ``out``."""
-    from safetensors.torch import save_file
-
+    point of an export over an existing one leaves the previous export, complete, under ``out``. ``out`` must be
+    new, empty or an earlier export (``fileio.claim_output_dir``); the tokenizer is checked to load before anything
+    is written."""
+    src_tok = tokenizer_dir if tokenizer_dir is not None else ckpt
+    claim_output_dir(out, "export-hf", inputs=[ckpt, tokenizer_dir])
+    if src_tok is not None and (Path(src_tok) / "tokenizer.json").is_file():
+        check_tokenizer_loads(src_tok, "--tokenizer" if tokenizer_dir is not None else "--ckpt")
     model = model if model is not None else load_model(ckpt)
     cfg = model.cfg
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -295,9 +298,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokeniz
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, key) is not None:
             gen[key] = getattr(cfg, key)
-    src_tok = tokenizer_dir if tokenizer_dir is not None else ckpt
-    with atomic_dir(out) as tmp:
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    with atomic_dir(out, kind="export-hf") as tmp:
+        save_safetensors(sd, tmp / WEIGHTS, metadata={"format": "pt"})
         save_json(hfmap.model_config_to_hf(cfg, dtype), tmp / hfmap.HF_CONFIG)
         save_json(gen, tmp / "generation_config.json")
         if src_tok is not None and Path(src_tok).is_dir():
@@ -307,6 +309,21 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokeniz
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     """Convert any Llama-architecture HF directory to our checkpoint format (tokenizer files carried along); the
-    output directory is replaced whole, as by :func:`save_model`."""
+    output directory is replaced whole, as by :func:`save_model`, and must be new, empty or an earlier import
+    (``fileio.claim_output_dir``)."""
+    claim_output_dir(out, "import-hf", inputs=[hf_dir])
     model = load_model(hf_dir)
-    return save_model(model, out, extra={"imported_from": str(hf_dir)}, tokenizer_dir=hf_dir)
+    return save_model(model, out, extra={"imported_from": str(hf_dir)}, tokenizer_dir=hf_dir, kind="import-hf")
+
+
+def check_tokenizer_loads(path: str | Path, option: str = "--tokenizer") -> None:
+    """Raise ConfigError (one line naming the file) when the tokenizer files in ``path`` do not load, so that a
+    command copying them refuses before writing anything rather than exporting a model no one can use."""
+    from zero2all.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - truncated JSON, a model the tokenizers library rejects, ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{option} {path}: its tokenizer does not load ({reason}); repair tokenizer.json or "
+                          f"pass --tokenizer DIR") from None

@@ -98,10 +98,12 @@ def resize_model(model, old_tok, new_tok, old_name: str = "old tokenizer", new_n
 def resize_vocab(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, log=print) -> dict:
     """``z2all resize-vocab``: read ``ckpt`` (any directory ``load_model`` reads) and its tokenizer, write the
     resized model with the tokenizer of ``tokenizer_dir`` to ``out``."""
+    from zero2all.fileio import claim_output_dir
     from zero2all.model.io import is_our_dir, load_model, save_model
     from zero2all.tokenizer import load_tokenizer
 
     ckpt, tokenizer_dir = Path(ckpt), Path(tokenizer_dir)
+    claim_output_dir(out, "resize-vocab", inputs=[ckpt, tokenizer_dir])
     if not (ckpt / "tokenizer.json").exists():
         raise FileNotFoundError(f"{ckpt}: no tokenizer.json: resize-vocab needs the checkpoint's own tokenizer to "
                                 f"know which rows its ids use")
@@ -118,7 +120,7 @@ def resize_vocab(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, l
         for key in ("imported_from",):
             if key in meta:
                 extra[key] = meta[key]
-    save_model(new, out, extra=extra, tokenizer_dir=tokenizer_dir)
+    save_model(new, out, extra=extra, tokenizer_dir=tokenizer_dir, kind="resize-vocab")
     log(f"resized {ckpt}: {model.cfg.padded_vocab_size} -> {info['rows']} rows ({info['old_vocab']} ids kept, "
         f"{info['from_pieces']} new rows from the mean of their old pieces, {info['mean_of_all']} from the mean of "
         f"all rows); wrote {out}")

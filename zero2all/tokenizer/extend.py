@@ -23,6 +23,7 @@ import json
 import os
 from typing import Sequence
 
+from zero2all.fileio import claim_output_dir
 from zero2all.tokenizer.hf import Tokenizer, load_tokenizer, reserved_token, round_up
 
 
@@ -219,6 +220,7 @@ def extend_tokenizer(base_dir: str | os.PathLike, inputs: Sequence[str], n_add: 
     """``z2all extend-tokenizer``: learn on ``inputs`` (every ``heldout_every``-th document held out), write the
     extended tokenizer to ``out_dir`` and report bytes/token before/after on the held-out documents and on
     ``base_text`` (text of the base's own domain, optional). Returns the report."""
+    claim_output_dir(out_dir, "extend-tokenizer", inputs=[base_dir, *inputs, *base_text])
     base = load_tokenizer(base_dir)
     docs = _read(inputs, text_field, txt_mode)
     if not docs:
@@ -239,7 +241,7 @@ def extend_tokenizer(base_dir: str | os.PathLike, inputs: Sequence[str], n_add: 
         report["base_domain"] = {"docs": len(own), "bytes_per_token_before": bytes_per_token(base, own),
                                  "bytes_per_token_after": bytes_per_token(tok, own)}
     tok.meta["extended"] = report
-    tok.save(out_dir)
+    tok.save(out_dir, kind="extend-tokenizer")
     log(f"added {info['added']} tokens (asked {n_add}) to {base_dir}: vocab {base.vocab_size} -> {tok.vocab_size}; "
         f"wrote {out_dir} (hash {tok.hash[:16]})")
     for key, name in (("heldout", "held-out corpus text"), ("base_domain", "base-domain text")):

@@ -157,12 +157,13 @@ class Tokenizer:
 
     # ---------------------------------------------------------------------------------------------- files
 
-    def save(self, out_dir: str | os.PathLike) -> Path:
+    def save(self, out_dir: str | os.PathLike, kind: str | None = None) -> Path:
         """Write the HF files and our metadata into ``out_dir``, replaced whole (``fileio.atomic_dir``): a kill
-        leaves the previous tokenizer there, never a mixture of two."""
+        leaves the previous tokenizer there, never a mixture of two. ``kind``: the command whose output it is
+        (its marker; the command checks ``out_dir`` first with ``fileio.claim_output_dir``)."""
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(out_dir) as tmp:
+        with atomic_dir(out_dir, kind=kind) as tmp:
             (tmp / "tokenizer.json").write_text(self._json, encoding="utf-8")
             for name, data in self._extra_files.items():
                 (tmp / name).write_bytes(data)

@@ -46,7 +46,7 @@ import time
 from typing import Iterator
 
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
-from zero2all.fileio import check_writable, remove_empty_dirs
+from zero2all.fileio import check_writable, claim_output_dir, remove_empty_dirs
 from zero2all.tokenizer.hf import (
     N_RESERVED,
     VOCAB_MULTIPLE,
@@ -172,7 +172,10 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
         raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 byte tokens + {base - 256} "
                          f"special tokens + {VOCAB_MULTIPLE} tokens to learn)")
     target = round_up(vocab_size, VOCAB_MULTIPLE)
-    # a read-only or unwritable --out fails now, not after the training: an OSError naming out_dir
+    # a folder of the user's own, or an unwritable --out, fails now, not after the training
+    if out_dir is not None:
+        claim_output_dir(out_dir, "train-tokenizer", inputs=[inputs] if isinstance(inputs, (str, os.PathLike))
+                         else inputs)
     created = check_writable(out_dir) if out_dir is not None else []
     try:
         return _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict,
@@ -232,7 +235,7 @@ def _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, t
         log(f"warning: the corpus supports a vocabulary of {size}, not the {target} asked for: {why} (the rest up "
             f"to a multiple of {VOCAB_MULTIPLE} is {n_pad} reserved tokens); {more} to get a larger one")
     if out_dir is not None:
-        tok.save(out_dir)
+        tok.save(out_dir, kind="train-tokenizer")
         log(f"wrote {out_dir} (hash {tok.hash[:16]})")
     return tok
 

@@ -38,9 +38,9 @@ from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch
 from zero2all.config import Config, ConfigError, build_config_dict, deep_merge, from_dict, to_dict
-from zero2all.fileio import atomic_write
+from zero2all.fileio import OutputDirError, atomic_write
 from zero2all.train.objectives import DPOObjective, SFTObjective
-from zero2all.train.trainer import Trainer, autocast_context, data_seq_len, resolve_precision
+from zero2all.train.trainer import Trainer, autocast_context, claim_run_dir, data_seq_len, resolve_precision
 
 # train-section defaults of the two stages (a --config file and key=value overrides come on top)
 SFT_TRAIN_DEFAULTS = {"out_dir": "runs/sft", "lr": 2e-5, "min_lr": 2e-6, "warmup_steps": 20, "weight_decay": 0.0,
@@ -441,7 +441,13 @@ def _prepare(cfg: Config, stage: str):
     environment is handed to the trainer, which joins no group of its own; the precision is the trainer's rule
     (``resolve_precision``), needed here for DPO's reference log-probs before the trainer exists."""
     check_resume_compatible(cfg, stage)
+    try:  # before the model loads: the trainer claims it again and locks it when it starts
+        claim_run_dir(cfg.train.out_dir, stage)
+    except OutputDirError as e:
+        raise ConfigError(str(e)) from None
     env = zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
+    if env.is_main:  # marked before the run's tokenizer is copied into it
+        claim_run_dir(cfg.train.out_dir, stage, mark=True)
     device, out_dir = env.device, Path(cfg.train.out_dir)
     precision = resolve_precision(cfg.train.precision, device)
     tok, tok_dir = load_run_tokenizer(cfg, out_dir, env)

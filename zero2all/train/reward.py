@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zero2all.fileio import atomic_dir, save_json, write_bytes
+from zero2all.fileio import atomic_dir, claim_output_dir, save_json, save_safetensors, write_bytes
 from zero2all.model.hidden import hidden_states, last_token_index
 from zero2all.train.metrics import read_metrics
 from zero2all.train.objectives import Objective
@@ -158,8 +158,6 @@ def load_reward_model(path: str | Path, device="cpu", dtype: torch.dtype | None 
 def export_reward_hf(rm: RewardModel, out: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """An HF ``LlamaForSequenceClassification`` directory (num_labels 1, fp32) with our scores. HF picks the last
     token that is not ``pad_token_id``: pad with that id (and only there) when scoring batches."""
-    from safetensors.torch import save_file
-
     from zero2all.model import hf as hfmap
     from zero2all.model.io import WEIGHTS, copy_tokenizer_files
 
@@ -170,10 +168,11 @@ def export_reward_hf(rm: RewardModel, out: str | Path, tokenizer_dir: str | Path
     config = hfmap.model_config_to_hf(cfg, "float32")
     config.update({"architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
                    "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "problem_type": "regression"})
+    claim_output_dir(out, "export-reward-hf", inputs=[tokenizer_dir])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(out) as tmp:
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    with atomic_dir(out, kind="export-reward-hf") as tmp:
+        save_safetensors(sd, tmp / WEIGHTS, metadata={"format": "pt"})
         save_json(config, tmp / hfmap.HF_CONFIG)
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
             copy_tokenizer_files(tokenizer_dir, tmp)
@@ -221,6 +220,12 @@ def reward(cfg, show_progress: bool = True, export_hf: str | Path | None = None)
 
     if cfg.post.lora_rank:
         raise ConfigError("post.lora_rank: reward models train all weights here (leave --lora-rank out)")
+    if export_hf:  # checked before the training, not after it
+        run_dir, hf_dir = Path(cfg.train.out_dir).resolve(), Path(export_hf).resolve()
+        if hf_dir == run_dir or run_dir in hf_dir.parents or hf_dir in run_dir.parents:
+            raise ConfigError(f"--export-hf {export_hf}: must lie outside the run's --out {cfg.train.out_dir} "
+                              f"(and not contain it)")
+        claim_output_dir(export_hf, "export-reward-hf", inputs=[cfg.post.init], option="--export-hf")
     env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "reward")
     train, valid = build_dpo_data(cfg, tok, env.rank, env.world_size)
     torch.manual_seed(cfg.train.seed)

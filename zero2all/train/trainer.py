@@ -45,9 +45,17 @@ import torch
 from zero2all import checkpoint as ckpt_io
 from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
-from zero2all.config import Config, ConfigError, TrainingInterrupted, to_dict
+from zero2all.config import Config, ConfigError, TrainingDiverged, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
-from zero2all.fileio import save_json
+from zero2all.fileio import (
+    OutputDirError,
+    OutputLock,
+    OutputLockedError,
+    claim_output_dir,
+    read_output_marker,
+    save_json,
+    write_output_marker,
+)
 from zero2all.kernels import step_fusion
 from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_model, save_model
 from zero2all.model.z2all import build_model
@@ -264,7 +272,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
                  train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
-                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None):
+                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None,
+                 output_kind: str | None = None):
+        """``output_kind``: the command whose output ``out_dir`` is (its marker, ``fileio.claim_output_dir``);
+        None: the objective's (pretrain, sft, dpo, reward; rl for the RL algorithms)."""
         self.cfg, self.tcfg = cfg, cfg.train
         # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
         # (``env``: a caller that already joined it, e.g. post-training, which loads its model first)
@@ -280,6 +291,8 @@ class Trainer:
         self.device = self.dist.device
         self.precision = resolve_precision(self.tcfg.precision, self.device)
         self.out_dir = Path(self.tcfg.out_dir)
+        self.output_kind = output_kind or run_kind(self.objective.name)
+        self._lock_out_dir()  # before anything is written into it; released at the end of fit()
         self.seq_len = data_seq_len(cfg)
         self.show_progress = show_progress
         seed_everything(self.tcfg.seed)
@@ -327,6 +340,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_total = 0
+        self.skipped_in_a_row = 0
         self.elapsed_s = 0.0
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
@@ -737,10 +751,31 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train to ``max_steps`` (resuming first if asked); returns the run summary."""
-        t = self.tcfg
+        """Train to ``max_steps`` (resuming first if asked); returns the run summary. ``out_dir`` is claimed
+        (:func:`claim_run_dir`) and locked against a second run for the whole time."""
+        try:
+            return self._fit()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _lock_out_dir(self) -> None:
+        """Rank 0 checks that ``out_dir`` is new, empty or a run of this kind, and takes its lock; every rank
+        raises the same ConfigError when it cannot."""
+        self._lock, problem = None, None
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                claim_run_dir(self.out_dir, self.output_kind, mark=True)
+                self._lock = OutputLock(self.out_dir, on_takeover=self._print).acquire()
+            except (OutputDirError, OutputLockedError) as e:
+                problem = str(e)
+        problem = zd.broadcast_object(problem, self.dist)
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def _fit(self) -> dict:
+        t = self.tcfg
         self._maybe_resume()
         if self.is_main:
             dropped = self.logger.truncate_after(self.step)
@@ -779,9 +814,14 @@ class Trainer:
             self.sample()
         if self._last_ckpt != self.step:
             self.save_checkpoint()
-        summary = self.finish()
-        self.run.release_graphs()  # captured collectives would keep the process group from being destroyed
-        return summary
+        try:
+            if self.skipped_total * 2 > self.step:  # a final/ that looks trained from a run that mostly did not train
+                raise TrainingDiverged(f"{self.skipped_total} of {self.step} updates were skipped for non-finite "
+                                       f"gradients, so no final/ was written (checkpoints are in {self.out_dir}); "
+                                       f"lower train.lr or check the data and rewards")
+            return self.finish()
+        finally:
+            self.run.release_graphs()  # captured collectives would keep the process group from being destroyed
 
     def _loop(self, stop: "_StopSignals") -> None:
         t = self.tcfg
@@ -792,6 +832,7 @@ class Trainer:
         while self.step < t.max_steps:
             with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
                 rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
+            self._check_diverged(rec)
             if self.is_main:
                 self.numerics.observe(rec)
                 window_end = bool(t.log_every) and self.step % t.log_every == 0
@@ -819,6 +860,22 @@ class Trainer:
                     self.out_dir / ckpt_io.checkpoint_name(self.step)
                 self.logger.close()
                 raise TrainingInterrupted(stop.received or signal.SIGTERM, self.step, path)
+
+    def _check_diverged(self, rec: dict) -> None:
+        """Stop after ``train.max_skipped_updates`` updates in a row were skipped (every rank decides alike: the
+        gradient norm is global). The weights are those of the last applied update, so the newest checkpoint is
+        still good; nothing more is written."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
+        limit = self.tcfg.max_skipped_updates
+        if limit and self.skipped_in_a_row >= limit:
+            if self.is_main:
+                self.logger.log(rec)
+            self.logger.close()
+            raise TrainingDiverged(
+                f"training diverged: the last {self.skipped_in_a_row} updates (to step {self.step}) were all "
+                f"skipped for non-finite gradients (loss {rec['loss']:.4g}, grad norm {rec['grad_norm']:.4g}, "
+                f"lr {rec['lr']:.3g}); stopped without writing final/. Lower train.lr, check the data (or the "
+                f"reward function), or raise train.max_skipped_updates")
 
     def final_model(self):
         """The model that ``final/`` holds, on rank 0 (a collective under FSDP)."""
@@ -854,8 +911,36 @@ class Trainer:
         return summary
 
 
+def run_kind(objective_name: str) -> str:
+    """The command a run of this objective is the output of (the RL objectives are named after the algorithm)."""
+    return "rl" if objective_name in ("grpo", "ppo") else objective_name
+
+
+def _is_legacy_run_dir(path: Path) -> bool:
+    """A run folder written before outputs carried a marker: its metrics, a checkpoint or its final model."""
+    return (path / "metrics.jsonl").is_file() or (path / "final" / "z2all.json").is_file() or any(
+        ckpt_io.step_of(p) is not None and p.is_dir() for p in path.iterdir())
+
+
+def claim_run_dir(out_dir: str | Path, kind: str, mark: bool = False) -> str:
+    """``fileio.claim_output_dir`` for a training run's ``train.out_dir``: new, empty, or a run of the same command
+    (to resume or to start over in; ``train.resume`` decides). A run folder is never replaced whole: the trainer
+    writes its own names only (config.json, metrics.jsonl, ckpt-*, final/, ...). ``mark``: create the folder and
+    its marker (one process: rank 0)."""
+    state = claim_output_dir(out_dir, kind, legacy=_is_legacy_run_dir)
+    if mark:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        if read_output_marker(out_dir) is None:
+            write_output_marker(out_dir, kind)
+    return state
+
+
 def pretrain(cfg: Config, show_progress: bool = True) -> dict:
     """``z2all pretrain``: the shared trainer with the next-token objective."""
+    try:  # before the data and the model are built: the trainer claims and locks it again when the run starts
+        claim_run_dir(cfg.train.out_dir, "pretrain")
+    except OutputDirError as e:
+        raise ConfigError(str(e)) from None
     if cfg.train.init:  # continued pretraining: the architecture is the init checkpoint's (ops from the config)
         from zero2all.model.io import read_model_config, weights_dir
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +40,14 @@ from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
 from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
-from zero2all.fileio import atomic_write, save_json
+from zero2all.fileio import (
+    atomic_write,
+    claim_output_dir,
+    read_output_marker,
+    save_json,
+    temporary_target,
+    write_output_marker,
+)
 
 __all__ = ["clean", "clean_chunk", "lsh_parameters"]
 
@@ -263,12 +271,23 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
         out_dir, max_docs = Path(tmp.name), cfg.dry_run_docs if max_docs is None else max_docs
     else:
         out_dir = Path(out)
+        # new, empty or an earlier `clean` output (resumed or redone); never a folder of other files
+        claim_output_dir(out_dir, "clean", inputs=inputs, legacy=_is_legacy_output)
     try:
         return _run(inputs, out_dir, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose,
                     dry_run)
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+_OUTPUT_NAME = re.compile(r"^(clean-\d{5}\.jsonl|report\.(json|md|png)|\.work)$")
+
+
+def _is_legacy_output(path: Path) -> bool:
+    """A `clean` output written before outputs carried a marker: nothing but the files `clean` writes."""
+    names = [n for n in os.listdir(path) if not n.startswith(".z2all-") and temporary_target(n) is None]
+    return bool(names) and all(_OUTPUT_NAME.match(n) for n in names)
 
 
 def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose, dry_run):
@@ -306,6 +325,8 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
 
     if not dry_run:
         write_report(report, out_dir)
+        if read_output_marker(out_dir) is None:
+            write_output_marker(out_dir, "clean")
         shutil.rmtree(work)
     if verbose:
         from zero2all.corpus.clean.report import summary_line
