@@ -386,9 +386,17 @@ def _clean(p):
         from zero2all.corpus.clean import CleanConfig, clean, load_clean_config
         from zero2all.corpus.clean.report import render_markdown
 
-        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override
-        keys = {f.name for f in dataclasses.fields(CleanConfig)} | {"clean"}
-        overrides = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] in keys]
+        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override; so is one whose NAME
+        # is a whole sub-table (`code=data/code`: a table is never set by one value)
+        fields = dataclasses.fields(CleanConfig)
+        keys = {f.name for f in fields} | {"clean"}
+        tables = {f.name for f in fields if dataclasses.is_dataclass(f.default_factory)}
+
+        def is_override(token: str) -> bool:
+            key = token.split("=", 1)[0]
+            return key.split(".")[0] in keys and key not in tables
+
+        overrides = [o for o in args.overrides if is_override(o)]
         inputs = list(args.input) + [o for o in args.overrides if o not in overrides]
         if not inputs:
             raise ValueError("--input: no source given")

@@ -72,7 +72,7 @@ from pathlib import Path
 import numpy as np
 
 from zero2all.corpus.mixture import temperature_weights
-from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, expand_paths, iter_records
 from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_dirs, temporary_target
 
 META_FILE = "meta.json"
@@ -540,6 +540,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     if temperature is not None or target_mb is not None or max_epochs is not None or seed:
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
+    check_out_outside_inputs(specs, out_dir)
     out = Path(out_dir)
     created = make_dirs(out)
     before = _snapshot(out)

@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Iterator
 
-from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, iter_records
 from zero2all.fileio import check_writable, remove_empty_dirs
 from zero2all.tokenizer.hf import (
     N_RESERVED,
@@ -172,6 +172,8 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
         raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 byte tokens + {base - 256} "
                          f"special tokens + {VOCAB_MULTIPLE} tokens to learn)")
     target = round_up(vocab_size, VOCAB_MULTIPLE)
+    if out_dir is not None:  # an --out inside a directory input would be read back by the next run
+        check_out_outside_inputs([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs, out_dir)
     # a read-only or unwritable --out fails now, not after the training: an OSError naming out_dir
     created = check_writable(out_dir) if out_dir is not None else []
     try:
