@@ -123,5 +123,5 @@ def test_errors_name_the_problem(data_dir, tmp_path):
         (broken / f.name).write_bytes(f.read_bytes())
     shard = broken / read_meta(data_dir)["splits"]["train"]["shards"][1]["bin"]
     shard.write_bytes(shard.read_bytes()[:-6])
-    with pytest.raises(ValueError, match="truncated or foreign shard"):
+    with pytest.raises(ValueError, match="the shard is truncated or was replaced"):
         PackedDataset(broken, 16)

@@ -7,10 +7,11 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from zero2all.cli import main
-from zero2all.data.pretokenize import prepare
+from zero2all.data.pretokenize import ShardError, prepare, read_meta
 from zero2all.model.io import save_model
 from zero2all.model.z2all import build_model
 from zero2all.tokenizer import train_tokenizer
@@ -125,3 +126,102 @@ def test_an_out_inside_an_input_directory_is_refused(command, corpus, tok_dir, t
     line = _one_error_line(capsys.readouterr().err, command)
     assert f"--out {src / 'out'}: inside the input directory {src}" in line and "outside" in line
     assert _files(src) == before and sorted(p.name for p in src.iterdir()) == ["good.jsonl"]
+
+
+# ---------------------------------------------------------------------------------------------------- token shards
+
+
+def _shard_case(data_dir, tmp_path, case):
+    d = _copy(data_dir, tmp_path / "data")
+    meta = read_meta(d)
+    shard = meta["splits"]["train"]["shards"][0]
+    if case == "truncated":
+        with open(d / shard["bin"], "r+b") as f:
+            f.truncate(100)
+        return d, f"{d / shard['bin']}: 100 bytes, but meta.json lists {shard['tokens']:,} tokens of uint16"
+    if case == "garbled-index":
+        (d / shard["idx"]).write_bytes(b"\x80\x04\x95garbled pickle, not an index")
+        return d, f"{d / shard['idx']}: not a document index written by `z2all prepare`"
+    if case == "short-index":
+        np.save(d / shard["idx"], np.arange(3, dtype=np.int64))
+        return d, f"{d / shard['idx']}: damaged document index (2 documents, meta.json lists {shard['docs']})"
+    if case == "id-too-large":  # an older meta.json without the recorded largest id: found by the scan
+        for s in meta["splits"]["train"]["shards"]:
+            s.pop("max_id", None)
+        (d / "meta.json").write_text(json.dumps(meta))
+        tokens = np.memmap(d / shard["bin"], dtype=np.uint16, mode="r+")
+        tokens[shard["tokens"] - 5] = 5000
+        tokens.flush()
+        return d, f"{d / shard['bin']}: holds token id 5000, but the model has 448 token rows"
+    if case == "changed-after-prepare":  # below the vocabulary, but above what prepare wrote
+        tokens = np.memmap(d / shard["bin"], dtype=np.uint16, mode="r+")
+        tokens[7] = shard["max_id"] + 1
+        tokens.flush()
+        return d, f"{d / shard['bin']}: holds token id {shard['max_id'] + 1}, but `z2all prepare` wrote none above"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["truncated", "garbled-index", "short-index", "id-too-large",
+                                  "changed-after-prepare"])
+def test_a_damaged_shard_is_one_line_before_training(case, data_dir, tmp_path, capsys):
+    d, expected = _shard_case(data_dir, tmp_path, case)
+    before = _files(d)
+    out = tmp_path / "run"
+    assert main(_pretrain(d, out, "train.max_steps=1")) == 2
+    line = _one_error_line(capsys.readouterr().err, "pretrain")
+    assert expected in line and f"re-run `z2all prepare` with --overwrite to rebuild {d}" in line
+    assert _files(d) == before and not out.exists()
+
+
+def test_prepare_records_the_largest_id_and_a_small_model_is_refused_at_once(data_dir, monkeypatch):
+    from zero2all.data import datasets
+
+    shards = read_meta(data_dir)["splits"]["train"]["shards"]
+    largest = max(int(np.fromfile(data_dir / s["bin"], dtype=np.uint16).max()) for s in shards)
+    assert max(s["max_id"] for s in shards) == largest
+    scanned = []
+    monkeypatch.setattr(datasets, "max_token_id", lambda tokens: scanned.append(len(tokens)) or 0)
+    with pytest.raises(ShardError, match=f"holds token id {largest}, but the model has {largest} token rows"):
+        datasets.PackedDataset(data_dir, 16, model_vocab_size=largest)
+    assert scanned == []  # refused from meta.json, without reading the shards
+
+
+def test_large_shards_are_scanned_once_each_before_their_first_batch(data_dir, tmp_path, monkeypatch):
+    from zero2all.data import datasets
+
+    d, _ = _shard_case(data_dir, tmp_path, "id-too-large")
+    monkeypatch.setattr(datasets.PackedDataset, "EAGER_SCAN_BYTES", 0)  # as if the shards were large
+    scanned = []
+    real = datasets.max_token_id
+    monkeypatch.setattr(datasets, "max_token_id", lambda tokens: scanned.append(len(tokens)) or real(tokens))
+    ds = datasets.PackedDataset(d, 16, model_vocab_size=448)
+    assert scanned == []
+    with pytest.raises(ShardError, match="5000"):
+        ds.read_tokens(0, 4)
+    good = datasets.PackedDataset(data_dir, 16, model_vocab_size=448)
+    for i in range(len(good)):
+        good[i]
+    assert scanned == [ds.shards[0]["tokens"]] + [s["tokens"] for s in good.shards]  # each shard once
+
+
+@pytest.mark.parametrize("case", ["garbled-index", "truncated-tokens"])
+def test_a_damaged_sft_directory_is_one_line(case, tok_dir, ckpt, tmp_path, capsys):
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"ok {i} " * 3}) + "\n"
+                               for i in range(20)))
+    d = tmp_path / "sft-data"
+    assert main(["prepare-sft", "--input", str(records), "--tokenizer", str(tok_dir), "--out", str(d)]) == 0
+    if case == "garbled-index":
+        (d / "train.index.npy").write_bytes(b"junk")
+        expected = f"{d / 'train.index.npy'}: damaged (not a plain .npy array"
+    else:
+        with open(d / "train.tokens.bin", "r+b") as f:
+            f.truncate(10)
+        expected = f"{d / 'train.tokens.bin'}: 10 bytes, but its index lists"
+    before = _files(d)
+    capsys.readouterr()
+    assert main(["sft", "--init", str(ckpt), "--data", str(d), "--out", str(tmp_path / "run"), "--no-progress",
+                 "train.max_steps=1", "train.device='cpu'"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "sft")
+    assert expected in line and f"re-run `z2all prepare-sft` with --overwrite to rebuild {d}" in line
+    assert _files(d) == before

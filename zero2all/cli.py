@@ -523,13 +523,14 @@ POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref
 def _posttrain_run(stage: str):
     def run(args):
         from zero2all.data.chat import ChatDataError
+        from zero2all.data.sft_shards import SFTShardError
         from zero2all.train import posttrain
 
         values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
         try:
             cfg = posttrain.posttrain_config(stage, args.config, args.overrides, values, sources=sources)
             getattr(posttrain, stage)(cfg, show_progress=not args.no_progress)
-        except ChatDataError as e:
+        except (ChatDataError, SFTShardError) as e:
             print(f"z2all {stage}: error: {e}", file=sys.stderr)
             return 2
 

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zero2all.config import ConfigError
 from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, expand_paths, iter_records
 from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_dirs, temporary_target
@@ -83,6 +84,86 @@ FORMAT_VERSION = 1
 
 class TokenizerMismatchError(ValueError):
     """Shards were made with another tokenizer than the one in use."""
+
+
+class ShardError(ConfigError):
+    """A token shard or its index does not match meta.json (truncated, replaced, damaged), or holds token ids the
+    model has no rows for. A ConfigError: the command prints its one line and exits with code 2."""
+
+
+_SHARD_DTYPES = ("uint16", "uint32")
+_SCAN_TOKENS = 1 << 24  # tokens per numpy pass of the id scan: 32 MB of uint16, a bounded amount of memory
+
+
+def rebuild_hint(data_dir) -> str:
+    return f"re-run `z2all prepare` with --overwrite to rebuild {data_dir}"
+
+
+def shard_dtype_of(meta: dict, data_dir) -> np.dtype:
+    """meta.json's token dtype, which must be one `prepare` writes."""
+    name = meta.get("dtype")
+    if name not in _SHARD_DTYPES:
+        raise ShardError(f"{Path(data_dir) / META_FILE}: dtype {name!r} is not one of {', '.join(_SHARD_DTYPES)}; "
+                         f"{rebuild_hint(data_dir)}")
+    return np.dtype(name)
+
+
+def check_shard_size(path: Path, tokens: int, dtype: np.dtype, data_dir) -> None:
+    """The shard file holds exactly ``tokens`` tokens of ``dtype``, as meta.json says."""
+    if not path.exists():
+        raise ShardError(f"{path}: listed in meta.json but missing; {rebuild_hint(data_dir)}")
+    size = path.stat().st_size
+    if size != tokens * dtype.itemsize:
+        what = "truncated" if size < tokens * dtype.itemsize else "longer than listed"
+        raise ShardError(f"{path}: {size:,} bytes, but meta.json lists {tokens:,} tokens of {dtype.name} "
+                         f"({tokens * dtype.itemsize:,} bytes): the shard is {what} or was replaced; "
+                         f"{rebuild_hint(data_dir)}")
+
+
+def load_offsets(path: Path, docs: int | None, tokens: int, data_dir, mmap: bool = True) -> np.ndarray:
+    """A document index (``.idx.npy``: int64 offsets, ``docs + 1`` of them, from 0 to ``tokens``, non-decreasing),
+    loaded without unpickling anything; anything else is a :class:`ShardError` naming the file."""
+    if not path.exists():
+        raise ShardError(f"{path}: listed in meta.json but missing; {rebuild_hint(data_dir)}")
+    try:
+        offsets = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # an operating-system failure (permissions, I/O), reported as such
+        raise ShardError(f"{path}: not a document index written by `z2all prepare` (not a plain .npy array); "
+                         f"{rebuild_hint(data_dir)}") from None
+    problem = None
+    if not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1:
+        problem = f"expected a 1-d int64 array, found {getattr(offsets, 'dtype', type(offsets).__name__)}"
+    elif docs is not None and len(offsets) != docs + 1:
+        problem = f"{len(offsets) - 1} documents, meta.json lists {docs}"
+    elif len(offsets) == 0 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+        problem = f"its offsets do not span the shard's {tokens:,} tokens"
+    elif len(offsets) > 1 and bool((np.diff(offsets) < 0).any()):
+        problem = "its offsets decrease"
+    if problem:
+        raise ShardError(f"{path}: damaged document index ({problem}); {rebuild_hint(data_dir)}")
+    return offsets
+
+
+def max_token_id(tokens: np.ndarray) -> int:
+    """The largest id in ``tokens`` (a memmap is read in passes of ``_SCAN_TOKENS``), -1 when empty."""
+    best = -1
+    for i in range(0, len(tokens), _SCAN_TOKENS):
+        best = max(best, int(tokens[i:i + _SCAN_TOKENS].max()))
+    return best
+
+
+def check_token_ids(path: Path, max_id: int, vocab_size: int, data_dir, recorded: int | None = None) -> None:
+    """Every id of the shard ``path`` (largest: ``max_id``) is a row of a model of ``vocab_size``; and not above
+    what `prepare` recorded for it, when it did (``recorded``)."""
+    if recorded is not None and max_id > recorded:
+        raise ShardError(f"{path}: holds token id {max_id}, but `z2all prepare` wrote none above {recorded}: the "
+                         f"shard was changed after it was written; {rebuild_hint(data_dir)}")
+    if max_id >= vocab_size:
+        raise ShardError(f"{path}: holds token id {max_id}, but the model has {vocab_size} token rows "
+                         f"(model.vocab_size, padded): set model.vocab_size to at least {max_id + 1} if the shards "
+                         f"were made with a larger tokenizer, else {rebuild_hint(data_dir)}")
 
 
 class NoDocumentsError(ValueError):
@@ -427,6 +508,7 @@ class _GroupWriter:
             self.abort()
             raise
         self.lens = {"train": [], "valid": []}
+        self.max_id = {"train": -1, "valid": -1}  # recorded per shard: checked against a model's vocabulary
         self.per_source: dict = collections.defaultdict(lambda: [0] * _NSTATS)
         self.chunks = 0
 
@@ -434,6 +516,8 @@ class _GroupWriter:
         for split, arr, lens in (("train", r.train, r.train_lens), ("valid", r.valid, r.valid_lens)):
             self.shards[split].file.write(arr.tobytes())
             self.lens[split].append(lens)
+            if len(arr):
+                self.max_id[split] = max(self.max_id[split], int(arr.max()))
         for name, v in r.per_source.items():
             acc = self.per_source[name]
             for i, x in enumerate(v):
@@ -451,7 +535,7 @@ class _GroupWriter:
                 np.save(fi, offsets)
             self.shards[split].commit()
             info[split] = {"bin": f"{base}.bin", "idx": f"{base}.idx.npy", "tokens": int(offsets[-1]),
-                           "docs": int(len(lens))}
+                           "docs": int(len(lens)), "max_id": self.max_id[split]}
         info["run_key"] = run_key
         with atomic_write(self.out / f"shard_{self.g:05d}.json") as f:
             json.dump(info, f, indent=1)
