@@ -206,11 +206,11 @@ def test_finished_output_with_other_inputs_needs_overwrite(corpus, tok_dir, tmp_
     out = tmp_path / "data"
     base = ["prepare", "--tokenizer", str(tok_dir), "--out", str(out), "--workers", "1", "--no-progress"]
     assert main(base + ["--input", str(corpus / "good.jsonl")]) == 0
-    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
     assert main(base + ["--input", str(corpus / "other.jsonl")]) == 2
     line = _one_error_line(capsys.readouterr().err, "prepare")
     assert "finished" in line and "sources differ" in line and "--overwrite" in line
-    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
     assert main(base + ["--input", str(corpus / "other.jsonl"), "--overwrite"]) == 0
     assert list(read_meta(out)["sources"]) == ["other"]
 

@@ -14,7 +14,7 @@ from zero2all.cli import main
 from zero2all.data.pretokenize import ShardError, prepare, read_meta
 from zero2all.model.io import save_model
 from zero2all.model.z2all import build_model
-from zero2all.tokenizer import train_tokenizer
+from zero2all.tokenizer import load_tokenizer, train_tokenizer
 
 TINY_MODEL = ["model.hidden_dim=32", "model.intermediate_size=72", "model.n_layers=1", "model.n_heads=4",
               "model.n_kv_heads=2", "model.ops.rmsnorm='torch'", "model.ops.rope='torch'",
@@ -225,3 +225,67 @@ def test_a_damaged_sft_directory_is_one_line(case, tok_dir, ckpt, tmp_path, caps
     line = _one_error_line(capsys.readouterr().err, "sft")
     assert expected in line and f"re-run `z2all prepare-sft` with --overwrite to rebuild {d}" in line
     assert _files(d) == before
+
+
+# ---------------------------------------------------------------------------------------------------- shard tokenizer
+
+
+def _hash_in_checkpoint(run):
+    return load_tokenizer(run / "final").hash
+
+
+def test_shards_keep_their_tokenizer_when_moved_or_retrained(corpus, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    train_tokenizer([str(corpus / "good.jsonl")], 448, tok, log=_quiet)
+    original = load_tokenizer(tok).hash
+    data = tmp_path / "data"
+    prepare([str(corpus / "good.jsonl")], tok, data, workers=1, log=_quiet)
+    meta = read_meta(data)
+    assert meta["tokenizer"]["copy"] == "tokenizer" and load_tokenizer(data / "tokenizer").hash == original
+    # the shards move, and another tokenizer is trained into the old folder
+    moved = tmp_path / "elsewhere" / "data"
+    moved.parent.mkdir()
+    data.rename(moved)
+    train_tokenizer([os.path.join(os.path.dirname(os.__file__), "json", "*.py")], 448, tok, log=_quiet)
+    assert load_tokenizer(tok).hash != original
+    tok_files = _files(tok)
+    assert main(_pretrain(moved, tmp_path / "run", "train.max_steps=1")) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if line.startswith("note:"))
+    assert f"{tok} no longer holds the tokenizer that made {moved}" in note and original[:16] in note
+    assert _hash_in_checkpoint(tmp_path / "run") == original
+    assert _files(tok) == tok_files
+
+
+def test_shards_of_earlier_versions_name_their_tokenizer_folder(corpus, tok_dir, data_dir, tmp_path, capsys):
+    """meta.json without a kept copy: the recorded folder is used while its hash matches; a changed one is one
+    line (exit 2), a folder that is gone a warning."""
+    tok = _copy(tok_dir, tmp_path / "tok")
+    d = _copy(data_dir, tmp_path / "data")
+    meta = read_meta(d)
+    del meta["tokenizer"]["copy"]
+    meta["tokenizer"]["dir"] = str(tok)
+    (d / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(d / "tokenizer")
+    assert main(_pretrain(d, tmp_path / "a", "train.max_steps=1")) == 0
+    assert _hash_in_checkpoint(tmp_path / "a") == meta["tokenizer"]["hash"]
+    capsys.readouterr()
+    train_tokenizer([os.path.join(os.path.dirname(os.__file__), "json", "*.py")], 448, tok, log=_quiet)
+    before = _files(d)
+    assert main(_pretrain(d, tmp_path / "b", "train.max_steps=1")) == 2
+    line = _one_error_line(capsys.readouterr().err, "pretrain")
+    assert f"{tok}: holds tokenizer {load_tokenizer(tok).hash[:16]}, but {d} was made with" in line
+    assert "put that tokenizer back" in line and not (tmp_path / "b").exists() and _files(d) == before
+    shutil.rmtree(tok)
+    assert main(_pretrain(d, tmp_path / "c", "train.max_steps=1")) == 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"{tok}, the tokenizer that made {d}, is gone" in warning[0]
+
+
+def test_overwrite_replaces_the_kept_tokenizer(corpus, tok_dir, tmp_path):
+    d = tmp_path / "data"
+    prepare([str(corpus / "good.jsonl")], tok_dir, d, workers=1, log=_quiet)
+    other = tmp_path / "tok2"
+    train_tokenizer([os.path.join(os.path.dirname(os.__file__), "json", "*.py")], 448, other, log=_quiet)
+    prepare([str(corpus / "good.jsonl")], other, d, workers=1, log=_quiet, overwrite=True)
+    assert load_tokenizer(d / "tokenizer").hash == load_tokenizer(other).hash == read_meta(d)["tokenizer"]["hash"]

@@ -64,6 +64,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ from zero2all.fileio import AtomicFile, atomic_write, make_dirs, remove_empty_di
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"
+TOKENIZER_COPY = "tokenizer"  # the tokenizer that made the shards, kept with them (meta.json names it by hash)
 FORMAT = "zero2all-shards"
 FORMAT_VERSION = 1
 
@@ -488,6 +490,64 @@ def _remove_outputs(out: Path, keep: set[str] = frozenset(), only: set[str] | No
             continue
         if f.is_file() and (_is_output(f.name) or _is_temporary(f.name)):
             f.unlink()
+        elif f.name == TOKENIZER_COPY and f.is_dir() and _is_tokenizer_copy(f):
+            shutil.rmtree(f)
+
+
+def _is_tokenizer_copy(d: Path) -> bool:
+    """A folder of nothing but tokenizer files (what `Tokenizer.save` writes): the copy `prepare` keeps."""
+    names = {p.name for p in d.iterdir()}
+    return "tokenizer.json" in names and names <= {"tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                                   "special_tokens_map.json", "z2all_tokenizer.json"}
+
+
+def shard_tokenizer(data_dir, meta: dict | None = None, log=print):
+    """(the tokenizer directory of a `prepare` output, its Tokenizer), or (None, None) when it has none.
+
+    The copy kept with the shards (``tokenizer/``, by hash in meta.json) when there is one: it made the shards, so
+    the folder it was copied from may since hold another tokenizer, and the shards may have moved (a note says so
+    when the recorded folder changed). Outputs of earlier versions name only that folder: it is used when its
+    hash is still the shards' (else :class:`TokenizerMismatchError`, one line); a folder that is gone gives a
+    warning line and (None, None)."""
+    from zero2all.tokenizer import load_tokenizer
+
+    data_dir = Path(data_dir)
+    meta = meta if meta is not None else read_meta(data_dir)
+    info = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    expected, recorded = info.get("hash"), info.get("dir")
+    recorded_dir = Path(recorded) if isinstance(recorded, str) and recorded else None
+    if recorded_dir is not None and not recorded_dir.is_absolute():
+        recorded_dir = data_dir / recorded_dir
+    copy = data_dir / info["copy"] if isinstance(info.get("copy"), str) else None
+    if copy is not None and (copy / "tokenizer.json").is_file():
+        tok = load_tokenizer(copy)
+        if expected and tok.hash != expected:
+            raise TokenizerMismatchError(f"{copy}: tokenizer {tok.hash[:16]}, but the shards were made with "
+                                         f"{expected[:16]} (meta.json): the copy was changed; "
+                                         f"{rebuild_hint(data_dir)}")
+        if recorded_dir is not None and (recorded_dir / "tokenizer.json").is_file():
+            try:
+                now = load_tokenizer(recorded_dir).hash
+            except ValueError:
+                now = None
+            if now != tok.hash:
+                log(f"note: {recorded_dir} no longer holds the tokenizer that made {data_dir}; using the copy kept "
+                    f"with the shards ({copy}, {tok.hash[:16]})")
+        return copy, tok
+    if recorded_dir is None:
+        return None, None
+    if not (recorded_dir / "tokenizer.json").is_file():
+        log(f"warning: {recorded_dir}, the tokenizer that made {data_dir}, is gone (shards written before "
+            f"`prepare` kept a copy of their tokenizer); checkpoints will carry no tokenizer: re-run `z2all prepare` "
+            f"with --overwrite to keep one with the shards")
+        return None, None
+    tok = load_tokenizer(recorded_dir)
+    if expected and tok.hash != expected:
+        raise TokenizerMismatchError(
+            f"{recorded_dir}: holds tokenizer {tok.hash[:16]}, but {data_dir} was made with {expected[:16]} (the "
+            f"folder changed since `prepare`, which did not yet keep a copy with the shards); put that tokenizer "
+            f"back, or {rebuild_hint(data_dir)} (the new output keeps its own copy)")
+    return recorded_dir, tok
 
 
 def _group_name(split: str, g: int) -> str:
@@ -848,10 +908,11 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
         v["share_in"] = round(v["bytes"] / max(total_bytes, 1), 6)
         v["share_planned"] = round(v["weight"] * v["bytes"] / planned, 6) if planned > 0 else 0.0
     total_tokens = splits["train"]["tokens"] + splits["valid"]["tokens"]
+    tok.save(out / TOKENIZER_COPY)  # moving the shards or retraining the tokenizer in its folder breaks nothing
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION,
-        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size,
-                      "eos_id": tok.eos_id, "backend": tok.backend},
+        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "copy": TOKENIZER_COPY,
+                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "backend": tok.backend},
         "dtype": dtype.name, "separator": "eos after every document",
         "valid_fraction": valid_fraction, "splits": splits, "sources": sources,
         "mixture": {k: v for k, v in mixture.items() if k != "origin"},

@@ -204,19 +204,19 @@ def build_datasets(cfg: Config, rank: int = 0, world_size: int = 1):
     except (FileNotFoundError, ValueError) as e:
         print(f"no validation split in {data_dir} ({e}); evaluation is off")
         valid = None
-    tok_dir = tokenizer_dir_of(data_dir, meta)
-    tokenizer = None
-    if tok_dir is not None and tok_dir.is_dir():
-        from zero2all.data.pretokenize import check_tokenizer
+    if not isinstance(meta.get("tokenizer"), dict):  # not `prepare`'s meta.json: a tokenizer folder it may name
+        tok_dir = tokenizer_dir_of(data_dir, meta)
+        if tok_dir is None or not tok_dir.is_dir():
+            return train, valid, None, None
         from zero2all.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(tok_dir)
-        try:
-            check_tokenizer(data_dir, tokenizer)  # the tokenizer directory may have changed since `prepare`
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    else:
-        tok_dir = None
+        return train, valid, load_tokenizer(tok_dir), tok_dir
+    from zero2all.data.pretokenize import TokenizerMismatchError, shard_tokenizer
+
+    try:  # the copy kept with the shards; for older outputs the recorded folder, checked by hash
+        tok_dir, tokenizer = shard_tokenizer(data_dir, meta, log=print)
+    except TokenizerMismatchError as e:
+        raise ConfigError(str(e)) from None
     return train, valid, tokenizer, tok_dir
 
 
