@@ -6,6 +6,7 @@ operating-system failure, and leave what the user owns as it was."""
 import json
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -289,3 +290,140 @@ def test_overwrite_replaces_the_kept_tokenizer(corpus, tok_dir, tmp_path):
     train_tokenizer([os.path.join(os.path.dirname(os.__file__), "json", "*.py")], 448, other, log=_quiet)
     prepare([str(corpus / "good.jsonl")], other, d, workers=1, log=_quiet, overwrite=True)
     assert load_tokenizer(d / "tokenizer").hash == load_tokenizer(other).hash == read_meta(d)["tokenizer"]["hash"]
+
+
+# ---------------------------------------------------------------------------------------------------- inference inputs
+
+
+def _damaged_tokenizer_ckpt(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path / "ckpt")
+    text = (d / "tokenizer.json").read_text()
+    (d / "tokenizer.json").write_text(text[:200])  # a copy cut short
+    return d
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "export-gguf"])
+def test_a_truncated_tokenizer_json_is_one_line(command, ckpt, tmp_path, monkeypatch, capsys):
+    import zero2all.infer.server as server
+
+    d = _damaged_tokenizer_ckpt(ckpt, tmp_path)
+    before = _files(d)
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: pytest.fail("served with a damaged tokenizer"))
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("/exit\n"))
+    args = {"generate": ["--prompt", "x"], "chat": [], "serve": ["--port", "0"],
+            "export-gguf": ["--out", str(tmp_path / "m.gguf")]}[command]
+    assert main([command, "--ckpt", str(d), *args]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert f"{d / 'tokenizer.json'}:1: not valid JSON" in line and "the file is damaged" in line
+    assert _files(d) == before and not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU is present")
+@pytest.mark.parametrize("command", ["generate", "serve", "eval"])
+def test_device_cuda_without_a_gpu_is_one_line(command, ckpt, corpus, capsys):
+    args = {"generate": ["--prompt", "x"], "serve": ["--port", "0"], "eval": ["--data", str(corpus / "good.jsonl")]}
+    assert main([command, "--ckpt", str(ckpt), "--device", "cuda", *args[command]]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert "--device: 'cuda' was asked for but no CUDA GPU is available; use cpu (or auto)" in line
+
+
+@pytest.fixture(scope="module")
+def chatless_ckpt(corpus, tmp_path_factory):
+    """A checkpoint whose tokenizer (a plain byte-level BPE, as many foreign ones) has no chat tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from zero2all.config import ModelConfig, OpsConfig
+
+    root = tmp_path_factory.mktemp("chatless")
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train([str(corpus / "good.jsonl")], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (root / "tok").mkdir()
+    hf.save(str(root / "tok" / "tokenizer.json"))
+    tok = load_tokenizer(root / "tok")
+    assert tok.im_start_id is None
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=32, intermediate_size=64, n_layers=1, n_heads=4,
+                      n_kv_heads=2, max_seq_len=64, ops=OpsConfig.plain())
+    return save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root / "tok")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_chat_with_a_tokenizer_without_chat_tokens_is_one_line(command, chatless_ckpt, capsys):
+    extra = ["--prompt", "hi", "--chat"] if command == "generate" else []
+    assert main([command, "--ckpt", str(chatless_ckpt), *extra]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert f"the tokenizer of {chatless_ckpt} has no <|im_start|>/<|im_end|> chat tokens" in line
+    assert main(["generate", "--ckpt", str(chatless_ckpt), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--port", "99999", "--port 99999: must be 0-65535 (0 picks a free port)"),
+    ("--port", "-1", "--port -1: must be 0-65535"),
+    ("--max-tokens-limit", "0", "--max-tokens-limit 0: must be at least 1"),
+    ("--max-batch", "0", "--max-batch 0: must be at least 1"),
+    ("--max-queue", "-1", "--max-queue -1: must be at least 0"),
+    ("--drain-timeout", "nan", "--drain-timeout nan: must be a number of seconds >= 0"),
+])
+def test_serve_values_that_can_never_work_are_refused_before_loading(flag, value, expected, ckpt, monkeypatch,
+                                                                     capsys):
+    import zero2all.infer.generate as generate
+
+    monkeypatch.setattr(generate, "load_for_inference", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["serve", "--ckpt", str(ckpt), flag, value]) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "serve")
+
+
+def test_serve_on_a_busy_port_or_a_bad_host_names_both(ckpt, monkeypatch, capsys):
+    import zero2all.infer.generate as generate
+
+    monkeypatch.setattr(generate, "load_for_inference", lambda *a, **k: pytest.fail("loaded the model"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--ckpt", str(ckpt), "--port", str(port)]) == 1
+        line = _one_error_line(capsys.readouterr().err, "serve")
+        assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in line and "another --port" in line
+    for host in ("no-such-host.invalid", "192.0.2.1"):  # unresolvable; a documentation address of no machine
+        assert main(["serve", "--ckpt", str(ckpt), "--host", host, "--port", "8123"]) == 2
+        line = _one_error_line(capsys.readouterr().err, "serve")
+        assert f"--host {host}: cannot listen on {host}:8123" in line and "use 127.0.0.1, 0.0.0.0" in line
+
+
+def test_export_into_the_working_directory_is_one_line(ckpt, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in (".", str(work), str(tmp_path)):
+        assert main(["export-hf", "--ckpt", str(ckpt), "--out", out]) == 2
+        line = _one_error_line(capsys.readouterr().err, "export-hf")
+        assert f"--out {out}: is " in line and "which this command would replace whole" in line
+    assert _files(work) == {"notes.txt": b"mine"} and sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_a_reward_function_returning_a_string_is_one_line(tmp_path, monkeypatch, capsys):
+    from zero2all.config import ModelConfig, OpsConfig
+    from zero2all.train.rl_tasks import make_problems, sft_records
+
+    problems = make_problems(8, seed=0, max_value=5)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in problems))
+    text = "\n".join(f"{r['instruction']} {r['output']}" for r in sft_records(problems))
+    (tmp_path / "corpus.txt").write_text(text * 3)
+    tok = train_tokenizer([str(tmp_path / "corpus.txt")], 384, tmp_path / "tok", log=_quiet)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_dim=32, intermediate_size=64, n_layers=1, n_heads=4,
+                      n_kv_heads=2, max_seq_len=96, ops=OpsConfig.plain())
+    init = save_model(build_model(cfg, seed=0), tmp_path / "init", tokenizer_dir=tmp_path / "tok")
+    (tmp_path / "wordy_reward.py").write_text("def score(text, record):\n    return 'good'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "rl"
+    assert main(["rl", "--init", str(init), "--data", str(prompts), "--out", str(out), "--reward-fn",
+                 "wordy_reward:score", "--group-size", "2", "--max-new-tokens", "2", "--device", "cpu",
+                 "--no-progress", "train.max_steps=1", "train.micro_batch_size=2", "train.tensorboard=false",
+                 "train.ckpt_every=0", "train.eval_every=0"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "rl")
+    assert "rl.reward_fn wordy_reward:score: returned 'good' (str)" in line and "must return a number" in line
+    assert not (out / "final").exists()

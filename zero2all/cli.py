@@ -706,6 +706,17 @@ def _load_generator(args):
     return Generator(model, tokenizer, compile=args.compile), params
 
 
+def _require_chat_tokens(tok, args, what: str) -> None:
+    """A chat needs the ChatML role tokens; say so before any generation (a ConfigError: one line, exit 2)."""
+    if getattr(tok, "im_start_id", None) is None or getattr(tok, "im_end_id", None) is None:
+        from zero2all.config import ConfigError
+
+        source = f"--tokenizer {args.tokenizer}" if args.tokenizer else f"the tokenizer of {args.ckpt}"
+        raise ConfigError(f"{what}: {source} has no <|im_start|>/<|im_end|> chat tokens, so it cannot render a chat; "
+                          f"use a tokenizer trained with `z2all train-tokenizer` (it has them)"
+                          + (" or drop --chat" if what == "--chat" else ", or `z2all generate` for plain text"))
+
+
 @command("generate", "continue a prompt (streamed to the terminal); several --prompt run as one batch",
          "  z2all generate --ckpt runs/demo/final --prompt 'def parse_args(' --max-new-tokens 64\n"
          "  z2all generate --ckpt runs/demo/sft/final --chat --prompt 'Write the docstring of os.path.join'\n"
@@ -727,6 +738,7 @@ def _generate(p):
         params.stop = tuple(args.stop)
         tok = generator.tokenizer
         if args.chat:
+            _require_chat_tokens(tok, args, "--chat")
             head = [{"role": "system", "content": args.system}] if args.system else []
             prompts = [tok.apply_chat_template(head + [{"role": "user", "content": t}], add_generation_prompt=True)
                        for t in args.prompt]
@@ -768,6 +780,7 @@ def _chat(p):
         from zero2all.infer.chat import ChatSession, chat_loop
 
         generator, params = _load_generator(args)
+        _require_chat_tokens(generator.tokenizer, args, "chat")
         chat_loop(ChatSession(generator, system=args.system, params=params))
 
     return run
@@ -804,15 +817,31 @@ def _serve(p):
                         "default: no CORS header (only the page served here can)")
 
     def run(args):
+        import math
         import os
 
-        from zero2all.infer.server import serve
+        from zero2all.config import ConfigError
+        from zero2all.infer.server import AddressError, serve
 
-        return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
-                     model_name=args.model_name, device=args.device, dtype=args.dtype,
-                     max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
-                     drain_timeout=args.drain_timeout, compile=args.compile,
-                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin)
+        # values that can never work are refused before the model is loaded
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port {args.port}: must be 0-65535 (0 picks a free port)")
+        for flag, value, least in (("--max-tokens-limit", args.max_tokens_limit, 1), ("--max-queue", args.max_queue, 0),
+                                   ("--max-batch", args.max_batch, 1)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+            raise ConfigError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+        try:  # a busy port or a bad host: one line naming both (exit 1, or 2 for a host that can never work)
+            return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
+                         model_name=args.model_name, device=args.device, dtype=args.dtype,
+                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
+                         drain_timeout=args.drain_timeout, compile=args.compile,
+                         api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None,
+                         cors_origin=args.cors_origin)
+        except AddressError as e:
+            print(f"z2all serve: error: {e}", file=sys.stderr)
+            return e.exit_code
 
     return run
 
@@ -1090,6 +1119,26 @@ def _wrapped_os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+# commands whose --out is a directory written whole and put in place by a rename (zero2all.fileio.atomic_dir)
+_WHOLE_DIRECTORY_OUTPUTS = {"export-hf", "import-hf", "resize-vocab", "train-tokenizer", "extend-tokenizer",
+                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint"}
+
+
+def _check_directory_out(args) -> None:
+    """An ``--out`` that is the working directory or a folder above it cannot be replaced by a rename: a
+    ConfigError naming it, before any work."""
+    from zero2all.config import ConfigError
+
+    out = getattr(args, "out", None)
+    if args.command not in _WHOLE_DIRECTORY_OUTPUTS or not isinstance(out, str) or not out:
+        return
+    target, cwd = os.path.realpath(out), os.path.realpath(os.getcwd())
+    if target == cwd or cwd.startswith(target.rstrip(os.sep) + os.sep):
+        where = "the working directory" if target == cwd else f"a folder above the working directory ({cwd})"
+        raise ConfigError(f"--out {out}: is {where}, which this command would replace whole; name a folder of its "
+                          f"own, e.g. --out {os.path.join(out, args.command.split('-')[-1])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1099,6 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero2all.config import ConfigError, TrainingInterrupted
 
     try:
+        _check_directory_out(args)
         result = args._run(args)
     except TrainingInterrupted as e:  # a checkpoint was saved; one line, the shell's code for that signal
         print(f"z2all {args.command}: {e}", file=sys.stderr)
