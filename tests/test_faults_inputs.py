@@ -3,6 +3,7 @@ hold the tool's own outputs, shards whose tokenizer moved or changed, full disks
 must end with one line on stderr naming the file (or value) and what to do, exit code 2 for bad input and 1 for an
 operating-system failure, and leave what the user owns as it was."""
 
+import errno
 import json
 import os
 import shutil
@@ -427,3 +428,105 @@ def test_a_reward_function_returning_a_string_is_one_line(tmp_path, monkeypatch,
     line = _one_error_line(capsys.readouterr().err, "rl")
     assert "rl.reward_fn wordy_reward:score: returned 'good' (str)" in line and "must return a number" in line
     assert not (out / "final").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- full disks
+
+
+def _full(message="No space left on device"):
+    def raise_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, message)
+    return raise_full
+
+
+def _disk_full_line(err, command, path):
+    line = _one_error_line(err, command)
+    assert line.startswith(f"z2all {command}: error: disk full while writing {path}"), line
+    assert " bytes free); nothing was replaced; free space or choose another --out" in line and ".tmp" not in line
+    return line
+
+
+@pytest.mark.parametrize("how", ["oserror", "safetensors"])
+def test_export_hf_on_a_full_disk_keeps_the_previous_export(how, ckpt, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    if how == "oserror":
+        monkeypatch.setattr(safetensors.torch, "save_file", _full())
+    else:  # what safetensors raises on a full disk: its own error type, errno only in the text
+        def save_file(*args, **kwargs):
+            raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                              'message: "No space left on device" })')
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    assert main(["export-hf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "bfloat16"]) == 1
+    _disk_full_line(capsys.readouterr().err, "export-hf", out)
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("how", ["oserror", "short-write"])
+def test_export_gguf_on_a_full_disk_keeps_the_previous_file(how, ckpt, tmp_path, monkeypatch, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "--ckpt", str(ckpt), "--out", str(out)]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+
+    def short_write(self, *args, **kwargs):  # numpy's tofile on a full disk: an OSError without errno
+        raise OSError("2097152 requested and 1244392 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", _full() if how == "oserror" else short_write)
+    assert main(["export-gguf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "f16"]) == 1
+    _disk_full_line(capsys.readouterr().err, "export-gguf", out)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+@pytest.mark.parametrize("how", ["oserror", "torch-writer"])
+def test_a_full_disk_at_a_checkpoint_leaves_no_temporary(how, tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    import zero2all.fileio as fileio
+
+    out = tmp_path / "run"
+    args = ["pretrain", "--config", "tiny", "--out", str(out), "--no-progress", *TINY_MODEL, "model.vocab_size=64",
+            "model.max_seq_len=16", *QUIET_RUN, "train.ckpt_every=2", "train.keep_last=0"]
+    assert main(args + ["train.max_steps=2"]) == 0
+    first = _files(out / "ckpt-000002")
+    capsys.readouterr()
+    real_save = dcp.save
+
+    def save(state, checkpoint_id=None, **kwargs):  # part of the files written, then the disk is full
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        if how == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(checkpoint_id, "__0_0.distcp"))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(dcp, "save", save)
+    monkeypatch.setattr(fileio, "free_bytes", lambda path: 4096)  # torch's wording needs a nearly full disk
+    assert main(args + ["train.max_steps=4", "--resume", "auto"]) == 1
+    line = _one_error_line(capsys.readouterr().err, "pretrain")
+    assert "disk full while writing" in line and "(4,096 bytes free); nothing was replaced" in line
+    assert str(out) in line and ".tmp" not in line
+    assert not list(out.glob(".tmp-ckpt-*")) and _files(out / "ckpt-000002") == first
+    assert not (out / "ckpt-000004").exists()
+
+
+def test_disk_full_wordings_of_other_libraries_are_recognised(tmp_path, monkeypatch):
+    from zero2all import fileio
+
+    assert fileio.as_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
+    e = fileio.as_disk_full(OSError("2097152 requested and 1244392 written"), tmp_path / "x.gguf")
+    assert e.errno == errno.ENOSPC and e.filename == str(tmp_path / "x.gguf")
+    assert fileio.as_disk_full(RuntimeError("IoError(Os { code: 28, kind: StorageFull })")).errno == errno.ENOSPC
+    writer = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    assert fileio.as_disk_full(writer, tmp_path) is None  # plenty of space here: not called a full disk
+    monkeypatch.setattr(fileio, "free_bytes", lambda path: 100)
+    assert fileio.as_disk_full(writer, tmp_path).errno == errno.ENOSPC
+    for other in (OSError(errno.EIO, "Input/output error"), ValueError("bad value"), OSError("10 requested")):
+        assert fileio.as_disk_full(other, tmp_path) is None
+    line = fileio.os_error_message(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "hf")
+    assert line == f"disk full while writing {tmp_path / 'hf'} (100 bytes free); nothing was replaced; free space " \
+                   f"or choose another --out"

@@ -1107,15 +1107,24 @@ def os_error_line(exc: OSError, args) -> str:
     return os_error_message(exc, path, "write" if writing else "read", option or "--out")
 
 
-def _wrapped_os_error(exc: BaseException) -> OSError | None:
-    """The OSError inside an exception that collects per-rank failures (torch.distributed.checkpoint's
-    CheckpointException: ``failures`` = {rank: (exception, traceback)}), if there is one."""
+def _wrapped_os_error(exc: BaseException, args=None) -> OSError | None:
+    """The OSError that ``exc`` stands for: a full disk said by a library in its own words (safetensors, torch's
+    writer: ``zero2all.fileio.as_disk_full``), or the OSError inside an exception that collects per-rank failures
+    (torch.distributed.checkpoint's CheckpointException: ``failures`` = {rank: (exception, traceback)})."""
+    from zero2all.fileio import as_disk_full
+
+    out = getattr(args, "out", None) if args is not None else None
+    full = as_disk_full(exc, out if isinstance(out, str) else None)
+    if full is not None:
+        return full
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             inner = failure[0] if isinstance(failure, tuple) and failure else failure
             if isinstance(inner, OSError):
-                return inner
+                return as_disk_full(inner) or inner
+            if isinstance(inner, BaseException) and (full := _wrapped_os_error(inner, args)) is not None:
+                return full
     return None
 
 
@@ -1160,10 +1169,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only or full disk, permissions: the writes are atomic, so nothing was damaged
-        print(f"z2all {args.command}: error: {os_error_line(e, args)}", file=sys.stderr)
+        print(f"z2all {args.command}: error: {os_error_line(_wrapped_os_error(e, args) or e, args)}",
+              file=sys.stderr)
         return 1
     except BaseException as e:
-        inner = _wrapped_os_error(e)
+        inner = _wrapped_os_error(e, args)
         if inner is None:
             raise
         print(f"z2all {args.command}: error: {os_error_line(inner, args)}", file=sys.stderr)
