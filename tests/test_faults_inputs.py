@@ -530,3 +530,34 @@ def test_disk_full_wordings_of_other_libraries_are_recognised(tmp_path, monkeypa
     line = fileio.os_error_message(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "hf")
     assert line == f"disk full while writing {tmp_path / 'hf'} (100 bytes free); nothing was replaced; free space " \
                    f"or choose another --out"
+
+
+# ---------------------------------------------------------------------------------------------------- other probes
+
+
+@pytest.mark.parametrize("case", ["truncated-weights", "garbled-z2all-json"])
+def test_a_damaged_checkpoint_is_one_line(case, ckpt, tmp_path, capsys):
+    d = _copy(ckpt, tmp_path / "ckpt")
+    if case == "truncated-weights":
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(1000)
+        expected = f"{d / 'model.safetensors'}: damaged weights"
+    else:
+        (d / "z2all.json").write_text('{"model": ')
+        expected = f"{d / 'z2all.json'}: damaged (Expecting value)"
+    before = _files(d)
+    assert main(["generate", "--ckpt", str(d), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "generate")
+    assert expected in line and "copy the checkpoint again" in line and _files(d) == before
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--top-p", "2", "--top-p: must be in (0, 1], got 2.0"),
+                                                   ("--max-new-tokens", "-1", "--max-new-tokens: must be a positive"),
+                                                   ("--stop", "", "--stop: must be non-empty strings")])
+def test_bad_sampling_values_are_refused_before_loading(flag, value, expected, ckpt, monkeypatch, capsys):
+    import zero2all.infer.generate as generate
+
+    monkeypatch.setattr(generate, "load_for_inference", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "x", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, "generate") and captured.out == ""

@@ -697,12 +697,19 @@ def _tokenizer_override(args):
 
 
 def _load_generator(args):
+    from zero2all.config import ConfigError
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
 
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=tuple(getattr(args, "stop", None) or ()))
+    try:  # before loading the model, and before a prompt is echoed: `--top-p: must be in (0, 1], got 2.0`
+        params.validate()
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")
+        raise ConfigError(f"--{field.replace('_', '-')}{sep}{rest}" if sep else str(e)) from None
     model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype,
                                           tokenizer=_tokenizer_override(args))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     return Generator(model, tokenizer, compile=args.compile), params
 
 
