@@ -561,3 +561,19 @@ def test_bad_sampling_values_are_refused_before_loading(flag, value, expected, c
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "x", flag, value]) == 2
     captured = capsys.readouterr()
     assert expected in _one_error_line(captured.err, "generate") and captured.out == ""
+
+
+def test_an_hf_config_without_llama_keys_is_one_line(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    assert main(["import-hf", "--hf", str(hf), "--out", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capsys.readouterr().err, "import-hf")
+    assert f"{hf / 'config.json'}: not a Llama-architecture config.json this library can read (no '" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--context", "0"), ("--stride", "0"), ("--batch-size", "0")])
+def test_eval_values_that_would_silently_become_defaults_are_refused(flag, value, ckpt, corpus, capsys):
+    assert main(["eval", "--ckpt", str(ckpt), "--data", str(corpus / "good.jsonl"), flag, value]) == 2
+    assert f"{flag}: {value} must be at least" in _one_error_line(capsys.readouterr().err, "eval")

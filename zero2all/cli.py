@@ -274,6 +274,8 @@ def _train_tokenizer(p):
     def run(args):
         from zero2all.tokenizer.train import train_tokenizer
 
+        if not args.max_memory_gb >= 0:
+            raise ValueError(f"--max-memory-gb: {args.max_memory_gb} must be >= 0 (0 = no cap)")
         tok = train_tokenizer(args.input or ["stdlib"], args.vocab_size, args.out, backend=args.backend,
                               text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
                               max_memory_gb=args.max_memory_gb or None, seed=args.seed,
@@ -902,6 +904,10 @@ def _eval(p):
 
         if args.max_docs is not None and args.max_docs < 1:
             raise ValueError(f"--max-docs: {args.max_docs} must be at least 1")
+        for flag, value, least in (("--context", args.context, 2), ("--stride", args.stride, 1),
+                                   ("--batch-size", args.batch_size, 1)):
+            if value is not None and value < least:  # 0 would silently mean "the default"
+                raise ValueError(f"{flag}: {value} must be at least {least}")
         result = evaluate_files(args.ckpt, args.data, max_docs=args.max_docs, device=args.device,
                                 dtype=args.dtype, context=args.context, stride=args.stride,
                                 batch_size=args.batch_size, tokenizer=_tokenizer_override(args),
