@@ -157,7 +157,11 @@ def test_an_os_error_during_a_write_gives_one_line_and_keeps_the_old_file(tmp_pa
         write_bytes(p, b"new weights")
     monkeypatch.undo()
     line = os_error_message(info.value, p)
-    assert line == f"cannot write {p}: {os.strerror(code)} (errno {code}){hint}"
+    if code == errno.ENOSPC:  # a full disk has its own wording
+        assert line.startswith(f"disk full while writing {p} (") and line.endswith(f" bytes free); nothing was "
+                                                                                f"replaced{hint}")
+    else:
+        assert line == f"cannot write {p}: {os.strerror(code)} (errno {code}){hint}"
     assert "\n" not in line
     assert p.read_bytes() == b"old weights" and _entries(tmp_path) == ["model.safetensors"]
 

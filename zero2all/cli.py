@@ -281,6 +281,8 @@ def _train_tokenizer(p):
     def run(args):
         from zero2all.tokenizer.train import train_tokenizer
 
+        if not args.max_memory_gb >= 0:
+            raise ValueError(f"--max-memory-gb: {args.max_memory_gb} must be >= 0 (0 = no cap)")
         tok = train_tokenizer(args.input or ["stdlib"], args.vocab_size, args.out, backend=args.backend,
                               text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
                               max_memory_gb=args.max_memory_gb or None, seed=args.seed,
@@ -394,9 +396,17 @@ def _clean(p):
         from zero2all.corpus.clean import CleanConfig, clean, load_clean_config
         from zero2all.corpus.clean.report import render_markdown
 
-        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override
-        keys = {f.name for f in dataclasses.fields(CleanConfig)} | {"clean"}
-        overrides = [o for o in args.overrides if o.split("=", 1)[0].split(".")[0] in keys]
+        # a token NAME=PATH whose NAME is no [clean] key is a named source, not an override; so is one whose NAME
+        # is a whole sub-table (`code=data/code`: a table is never set by one value)
+        fields = dataclasses.fields(CleanConfig)
+        keys = {f.name for f in fields} | {"clean"}
+        tables = {f.name for f in fields if dataclasses.is_dataclass(f.default_factory)}
+
+        def is_override(token: str) -> bool:
+            key = token.split("=", 1)[0]
+            return key.split(".")[0] in keys and key not in tables
+
+        overrides = [o for o in args.overrides if is_override(o)]
         inputs = list(args.input) + [o for o in args.overrides if o not in overrides]
         if not inputs:
             raise ValueError("--input: no source given")
@@ -524,13 +534,14 @@ POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref
 def _posttrain_run(stage: str):
     def run(args):
         from zero2all.data.chat import ChatDataError
+        from zero2all.data.sft_shards import SFTShardError
         from zero2all.train import posttrain
 
         values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
         try:
             cfg = posttrain.posttrain_config(stage, args.config, args.overrides, values, sources=sources)
             getattr(posttrain, stage)(cfg, show_progress=not args.no_progress)
-        except ChatDataError as e:
+        except (ChatDataError, SFTShardError) as e:
             print(f"z2all {stage}: error: {e}", file=sys.stderr)
             return 2
 
@@ -699,13 +710,31 @@ def _tokenizer_override(args):
 
 
 def _load_generator(args):
+    from zero2all.config import ConfigError
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
 
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=tuple(getattr(args, "stop", None) or ()))
+    try:  # before loading the model, and before a prompt is echoed: `--top-p: must be in (0, 1], got 2.0`
+        params.validate()
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")
+        raise ConfigError(f"--{field.replace('_', '-')}{sep}{rest}" if sep else str(e)) from None
     model, tokenizer = load_for_inference(args.ckpt, device=args.device, dtype=args.dtype,
                                           tokenizer=_tokenizer_override(args))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     return Generator(model, tokenizer, compile=args.compile), params
+
+
+def _require_chat_tokens(tok, args, what: str) -> None:
+    """A chat needs the ChatML role tokens; say so before any generation (a ConfigError: one line, exit 2)."""
+    if getattr(tok, "im_start_id", None) is None or getattr(tok, "im_end_id", None) is None:
+        from zero2all.config import ConfigError
+
+        source = f"--tokenizer {args.tokenizer}" if args.tokenizer else f"the tokenizer of {args.ckpt}"
+        raise ConfigError(f"{what}: {source} has no <|im_start|>/<|im_end|> chat tokens, so it cannot render a chat; "
+                          f"use a tokenizer trained with `z2all train-tokenizer` (it has them)"
+                          + (" or drop --chat" if what == "--chat" else ", or `z2all generate` for plain text"))
 
 
 @command("generate", "continue a prompt (streamed to the terminal); several --prompt run as one batch",
@@ -729,6 +758,7 @@ def _generate(p):
         params.stop = tuple(args.stop)
         tok = generator.tokenizer
         if args.chat:
+            _require_chat_tokens(tok, args, "--chat")
             head = [{"role": "system", "content": args.system}] if args.system else []
             prompts = [tok.apply_chat_template(head + [{"role": "user", "content": t}], add_generation_prompt=True)
                        for t in args.prompt]
@@ -770,6 +800,7 @@ def _chat(p):
         from zero2all.infer.chat import ChatSession, chat_loop
 
         generator, params = _load_generator(args)
+        _require_chat_tokens(generator.tokenizer, args, "chat")
         chat_loop(ChatSession(generator, system=args.system, params=params))
 
     return run
@@ -806,15 +837,31 @@ def _serve(p):
                         "default: no CORS header (only the page served here can)")
 
     def run(args):
+        import math
         import os
 
-        from zero2all.infer.server import serve
+        from zero2all.config import ConfigError
+        from zero2all.infer.server import AddressError, serve
 
-        return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
-                     model_name=args.model_name, device=args.device, dtype=args.dtype,
-                     max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
-                     drain_timeout=args.drain_timeout, compile=args.compile,
-                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin)
+        # values that can never work are refused before the model is loaded
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port {args.port}: must be 0-65535 (0 picks a free port)")
+        for flag, value, least in (("--max-tokens-limit", args.max_tokens_limit, 1), ("--max-queue", args.max_queue, 0),
+                                   ("--max-batch", args.max_batch, 1)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+            raise ConfigError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+        try:  # a busy port or a bad host: one line naming both (exit 1, or 2 for a host that can never work)
+            return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
+                         model_name=args.model_name, device=args.device, dtype=args.dtype,
+                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
+                         drain_timeout=args.drain_timeout, compile=args.compile,
+                         api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None,
+                         cors_origin=args.cors_origin)
+        except AddressError as e:
+            print(f"z2all serve: error: {e}", file=sys.stderr)
+            return e.exit_code
 
     return run
 
@@ -868,6 +915,10 @@ def _eval(p):
 
         if args.max_docs is not None and args.max_docs < 1:
             raise ValueError(f"--max-docs: {args.max_docs} must be at least 1")
+        for flag, value, least in (("--context", args.context, 2), ("--stride", args.stride, 1),
+                                   ("--batch-size", args.batch_size, 1)):
+            if value is not None and value < least:  # 0 would silently mean "the default"
+                raise ValueError(f"{flag}: {value} must be at least {least}")
         result = evaluate_files(args.ckpt, args.data, max_docs=args.max_docs, device=args.device,
                                 dtype=args.dtype, context=args.context, stride=args.stride,
                                 batch_size=args.batch_size, tokenizer=_tokenizer_override(args),
@@ -1080,16 +1131,45 @@ def os_error_line(exc: OSError, args) -> str:
     return os_error_message(exc, path, "write" if writing else "read", option or "--out")
 
 
-def _wrapped_os_error(exc: BaseException) -> OSError | None:
-    """The OSError inside an exception that collects per-rank failures (torch.distributed.checkpoint's
-    CheckpointException: ``failures`` = {rank: (exception, traceback)}), if there is one."""
+def _wrapped_os_error(exc: BaseException, args=None) -> OSError | None:
+    """The OSError that ``exc`` stands for: a full disk said by a library in its own words (safetensors, torch's
+    writer: ``zero2all.fileio.as_disk_full``), or the OSError inside an exception that collects per-rank failures
+    (torch.distributed.checkpoint's CheckpointException: ``failures`` = {rank: (exception, traceback)})."""
+    from zero2all.fileio import as_disk_full
+
+    out = getattr(args, "out", None) if args is not None else None
+    full = as_disk_full(exc, out if isinstance(out, str) else None)
+    if full is not None:
+        return full
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             inner = failure[0] if isinstance(failure, tuple) and failure else failure
             if isinstance(inner, OSError):
-                return inner
+                return as_disk_full(inner) or inner
+            if isinstance(inner, BaseException) and (full := _wrapped_os_error(inner, args)) is not None:
+                return full
     return None
+
+
+# commands whose --out is a directory written whole and put in place by a rename (zero2all.fileio.atomic_dir)
+_WHOLE_DIRECTORY_OUTPUTS = {"export-hf", "import-hf", "resize-vocab", "train-tokenizer", "extend-tokenizer",
+                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint"}
+
+
+def _check_directory_out(args) -> None:
+    """An ``--out`` that is the working directory or a folder above it cannot be replaced by a rename: a
+    ConfigError naming it, before any work."""
+    from zero2all.config import ConfigError
+
+    out = getattr(args, "out", None)
+    if args.command not in _WHOLE_DIRECTORY_OUTPUTS or not isinstance(out, str) or not out:
+        return
+    target, cwd = os.path.realpath(out), os.path.realpath(os.getcwd())
+    if target == cwd or cwd.startswith(target.rstrip(os.sep) + os.sep):
+        where = "the working directory" if target == cwd else f"a folder above the working directory ({cwd})"
+        raise ConfigError(f"--out {out}: is {where}, which this command would replace whole; name a folder of its "
+                          f"own, e.g. --out {os.path.join(out, args.command.split('-')[-1])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1102,6 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero2all.fileio import OutputDirError, OutputLockedError
 
     try:
+        _check_directory_out(args)
         result = args._run(args)
     except TrainingInterrupted as e:  # a checkpoint was saved; one line, the shell's code for that signal
         print(f"z2all {args.command}: {e}", file=sys.stderr)
@@ -1116,10 +1197,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only or full disk, permissions: the writes are atomic, so nothing was damaged
-        print(f"z2all {args.command}: error: {os_error_line(e, args)}", file=sys.stderr)
+        print(f"z2all {args.command}: error: {os_error_line(_wrapped_os_error(e, args) or e, args)}",
+              file=sys.stderr)
         return 1
     except BaseException as e:
-        inner = _wrapped_os_error(e)
+        inner = _wrapped_os_error(e, args)
         if inner is None:
             raise
         print(f"z2all {args.command}: error: {os_error_line(inner, args)}", file=sys.stderr)

@@ -480,10 +480,15 @@ _NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 def os_error_message(exc: OSError, path: str | os.PathLike, what: str = "write", option: str = "--out") -> str:
     """One line for a command to print instead of a traceback, e.g.
 
-        cannot write runs/x/model.safetensors: No space left on device (errno 28); free space or choose another --out
+        cannot write runs/x/model.safetensors: Read-only file system (errno 30); choose a writable --out
+        disk full while writing runs/x/hf (1,204 bytes free); nothing was replaced; free space or choose another --out
 
     ``what`` is the verb ("write", "create", "replace"), ``option`` the command-line option that picks the place.
+    A full disk (or quota) has its own wording (:func:`disk_full_message`): every write here is atomic, so what
+    was there before is intact.
     """
+    if exc.errno in _DISK_FULL:
+        return disk_full_message(path, option)
     reason = exc.strerror or str(exc)
     line = f"cannot {what} {os.fspath(path)}: {reason}"
     if exc.errno is not None:
@@ -730,3 +735,53 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# full disks
+
+
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# how libraries that do not raise OSError(ENOSPC) say it: safetensors (a Rust io::Error), numpy's tofile (a short
+# write without errno), the OS's own text inside a wrapped error
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "storagefull", "disk quota exceeded")
+_SHORT_WRITE = re.compile(r"\b\d+ requested and \d+ written\b")
+_NEARLY_FULL_BYTES = 64 << 20  # below this much free space an unexplained failed write is taken for a full disk
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent); None if unknown."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_full_message(path: str | os.PathLike, option: str = "--out") -> str:
+    """``disk full while writing PATH (N bytes free); nothing was replaced; free space or choose another --out``."""
+    free = free_bytes(path)
+    left = f"{free:,} bytes free" if free is not None else "free space unknown"
+    return f"disk full while writing {os.fspath(path)} ({left}); nothing was replaced; free space or choose another " \
+           f"{option}"
+
+
+def as_disk_full(exc: BaseException, path: str | os.PathLike | None = None) -> OSError | None:
+    """``OSError(ENOSPC)`` when ``exc`` means the disk (or quota) is full, whichever library raised it: an OSError
+    with that errno, safetensors' "No space left on device (os error 28)", numpy's short write "N requested and M
+    written", torch's "file write failed" while fewer than 64 MB are free at ``path``; else None. The filename is
+    the error's own, else ``path``."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return exc
+    text = str(exc).lower()
+    full = any(t in text for t in _DISK_FULL_TEXT) or (isinstance(exc, OSError) and _SHORT_WRITE.search(text))
+    if not full and "file write failed" in text and path is not None:
+        free = free_bytes(path)
+        full = free is not None and free < _NEARLY_FULL_BYTES
+    if not full:
+        return None
+    filename = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename if filename is not None else
+                   (os.fspath(path) if path is not None else None))

@@ -26,6 +26,7 @@ rescales its own position (``zero2all/data/protocol.py``); RNG states of ranks t
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,24 +97,31 @@ def save(path: Path, parts: dict[str, Any], env: DistEnv, meta: dict,
         remove_stale_temporaries(path.parent)
         tmp.mkdir()
     barrier(env)
-    with collective_timeout(env, f"saving checkpoint {path}"), _one_process_is_fine():
-        # several shard files per rank, written and then hashed in parallel
-        dcp.save(parts, checkpoint_id=str(tmp),
-                 storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=hash_threads()))
-    # each rank hashes the shard files it wrote (DCP names them __<rank>_<i>.distcp), in parallel
-    mine = describe_files(tmp, sorted(p.name for p in tmp.glob(f"__{env.rank}_*.distcp")))
-    described: dict[str, dict] = {}
-    for part in all_gather_object(mine, env):
-        described.update(part)
-    if env.is_main:
-        if write_extra is not None:
-            write_extra(tmp)
-        save_json({"format": FORMAT, "version": FORMAT_VERSION, "world_size": env.world_size, **meta}, tmp / META)
-        rest = [n for n in all_files(tmp) if n not in described]
-        described.update(describe_files(tmp, rest))
-        write_manifest(tmp, described)
-        fsync_tree(tmp)
-        replace_dir(tmp, path)
+    try:
+        with collective_timeout(env, f"saving checkpoint {path}"), _one_process_is_fine():
+            # several shard files per rank, written and then hashed in parallel
+            dcp.save(parts, checkpoint_id=str(tmp),
+                     storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=hash_threads()))
+        # each rank hashes the shard files it wrote (DCP names them __<rank>_<i>.distcp), in parallel
+        mine = describe_files(tmp, sorted(p.name for p in tmp.glob(f"__{env.rank}_*.distcp")))
+        described: dict[str, dict] = {}
+        for part in all_gather_object(mine, env):
+            described.update(part)
+        if env.is_main:
+            if write_extra is not None:
+                write_extra(tmp)
+            save_json({"format": FORMAT, "version": FORMAT_VERSION, "world_size": env.world_size, **meta},
+                      tmp / META)
+            rest = [n for n in all_files(tmp) if n not in described]
+            described.update(describe_files(tmp, rest))
+            write_manifest(tmp, described)
+            fsync_tree(tmp)
+            replace_dir(tmp, path)
+    except BaseException:
+        # a failed write (a full disk) leaves no half-written .tmp-ckpt-* behind: it would only take more space
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier(env)
     return path
 

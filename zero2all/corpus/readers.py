@@ -34,6 +34,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ from typing import Iterable, Iterator
 from zero2all.fileio import atomic_write
 
 __all__ = ["BAD_KINDS", "COMPRESSIONS", "DEFAULT_TEXT_FIELDS", "FORMATS", "RECORD_FIELDS", "BadInputError",
-           "ReadStats", "SourceSpec", "default_source_name", "expand_paths", "input_bytes", "iter_records",
-           "iter_texts", "open_binary", "stdlib_files", "write_jsonl"]
+           "ReadStats", "SourceSpec", "check_out_outside_inputs", "default_source_name", "expand_paths",
+           "input_bytes", "iter_records", "iter_texts", "open_binary", "stdlib_files",
+           "tool_metadata_files", "write_jsonl"]
 
 RECORD_FIELDS = ("gid", "id", "data_src", "category", "title", "content", "desc", "others")
 DEFAULT_TEXT_FIELDS = ("content", "text")
@@ -168,8 +170,11 @@ def expand_paths(path_or_glob: str) -> list[str]:
     if os.path.isdir(path_or_glob):
         files = []
         for dirpath, dirnames, filenames in os.walk(path_or_glob):
-            dirnames.sort()
-            files += [os.path.join(dirpath, f) for f in filenames if _is_data_file(f) and not f.startswith(".")]
+            # hidden folders hold work files (`clean`'s .work/, temporaries), never the user's data
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            own = tool_metadata_files(filenames)
+            files += [os.path.join(dirpath, f) for f in filenames
+                      if _is_data_file(f) and not f.startswith(".") and f not in own]
         if not files:
             raise FileNotFoundError(f"{path_or_glob}: directory holds no data files ({', '.join(FORMATS)}, "
                                     f"optionally {', '.join(COMPRESSIONS)})")
@@ -182,6 +187,48 @@ def expand_paths(path_or_glob: str) -> list[str]:
     if os.path.isfile(path_or_glob):
         return [path_or_glob]
     raise FileNotFoundError(f"{path_or_glob}: no such file, directory or glob (or the source name 'stdlib')")
+
+
+# The metadata files of this project's own output folders, recognised by the files that mark each kind of output:
+# a directory input reads the data in such a folder (`clean`'s shards), never its report or bookkeeping.
+_CLEAN_SHARD = re.compile(r"^clean-\d{5}\.jsonl$")
+_PREPARE_MARKER = re.compile(r"^(shard_\d{5}\.json|(train|valid)_\d{5}\.bin)$")
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "z2all_tokenizer.json"}
+_RUN_FILES = {"config.json", "z2all.json", "metrics.jsonl", "generation_config.json"}
+
+
+def tool_metadata_files(filenames: Iterable[str]) -> set[str]:
+    """The names among ``filenames`` (one folder's files) that are metadata of a zero2all output in that folder:
+    ``report.json`` beside ``clean-NNNNN.jsonl`` shards, ``meta.json`` / ``_state.json`` / ``shard_NNNNN.json``
+    of token shards, tokenizer files beside ``z2all_tokenizer.json``, a checkpoint's or run's ``config.json`` /
+    ``z2all.json`` / ``metrics.jsonl``. Files of the same names in other folders are data like any other."""
+    names = set(filenames)
+    own: set[str] = set()
+    if any(_CLEAN_SHARD.match(n) for n in names) or {"report.json", "report.md"} <= names:
+        own.add("report.json")
+    if any(_PREPARE_MARKER.match(n) for n in names):
+        own |= {n for n in names if n in ("meta.json", "_state.json") or _PREPARE_MARKER.match(n)}
+    if "z2all_tokenizer.json" in names or "z2all.json" in names:
+        own |= names & _TOKENIZER_FILES
+    if "z2all.json" in names or "metrics.jsonl" in names:
+        own |= names & (_RUN_FILES | {"report.json"})
+    return own
+
+
+def check_out_outside_inputs(inputs: Iterable[str], out: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse (:class:`BadInputError`, one line) an output folder inside a directory input: the next run would read
+    the output back as input. ``inputs``: the sources as given (``NAME=PATH[,PATH]``, globs, ``stdlib``) or
+    SourceSpecs."""
+    out_abs = os.path.realpath(out)
+    for text in inputs:
+        spec = text if isinstance(text, SourceSpec) else SourceSpec.parse(str(text))
+        for path in spec.paths:
+            if path == "stdlib" or not os.path.isdir(path):
+                continue
+            root = os.path.realpath(path)
+            if out_abs == root or out_abs.startswith(root.rstrip(os.sep) + os.sep):
+                raise BadInputError(f"{option} {out}: inside the input directory {path}, so a later run would read "
+                                    f"its own output; choose an {option} outside {path}")
 
 
 def input_bytes(paths: Iterable[str]) -> int:

@@ -30,7 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zero2all.data.pretokenize import TokenizerMismatchError, read_meta
+from zero2all.data.pretokenize import (
+    TokenizerMismatchError,
+    check_shard_size,
+    check_token_ids,
+    load_offsets,
+    max_token_id,
+    read_meta,
+    shard_dtype_of,
+)
 from zero2all.data.protocol import (
     check_epoch_position,
     check_run_states,
@@ -44,8 +52,14 @@ KIND = "packed"
 class PackedDataset:
     """Windows of ``seq_len + 1`` tokens from the shards of ``split`` for ``rank`` of ``world_size``."""
 
+    # shards are checked once, when opened: sizes against meta.json, document indexes, and every token id below
+    # the vocabulary. Up to this many bytes of shards the ids are scanned at once; past it each shard is scanned
+    # the first time this process reads it (still before any of its tokens reaches the model).
+    EAGER_SCAN_BYTES = 1 << 30
+
     def __init__(self, data_dir, seq_len: int, split: str = "train", rank: int = 0, world_size: int = 1,
-                 return_doc_ids: bool = False, expected_tokenizer_hash: str | None = None):
+                 return_doc_ids: bool = False, expected_tokenizer_hash: str | None = None,
+                 model_vocab_size: int | None = None):
         self.data_dir = Path(data_dir)
         self.meta = read_meta(self.data_dir)
         if split not in self.meta["splits"]:
@@ -61,17 +75,21 @@ class PackedDataset:
                 f"{expected_tokenizer_hash[:16]} was expected; re-run `z2all prepare` with the model's tokenizer")
         self.seq_len, self.split, self.rank, self.world_size = seq_len, split, rank, world_size
         self.return_doc_ids = return_doc_ids
-        self.dtype = np.dtype(self.meta["dtype"])
+        self.dtype = shard_dtype_of(self.meta, self.data_dir)
         self.vocab_size: int = self.meta["tokenizer"]["vocab_size"]
         self.eos_id: int = self.meta["tokenizer"]["eos_id"]
         self.shards = [s for s in self.meta["splits"][split]["shards"] if s["tokens"] > 0]
+        # ids must have rows in the model (or, without one, be ids of the tokenizer that made the shards)
+        self.id_limit = model_vocab_size if model_vocab_size is not None else self.vocab_size
         for s in self.shards:
-            f = self.data_dir / s["bin"]
-            if not f.exists():
-                raise FileNotFoundError(f"{f}: listed in meta.json but missing")
-            if f.stat().st_size != s["tokens"] * self.dtype.itemsize:
-                raise ValueError(f"{f}: {f.stat().st_size} bytes, expected {s['tokens']} tokens of {self.dtype.name}"
-                                 f" (a truncated or foreign shard)")
+            check_shard_size(self.data_dir / s["bin"], s["tokens"], self.dtype, self.data_dir)
+            load_offsets(self.data_dir / s["idx"], s.get("docs"), s["tokens"], self.data_dir)
+            if s.get("max_id") is not None:  # recorded by `prepare`: a model too small is refused at once
+                check_token_ids(self.data_dir / s["bin"], s["max_id"], self.id_limit, self.data_dir)
+        self._ids_checked: set[int] = set()
+        if sum(s["tokens"] for s in self.shards) * self.dtype.itemsize <= self.EAGER_SCAN_BYTES:
+            for k in range(len(self.shards)):
+                self._check_ids(k)
         sizes = [s["tokens"] for s in self.shards]
         self.shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # global start of each shard
         docs = [s["docs"] for s in self.shards]
@@ -96,6 +114,16 @@ class PackedDataset:
 
     # ------------------------------------------------------------------------------------------------- reading
 
+    def _check_ids(self, k: int) -> None:
+        """Scan shard ``k`` once for an id the model has no row for (and for ids above what `prepare` recorded)."""
+        if k in self._ids_checked:
+            return
+        s = self.shards[k]
+        path = self.data_dir / s["bin"]
+        check_token_ids(path, max_token_id(np.memmap(path, dtype=self.dtype, mode="r")), self.id_limit,
+                        self.data_dir, recorded=s.get("max_id"))
+        self._ids_checked.add(k)
+
     def _shard(self, k: int, kind: str = "bin"):
         if self._pid != os.getpid():  # memmaps are per process (DataLoader workers, forks)
             self._maps, self._pid = {}, os.getpid()
@@ -103,9 +131,10 @@ class PackedDataset:
         if key not in self._maps:
             s = self.shards[k]
             if kind == "bin":
+                self._check_ids(k)
                 self._maps[key] = np.memmap(self.data_dir / s["bin"], dtype=self.dtype, mode="r")
             else:
-                self._maps[key] = np.load(self.data_dir / s["idx"], mmap_mode="r")
+                self._maps[key] = load_offsets(self.data_dir / s["idx"], s.get("docs"), s["tokens"], self.data_dir)
         return self._maps[key]
 
     def _pieces(self, start: int, length: int):

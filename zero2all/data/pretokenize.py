@@ -64,6 +64,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -71,8 +72,9 @@ from pathlib import Path
 
 import numpy as np
 
+from zero2all.config import ConfigError
 from zero2all.corpus.mixture import temperature_weights
-from zero2all.corpus.readers import ReadStats, SourceSpec, expand_paths, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, expand_paths, iter_records
 from zero2all.fileio import (
     LOCK_FILE,
     OUTPUT_MARKER,
@@ -88,12 +90,93 @@ from zero2all.fileio import (
 
 META_FILE = "meta.json"
 STATE_FILE = "_state.json"
+TOKENIZER_COPY = "tokenizer"  # the tokenizer that made the shards, kept with them (meta.json names it by hash)
 FORMAT = "zero2all-shards"
 FORMAT_VERSION = 1
 
 
 class TokenizerMismatchError(ValueError):
     """Shards were made with another tokenizer than the one in use."""
+
+
+class ShardError(ConfigError):
+    """A token shard or its index does not match meta.json (truncated, replaced, damaged), or holds token ids the
+    model has no rows for. A ConfigError: the command prints its one line and exits with code 2."""
+
+
+_SHARD_DTYPES = ("uint16", "uint32")
+_SCAN_TOKENS = 1 << 24  # tokens per numpy pass of the id scan: 32 MB of uint16, a bounded amount of memory
+
+
+def rebuild_hint(data_dir) -> str:
+    return f"re-run `z2all prepare` with --overwrite to rebuild {data_dir}"
+
+
+def shard_dtype_of(meta: dict, data_dir) -> np.dtype:
+    """meta.json's token dtype, which must be one `prepare` writes."""
+    name = meta.get("dtype")
+    if name not in _SHARD_DTYPES:
+        raise ShardError(f"{Path(data_dir) / META_FILE}: dtype {name!r} is not one of {', '.join(_SHARD_DTYPES)}; "
+                         f"{rebuild_hint(data_dir)}")
+    return np.dtype(name)
+
+
+def check_shard_size(path: Path, tokens: int, dtype: np.dtype, data_dir) -> None:
+    """The shard file holds exactly ``tokens`` tokens of ``dtype``, as meta.json says."""
+    if not path.exists():
+        raise ShardError(f"{path}: listed in meta.json but missing; {rebuild_hint(data_dir)}")
+    size = path.stat().st_size
+    if size != tokens * dtype.itemsize:
+        what = "truncated" if size < tokens * dtype.itemsize else "longer than listed"
+        raise ShardError(f"{path}: {size:,} bytes, but meta.json lists {tokens:,} tokens of {dtype.name} "
+                         f"({tokens * dtype.itemsize:,} bytes): the shard is {what} or was replaced; "
+                         f"{rebuild_hint(data_dir)}")
+
+
+def load_offsets(path: Path, docs: int | None, tokens: int, data_dir, mmap: bool = True) -> np.ndarray:
+    """A document index (``.idx.npy``: int64 offsets, ``docs + 1`` of them, from 0 to ``tokens``, non-decreasing),
+    loaded without unpickling anything; anything else is a :class:`ShardError` naming the file."""
+    if not path.exists():
+        raise ShardError(f"{path}: listed in meta.json but missing; {rebuild_hint(data_dir)}")
+    try:
+        offsets = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # an operating-system failure (permissions, I/O), reported as such
+        raise ShardError(f"{path}: not a document index written by `z2all prepare` (not a plain .npy array); "
+                         f"{rebuild_hint(data_dir)}") from None
+    problem = None
+    if not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1:
+        problem = f"expected a 1-d int64 array, found {getattr(offsets, 'dtype', type(offsets).__name__)}"
+    elif docs is not None and len(offsets) != docs + 1:
+        problem = f"{len(offsets) - 1} documents, meta.json lists {docs}"
+    elif len(offsets) == 0 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+        problem = f"its offsets do not span the shard's {tokens:,} tokens"
+    elif len(offsets) > 1 and bool((np.diff(offsets) < 0).any()):
+        problem = "its offsets decrease"
+    if problem:
+        raise ShardError(f"{path}: damaged document index ({problem}); {rebuild_hint(data_dir)}")
+    return offsets
+
+
+def max_token_id(tokens: np.ndarray) -> int:
+    """The largest id in ``tokens`` (a memmap is read in passes of ``_SCAN_TOKENS``), -1 when empty."""
+    best = -1
+    for i in range(0, len(tokens), _SCAN_TOKENS):
+        best = max(best, int(tokens[i:i + _SCAN_TOKENS].max()))
+    return best
+
+
+def check_token_ids(path: Path, max_id: int, vocab_size: int, data_dir, recorded: int | None = None) -> None:
+    """Every id of the shard ``path`` (largest: ``max_id``) is a row of a model of ``vocab_size``; and not above
+    what `prepare` recorded for it, when it did (``recorded``)."""
+    if recorded is not None and max_id > recorded:
+        raise ShardError(f"{path}: holds token id {max_id}, but `z2all prepare` wrote none above {recorded}: the "
+                         f"shard was changed after it was written; {rebuild_hint(data_dir)}")
+    if max_id >= vocab_size:
+        raise ShardError(f"{path}: holds token id {max_id}, but the model has {vocab_size} token rows "
+                         f"(model.vocab_size, padded): set model.vocab_size to at least {max_id + 1} if the shards "
+                         f"were made with a larger tokenizer, else {rebuild_hint(data_dir)}")
 
 
 class NoDocumentsError(ValueError):
@@ -418,6 +501,64 @@ def _remove_outputs(out: Path, keep: set[str] = frozenset(), only: set[str] | No
             continue
         if f.is_file() and (_is_output(f.name) or _is_temporary(f.name)):
             f.unlink()
+        elif f.name == TOKENIZER_COPY and f.is_dir() and _is_tokenizer_copy(f):
+            shutil.rmtree(f)
+
+
+def _is_tokenizer_copy(d: Path) -> bool:
+    """A folder of nothing but tokenizer files (what `Tokenizer.save` writes): the copy `prepare` keeps."""
+    names = {p.name for p in d.iterdir()}
+    return "tokenizer.json" in names and names <= {"tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                                   "special_tokens_map.json", "z2all_tokenizer.json"}
+
+
+def shard_tokenizer(data_dir, meta: dict | None = None, log=print):
+    """(the tokenizer directory of a `prepare` output, its Tokenizer), or (None, None) when it has none.
+
+    The copy kept with the shards (``tokenizer/``, by hash in meta.json) when there is one: it made the shards, so
+    the folder it was copied from may since hold another tokenizer, and the shards may have moved (a note says so
+    when the recorded folder changed). Outputs of earlier versions name only that folder: it is used when its
+    hash is still the shards' (else :class:`TokenizerMismatchError`, one line); a folder that is gone gives a
+    warning line and (None, None)."""
+    from zero2all.tokenizer import load_tokenizer
+
+    data_dir = Path(data_dir)
+    meta = meta if meta is not None else read_meta(data_dir)
+    info = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    expected, recorded = info.get("hash"), info.get("dir")
+    recorded_dir = Path(recorded) if isinstance(recorded, str) and recorded else None
+    if recorded_dir is not None and not recorded_dir.is_absolute():
+        recorded_dir = data_dir / recorded_dir
+    copy = data_dir / info["copy"] if isinstance(info.get("copy"), str) else None
+    if copy is not None and (copy / "tokenizer.json").is_file():
+        tok = load_tokenizer(copy)
+        if expected and tok.hash != expected:
+            raise TokenizerMismatchError(f"{copy}: tokenizer {tok.hash[:16]}, but the shards were made with "
+                                         f"{expected[:16]} (meta.json): the copy was changed; "
+                                         f"{rebuild_hint(data_dir)}")
+        if recorded_dir is not None and (recorded_dir / "tokenizer.json").is_file():
+            try:
+                now = load_tokenizer(recorded_dir).hash
+            except ValueError:
+                now = None
+            if now != tok.hash:
+                log(f"note: {recorded_dir} no longer holds the tokenizer that made {data_dir}; using the copy kept "
+                    f"with the shards ({copy}, {tok.hash[:16]})")
+        return copy, tok
+    if recorded_dir is None:
+        return None, None
+    if not (recorded_dir / "tokenizer.json").is_file():
+        log(f"warning: {recorded_dir}, the tokenizer that made {data_dir}, is gone (shards written before "
+            f"`prepare` kept a copy of their tokenizer); checkpoints will carry no tokenizer: re-run `z2all prepare` "
+            f"with --overwrite to keep one with the shards")
+        return None, None
+    tok = load_tokenizer(recorded_dir)
+    if expected and tok.hash != expected:
+        raise TokenizerMismatchError(
+            f"{recorded_dir}: holds tokenizer {tok.hash[:16]}, but {data_dir} was made with {expected[:16]} (the "
+            f"folder changed since `prepare`, which did not yet keep a copy with the shards); put that tokenizer "
+            f"back, or {rebuild_hint(data_dir)} (the new output keeps its own copy)")
+    return recorded_dir, tok
 
 
 def _group_name(split: str, g: int) -> str:
@@ -438,6 +579,7 @@ class _GroupWriter:
             self.abort()
             raise
         self.lens = {"train": [], "valid": []}
+        self.max_id = {"train": -1, "valid": -1}  # recorded per shard: checked against a model's vocabulary
         self.per_source: dict = collections.defaultdict(lambda: [0] * _NSTATS)
         self.chunks = 0
 
@@ -445,6 +587,8 @@ class _GroupWriter:
         for split, arr, lens in (("train", r.train, r.train_lens), ("valid", r.valid, r.valid_lens)):
             self.shards[split].file.write(arr.tobytes())
             self.lens[split].append(lens)
+            if len(arr):
+                self.max_id[split] = max(self.max_id[split], int(arr.max()))
         for name, v in r.per_source.items():
             acc = self.per_source[name]
             for i, x in enumerate(v):
@@ -462,7 +606,7 @@ class _GroupWriter:
                 np.save(fi, offsets)
             self.shards[split].commit()
             info[split] = {"bin": f"{base}.bin", "idx": f"{base}.idx.npy", "tokens": int(offsets[-1]),
-                           "docs": int(len(lens))}
+                           "docs": int(len(lens)), "max_id": self.max_id[split]}
         info["run_key"] = run_key
         with atomic_write(self.out / f"shard_{self.g:05d}.json") as f:
             json.dump(info, f, indent=1)
@@ -551,6 +695,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     if temperature is not None or target_mb is not None or max_epochs is not None or seed:
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
+    check_out_outside_inputs(specs, out_dir)
     out = Path(out_dir)
     # new, empty or a `prepare` output (to resume, or replace with --overwrite); a folder of other files: refused
     claim_output_dir(out, "prepare", inputs=[tokenizer_dir, *([inputs] if isinstance(inputs, (str, os.PathLike))
@@ -777,10 +922,11 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
         v["share_in"] = round(v["bytes"] / max(total_bytes, 1), 6)
         v["share_planned"] = round(v["weight"] * v["bytes"] / planned, 6) if planned > 0 else 0.0
     total_tokens = splits["train"]["tokens"] + splits["valid"]["tokens"]
+    tok.save(out / TOKENIZER_COPY)  # moving the shards or retraining the tokenizer in its folder breaks nothing
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION,
-        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "vocab_size": tok.vocab_size,
-                      "eos_id": tok.eos_id, "backend": tok.backend},
+        "tokenizer": {"hash": tok.hash, "dir": str(Path(tokenizer_dir).resolve()), "copy": TOKENIZER_COPY,
+                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "backend": tok.backend},
         "dtype": dtype.name, "separator": "eos after every document",
         "valid_fraction": valid_fraction, "splits": splits, "sources": sources,
         "mixture": {k: v for k, v in mixture.items() if k != "origin"},

@@ -276,11 +276,25 @@ def _open_split(data_dir: Path, split: str, kind: str, tokenizer):
     if tokenizer is not None and tokenizer.hash != found:
         raise SFTShardError(f"{data_dir}: the shards were made with tokenizer {found[:16]}, but this run uses "
                             f"{tokenizer.hash[:16]}; re-run `z2all prepare-{kind}` with it")
-    offsets = np.load(data_dir / f"{split}.index.npy")
-    first_label = np.load(data_dir / f"{split}.first_label.npy")
+    rebuild = f"re-run `z2all prepare-{kind}` with --overwrite to rebuild {data_dir}"
+    arrays = []
+    for name in (f"{split}.index.npy", f"{split}.first_label.npy"):
+        try:  # never unpickle: an index is a plain array
+            arrays.append(np.load(data_dir / name, allow_pickle=False))
+        except (ValueError, EOFError) as e:
+            raise SFTShardError(f"{data_dir / name}: damaged (not a plain .npy array: {type(e).__name__}); "
+                                f"{rebuild}") from None
+    offsets, first_label = arrays
+    if offsets.ndim != 1 or len(offsets) == 0 or offsets.dtype.kind not in "iu":
+        raise SFTShardError(f"{data_dir / f'{split}.index.npy'}: damaged (not a 1-d integer index); {rebuild}")
     n_tokens = int(offsets[-1])
     dtype = np.dtype(meta["dtype"])
     if n_tokens:
+        for name, itemsize in ((f"{split}.tokens.bin", dtype.itemsize), (f"{split}.labels.bin", 1)):
+            size = (data_dir / name).stat().st_size
+            if size != n_tokens * itemsize:
+                raise SFTShardError(f"{data_dir / name}: {size:,} bytes, but its index lists {n_tokens:,} tokens "
+                                    f"({n_tokens * itemsize:,} bytes): truncated or replaced; {rebuild}")
         tokens = np.memmap(data_dir / f"{split}.tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
         labels = np.memmap(data_dir / f"{split}.labels.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
     else:

@@ -59,20 +59,23 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def resolve_device(setting: str = "auto", local_rank: int = 0) -> torch.device:
+def resolve_device(setting: str = "auto", local_rank: int = 0, option: str = "train.device") -> torch.device:
     """``auto``: this process's CUDA GPU if there is one, else the CPU; otherwise ``cpu``, ``cuda`` or ``cuda:N``.
-    Errors name the ``train.device`` field."""
+    Errors (a ConfigError: one line) name ``option``, the setting that chose the device."""
     from zero2all.config import ConfigError
 
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(setting)
-    except RuntimeError:
-        raise ConfigError(f"train.device: {setting!r} is not auto, cpu, cuda or cuda:N") from None
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{option}: {setting!r} is not auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"train.device: {setting!r} was asked for but no CUDA GPU is available")
+            raise ConfigError(f"{option}: {setting!r} was asked for but no CUDA GPU is available; use cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{option}: {setting!r}, but this machine has {torch.cuda.device_count()} CUDA GPU(s) "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
         if device.index is None:
             device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return device

@@ -740,9 +740,9 @@ def load_for_inference(ckpt: str, device: str = "auto", dtype: str = "auto", tok
     from pathlib import Path
 
     from zero2all import load_model
+    from zero2all.distributed.env import resolve_device
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device(str(device), option="--device"))  # no GPU for `cuda`: one line, not an assertion
     torch_dtype = {"auto": torch.bfloat16 if str(device).startswith("cuda") else torch.float32,
                    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = load_model(ckpt, device=device, dtype=torch_dtype)

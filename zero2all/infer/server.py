@@ -52,6 +52,7 @@ kept-alive connection gets 503), lets the running and waiting requests finish fo
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import json
@@ -582,6 +583,47 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256  # the listen backlog: 5 by default, too few for a burst of clients connecting at once
 
 
+class AddressError(Exception):
+    """The server cannot listen on ``host:port``: one line naming both, and the exit status (2 for a value that can
+    never work: a host that is no address of this machine, a port outside 0-65535; 1 for the operating system's
+    refusal: the port is taken, or needs privileges)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def address_error(exc: BaseException, host: str, port: int) -> AddressError:
+    """The :class:`AddressError` for an exception raised while binding ``host:port``."""
+    where = f"{host}:{port}"
+    if isinstance(exc, OverflowError) or not 0 <= int(port) <= 65535:
+        return AddressError(f"--port {port}: must be 0-65535 (0 picks a free port)", 2)
+    if isinstance(exc, socket.gaierror) or getattr(exc, "errno", None) == errno.EADDRNOTAVAIL:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        return AddressError(f"--host {host}: cannot listen on {where} ({reason}); use 127.0.0.1, 0.0.0.0 or an IPv4 "
+                            f"address of this machine", 2)
+    code = getattr(exc, "errno", None)
+    if code == errno.EADDRINUSE:
+        return AddressError(f"cannot listen on {where}: the port is in use (errno {code}); stop what listens there or "
+                            f"choose another --port", 1)
+    if code == errno.EACCES:
+        return AddressError(f"cannot listen on {where}: permission denied (errno {code}); ports below 1024 need "
+                            f"privileges: choose a --port of 1024 or more", 1)
+    reason = getattr(exc, "strerror", None) or str(exc)
+    return AddressError(f"cannot listen on {where}: {reason}" + (f" (errno {code})" if code else ""), 1)
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` as the server will (IPv4, address reuse) and let go again, so that a busy port or a bad
+    host is said in one line before minutes of model loading; raises :class:`AddressError`."""
+    try:
+        with socket.socket(_Server.address_family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        raise address_error(e, host, port) from None
+
+
 def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, tokenizer=None,
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
                   max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
@@ -605,7 +647,10 @@ def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bo
          api_key: str | None = None, cors_origin: str | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """An HTTP server for an app (not yet serving: ``serve_forever`` or :func:`run_server`)."""
     handler = make_handler(app, quiet=quiet, api_key=api_key, cors_origin=cors_origin)
-    return _Server((host, port), handler), app
+    try:
+        return _Server((host, port), handler), app
+    except (OSError, OverflowError) as e:
+        raise address_error(e, host, port) from None
 
 
 def shutdown(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
@@ -652,6 +697,7 @@ def run_server(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: flo
 def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
           **kwargs) -> int:
     """Load, bind, serve until SIGTERM / Ctrl-C, drain; returns the exit status (see the module docstring)."""
+    check_address(host, port)  # a busy port or a bad host: said before the model is loaded
     httpd, app = create_server(ckpt, host, port, **kwargs)
     h, p = httpd.server_address[:2]
     if warning := exposure_warning(host, kwargs.get("api_key")):

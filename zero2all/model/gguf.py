@@ -174,8 +174,10 @@ def _tokenizer_dir_chat_template(tok_dir: Path | None) -> str | None:
         return None
     try:
         tmpl = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        where = f"{f}:{e.lineno}" if isinstance(e, json.JSONDecodeError) else str(f)
+        raise ConfigError(f"{where}: not a valid tokenizer_config.json ({getattr(e, 'msg', type(e).__name__)}); the "
+                          f"file is damaged: copy the tokenizer folder again from where it came from") from None
     return tmpl if isinstance(tmpl, str) else None
 
 

@@ -237,4 +237,17 @@ def read_hf_config(hf_dir: str | Path) -> ModelConfig:
     path = Path(hf_dir) / HF_CONFIG
     if not path.exists():
         raise FileNotFoundError(f"{hf_dir}: no config.json (not an HF model directory)")
-    return model_config_from_hf(json.loads(path.read_text()), str(path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        reason = getattr(e, "msg", "not UTF-8 text")
+        raise ConfigError(f"{path}: not valid JSON ({reason}); the file is damaged") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    try:
+        return model_config_from_hf(data, str(path))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        what = f"no {e.args[0]!r} key" if isinstance(e, KeyError) else str(e)
+        raise ConfigError(f"{path}: not a Llama-architecture config.json this library can read ({what})") from None

@@ -38,10 +38,23 @@ def is_hf_dir(path: str | Path) -> bool:
     return (Path(path) / hfmap.HF_CONFIG).exists() and not is_our_dir(path)
 
 
+def read_our_json(f: Path) -> dict:
+    """A checkpoint's ``z2all.json``; a damaged one is a ConfigError naming it (one line, exit code 2)."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f}: damaged ({getattr(e, 'msg', 'not UTF-8 text')}); copy the checkpoint again, or "
+                          f"point --ckpt at another one") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{f}: damaged (not a JSON object); copy the checkpoint again, or point --ckpt at another "
+                          f"one")
+    return data
+
+
 def read_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if is_our_dir(path):
-        data = json.loads((path / OUR_CONFIG).read_text())
+        data = read_our_json(path / OUR_CONFIG)
         if "model" not in data:
             raise ConfigError(f"{path / OUR_CONFIG}: no 'model' section")
         cfg = from_dict(ModelConfig, data["model"], "model")
@@ -196,7 +209,7 @@ def stored_tokenizer_hash(path: str | Path) -> tuple[str | None, str]:
 
     path = Path(path)
     if is_our_dir(path):
-        stored = json.loads((path / OUR_CONFIG).read_text(encoding="utf-8")).get("tokenizer_hash")
+        stored = read_our_json(path / OUR_CONFIG).get("tokenizer_hash")
         if stored:
             return stored, f"{path / OUR_CONFIG} tokenizer_hash"
     if (path / "tokenizer.json").exists():
@@ -259,7 +272,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         wfile = base / WEIGHTS
         if not wfile.exists():
             raise FileNotFoundError(f"{base}: {WEIGHTS} is missing")
-        sd = load_file(str(wfile), device=str(device))
+        try:
+            sd = load_file(str(wfile), device=str(device))
+        except Exception as e:  # safetensors' own error: a truncated or foreign file
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"{wfile}: damaged weights ({reason}); copy the checkpoint again, or point --ckpt at "
+                              f"another one") from None
         if adapter is not None:  # a LoRA run's checkpoint of the earlier format kept the adapter tensors here too
             sd = {k: v for k, v in sd.items() if not _is_lora_key(k)}
         load_state(model, sd, str(base))

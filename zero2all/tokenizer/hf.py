@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from zero2all.config import ConfigError
 from zero2all.fileio import atomic_dir
 
 EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -198,8 +199,29 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+class TokenizerFileError(ConfigError):
+    """A tokenizer file that cannot be read (truncated, not JSON, not a tokenizer): one line naming the file. A
+    ConfigError, so every command reports it as bad input (exit code 2)."""
+
+
+_DAMAGED_HINT = "the file is damaged: copy the tokenizer folder again from where it came from"
+
+
+def _read_json_file(f: Path) -> dict:
+    try:
+        obj = json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TokenizerFileError(f"{f}: not UTF-8 text; {_DAMAGED_HINT}") from None
+    except json.JSONDecodeError as e:
+        raise TokenizerFileError(f"{f}:{e.lineno}: not valid JSON ({e.msg}); {_DAMAGED_HINT}") from None
+    if not isinstance(obj, dict):
+        raise TokenizerFileError(f"{f}: expected a JSON object, found {type(obj).__name__}; {_DAMAGED_HINT}")
+    return obj
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer directory (ours, or any HF directory with a tokenizer.json), or a tokenizer.json file."""
+    """Load a tokenizer directory (ours, or any HF directory with a tokenizer.json), or a tokenizer.json file.
+    A damaged file raises :class:`TokenizerFileError` naming it."""
     path = Path(path)
     tj = path if path.is_file() else path / "tokenizer.json"
     if not tj.exists():
@@ -209,21 +231,21 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if path.is_dir():
         mfile = path / META_FILE
         if mfile.exists():
-            meta = json.loads(mfile.read_text(encoding="utf-8"))
+            meta = _read_json_file(mfile)
         else:  # a foreign HF directory: take eos/pad names from its special-tokens map
             smap = path / "special_tokens_map.json"
             if smap.exists():
-                for k, v in json.loads(smap.read_text(encoding="utf-8")).items():
+                for k, v in _read_json_file(smap).items():
                     meta[k] = v.get("content") if isinstance(v, dict) else v
         spm = path / "tokenizer.model"
         if spm.exists() and meta.get("backend") == "spm":
             extra["tokenizer.model"] = spm.read_bytes()
-    text = tj.read_text(encoding="utf-8")
+    _read_json_file(tj)
     try:
-        json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{tj}:{e.lineno}: not valid JSON ({e.msg})") from None
-    return Tokenizer(text, meta=meta, extra_files=extra)
+        return Tokenizer(tj.read_text(encoding="utf-8"), meta=meta, extra_files=extra)
+    except Exception as e:  # valid JSON that `tokenizers` cannot build a pipeline from
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerFileError(f"{tj}: not a tokenizer this library can load ({reason}); {_DAMAGED_HINT}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------

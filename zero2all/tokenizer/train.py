@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Iterator
 
-from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, iter_records
 from zero2all.fileio import check_writable, claim_output_dir, remove_empty_dirs
 from zero2all.tokenizer.hf import (
     N_RESERVED,
@@ -172,10 +172,12 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
         raise ValueError(f"vocab_size={vocab_size}: must be at least {min_size} (256 byte tokens + {base - 256} "
                          f"special tokens + {VOCAB_MULTIPLE} tokens to learn)")
     target = round_up(vocab_size, VOCAB_MULTIPLE)
-    # a folder of the user's own, or an unwritable --out, fails now, not after the training
+    # an --out inside a directory input would be read back by the next run; a folder of the user's own, or an
+    # unwritable --out, fails now, not after the training
     if out_dir is not None:
-        claim_output_dir(out_dir, "train-tokenizer", inputs=[inputs] if isinstance(inputs, (str, os.PathLike))
-                         else inputs)
+        sources = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
+        check_out_outside_inputs(sources, out_dir)
+        claim_output_dir(out_dir, "train-tokenizer", inputs=sources)
     created = check_writable(out_dir) if out_dir is not None else []
     try:
         return _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict,

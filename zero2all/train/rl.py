@@ -53,6 +53,20 @@ from zero2all.train.rl_losses import (
 RewardFn = Callable[[str, dict], float]
 
 
+def _reward_number(value, text: str, spec) -> float:
+    """A reward function's answer as a float: an int, a float, or a numpy / torch scalar. A string (even "0.5"),
+    None or anything else is the function's bug: a ConfigError (one line, exit code 2) naming it."""
+    from zero2all.config import ConfigError
+
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", 0) == 0 and not isinstance(value, (str, bytes)):
+        value = item()  # numpy / torch 0-d values
+    if isinstance(value, (int, float)):  # bool is an int: a pass / fail reward
+        return float(value)
+    raise ConfigError(f"rl.reward_fn {spec or ''}: returned {value!r:.60} ({type(value).__name__}) for the response "
+                      f"{text!r:.60}; it must return a number (int or float): fix the function")
+
+
 def load_reward_function(spec: str) -> RewardFn:
     """``package.module:function`` -> the function (ValueError naming what is missing)."""
     module_name, _, attr = spec.partition(":")
@@ -290,10 +304,7 @@ class RLObjective(Objective):
             values = []
             for text, rec in zip(texts, records):
                 v = self.reward_fn(text, rec)
-                try:
-                    values.append(float(v))
-                except (TypeError, ValueError):
-                    raise ValueError(f"rl.reward_fn returned {v!r} for {text!r}: expected a number") from None
+                values.append(_reward_number(v, text, self.rl.reward_fn))
             return torch.tensor(values, device=device, dtype=torch.float32)
         from zero2all.train.reward import score_texts
 

@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -190,32 +191,40 @@ def build_datasets(cfg: Config, rank: int = 0, world_size: int = 1):
         return (SyntheticDataset(vocab, seq_len, "train", rank, world_size),
                 SyntheticDataset(vocab, seq_len, "valid", rank, world_size), None, None)
     from zero2all.data.datasets import PackedDataset
+    from zero2all.data.pretokenize import ShardError
 
     data_dir = Path(cfg.data.path)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data.path: {data_dir} is not a directory")
     meta = read_data_meta(data_dir)
     doc_ids = cfg.data.document_mask
-    train = PackedDataset(data_dir, seq_len, split="train", rank=rank, world_size=world_size, return_doc_ids=doc_ids)
+    tok_vocab = meta["tokenizer"].get("vocab_size") if isinstance(meta.get("tokenizer"), dict) else None
+    if isinstance(tok_vocab, int):  # a model smaller than the shards' tokenizer: said before any shard is scanned
+        check_tokenizer_fits(SimpleNamespace(vocab_size=tok_vocab), cfg.model, str(tokenizer_dir_of(data_dir, meta)))
+    vocab = cfg.model.padded_vocab_size  # ids up to the embedding's last row are accepted, as for the tokenizer
+    train = PackedDataset(data_dir, seq_len, split="train", rank=rank, world_size=world_size, return_doc_ids=doc_ids,
+                          model_vocab_size=vocab)
     try:
         valid = PackedDataset(data_dir, seq_len, split="valid", rank=rank, world_size=world_size,
-                              return_doc_ids=doc_ids)
+                              return_doc_ids=doc_ids, model_vocab_size=vocab)
+    except ShardError:  # a damaged validation shard is as wrong as a damaged training shard
+        raise
     except (FileNotFoundError, ValueError) as e:
         print(f"no validation split in {data_dir} ({e}); evaluation is off")
         valid = None
-    tok_dir = tokenizer_dir_of(data_dir, meta)
-    tokenizer = None
-    if tok_dir is not None and tok_dir.is_dir():
-        from zero2all.data.pretokenize import check_tokenizer
+    if not isinstance(meta.get("tokenizer"), dict):  # not `prepare`'s meta.json: a tokenizer folder it may name
+        tok_dir = tokenizer_dir_of(data_dir, meta)
+        if tok_dir is None or not tok_dir.is_dir():
+            return train, valid, None, None
         from zero2all.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(tok_dir)
-        try:
-            check_tokenizer(data_dir, tokenizer)  # the tokenizer directory may have changed since `prepare`
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    else:
-        tok_dir = None
+        return train, valid, load_tokenizer(tok_dir), tok_dir
+    from zero2all.data.pretokenize import TokenizerMismatchError, shard_tokenizer
+
+    try:  # the copy kept with the shards; for older outputs the recorded folder, checked by hash
+        tok_dir, tokenizer = shard_tokenizer(data_dir, meta, log=print)
+    except TokenizerMismatchError as e:
+        raise ConfigError(str(e)) from None
     return train, valid, tokenizer, tok_dir
 
 

@@ -39,7 +39,7 @@ from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
 from zero2all.corpus.mixture import temperature_weights
-from zero2all.corpus.readers import ReadStats, SourceSpec, iter_records
+from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, iter_records
 from zero2all.fileio import (
     atomic_write,
     claim_output_dir,
@@ -258,6 +258,8 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
         name = SourceSpec.parse(str(s)).name
         if name not in sources:
             sources.append(name)
+    if not dry_run:
+        check_out_outside_inputs(inputs, out)
     read_kwargs = {"text_field": text_field, "txt_mode": txt_mode, "strict": strict}
     workers = cfg.workers or os.cpu_count() or 1
     lsh = lsh_parameters(cfg)
