@@ -30,6 +30,11 @@ an unknown model or path; 413 for a body over 1 MiB; 429 when the queue is full;
 ``"ignore_eos": true`` (an extension) keeps generating through stop tokens up to ``max_tokens`` (stop strings still
 apply): every such request produces the same number of tokens, for load tests.
 
+A field sent as ``null`` is absent (OpenAI's own rule; some clients send ``"max_tokens": null``). Without
+``max_tokens`` the budget is ``default_max_tokens`` cut to what the longest prompt leaves of the context, so it never
+overflows; an explicit ``max_tokens`` that does not fit is refused, unless the request says ``"fit_context": true``
+(an extension, sent by the chat page): then it is an upper bound, cut the same way.
+
 Concurrency: continuous batching (``infer/scheduler.py``). One background thread owns the model and a pool of
 ``max_batch`` KV-cache rows; each decode step advances every running sequence by one token, a new sequence joins
 the batch between two steps (its prompt is prefilled into a free row, the other rows untouched; prompts that arrive
@@ -180,13 +185,15 @@ class InferenceApp:
         return value
 
     def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
-        """(sampling parameters, stream, include_usage)."""
+        """(sampling parameters, stream, include_usage). A null field means the field is absent."""
         if "model" not in body:
             raise RequestError(400, "missing required field 'model'", "model", "missing_field")
         if body["model"] != self.model_name:
             raise RequestError(404, f"model {_show(body['model'])} does not exist; this server serves "
                                     f"{self.model_name!r}", "model", "model_not_found")
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        # null is "not given", as OpenAI's API defines it; in a chat a null max_completion_tokens leaves max_tokens
+        key = next((k for k in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+                    if body.get(k) is not None), "max_tokens")
         max_tokens = self._number(body, key, self.default_max_tokens, lo=1, integer=True)
         if max_tokens > self.max_tokens_limit:
             raise RequestError(400, f"'{key}' is {_show(max_tokens)}, above this server's limit of "
@@ -262,9 +269,13 @@ class InferenceApp:
             clean.append({"role": role, "content": content})
         return list(self.generator.tokenizer.apply_chat_template(clean, add_generation_prompt=True))
 
-    def check_fits(self, prompts: list[list[int]], params: SamplingParams):
+    def check_fits(self, prompts: list[list[int]], params: SamplingParams, field: str = "prompt"):
         ctx = self.context
         for i, p in enumerate(prompts):
+            if len(p) >= ctx:
+                raise RequestError(400, f"prompt {i} has {len(p)} tokens: no room to generate within the context of "
+                                        f"{ctx} tokens; shorten it (or start a new conversation)", field,
+                                   "context_length_exceeded")
             if len(p) + params.max_new_tokens > ctx:
                 raise RequestError(400, f"prompt {i} has {len(p)} tokens; with max_tokens {params.max_new_tokens} "
                                         f"that exceeds the context of {ctx} tokens", "max_tokens",
@@ -277,13 +288,15 @@ class InferenceApp:
         chat = kind == "chat"
         params, stream, include_usage = self.parse_common(body, chat)
         prompts = [self.chat_prompt(body)] if chat else self.completion_prompts(body)
-        if "max_tokens" not in body and not (chat and "max_completion_tokens" in body):
+        asked = body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
+        if self._flag(body, "fit_context") or not asked:
             # no budget asked for: the default, cut to what the longest prompt leaves of the context (a small
-            # model's context may be no longer than the default); an explicit max_tokens is never shortened
+            # model's context may be no longer than the default); an explicit max_tokens is shortened only when
+            # the request says so ("fit_context": true, an extension the chat page sends)
             room = self.context - max(len(p) for p in prompts)
             if 1 <= room < params.max_new_tokens:
                 params.max_new_tokens = room
-        self.check_fits(prompts, params)
+        self.check_fits(prompts, params, "messages" if chat else "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             sub = self.scheduler.submit(prompts, params)
