@@ -793,17 +793,29 @@ def _serve(p):
     p.add_argument("--cors-origin", default=None,
                    help="let pages of this one origin (e.g. https://tools.example.org) call the API from a browser; "
                         "default: no CORS header (only the page served here can)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a whole request (request line, headers, body) may take to arrive, and a stalled "
+                        "write may wait for a client that reads nothing; then the connection is closed")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="connections open at once (one thread each); when full, the one that has waited longest for "
+                        "its request is closed to make room, or the new one gets 503 if all are being answered")
 
     def run(args):
         import os
 
+        from zero2all.config import ConfigError
         from zero2all.infer.server import serve
 
+        if not args.read_timeout > 0:
+            raise ConfigError(f"--read-timeout must be a number of seconds > 0 (e.g. 30), got {args.read_timeout:g}")
+        if args.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1 (e.g. 256), got {args.max_connections}")
         return serve(args.ckpt, host=args.host, port=args.port, tokenizer=_tokenizer_override(args),
                      model_name=args.model_name, device=args.device, dtype=args.dtype,
                      max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
                      drain_timeout=args.drain_timeout, compile=args.compile,
-                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin)
+                     api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None, cors_origin=args.cors_origin,
+                     read_timeout=args.read_timeout, max_connections=args.max_connections)
 
     return run
 
