@@ -176,7 +176,7 @@ def export_reward_hf(rm: RewardModel, out: str | Path, tokenizer_dir: str | Path
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         save_json(config, tmp / hfmap.HF_CONFIG)
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-            copy_tokenizer_files(tokenizer_dir, tmp)
+            copy_tokenizer_files(tokenizer_dir, tmp, for_transformers=True)
     return out
 
 
