@@ -487,6 +487,14 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
                     return b"\r\n"
             return line
 
+        def handle_expect_100(self):
+            """``Expect: 100-continue`` (curl's way with large bodies): a client without the key gets 401, not an
+            invitation to send its body."""
+            if self._needs_key() and not self._authorized():
+                self._refuse(close=True)
+                return False
+            return super().handle_expect_100()
+
         def _answering(self):
             """The request is read: no deadline now, and a write stuck on a client that reads nothing ends after
             the read timeout (the answer's other side); a connection being answered is never evicted."""
