@@ -239,3 +239,15 @@ def test_bad_limits_are_one_line_and_exit_2(tmp_path, capsys, flag, value):
     assert main(["serve", "--ckpt", str(tmp_path / "nothing-here"), flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and flag in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health HTTP/9.9\r\n\r\n", 505),
+    (b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    (b"BREW /v1/models HTTP/1.1\r\n\r\n", 501),
+])
+def test_malformed_requests_get_json_errors(server, request_bytes, status):
+    got, headers, body = raw_exchange(server, request_bytes)
+    assert got == status and headers["connection"] == "close" and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["message"]

@@ -56,7 +56,8 @@ one that has waited longest for its request, or, when every connection is being 
 ``too_many_connections`` with ``Retry-After``, without a thread. The API key is checked as soon as its header line
 arrives (a wrong one ends the reading there: 401 and close), before the other headers and the body. A POST whose
 ``Content-Type`` is not JSON is 415 (no Content-Type is taken as JSON); HEAD answers as GET without the body;
-OPTIONS is the CORS preflight, and like PUT, DELETE and the other methods 405 otherwise.
+OPTIONS is the CORS preflight, and like PUT, DELETE and the other methods 405 otherwise. What the standard library
+refuses itself (a malformed request line, a header line over 64 KiB, over 100 headers) is JSON too.
 
 Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops accepting (the listening socket closes; a request on a
 kept-alive connection gets 503), lets the running and waiting requests finish for up to ``drain_timeout`` seconds
@@ -486,6 +487,15 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
                     self.key_refused = True
                     return b"\r\n"
             return line
+
+        def send_error(self, code, message=None, explain=None):
+            """The standard library's own refusals (a malformed request line, a line or headers too long, an
+            unknown method) in JSON like every other error, and the connection closed (the rest is unread)."""
+            text = message or self.responses.get(code, ("error",))[0]
+            err = RequestError(int(code), f"{text}: {explain}" if explain else text)
+            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # no version read (or an unknown one): the
+                self.request_version = "HTTP/1.1"                     # answer still gets its status line
+            self._error(err, {"Connection": "close"})
 
         def handle_expect_100(self):
             """``Expect: 100-continue`` (curl's way with large bodies): a client without the key gets 401, not an
