@@ -201,7 +201,7 @@ class InferenceApp:
 
     def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
         """(sampling parameters, stream, include_usage). A null field means the field is absent."""
-        if "model" not in body:
+        if body.get("model") is None:  # null is absent
             raise RequestError(400, "missing required field 'model'", "model", "missing_field")
         if body["model"] != self.model_name:
             raise RequestError(404, f"model {_show(body['model'])} does not exist; this server serves "
