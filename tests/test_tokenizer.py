@@ -157,6 +157,14 @@ def test_exported_chat_template_keeps_typed_specials_as_text(trained, tmp_path):
     assert (tmp_path / "hf2" / "tokenizer.json").read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
     assert (tmp_path / "hf2" / "tokenizer_config.json").read_text() == \
         (tmp_path / "hf" / "tokenizer_config.json").read_text()
+    # a tokenizer saved again by transformers (its template moved to chat_template.jinja) is guarded as well
+    plain.save_pretrained(str(tmp_path / "resaved"))
+    save_model(build_model(tiny_model_config(vocab_size=tok.vocab_size, n_layers=1), seed=0), tmp_path / "ck2",
+               tokenizer_dir=tmp_path / "resaved")
+    export_hf(tmp_path / "ck2", tmp_path / "hf3")
+    again = AutoTokenizer.from_pretrained(str(tmp_path / "hf3"))
+    assert hf_ids(again.apply_chat_template(FORGED[0], tokenize=True, add_generation_prompt=True)) == \
+        tok.apply_chat_template(FORGED[0], add_generation_prompt=True)
     # a GGUF file made from those files gets the plain template (llama.cpp would not run the normalizer step)
     from zero2all.model.gguf import tokenizer_metadata
     from zero2all.model.io import read_model_config

@@ -22,13 +22,14 @@ tokenizes that text, special strings included, so a message typed as ``hi<|im_en
 become real role tokens. ``split_special_tokens`` is no cure (it turns the template's own role markers into text
 as well), and ``apply_chat_template(..., sanitize_control_tokens=True)`` exists only in recent transformers and only
 when the caller asks. So the files written for transformers (``export-hf``, ``export-reward-hf``;
-:func:`guard_hf_chat_template`) change two things: the template puts the noncharacter U+FDD0 inside every ``<|`` of a
-role or message (``<`` U+FDD0 ``|``), so no special string survives in the rendered text; and ``tokenizer.json``
-gets a first normalizer step deleting U+FDD0, which runs after special strings are matched and before the text is
-split into tokens. The ids are exactly ours, whether the chat is tokenized by ``apply_chat_template`` or rendered
-first and tokenized later; the price is that a U+FDD0 typed by a user (a code point Unicode reserves for internal
-use) is dropped by the exported tokenizer. Loading such files back (:class:`Tokenizer`) removes the step again, so
-the tokenizer, its hash and our own encoding are unchanged by a round trip through an export.
+:func:`guard_hf_chat_template`) change two things: the template puts the noncharacter U+FDD0 after every ``<`` of
+a role or message (every special token starts with ``<``), so no special string survives in the rendered text; and
+``tokenizer.json`` gets a first normalizer step deleting U+FDD0, which runs after special strings are matched and
+before the text is split into tokens. The ids are exactly ours, whether the chat is tokenized by
+``apply_chat_template`` or rendered first and tokenized later; the price is that a U+FDD0 typed by a user (a code
+point Unicode reserves for internal use) is dropped by the exported tokenizer. Loading such files back
+(:class:`Tokenizer`) removes the step again, so the tokenizer, its hash and our own encoding are unchanged by a round
+trip through an export.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ CHAT_TEMPLATE = (
 
 
 # The guarded template for files read by transformers (see the module docstring): the same ChatML, with U+FDD0
-# (a Jinja escape here, so the file shows it) put inside every "<|" of a role or a message's content.
+# (a Jinja escape here, so the file shows it) put after every "<" of a role or a message's content.
 CHAT_GUARD = "\ufdd0"
-_GUARD = "| replace('<|', '<\\ufdd0|')"
+_GUARD = "| replace('<', '<\\ufdd0')"
 HF_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + (message['role'] " + _GUARD + ") + '\\n' + (message['content'] " + _GUARD + ") + "
@@ -86,23 +87,33 @@ def _drop_chat_guard(tokenizer: dict) -> bool:
 
 def guard_hf_chat_template(directory: str | os.PathLike) -> bool:
     """Give the tokenizer files in ``directory`` (a directory being written for transformers) the chat guard of the
-    module docstring: the template and tokenizer.json are rewritten in place. Only our ChatML template is guarded
-    (its special tokens all start with ``<|``); a foreign template, a tokenizer without one, or files guarded already
-    are left as they are. Returns whether the files were changed."""
+    module docstring, rewriting them in place: our ChatML template, in ``tokenizer_config.json`` or in
+    ``chat_template.jinja`` (where transformers' own ``save_pretrained`` puts it), and ``tokenizer.json``. A foreign
+    template, special tokens that do not all start with ``<`` (or are matched after normalisation), or files
+    guarded already are left as they are.
+    Returns whether the files were changed."""
     directory = Path(directory)
-    cfg_file, tok_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
-    if not (cfg_file.is_file() and tok_file.is_file()):
+    cfg_file, jinja_file = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
         return False
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     tokenizer = json.loads(tok_file.read_text(encoding="utf-8"))
-    specials = [t.get("content", "") for t in tokenizer.get("added_tokens", []) if t.get("special")]
-    if cfg.get("chat_template") != CHAT_TEMPLATE or not all(s.startswith("<|") for s in specials):
+    specials = [t for t in tokenizer.get("added_tokens", []) if t.get("special")]
+    if not all(t.get("content", "").startswith("<") and not t.get("normalized") for t in specials):
+        return False  # a special token the escape would not reach
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    in_cfg = cfg.get("chat_template") == CHAT_TEMPLATE
+    in_jinja = jinja_file.is_file() and jinja_file.read_text(encoding="utf-8") == CHAT_TEMPLATE
+    if not (in_cfg or in_jinja):
         return False
     norm = tokenizer.get("normalizer")
     tokenizer["normalizer"] = {"type": "Sequence", "normalizers": [_GUARD_STEP] + ([norm] if norm else [])}
-    cfg["chat_template"] = HF_CHAT_TEMPLATE
     tok_file.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
-    _write_json(cfg_file, cfg)
+    if in_cfg:
+        cfg["chat_template"] = HF_CHAT_TEMPLATE
+        _write_json(cfg_file, cfg)
+    if in_jinja:
+        jinja_file.write_text(HF_CHAT_TEMPLATE, encoding="utf-8")
     return True
 
 
