@@ -135,6 +135,10 @@ def test_omitted_max_tokens_fits_the_context(server):
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/nothing", {"model": "tiny-chat"}, 404, "no such path"),
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
+    ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "no JSON mode"),
 ])
 def test_request_errors(server, path, payload, status, needle):
     client, _ = server
@@ -444,7 +448,8 @@ def test_max_tokens_limit_is_kept_as_given():
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
                                    "n", "stream", "seed", "logprobs", "top_logprobs", "stream_options", "user",
-                                   "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"])
+                                   "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                                   "tools", "functions", "tool_choice", "response_format", "fit_context"])
 def test_null_means_absent(server, field):
     """``null`` is what some OpenAI clients send for a field they leave unset: it means the default, as if absent
     (a null max_tokens must not become a fixed budget that overflows a long prompt)."""
@@ -497,3 +502,10 @@ def test_default_budget_fits_a_context_no_longer_than_it():
             assert "no room" in err["message"] and "context of 64" in err["message"]
         r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "fit_context": "yes"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "fit_context"
+
+
+def test_empty_tools_and_a_text_response_format_are_accepted(server):
+    client, _ = server
+    r = client.post("/v1/chat/completions", json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 2, "tools": [], "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text

@@ -226,6 +226,13 @@ class InferenceApp:
         stream = self._flag(body, "stream")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
             raise RequestError(400, "logprobs are not supported by this server", "logprobs")
+        for key in ("tools", "functions"):  # silently ignored, a client would wait for tool calls that never come
+            if body.get(key):
+                raise RequestError(400, f"'{key}' is not supported by this server (no tool calling)", key)
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise RequestError(400, f"'response_format' {_show(response_format)} is not supported by this server: "
+                                    "only {\"type\": \"text\"} (no JSON mode)", "response_format")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                                  or not -(1 << 63) <= seed < (1 << 64)):
