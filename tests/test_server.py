@@ -123,6 +123,9 @@ def test_omitted_max_tokens_fits_the_context(server):
     ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ("/v1/completions", {"prompt": "x"}, 400, "'model'"),
+    ("/v1/completions", {"model": None, "prompt": "x"}, 400, "missing required field 'model'"),
+    ("/v1/chat/completions", {"model": "tiny-chat", "messages": None}, 400, "missing required field 'messages'"),
+    ("/v1/completions", {"model": "tiny-chat", "prompt": None}, 400, "missing required field 'prompt'"),
     ("/v1/completions", {"model": "tiny-chat"}, 400, "'prompt'"),
     ("/v1/chat/completions", {"model": "tiny-chat"}, 400, "'messages'"),
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
@@ -132,6 +135,10 @@ def test_omitted_max_tokens_fits_the_context(server):
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/nothing", {"model": "tiny-chat"}, 404, "no such path"),
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
+    ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "no JSON mode"),
 ])
 def test_request_errors(server, path, payload, status, needle):
     client, _ = server
@@ -437,3 +444,68 @@ def test_max_tokens_limit_is_kept_as_given():
         assert r.status_code == 400 and err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
         r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1025})
         assert r.status_code == 400 and "limit of 1024" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+                                   "n", "stream", "seed", "logprobs", "top_logprobs", "stream_options", "user",
+                                   "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                                   "tools", "functions", "tool_choice", "response_format", "fit_context"])
+def test_null_means_absent(server, field):
+    """``null`` is what some OpenAI clients send for a field they leave unset: it means the default, as if absent
+    (a null max_tokens must not become a fixed budget that overflows a long prompt)."""
+    client, _ = server
+    for path, head in (("/v1/completions", {"model": "tiny-chat", "prompt": "x" * 79}),
+                       ("/v1/chat/completions", {"model": "tiny-chat",
+                                                 "messages": [{"role": "user", "content": "x" * 64}]})):
+        absent = client.post(path, json={**head, "seed": 5, "temperature": 0})
+        null = client.post(path, json={**head, "seed": 5, "temperature": 0, field: None})
+        assert absent.status_code == 200 and null.status_code == 200, (field, null.text)
+        a, b = absent.json(), null.json()
+        assert a["usage"] == b["usage"] and a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
+        assert a["usage"]["total_tokens"] <= 96
+
+
+def test_null_max_completion_tokens_falls_back_to_max_tokens(server):
+    client, _ = server
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+            "max_completion_tokens": None, "max_tokens": 5}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_default_budget_fits_a_context_no_longer_than_it():
+    """A model whose context equals the default budget (the demo's: 256): the first chat message has room."""
+    gen = Generator(build_model(tiny_model_config(max_seq_len=64, initializer_range=0.3), seed=2).eval(), TOK)
+    app = InferenceApp(gen, "m", max_tokens_limit=1024, default_max_tokens=64, max_queue=4, max_batch=2)
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as c:
+        msgs = [{"role": "user", "content": "hello there"}]
+        prompt = len(TOK.apply_chat_template(msgs, add_generation_prompt=True))
+        for extra in ({}, {"max_tokens": None}):
+            r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "ignore_eos": True, **extra})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 64 - prompt
+        # an explicit budget that does not fit is refused, unless the request asks to fit it to the context
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 64})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 64,
+                                                 "fit_context": True, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64 - prompt
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 3,
+                                                 "fit_context": True, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 3  # never longer than asked
+        # a prompt that fills the context leaves no room at all: refused with what to do
+        long = [{"role": "user", "content": "y" * 64}]
+        for extra in ({}, {"fit_context": True, "max_tokens": 8}):
+            r = c.post("/v1/chat/completions", json={"model": "m", "messages": long, **extra})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+            assert "no room" in err["message"] and "context of 64" in err["message"]
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "fit_context": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "fit_context"
+
+
+def test_empty_tools_and_a_text_response_format_are_accepted(server):
+    client, _ = server
+    r = client.post("/v1/chat/completions", json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 2, "tools": [], "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text

@@ -38,7 +38,7 @@ def served(tmp_path_factory):
     ckpt = scripted_model(load_tokenizer(d / "tok"), d / "tok", d / "scripted", PAYLOAD, max_seq_len=CONTEXT)
     log = open(d / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "zero2all.cli", "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--device", "cpu", "--max-tokens-limit", str(CONTEXT - 64), "--model-name", "scripted"],
+                             "--device", "cpu", "--max-tokens-limit", str(2 * CONTEXT), "--model-name", "scripted"],
                             stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "Z2ALL_API_KEY": KEY, "PYTHONPATH": str(Path(__file__).parents[1])})
     deadline = time.monotonic() + 180
@@ -81,6 +81,7 @@ def test_chat_page_end_to_end(served, browser, tmp_path):
     info = b.wait_for("(t => t.includes('context') && t)(document.getElementById('model-info').textContent)",
                       what="the model name and context")
     assert info == f"scripted · context {CONTEXT} tokens"
+    assert b.evaluate("document.getElementById('max-tokens').max") == str(CONTEXT)  # the context, below the limit
     assert b.evaluate("sessionStorage.getItem('z2all-api-key')") == KEY
     assert b.evaluate("localStorage.getItem('z2all-api-key')") is None
 
@@ -115,8 +116,9 @@ def test_chat_page_end_to_end(served, browser, tmp_path):
             Path(out, f"chat-{name}.png").write_bytes((tmp_path / f"{name}.png").read_bytes())
     assert (tmp_path / "dark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # a long reply: text streams in, Escape stops it, and the server frees the sequence's row at once
-    b.evaluate("document.getElementById('max-tokens').value = String(%d)" % (CONTEXT - 200))
+    # a long reply: text streams in, Escape stops it, and the server frees the sequence's row at once. Max tokens
+    # is the whole context, more than the conversation leaves: the page asks the server to fit it, not to refuse
+    b.evaluate("document.getElementById('max-tokens').value = String(%d)" % CONTEXT)
     b.evaluate("document.getElementById('input').focus()")
     b.type_text("Again, at length.")
     b.press("Enter", key_code=13, text="\r")

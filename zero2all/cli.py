@@ -835,6 +835,12 @@ def _serve(p):
     p.add_argument("--cors-origin", default=None,
                    help="let pages of this one origin (e.g. https://tools.example.org) call the API from a browser; "
                         "default: no CORS header (only the page served here can)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a whole request (request line, headers, body) may take to arrive, and a stalled "
+                        "write may wait for a client that reads nothing; then the connection is closed")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="connections open at once (one thread each); when full, the one that has waited longest for "
+                        "its request is closed to make room, or the new one gets 503 if all are being answered")
 
     def run(args):
         import math
@@ -850,6 +856,10 @@ def _serve(p):
                                    ("--max-batch", args.max_batch, 1)):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if not args.read_timeout > 0:
+            raise ConfigError(f"--read-timeout must be a number of seconds > 0 (e.g. 30), got {args.read_timeout:g}")
+        if args.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1 (e.g. 256), got {args.max_connections}")
         if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
             raise ConfigError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
         try:  # a busy port or a bad host: one line naming both (exit 1, or 2 for a host that can never work)
@@ -858,7 +868,8 @@ def _serve(p):
                          max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, max_batch=args.max_batch,
                          drain_timeout=args.drain_timeout, compile=args.compile,
                          api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None,
-                         cors_origin=args.cors_origin)
+                         cors_origin=args.cors_origin, read_timeout=args.read_timeout,
+                         max_connections=args.max_connections)
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)
             return e.exit_code

@@ -30,6 +30,11 @@ an unknown model or path; 413 for a body over 1 MiB; 429 when the queue is full;
 ``"ignore_eos": true`` (an extension) keeps generating through stop tokens up to ``max_tokens`` (stop strings still
 apply): every such request produces the same number of tokens, for load tests.
 
+A field sent as ``null`` is absent (OpenAI's own rule; some clients send ``"max_tokens": null``). Without
+``max_tokens`` the budget is ``default_max_tokens`` cut to what the longest prompt leaves of the context, so it never
+overflows; an explicit ``max_tokens`` that does not fit is refused, unless the request says ``"fit_context": true``
+(an extension, sent by the chat page): then it is an upper bound, cut the same way.
+
 Concurrency: continuous batching (``infer/scheduler.py``). One background thread owns the model and a pool of
 ``max_batch`` KV-cache rows; each decode step advances every running sequence by one token, a new sequence joins
 the batch between two steps (its prompt is prefilled into a free row, the other rows untouched; prompts that arrive
@@ -43,6 +48,17 @@ The HTTP side stays one thread per connection (``ThreadingHTTPServer``): those t
 request's events (blocked on a queue, not polling) and write; a stream's events that are ready at once (a handler
 that fell behind the steps) go out in one write.
 
+Connections are bounded (:class:`_Server`): a whole request (the wait for it on a kept-alive connection, its
+request line, headers and body) must arrive within ``read_timeout`` seconds (30), a total, not a limit per read, so a
+client trickling bytes is cut off too (a half-sent body gets 408); a write that a client does not read for as long
+fails and cancels the request. At most ``max_connections`` (256) are open: a new connection past that closes the
+one that has waited longest for its request, or, when every connection is being answered, gets 503
+``too_many_connections`` with ``Retry-After``, without a thread. The API key is checked as soon as its header line
+arrives (a wrong one ends the reading there: 401 and close), before the other headers and the body. A POST whose
+``Content-Type`` is not JSON is 415 (no Content-Type is taken as JSON); HEAD answers as GET without the body;
+OPTIONS is the CORS preflight, and like PUT, DELETE and the other methods 405 otherwise. What the standard library
+refuses itself (a malformed request line, a header line over 64 KiB, over 100 headers) is JSON too.
+
 Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops accepting (the listening socket closes; a request on a
 kept-alive connection gets 503), lets the running and waiting requests finish for up to ``drain_timeout`` seconds
 (a second signal cuts the wait short), then cancels what is left: those end with ``finish_reason``
@@ -54,6 +70,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import io
 import ipaddress
 import json
 import math
@@ -75,6 +92,9 @@ from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown
 
 MAX_BODY_BYTES = 1 << 20
 EXIT_CANCELLED = 143  # the exit status when the drain timeout ran out and requests were cancelled
+READ_TIMEOUT = 30.0  # seconds a whole request (request line, headers, body) may take to arrive
+MAX_CONNECTIONS = 256  # connections open at once (each one holds a thread)
+GONE = (BrokenPipeError, ConnectionError, TimeoutError)  # a write that failed because the client is gone or stuck
 
 
 class RequestError(Exception):
@@ -181,13 +201,15 @@ class InferenceApp:
         return value
 
     def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
-        """(sampling parameters, stream, include_usage)."""
-        if "model" not in body:
+        """(sampling parameters, stream, include_usage). A null field means the field is absent."""
+        if body.get("model") is None:  # null is absent
             raise RequestError(400, "missing required field 'model'", "model", "missing_field")
         if body["model"] != self.model_name:
             raise RequestError(404, f"model {_show(body['model'])} does not exist; this server serves "
                                     f"{self.model_name!r}", "model", "model_not_found")
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        # null is "not given", as OpenAI's API defines it; in a chat a null max_completion_tokens leaves max_tokens
+        key = next((k for k in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+                    if body.get(k) is not None), "max_tokens")
         max_tokens = self._number(body, key, self.default_max_tokens, lo=1, integer=True)
         if max_tokens > self.max_tokens_limit:
             raise RequestError(400, f"'{key}' is {_show(max_tokens)}, above this server's limit of "
@@ -205,6 +227,13 @@ class InferenceApp:
         stream = self._flag(body, "stream")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
             raise RequestError(400, "logprobs are not supported by this server", "logprobs")
+        for key in ("tools", "functions"):  # silently ignored, a client would wait for tool calls that never come
+            if body.get(key):
+                raise RequestError(400, f"'{key}' is not supported by this server (no tool calling)", key)
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise RequestError(400, f"'response_format' {_show(response_format)} is not supported by this server: "
+                                    "only {\"type\": \"text\"} (no JSON mode)", "response_format")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                                  or not -(1 << 63) <= seed < (1 << 64)):
@@ -263,9 +292,13 @@ class InferenceApp:
             clean.append({"role": role, "content": content})
         return list(self.generator.tokenizer.apply_chat_template(clean, add_generation_prompt=True))
 
-    def check_fits(self, prompts: list[list[int]], params: SamplingParams):
+    def check_fits(self, prompts: list[list[int]], params: SamplingParams, field: str = "prompt"):
         ctx = self.context
         for i, p in enumerate(prompts):
+            if len(p) >= ctx:
+                raise RequestError(400, f"prompt {i} has {len(p)} tokens: no room to generate within the context of "
+                                        f"{ctx} tokens; shorten it (or start a new conversation)", field,
+                                   "context_length_exceeded")
             if len(p) + params.max_new_tokens > ctx:
                 raise RequestError(400, f"prompt {i} has {len(p)} tokens; with max_tokens {params.max_new_tokens} "
                                         f"that exceeds the context of {ctx} tokens", "max_tokens",
@@ -278,13 +311,15 @@ class InferenceApp:
         chat = kind == "chat"
         params, stream, include_usage = self.parse_common(body, chat)
         prompts = [self.chat_prompt(body)] if chat else self.completion_prompts(body)
-        if "max_tokens" not in body and not (chat and "max_completion_tokens" in body):
+        asked = body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
+        if self._flag(body, "fit_context") or not asked:
             # no budget asked for: the default, cut to what the longest prompt leaves of the context (a small
-            # model's context may be no longer than the default); an explicit max_tokens is never shortened
+            # model's context may be no longer than the default); an explicit max_tokens is shortened only when
+            # the request says so ("fit_context": true, an extension the chat page sends)
             room = self.context - max(len(p) for p in prompts)
             if 1 <= room < params.max_new_tokens:
                 params.max_new_tokens = room
-        self.check_fits(prompts, params)
+        self.check_fits(prompts, params, "messages" if chat else "prompt")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             sub = self.scheduler.submit(prompts, params)
@@ -413,8 +448,13 @@ def _sse(chunks: list[dict]) -> bytes:
 def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = None,
                  cors_origin: str | None = None):
     """The request handler class. ``api_key``: required as ``Authorization: Bearer KEY`` on every /v1 route.
-    ``cors_origin``: the one other origin whose pages may call the API (None: no CORS header at all)."""
+    ``cors_origin``: the one other origin whose pages may call the API (None: no CORS header at all). It runs under
+    :class:`_Server`, which gives each connection its deadline-bound reader (:class:`_Connection`)."""
     expected = api_key.encode() if api_key else None
+
+    def key_matches(value: str) -> bool:
+        scheme, _, given = value.strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "zero2all"
@@ -424,8 +464,62 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
             if not quiet:
                 sys.stderr.write(f"[serve] {self.address_string()} {fmt % args}\n")
 
+        # -- reading under a deadline, the key checked as soon as its header arrives ------------------------------
+        def setup(self):
+            super().setup()
+            self.conn = self.server.connection(self.request)
+            made, self.rfile = self.rfile, _LineReader(self.conn)
+            made.close()  # the socket's own file would keep the descriptor open after the close
+
+        def handle_one_request(self):
+            self.key_refused = False  # a wrong key was seen among the headers (reading stopped there)
+            self.head_only = False
+            self.server.start_request(self.conn)
+            super().handle_one_request()
+
+        def parse_request(self):
+            self.rfile.on_line = self._header_line
+            try:
+                return super().parse_request()
+            finally:
+                self.rfile.on_line = None
+
+        def _needs_key(self) -> bool:
+            return expected is not None and (self.command == "POST" or self.path.startswith("/v1"))
+
+        def _header_line(self, line: bytes) -> bytes:
+            """Sees each header line as it arrives: a wrong key ends the headers there (an empty line), so a client
+            without the key costs no more reading; the answer is then 401 and the connection closes."""
+            if line[:14].lower() == b"authorization:" and not self.key_refused and self._needs_key():
+                if not key_matches(line[14:].decode("latin-1")):
+                    self.key_refused = True
+                    return b"\r\n"
+            return line
+
+        def send_error(self, code, message=None, explain=None):
+            """The standard library's own refusals (a malformed request line, a line or headers too long, an
+            unknown method) in JSON like every other error, and the connection closed (the rest is unread)."""
+            text = message or self.responses.get(code, ("error",))[0]
+            err = RequestError(int(code), f"{text}: {explain}" if explain else text)
+            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # no version read (or an unknown one): the
+                self.request_version = "HTTP/1.1"                     # answer still gets its status line
+            self._error(err, {"Connection": "close"})
+
+        def handle_expect_100(self):
+            """``Expect: 100-continue`` (curl's way with large bodies): a client without the key gets 401, not an
+            invitation to send its body."""
+            if self._needs_key() and not self._authorized():
+                self._refuse(close=True)
+                return False
+            return super().handle_expect_100()
+
+        def _answering(self):
+            """The request is read: no deadline now, and a write stuck on a client that reads nothing ends after
+            the read timeout (the answer's other side); a connection being answered is never evicted."""
+            self.server.stop_reading(self.conn)
+
         def end_headers(self):
-            if cors_origin and self.path.startswith("/v1"):
+            if cors_origin and getattr(self, "path", "").startswith("/v1"):
                 self.send_header("Access-Control-Allow-Origin", cors_origin)
                 self.send_header("Vary", "Origin")
             super().end_headers()
@@ -434,40 +528,61 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
             self._send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
 
         def _send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None):
+            self._answering()
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
             self.end_headers()
-            self.wfile.write(data)
+            if not self.head_only:  # HEAD: GET's status and headers, no body
+                self.wfile.write(data)
 
         def _authorized(self) -> bool:
             """True without a key; with one, the request must carry ``Authorization: Bearer KEY`` (compared in
             constant time, so the time taken says nothing of how much of a guess was right)."""
             if expected is None:
                 return True
-            scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+            return not self.key_refused and key_matches(self.headers.get("Authorization") or "")
 
         def _refuse(self, close: bool = False):
+            close = close or self.key_refused  # the headers were not all read: the connection cannot be reused
             self._error(RequestError(401, "a valid API key is required: send the header 'Authorization: Bearer "
                                           "KEY' with the key this server was started with", code="invalid_api_key",
                                      headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if close
                                                                                else {})}))
 
+        def _allowed(self) -> str:
+            return "GET, HEAD, POST" + (", OPTIONS" if cors_origin else "")
+
+        def _not_allowed(self):
+            """405 for a method this server does not answer (PUT, DELETE, ...; OPTIONS outside a CORS preflight).
+            Any body is left unread, so the connection closes."""
+            why = (" (OPTIONS is answered only as a CORS preflight from the origin set by --cors-origin)"
+                   if self.command == "OPTIONS" else "")
+            self._error(RequestError(405, f"method {self.command} is not allowed here{why}; use "
+                                          f"{self._allowed()}", code="method_not_allowed",
+                                     headers={"Allow": self._allowed(), "Connection": "close"}))
+
+        do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _not_allowed
+
         def do_OPTIONS(self):
             """The CORS preflight, answered only for the allowed origin."""
             if not cors_origin or self.headers.get("Origin") != cors_origin or not self.path.startswith("/v1"):
-                return self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
+                return self._not_allowed()
             self._send_bytes(204, b"", "text/plain", {
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
 
+        def do_HEAD(self):
+            self.head_only = True
+            self.do_GET()
+
         def _error(self, err: RequestError, headers=None):
-            if err.headers.get("Connection") == "close":
+            headers = {**err.headers, **(headers or {})}
+            if headers.get("Connection") == "close":
                 self.close_connection = True
-            self._send_json(err.status, err.body(), {**err.headers, **(headers or {})})
+            self._send_json(err.status, err.body(), headers)
 
         def _client_alive(self) -> bool:
             """False once the client has closed its end (a readable socket with nothing to read)."""
@@ -493,6 +608,11 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
                 self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
 
         def _read_body(self) -> dict:
+            ctype = self.headers.get("Content-Type")
+            media = (ctype or "").partition(";")[0].strip().lower()
+            if ctype is not None and media != "application/json" and not media.endswith("+json"):
+                raise RequestError(415, f"Content-Type {_show(ctype)} is not supported: send the body as JSON with "
+                                        "'Content-Type: application/json'", "Content-Type", "unsupported_media_type")
             length = self.headers.get("Content-Length")
             if length is None:
                 raise RequestError(411, "a Content-Length header is required")
@@ -503,7 +623,13 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
             if n > MAX_BODY_BYTES:
                 self.close_connection = True
                 raise RequestError(413, f"request body of {n} bytes is over the limit of {MAX_BODY_BYTES}")
-            raw = self.rfile.read(n)
+            try:
+                raw = self.rfile.read(n)
+            except TimeoutError:
+                raise RequestError(408, f"the request did not arrive within the read timeout of "
+                                        f"{self.server.read_timeout:g} s", code="request_timeout") from None
+            if len(raw) < n:
+                raise RequestError(400, f"the body ended after {len(raw)} of its {n} bytes")
             try:
                 body = json.loads(raw)
             # ValueError: an integer too long to convert; RecursionError: nesting too deep
@@ -523,12 +649,16 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
             try:
                 if not self._authorized():  # before the body is read: an unauthorised client costs nothing
                     return self._refuse(close=True)  # the body is unread: the connection cannot be reused
-                body = self._read_body()
                 if kind is None:
                     raise RequestError(404, f"no such path {self.path}", kind="not_found_error")
+                body = self._read_body()
             except RequestError as e:
                 self.close_connection = True  # the body may be unread: do not reuse the connection,
-                return self._error(e, {"Connection": "close"})  # and say so, or a client may send on it again
+                try:  # and say so, or a client may send on it again
+                    return self._error(e, {"Connection": "close"})
+                except (*GONE, OSError):  # closed to make room for another connection, or gone
+                    return
+            self._answering()
             try:
                 mode, payload = app.run(kind, body, alive=self._client_alive)
                 if mode == "json":
@@ -539,8 +669,8 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
                 self._error(e)
             except ValueError as e:  # a check inside generation
                 self._error(RequestError(400, str(e)))
-            except (BrokenPipeError, ConnectionError):
-                self.close_connection = True  # the client is gone: its request was cancelled
+            except GONE:
+                self.close_connection = True  # the client is gone (or reads nothing): its request was cancelled
             except Exception as e:  # noqa: BLE001 - an internal error still answers in JSON
                 self._error(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
@@ -564,7 +694,7 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
                     for batch in chunks:
                         self.wfile.write(_sse(batch))
                         self.wfile.flush()
-                except (BrokenPipeError, ConnectionError):
+                except GONE:
                     raise
                 except Exception as e:  # noqa: BLE001 - the 200 is out: the error goes into the stream
                     err = RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
@@ -578,9 +708,155 @@ def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = N
     return Handler
 
 
+class _Connection(io.RawIOBase):
+    """One client connection's bytes, read under a deadline, and its state among the server's connections.
+
+    The deadline covers a whole request: the wait for its first byte (a kept-alive connection idling), the request
+    line, the headers and the body. Each read waits only for what is left of it, so a client that trickles one byte
+    at a time is cut off as surely as one that stops sending (a timeout per read would let it go on for ever).
+    ``reading``: waiting for (part of) a request, as opposed to being answered; ``evicted``: the server closed it to
+    make room for a new connection."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.deadline: float | None = None
+        self.reading = True
+        self.since = time.monotonic()
+        self.evicted = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or self.evicted:
+                raise TimeoutError("the request did not arrive in time")
+            self.sock.settimeout(left)
+        n = self.sock.recv_into(buf)
+        if self.evicted:  # woken by the server's shutdown of the socket
+            raise TimeoutError("the connection was closed to make room for another")
+        return n
+
+
+class _LineReader(io.BufferedReader):
+    """The handler's ``rfile``: ``on_line`` (when set) sees each line read, and may replace it; the handler uses it
+    to check the API key as soon as its header line arrives, before the other headers and the body."""
+
+    on_line: Callable[[bytes], bytes] | None = None
+
+    def readline(self, size: int | None = -1) -> bytes:
+        line = super().readline(-1 if size is None else size)
+        return self.on_line(line) if self.on_line is not None else line
+
+
 class _Server(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with bounded connections: at most ``max_connections`` open at once (one thread
+    each), every request read under a deadline of ``read_timeout`` seconds (:class:`_Connection`).
+
+    When a new connection finds the server full, the connection that has waited longest for its request (an idle
+    keep-alive or a half-sent request) is closed to make room, so connections that send nothing cannot lock others
+    out; if every connection is being answered, the new one gets 503 ``too_many_connections`` with ``Retry-After``
+    and is closed, without a thread."""
+
     daemon_threads = True
     request_queue_size = 256  # the listen backlog: 5 by default, too few for a burst of clients connecting at once
+
+    def __init__(self, address, handler, read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
+        if not read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.read_timeout = float(read_timeout)
+        self.max_connections = max_connections
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._lock = threading.Lock()
+        super().__init__(address, handler)
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return sum(not c.evicted for c in self._connections.values())
+
+    @property
+    def busy_connections(self) -> int:
+        """Connections whose request is being answered."""
+        with self._lock:
+            return sum(not c.evicted and not c.reading for c in self._connections.values())
+
+    def connection(self, request: socket.socket) -> _Connection:
+        with self._lock:
+            return self._connections[request]
+
+    def start_request(self, conn: _Connection):
+        """A (next) request is awaited on ``conn``: the deadline starts."""
+        with self._lock:
+            conn.reading, conn.since = True, time.monotonic()
+            conn.deadline = conn.since + self.read_timeout
+
+    def stop_reading(self, conn: _Connection):
+        """``conn``'s request is read and is being answered: writes get the read timeout, a total for each."""
+        with self._lock:
+            if conn.evicted:
+                raise TimeoutError("the connection was closed to make room for another")
+            if conn.reading:
+                conn.reading, conn.deadline = False, None
+                conn.sock.settimeout(self.read_timeout)
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            live = [c for c in self._connections.values() if not c.evicted]
+            if len(live) >= self.max_connections:
+                idle = [c for c in live if c.reading]
+                if not idle:
+                    admitted = False
+                else:
+                    oldest = min(idle, key=lambda c: c.since)
+                    oldest.evicted = True
+                    try:  # wakes its thread, blocked in a read
+                        oldest.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    admitted = True
+            else:
+                admitted = True
+            if admitted:
+                self._connections[request] = _Connection(request)
+        if not admitted:
+            return self._refuse(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request):
+        with self._lock:
+            self._connections.pop(request, None)
+
+    def _refuse(self, request: socket.socket):
+        """503 straight from the accept loop, never blocking it: what fits in the socket's buffer, then close."""
+        err = RequestError(503, f"the server has {self.max_connections} connections being answered, its most; "
+                                "try again shortly", kind="server_error", code="too_many_connections")
+        body = json.dumps(err.body()).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)
+            try:  # what the client has sent already: closing with unread bytes would reset the connection
+                request.recv(65536)
+            except OSError:
+                pass
+            request.send(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
 
 class AddressError(Exception):
@@ -628,27 +904,30 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
                   model_name: str | None = None, device: str = "auto", dtype: str = "auto",
                   max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
-                  cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None
+                  cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None,
+                  read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS
                   ) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
     ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key`` and ``cors_origin``: see
-    :func:`make_handler`."""
+    :func:`make_handler`; ``read_timeout`` and ``max_connections``: see :class:`_Server`."""
     from zero2all.infer.generate import load_for_inference
 
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
     name = model_name or Path(ckpt).resolve().name
     generator = Generator(model, tok, cuda_graph=cuda_graph, compile=compile)
     return bind(InferenceApp(generator, name, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
-                             max_batch=max_batch, cache_len=cache_len), host, port, quiet, api_key, cors_origin)
+                             max_batch=max_batch, cache_len=cache_len), host, port, quiet, api_key, cors_origin,
+                read_timeout, max_connections)
 
 
 def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False,
-         api_key: str | None = None, cors_origin: str | None = None) -> tuple[ThreadingHTTPServer, InferenceApp]:
+         api_key: str | None = None, cors_origin: str | None = None, read_timeout: float = READ_TIMEOUT,
+         max_connections: int = MAX_CONNECTIONS) -> tuple[ThreadingHTTPServer, InferenceApp]:
     """An HTTP server for an app (not yet serving: ``serve_forever`` or :func:`run_server`)."""
     handler = make_handler(app, quiet=quiet, api_key=api_key, cors_origin=cors_origin)
     try:
-        return _Server((host, port), handler), app
+        return _Server((host, port), handler, read_timeout, max_connections), app
     except (OSError, OverflowError) as e:
         raise address_error(e, host, port) from None
 

@@ -246,9 +246,11 @@ def tokenizer_metadata(tok, n_vocab: int, cfg: ModelConfig, tok_dir: Path | None
         meta["pad"] = pad
     if tok.im_end_id is not None:
         meta["eot"] = tok.im_end_id
-    from zero2all.tokenizer.hf import CHAT_TEMPLATE
+    from zero2all.tokenizer.hf import CHAT_TEMPLATE, HF_CHAT_TEMPLATE
 
     template = _tokenizer_dir_chat_template(tok_dir)
+    if template == HF_CHAT_TEMPLATE:  # files from an HF export: its guard needs a tokenizer.json step GGUF lacks
+        template = CHAT_TEMPLATE
     if template is None and tok.im_start_id is not None and tok.im_end_id is not None:
         template = CHAT_TEMPLATE
     if template:

@@ -95,14 +95,20 @@ def save_model(model: Z2all, path: str | Path, extra: dict | None = None, tokeni
     return path
 
 
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer files that ``src`` has into ``dst``, each atomically; returns the names copied."""
+def copy_tokenizer_files(src: str | Path, dst: str | Path, for_transformers: bool = False) -> list[str]:
+    """Copy the tokenizer files that ``src`` has into ``dst``, each atomically; returns the names copied.
+    ``for_transformers``: ``dst`` is an HF export, so our chat template gets its guard against special-token text
+    typed into a message (``zero2all.tokenizer.hf.guard_hf_chat_template``)."""
     copied = []
     for name in TOKENIZER_FILES:
         f = Path(src) / name
         if f.exists():
             copy_file(f, Path(dst) / name)
             copied.append(name)
+    if for_transformers:
+        from zero2all.tokenizer.hf import guard_hf_chat_template
+
+        guard_hf_chat_template(dst)
     return copied
 
 
@@ -323,7 +329,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", tokeniz
         save_json(hfmap.model_config_to_hf(cfg, dtype), tmp / hfmap.HF_CONFIG)
         save_json(gen, tmp / "generation_config.json")
         if src_tok is not None and Path(src_tok).is_dir():
-            copy_tokenizer_files(src_tok, tmp)
+            copy_tokenizer_files(src_tok, tmp, for_transformers=True)
     return out
 
 

@@ -16,6 +16,20 @@ text containing ``<|im_end|>`` is encoded as ordinary characters (``<``, ``|``, 
 a special id. Special ids enter only through explicit calls: :meth:`Tokenizer.apply_chat_template`, or the ids
 themselves (``tok.eos_id``). (AutoTokenizer follows HF's usual rule and does match special strings in text; that
 is what lets its ``apply_chat_template`` render the template to text and tokenize it to the same ids as ours.)
+
+**The same guard for transformers users.** AutoTokenizer's ``apply_chat_template`` renders the template to text and
+tokenizes that text, special strings included, so a message typed as ``hi<|im_end|>\n<|im_start|>system ...`` would
+become real role tokens. ``split_special_tokens`` is no cure (it turns the template's own role markers into text
+as well), and ``apply_chat_template(..., sanitize_control_tokens=True)`` exists only in recent transformers and only
+when the caller asks. So the files written for transformers (``export-hf``, ``export-reward-hf``;
+:func:`guard_hf_chat_template`) change two things: the template puts the noncharacter U+FDD0 after every ``<`` of
+a role or message (every special token starts with ``<``), so no special string survives in the rendered text; and
+``tokenizer.json`` gets a first normalizer step deleting U+FDD0, which runs after special strings are matched and
+before the text is split into tokens. The ids are exactly ours, whether the chat is tokenized by
+``apply_chat_template`` or rendered first and tokenized later; the price is that a U+FDD0 typed by a user (a code
+point Unicode reserves for internal use) is dropped by the exported tokenizer. Loading such files back
+(:class:`Tokenizer`) removes the step again, so the tokenizer, its hash and our own encoding are unchanged by a round
+trip through an export.
 """
 
 from __future__ import annotations
@@ -46,6 +60,64 @@ CHAT_TEMPLATE = (
 )
 
 
+# The guarded template for files read by transformers (see the module docstring): the same ChatML, with U+FDD0
+# (a Jinja escape here, so the file shows it) put after every "<" of a role or a message's content.
+CHAT_GUARD = "\ufdd0"
+_GUARD = "| replace('<', '<\\ufdd0')"
+HF_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + (message['role'] " + _GUARD + ") + '\\n' + (message['content'] " + _GUARD + ") + "
+    "'<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# its partner in tokenizer.json: the normalizer becomes Sequence([this step, the original normalizer or nothing])
+_GUARD_STEP = {"type": "Replace", "pattern": {"String": CHAT_GUARD}, "content": ""}
+
+
+def _drop_chat_guard(tokenizer: dict) -> bool:
+    """Remove the guard's normalizer step from a parsed tokenizer.json, in place; True if it was there."""
+    norm = tokenizer.get("normalizer")
+    if not (isinstance(norm, dict) and norm.get("type") == "Sequence" and norm.get("normalizers")
+            and norm["normalizers"][0] == _GUARD_STEP and len(norm["normalizers"]) <= 2):
+        return False
+    rest = norm["normalizers"][1:]
+    tokenizer["normalizer"] = rest[0] if rest else None
+    return True
+
+
+def guard_hf_chat_template(directory: str | os.PathLike) -> bool:
+    """Give the tokenizer files in ``directory`` (a directory being written for transformers) the chat guard of the
+    module docstring, rewriting them in place: our ChatML template, in ``tokenizer_config.json`` or in
+    ``chat_template.jinja`` (where transformers' own ``save_pretrained`` puts it), and ``tokenizer.json``. A foreign
+    template, special tokens that do not all start with ``<`` (or are matched after normalisation), or files
+    guarded already are left as they are.
+    Returns whether the files were changed."""
+    directory = Path(directory)
+    cfg_file, jinja_file = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
+        return False
+    tokenizer = json.loads(tok_file.read_text(encoding="utf-8"))
+    specials = [t for t in tokenizer.get("added_tokens", []) if t.get("special")]
+    if not all(t.get("content", "").startswith("<") and not t.get("normalized") for t in specials):
+        return False  # a special token the escape would not reach
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    in_cfg = cfg.get("chat_template") == CHAT_TEMPLATE
+    in_jinja = jinja_file.is_file() and jinja_file.read_text(encoding="utf-8") == CHAT_TEMPLATE
+    if not (in_cfg or in_jinja):
+        return False
+    norm = tokenizer.get("normalizer")
+    tokenizer["normalizer"] = {"type": "Sequence", "normalizers": [_GUARD_STEP] + ([norm] if norm else [])}
+    tok_file.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    if in_cfg:
+        cfg["chat_template"] = HF_CHAT_TEMPLATE
+        _write_json(cfg_file, cfg)
+    if in_jinja:
+        jinja_file.write_text(HF_CHAT_TEMPLATE, encoding="utf-8")
+    return True
+
+
 def reserved_token(i: int) -> str:
     return f"<|reserved_{i}|>"
 
@@ -63,6 +135,7 @@ def canonical_hash(tokenizer_json: str | bytes) -> str:
     """sha256 of tokenizer.json with keys sorted and no whitespace: the same pipeline gives the same hash even if
     a tool re-serialises the file with another layout."""
     obj = json.loads(tokenizer_json)
+    _drop_chat_guard(obj)  # an export's copy of a tokenizer is the same tokenizer
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"),
                                      ensure_ascii=False).encode("utf-8")).hexdigest()
 
@@ -77,6 +150,9 @@ class Tokenizer:
     def __init__(self, tokenizer_json: str, meta: dict | None = None, extra_files: dict | None = None):
         from tokenizers import Tokenizer as _HFTokenizer
 
+        parsed = json.loads(tokenizer_json)
+        if _drop_chat_guard(parsed):  # files written for transformers: the tokenizer they were made from
+            tokenizer_json = json.dumps(parsed, ensure_ascii=False)
         self._json = tokenizer_json
         self.meta = dict(meta or {})
         self._extra_files = dict(extra_files or {})  # name -> bytes (e.g. tokenizer.model)

@@ -175,7 +175,7 @@ def export_reward_hf(rm: RewardModel, out: str | Path, tokenizer_dir: str | Path
         save_safetensors(sd, tmp / WEIGHTS, metadata={"format": "pt"})
         save_json(config, tmp / hfmap.HF_CONFIG)
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-            copy_tokenizer_files(tokenizer_dir, tmp)
+            copy_tokenizer_files(tokenizer_dir, tmp, for_transformers=True)
     return out
 
 

@@ -128,10 +128,12 @@ async function connect() {
     state.model = model.id;
     state.context = model.context_length || null;
     $("model-info").textContent = `${model.id}` + (state.context ? ` · context ${state.context} tokens` : "");
-    const limit = model.max_tokens_limit;
-    if (limit) {
-      $("max-tokens").max = limit;
-      if (+$("max-tokens").value > limit) $("max-tokens").value = limit;
+    // the most a reply can have: the server's limit and the context (the server cuts each request further, to
+    // what the conversation leaves of the context: see requestBody)
+    const most = Math.min(model.max_tokens_limit || Infinity, state.context || Infinity);
+    if (Number.isFinite(most)) {
+      $("max-tokens").max = most;
+      if (+$("max-tokens").value > most) $("max-tokens").value = most;
     }
     return;
   }
@@ -157,14 +159,18 @@ function errorText(body, status) {
   return (body && body.error && body.error.message) ? `error ${status}: ${body.error.message}` : `error ${status}`;
 }
 
+// A field's number, or undefined (left out of the request: the server's default) when it is empty or not a number.
 function numberField(id) {
-  const value = Number($(id).value);
-  return Number.isFinite(value) ? value : undefined;
+  const text = $(id).value.trim();
+  const value = Number(text);
+  return text && Number.isFinite(value) ? value : undefined;
 }
 
+// max_tokens is an upper bound: "fit_context" (an extension of this server) cuts it to what the prompt leaves of
+// the model's context, so a long conversation or a small model's context gets a shorter reply, not an error.
 function requestBody(extra) {
   const body = {model: state.model, stream: true, temperature: numberField("temperature"),
-                top_p: numberField("top-p"), max_tokens: numberField("max-tokens"), ...extra};
+                top_p: numberField("top-p"), max_tokens: numberField("max-tokens"), fit_context: true, ...extra};
   const topK = numberField("top-k");
   if (topK) body.top_k = topK;
   return body;
