@@ -71,6 +71,20 @@ def test_schedule_rejects_bad_values():
         LRSchedule("cosine", 1.0, 2.0, 0, 10)
 
 
+def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
+    """The LR never reaches train.lr when warmup_steps > max_steps: the run says so at its start."""
+    s = LRSchedule("cosine", 1.0, 0.1, 20, 10)
+    assert "train.warmup_steps=20" in s.warning() and "50%" in s.warning()  # peak lr_at(9) = 10/20 of lr
+    assert LRSchedule("cosine", 1.0, 0.1, 10, 10).warning() is None            # the last step reaches the peak
+    assert LRSchedule("cosine", 1.0, 0.1, 0, 10).warning() is None
+    Trainer(tiny_cfg(tmp_path, "train.max_steps=2", "train.warmup_steps=8"), show_progress=False).fit()
+    out = capsys.readouterr().out
+    assert ("warning: train.warmup_steps=8 is longer than the run (train.max_steps=2): the learning rate peaks "
+            "at 25% of train.lr=0.003\n") in out
+    Trainer(tiny_cfg(tmp_path / "b", "train.max_steps=2", "train.warmup_steps=2"), show_progress=False).fit()
+    assert "warning: train.warmup_steps" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------ optimiser
 
 

@@ -749,6 +749,8 @@ class Trainer:
             save_json(to_dict(self.cfg), self.out_dir / "config.json")
             for line in self.describe():
                 self._print(line)
+            if self.schedule.warning():
+                self._print(self.schedule.warning())
             self.logger.log({"kind": "info", "step": self.step, "device": str(self.device),
                              "precision": self.precision, "tokens_per_step": self.tokens_per_step,
                              "params": self.raw_model.num_params(), "non_embedding_params":
