@@ -477,12 +477,13 @@ def _prepare_dpo(p):
     return _prepare_chat_data(p, "dpo", '{"prompt" | "conversations", "chosen", "rejected"} records')
 
 
-def _posttrain_args(p, stage: str):
+def _posttrain_args(p, out_default: str, data_help: str):
+    """The options shared by sft / dpo / reward / rl; ``out_default``: the stage's train.out_dir default
+    (``posttrain.STAGE_TRAIN_DEFAULTS``, not imported here to keep --help fast)."""
     p.add_argument("--init", required=True, help="pretrained checkpoint to start from (ours, HF Llama, or with a "
                                                  "LoRA adapter)")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help=f"jsonl / json files, or one `z2all prepare-{stage}` directory")
-    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default runs/{stage})")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=data_help)
+    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default {out_default})")
     p.add_argument("--config", default=None, help=".toml file with train / post sections (model: ops only)")
     p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
                                                   "directory")
@@ -535,7 +536,7 @@ def _posttrain_run(stage: str):
          "train.lr=2e-4\n"
          "  z2all sft --init runs/demo/final --data chats.jsonl --out runs/sft --resume auto train.max_steps=2000")
 def _sft(p):
-    _posttrain_args(p, "sft")
+    _posttrain_args(p, "runs/sft", "jsonl / json files, or one `z2all prepare-sft` directory")
     p.add_argument("--packing", default=None, choices=["pack", "pad"],
                    help="pack: several samples per row, attention kept inside each (default); pad: one per row")
     _overrides(p)
@@ -549,7 +550,7 @@ def _sft(p):
          "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --out runs/dpo-lora \\\n"
          "      --lora-rank 8 train.lr=5e-5")
 def _dpo(p):
-    _posttrain_args(p, "dpo")
+    _posttrain_args(p, "runs/dpo", "jsonl / json files, or one `z2all prepare-dpo` directory")
     p.add_argument("--beta", type=float, default=None, help="DPO beta (default 0.1)")
     p.add_argument("--ref", default=None, help="reference model directory (default: --init)")
     p.add_argument("--precompute-ref", action="store_true",
@@ -562,7 +563,8 @@ def _dpo(p):
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
 def _reward(p):
-    _posttrain_args(p, "dpo")
+    _posttrain_args(p, "runs/reward", "jsonl / json files of preference pairs, or one `z2all prepare-dpo` "
+                                     "directory")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
     _overrides(p)
@@ -604,7 +606,8 @@ RL_FLAGS = {"--algo": "rl.algo", "--reward-fn": "rl.reward_fn", "--reward-model"
          "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
          "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
 def _rl(p):
-    _posttrain_args(p, "sft")
+    _posttrain_args(p, "runs/rl", "jsonl / json files of prompt records ({\"prompt\": ...}; the other fields "
+                                 "reach the reward function)")
     p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="grpo (default) or ppo")
     p.add_argument("--reward-fn", default=None, metavar="MODULE:FUNCTION",
                    help="reward function, called as fn(completion_text, record) -> float")
