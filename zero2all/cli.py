@@ -942,17 +942,24 @@ def _estimate(p):
         cfg = load_config(args.config, args.overrides)
         ops = cfg.model.ops
         gpus = args.gpus
+        for flag in ("gpus", "dp", "micro_batch", "seq", "grad_accum"):  # 0 is refused, not taken for "default"
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
         if args.dp is not None:
             mesh = args.dp * args.tp * args.pp * args.cp
             if gpus not in (None, mesh):
                 raise ConfigError(f"--gpus {gpus} but --dp {args.dp} x --tp {args.tp} x --pp {args.pp} x --cp "
                                   f"{args.cp} = {mesh}")
             gpus = mesh
-        layout = Layout(gpus=gpus or 1, gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
+        def given(value, default):
+            return default if value is None else value
+
+        layout = Layout(gpus=given(gpus, 1), gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
                         tp=args.tp, pp=args.pp, cp=args.cp,
-                        micro_batch=args.micro_batch or cfg.train.micro_batch_size,
-                        seq_len=args.seq or cfg.data.seq_len or cfg.model.max_seq_len,
-                        grad_accum_steps=args.grad_accum or cfg.train.grad_accum_steps,
+                        micro_batch=given(args.micro_batch, cfg.train.micro_batch_size),
+                        seq_len=given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len),
+                        grad_accum_steps=given(args.grad_accum, cfg.train.grad_accum_steps),
                         recompute=args.recompute, precision=args.precision,
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
@@ -960,6 +967,10 @@ def _estimate(p):
                         pp_microbatches=cfg.parallel.pp_microbatches,
                         pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
                         residual_in_fp32=cfg.model.residual_in_fp32)
+        if layout.seq_len > cfg.model.max_seq_len:
+            print(f"warning: --seq {layout.seq_len} is longer than the model's context (model.max_seq_len = "
+                  f"{cfg.model.max_seq_len}); the estimate assumes model.max_seq_len={layout.seq_len}",
+                  file=sys.stderr)
         moe = None
         if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
             from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate
