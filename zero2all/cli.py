@@ -636,14 +636,17 @@ def _rl(p):
 def _demo(p):
     p.add_argument("--out", default="runs/demo", help="output folder")
     p.add_argument("--minutes", type=float, default=None,
-                   help="training time budget (default 4): one update is timed and as many as fit are run "
-                        "(at most 3,000)")
+                   help="pretraining wall-clock budget (default 4): training stops when it is spent; the LR "
+                        "schedule's length is fixed from the rate of the first updates (at most 3,000 updates)")
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides --minutes)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
     p.add_argument("--sft-minutes", type=float, default=1.5,
                    help="time budget of the SFT stage on docstring instructions (0 = skip it)")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes; 0 = skip it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over: retrain the tokenizer, rewrite the shards, move earlier checkpoints aside "
+                        "(default: reuse what --out holds and continue an interrupted run)")
     _overrides(p)
 
     def run(args):
@@ -651,7 +654,7 @@ def _demo(p):
 
         run_demo(args.out, minutes=args.minutes, steps=args.steps, vocab_size=args.vocab_size,
                  threads=args.threads, overrides=list(args.overrides), sft_minutes=args.sft_minutes,
-                 sft_steps=args.sft_steps)
+                 sft_steps=args.sft_steps, overwrite=args.overwrite)
 
     return run
 
