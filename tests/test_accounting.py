@@ -384,6 +384,75 @@ def test_estimate_cli_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--gpus", "--micro-batch", "--seq", "--grad-accum", "--dp"])
+def test_estimate_refuses_zero_instead_of_using_the_default(flag, capsys):
+    assert main(["estimate", "--config", "tiny", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "must be >= 1, got 0" in err, err
+
+
+def test_estimate_warns_when_seq_exceeds_the_context(capsys):
+    assert main(["estimate", "--config", "tiny", "--seq", "1024"]) == 0
+    captured = capsys.readouterr()
+    assert ("warning: --seq 1024 is longer than the model's context (model.max_seq_len = 256); the estimate assumes "
+            "model.max_seq_len=1024") in captured.err
+    assert "-- FLOPs (seq 1024)" in captured.out
+    assert main(["estimate", "--config", "tiny", "--seq", "256"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def _rows(text: str) -> dict:
+    return {line[:31].strip(): line[31:].strip() for line in text.splitlines() if not line.startswith("--")}
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_estimate_memory_lines_add_up_to_the_peak(accum, capsys):
+    """Each of the two moments printed is the sum of the lines above it; the peak is the larger of the two."""
+    assert main(["estimate", "--config", "z2all-1.1b", "--grad-accum", str(accum)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    gb = {k: float(v.split(" GB")[0].replace(",", "")) for k, v in rows.items() if " GB" in v}
+    backward = gb["weights"] + gb["optimizer (AdamW)"] + gb["bf16 weight copies"] + gb["activations"] + gb["logits"]
+    if accum > 1:
+        backward += gb["gradients"]
+    step = gb["weights"] + gb["gradients"] + gb["optimizer (AdamW)"]
+    assert gb["at backward start (sum)"] == pytest.approx(backward, abs=0.03)
+    assert gb["at optimizer step (sum)"] == pytest.approx(step, abs=0.03)
+    assert gb["peak (the larger)"] == max(gb["at backward start (sum)"], gb["at optimizer step (sum)"])
+
+
+def test_estimate_small_models_get_readable_times(capsys):
+    assert main(["estimate", "--config", "tiny"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["step time"].endswith(" ms") and float(rows["step time"][:-3]) > 0.01, rows["step time"]
+    assert "0 GPU-hours" not in rows["training time"] and "GPU-seconds" in rows["training time"]
+    seconds = float(rows["training time"].split(" s ")[0])
+    assert seconds > 1
+    assert main(["estimate", "--config", "llama2-7b", "--gpus", "8", "--zero", "3", "--grad-accum", "16"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["step time"].endswith(" s") and "days" in rows["training time"]
+    assert "GPU-hours" in rows["training time"]
+
+
+def test_estimate_names_a_layout_that_fits(capsys):
+    """A layout that does not fit prints the first one that does (flags to rerun with), and that one fits."""
+    assert main(["estimate", "--config", "llama2-70b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    hint = _rows(out)["a layout that fits"]
+    flags = hint.split(" (")[0].split()
+    assert flags[0] == "--gpus" and int(flags[1]) >= 8
+    assert main(["estimate", "--config", "llama2-70b", *flags]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["peak (the larger)"].endswith("-> fits"), rows
+    assert "a layout that fits" not in rows
+    # the same GPUs suffice when only the micro-batch is too large: the hint keeps --gpus
+    assert main(["estimate", "--config", "z2all-1.1b", "--micro-batch", "64"]) == 0
+    hint = _rows(capsys.readouterr().out)["a layout that fits"]
+    assert hint.startswith("--gpus 1 ") and "--micro-batch" in hint, hint
+    est = acc.estimate(preset("llama2-70b"), acc.Layout(gpus=1, micro_batch=1, seq_len=4096))
+    assert est["memory_per_gpu"]["fitting_layout"]["gpus"] > 1
+
+
 def test_accounting_check_script_runs_on_cpu(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("accounting_check", ROOT / "benchmarks" / "accounting_check.py")
     script = importlib.util.module_from_spec(spec)

@@ -9,6 +9,7 @@ and ``python`` are this checkout's.
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -87,3 +88,27 @@ def test_runnable_example(demo_dir, name, line, script):
                        text=True, timeout=120)
     assert r.returncode == 0, (f"docs/{name}:{line} failed ({time.perf_counter() - t0:.1f} s):\n{script}\n"
                                f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+
+
+def _make_dry_run(target: str, venv: Path) -> str:
+    """The commands `make TARGET` would run with VENV=venv (make -n: nothing is installed)."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    r = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_make_demo_installs_the_runtime_only_and_make_test_the_extras(tmp_path):
+    venv = tmp_path / "venv"
+    demo = _make_dry_run("demo", venv)
+    assert "pip install -q -e .\n" in demo and ".[test]" not in demo and "z2all demo --out runs/demo" in demo
+    assert 'pip install -q -e ".[test]"' in _make_dry_run("test", venv)
+    # after `make demo`: the runtime stamp is there, and `make test` still adds the test extras (only them)
+    venv.mkdir()
+    (venv / ".runtime").touch()
+    after_demo = _make_dry_run("test", venv)
+    assert 'pip install -q -e ".[test]"' in after_demo and "-m venv" not in after_demo
+    assert "pytest" in after_demo
+    (venv / ".installed").touch()
+    assert "pip install" not in _make_dry_run("demo", venv)

@@ -470,3 +470,65 @@ def test_inference_with_another_tokenizer(tok_dir, tok2_dir, tmp_path, monkeypat
     assert main(["serve", "--ckpt", str(small), "--tokenizer", str(tok2_dir)]) == 2
     assert len(calls) == 1
     assert "256" in _one_error_line(capsys.readouterr().err, "serve")
+
+
+def _small_demo(corpus, tok_dir, out, monkeypatch):
+    """The demo's steps on the small corpus (prepare patched to read it), with the tokenizer already in place."""
+    import zero2all.data.pretokenize as pretokenize
+
+    real_prepare = pretokenize.prepare
+
+    def small_prepare(inputs, tokenizer_dir, out_dir, **kw):
+        return real_prepare([str(corpus / "good.jsonl")], tokenizer_dir, out_dir, workers=1, **kw)
+
+    monkeypatch.setattr(pretokenize, "prepare", small_prepare)
+    load_tokenizer(tok_dir).save(out / "tokenizer")
+    return TINY_MODEL + ["model.max_seq_len=32", "train.micro_batch_size=2", "train.tensorboard=false",
+                         "train.num_samples=0", "train.eval_batches=1"]
+
+
+def test_demo_trains_on_a_wall_clock_budget(corpus, tok_dir, tmp_path, monkeypatch, capsys):
+    """--minutes is a wall-clock budget (train.time_budget_s), not a step count from timing two updates: the
+    length is fixed from the measured rate, pretraining and SFT alike. The clock is faked: 0.25 s per reading."""
+    import zero2all.train.trainer as trainer_module
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.25
+        return now[0]
+
+    monkeypatch.setattr(trainer_module, "wall_clock", clock)
+    import zero2all.data.instructions as instructions
+
+    real_build = instructions.build_docstring_instructions
+    monkeypatch.setattr(instructions, "build_docstring_instructions",  # a few stdlib files, not all of it
+                        lambda **kw: real_build(paths=sorted(instructions.stdlib_source_files())[:40], **kw))
+    out = tmp_path / "demo"
+    overrides = _small_demo(corpus, tok_dir, out, monkeypatch) + ["model.max_seq_len=256"]
+    assert main(["demo", "--out", str(out), "--minutes", "0.5", "--sft-minutes", "0.25", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert "pretraining the tiny preset for 0.5 minutes on cpu" in text
+    assert "train.max_steps=3000 train.time_budget_s=30" in text
+    # the length is fixed at the end of the demo's 20 warmup updates, from the (fake) clock's rate
+    assert "time budget 30 s: 263 ms per update measured over updates 2-20" in text
+    pretrain = ckpt_io.read_run_config(out / ckpt_io.newest_verified(out)[0])["train"]["max_steps"]
+    assert 100 < pretrain < 120  # ~30 s / 0.25 s, less the readings of evaluations and checkpoints
+    assert "time budget 15 s: 275 ms per update" in text and (out / "sft" / "final").is_dir()
+    capsys.readouterr()
+    assert main(["demo", "--out", str(out), "--minutes", "0"]) == 2
+    assert "--minutes 0.0: must be > 0" in capsys.readouterr().err
+
+
+def test_demo_overwrite_starts_over(corpus, tok_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "demo"
+    overrides = _small_demo(corpus, tok_dir, out, monkeypatch)
+    assert main(["demo", "--out", str(out), "--steps", "3", "--sft-steps", "0", *overrides]) == 0
+    assert ckpt_io.list_checkpoints(out)[-1][1].name == "ckpt-000003"
+    capsys.readouterr()
+    # without --overwrite the finished run is reused; with it the run starts over, the old checkpoints kept aside
+    assert main(["demo", "--out", str(out), "--steps", "2", "--sft-steps", "0", "--overwrite", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert f"--overwrite: moved 1 earlier checkpoint(s) of {out} aside" in text
+    assert "training a 8192-token byte-level BPE" in text or "training a" in text
+    assert [p.name for _, p in ckpt_io.list_checkpoints(out)] == ["ckpt-000002"]

@@ -111,3 +111,30 @@ def test_rl_two_processes(world, tmp_path):
     train = [r for r in records(out) if r.get("kind") == "train"]
     assert len(train) == 2 and all("train_reward" in r for r in train)
     assert "ddp on 2 processes" in proc.stdout
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "reward", "rl"])
+def test_posttrain_help_states_the_real_defaults(stage, capsys):
+    """--help names the folder the run really writes to, and the data a stage really reads."""
+    from zero2all.train.posttrain import STAGE_TRAIN_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        main([stage, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default {STAGE_TRAIN_DEFAULTS[stage]['out_dir']})" in text
+    data_help = {"sft": "or one `z2all prepare-sft` directory", "dpo": "or one `z2all prepare-dpo` directory",
+                 "reward": "or one `z2all prepare-dpo` directory", "rl": "jsonl / json files of prompt records"}
+    assert data_help[stage] in text
+
+
+def test_rl_refuses_a_directory_as_data(world, tmp_path, capsys):
+    """A folder (a `prepare-sft` output holds tokens, not the prompt records a reward reads) is one line, exit 2."""
+    folder = tmp_path / "sft-data"
+    folder.mkdir()
+    (folder / "meta.json").write_text("{}")
+    rc = main(["rl", "--init", world["init"], "--data", str(folder), "--out", str(tmp_path / "out"),
+               "--reward-fn", "zero2all.train.rl_tasks:exact_match", "train.max_steps=1", *COMMON])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"post.data: {folder} is a directory" in err and ".jsonl" in err
+    assert not (tmp_path / "out").exists()

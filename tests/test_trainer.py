@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,81 @@ def test_schedule_rejects_bad_values():
     assert LRSchedule("cosine", 1.0, 0.1, 20, 10).lr_at(9) == pytest.approx(0.5)  # warmup longer than the run
     with pytest.raises(ConfigError, match="train.min_lr"):
         LRSchedule("cosine", 1.0, 2.0, 0, 10)
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
+    """The LR never reaches train.lr when warmup_steps > max_steps: the run says so at its start."""
+    s = LRSchedule("cosine", 1.0, 0.1, 20, 10)
+    assert "train.warmup_steps=20" in s.warning() and "50%" in s.warning()  # peak lr_at(9) = 10/20 of lr
+    assert LRSchedule("cosine", 1.0, 0.1, 10, 10).warning() is None            # the last step reaches the peak
+    assert LRSchedule("cosine", 1.0, 0.1, 0, 10).warning() is None
+    Trainer(tiny_cfg(tmp_path, "train.max_steps=2", "train.warmup_steps=8"), show_progress=False).fit()
+    out = capsys.readouterr().out
+    assert ("warning: train.warmup_steps=8 is longer than the run (train.max_steps=2): the learning rate peaks "
+            "at 25% of train.lr=0.003\n") in out
+    Trainer(tiny_cfg(tmp_path / "b", "train.max_steps=2", "train.warmup_steps=2"), show_progress=False).fit()
+    assert "warning: train.warmup_steps" not in capsys.readouterr().out
+
+
+class _FakeClock:
+    """The clock ``train.time_budget_s`` reads, advanced by ``per_update`` seconds at each training update."""
+
+    def __init__(self, trainer_module, monkeypatch, per_update: float):
+        self.now, self.per_update = 128.0, per_update
+        monkeypatch.setattr(trainer_module, "wall_clock", lambda: self.now)
+
+    def wrap(self, trainer):
+        step = trainer.train_step
+
+        def timed_step():
+            self.now += self.per_update(trainer.step) if callable(self.per_update) else self.per_update
+            return step()
+
+        trainer.train_step = timed_step
+        return trainer
+
+
+def test_time_budget_fixes_the_schedule_from_the_measured_rate(tmp_path, monkeypatch, capsys):
+    """0.125 s per update and a 3.5 s budget: after warmup and 10 timed updates (1.375 s used) the run fixes its
+    length at 11 + 2.125 / 0.125 = 28 updates, the cosine schedule ends there (min_lr at the last update) and the
+    checkpoints record that length, so a resume continues the same schedule."""
+    import zero2all.train.trainer as trainer_module
+
+    clock = _FakeClock(trainer_module, monkeypatch, 0.125)
+    cfg = tiny_cfg(tmp_path, "train.max_steps=1000", "train.warmup_steps=4", "train.time_budget_s=3.5",
+                   "train.ckpt_every=20")
+    trainer = clock.wrap(Trainer(cfg, show_progress=False))
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "time budget 3.5 s: 125 ms per update measured over updates 2-11 -> 28 updates in all" in out
+    assert trainer.step == trainer.budget_steps == trainer.schedule.max_steps == 28
+    lrs = [r["lr"] for r in (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+           if r.get("kind") == "train"]
+    assert len(lrs) == 28 and lrs[-1] == pytest.approx(3e-4) and lrs[3] == pytest.approx(3e-3)
+    saved = json.loads((tmp_path / "ckpt-000020" / "config.json").read_text())
+    assert saved["train"]["max_steps"] == 28
+    # a resume of the budgeted run keeps the fixed length (from the counters), not train.max_steps
+    resumed = Trainer(tiny_cfg(tmp_path, "train.max_steps=1000", "train.warmup_steps=4", "train.time_budget_s=3.5",
+                               f"train.resume='{tmp_path / 'ckpt-000020'}'"),
+                      show_progress=False)
+    resumed._maybe_resume()
+    assert resumed.step == 20 and resumed.tcfg.max_steps == 28 and resumed.schedule.max_steps == 28
+
+
+def test_time_budget_stops_when_the_time_is_up(tmp_path, monkeypatch, capsys):
+    """Updates that slow down after the length was fixed (0.125 s, then 0.375 s): the run stops when the budget is
+    spent, before the planned length, and still writes its final model."""
+    import zero2all.train.trainer as trainer_module
+
+    clock = _FakeClock(trainer_module, monkeypatch, lambda step: 0.125 if step < 12 else 0.375)
+    cfg = tiny_cfg(tmp_path, "train.max_steps=1000", "train.warmup_steps=0", "train.time_budget_s=3.5")
+    trainer = clock.wrap(Trainer(cfg, show_progress=False))
+    summary = trainer.fit()
+    out = capsys.readouterr().out
+    assert "-> 28 updates in all" in out
+    # 1.5 s after 12 updates, then 0.375 s each: the 3.5 s are spent at update 18
+    assert "time budget of 3.5 s used up after update 18 (of 28)" in out and trainer.step == 18
+    assert Path(summary["final"]).is_dir()
 
 
 # ------------------------------------------------------------------------------------------------ optimiser

@@ -25,7 +25,7 @@ Conventions (and why):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from zero2all.config import ConfigError, ModelConfig
 
@@ -500,7 +500,8 @@ def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: 
     total = max(at_backward_start, states["total"])
     return {"weights": states["weights"], "gradients": states["gradients"], "optimizer": states["optimizer"],
             "model_states": states["total"], "weight_copies": copies, "activations": activations,
-            "logits": logits, "total": total}
+            "logits": logits, "at_backward_start": at_backward_start, "at_optimizer_step": states["total"],
+            "total": total}
 
 
 def max_micro_batch(cfg: ModelConfig, seq_len: int, gpu_memory_bytes: float, reserve_bytes: float = 2 * GB,
@@ -680,6 +681,70 @@ class Layout:
             raise ConfigError(f"--mfu {self.mfu}: must be in (0, 1]")
 
 
+def _memory_kwargs(L: Layout) -> dict:
+    """The keyword arguments of :func:`peak_memory_bytes` for a layout (its micro-batch and sequence aside)."""
+    sp = (L.tp > 1) if L.sequence_parallel is None else L.sequence_parallel
+    # under tp the loss runs as loss parallel on vocab-sharded logits (distributed/tp.py), not the fused kernel
+    fused_ce = L.fused_cross_entropy and L.tp == 1
+    # ZeRO / FSDP shards over dp x cp (the cp ranks hold the same weights): n_gpus / (tp * pp) ranks
+    return dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
+                grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
+                fused_kernels=L.fused_kernels, fused_cross_entropy=fused_ce,
+                fused_linear=L.fused_linear and L.tp == 1)
+
+
+def layout_fits(cfg: ModelConfig, L: Layout, reserve_bytes: float = 2 * GB) -> bool:
+    """Whether :func:`peak_memory_bytes` of ``L`` stays within the GPU's memory less ``reserve_bytes``."""
+    peak = peak_memory_bytes(cfg, L.micro_batch, L.seq_len // L.cp, **_memory_kwargs(L))["total"]
+    return peak <= get_gpu(L.gpu).memory_bytes - reserve_bytes
+
+
+def fitting_layout(cfg: ModelConfig, layout: Layout, max_gpus: int = 1 << 16) -> Layout | None:
+    """The first layout that fits, for a ``layout`` that does not: the same GPUs first, then 2x, 4x, ... as
+    many of the same kind. Per GPU count, candidates are tried from the least to the most disruptive change,
+    ranked by a cost: a smaller micro-batch (grad accumulation raised to keep the tokens per step) 1, selective
+    recomputation 1 and full 2, ZeRO-1 1 and ZeRO-3 (FSDP) 2, tensor parallel 2 + log2(tp) (at most 8, within a
+    node, dividing the heads), pipeline parallel 3 + log2(pp) (at most one stage per layer). None if nothing up
+    to ``max_gpus`` fits."""
+    L = layout
+    tokens_per_rank = L.micro_batch * L.grad_accum_steps
+    gpus = L.gpus
+    while gpus <= max_gpus:
+        candidates = []
+        for tp in (t for t in (1, 2, 4, 8) if t == L.tp or (gpus % (t * L.cp) == 0 and cfg.n_heads % t == 0
+                                                             and cfg.n_kv_heads % t == 0)):
+            for pp in (p for p in (1, 2, 4, 8, 16, 32, 64) if p == L.pp or p <= cfg.n_layers):
+                if gpus % (tp * pp * L.cp):
+                    continue
+                for zero in sorted({L.zero, 1, 3}):
+                    for recompute in ("none", "selective", "full"):
+                        cost = (2 + math.log2(tp) if tp != L.tp else 0) + (3 + math.log2(pp) if pp != L.pp else 0) \
+                            + ({0: 0, 1: 1, 2: 1, 3: 2}[zero] if zero > L.zero else 0) \
+                            + ({"none": 0, "selective": 1, "full": 2}[recompute] if recompute != L.recompute else 0)
+                        if zero < L.zero or (recompute != L.recompute and recompute == "none"):
+                            continue
+                        candidates.append((cost, tp, pp, zero, recompute))
+        for cost, tp, pp, zero, recompute in sorted(candidates):
+            trial = replace(L, gpus=gpus, tp=tp, pp=pp, zero=zero, recompute=recompute)
+            if layout_fits(cfg, trial):
+                return trial
+            smallest = replace(trial, micro_batch=1, grad_accum_steps=tokens_per_rank)
+            if L.micro_batch > 1 and layout_fits(cfg, smallest):  # the largest micro-batch that fits
+                lo, hi = 1, L.micro_batch
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if layout_fits(cfg, replace(trial, micro_batch=mid)) else (lo, mid)
+                return replace(trial, micro_batch=lo, grad_accum_steps=math.ceil(tokens_per_rank / lo))
+        gpus *= 2
+    return None
+
+
+def layout_flags(L: Layout) -> str:
+    """The ``z2all estimate`` flags that select layout ``L``."""
+    return (f"--gpus {L.gpus} --tp {L.tp} --pp {L.pp} --cp {L.cp} --zero {L.zero} --recompute {L.recompute} "
+            f"--micro-batch {L.micro_batch} --grad-accum {L.grad_accum_steps}")
+
+
 def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     """Everything at once for one model and one cluster layout, as a JSON-ready dict."""
     layout.validate()
@@ -688,18 +753,12 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     sp = (L.tp > 1) if L.sequence_parallel is None else L.sequence_parallel
     dp = L.gpus // (L.tp * L.pp * L.cp)
     local_seq = L.seq_len // L.cp         # tokens of each sequence on one cp rank (activations, tp and pp traffic)
-    # under tp the loss runs as loss parallel on vocab-sharded logits (distributed/tp.py), not the fused kernel
-    fused_ce = L.fused_cross_entropy and L.tp == 1
     pc = param_counts(cfg)
     tokens = L.tokens if L.tokens is not None else 20.0 * pc.total
     fwd = forward_flops_per_token(cfg, L.seq_len, attention_causal=True)  # as the causal kernel computes it
     per_token_mfu = mfu_flops_per_token(cfg, L.seq_len)
     tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
-    # ZeRO / FSDP shards over dp x cp (the cp ranks hold the same weights): n_gpus / (tp * pp) ranks
-    mem_kw = dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
-                  grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
-                  fused_kernels=L.fused_kernels, fused_cross_entropy=fused_ce,
-                  fused_linear=L.fused_linear and L.tp == 1)
+    mem_kw = _memory_kwargs(L)
     memory = peak_memory_bytes(cfg, L.micro_batch, local_seq, **mem_kw)
     per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels,
                                                      fused_linear=L.fused_linear)
@@ -720,6 +779,8 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch) * L.grad_accum_steps,
                                       L.pp_stages_per_rank)
     step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
+    fits = memory["total"] <= gpu.memory_bytes - 2 * GB
+    fitting = None if fits else fitting_layout(cfg, L)
     return {
         "layout": asdict(L) | {"dp": dp, "sequence_parallel": sp,
                                                                            "tokens": tokens},
@@ -736,7 +797,9 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
         },
         "memory_per_gpu": memory | {
             "gpu_memory": gpu.memory_bytes,
-            "fits": memory["total"] <= gpu.memory_bytes - 2 * GB,
+            "fits": fits,
+            # the first layout that fits (fitting_layout) when this one does not; None when none does
+            "fitting_layout": None if fitting is None else asdict(fitting) | {"flags": layout_flags(fitting)},
             "params_on_gpu_before_zero": shard,
             "activation_per_token_per_layer": per_layer,
             "korthikanti_per_layer (GPT formula)": korthikanti_activation_bytes_per_layer(
@@ -752,10 +815,33 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
             "steps": tokens / tokens_per_step,
             "days": training_days(tokens, per_token_mfu, L.gpus, gpu.peak_bf16_flops, L.mfu),
             "days_6ND": training_days(tokens, 6.0 * pc.total, L.gpus, gpu.peak_bf16_flops, L.mfu),
+            "seconds": training_seconds(tokens * per_token_mfu, L.gpus, gpu.peak_bf16_flops, L.mfu),
+            "seconds_6ND": training_seconds(tokens * 6.0 * pc.total, L.gpus, gpu.peak_bf16_flops, L.mfu),
             "gpu_hours": training_seconds(tokens * per_token_mfu, L.gpus, gpu.peak_bf16_flops, L.mfu)
             * L.gpus / 3600,
         },
     }
+
+
+def format_duration(seconds: float) -> str:
+    """A wall time in the unit that keeps it readable: ms under a second, s under two minutes, min under two
+    hours, h under two days, else days."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * SECONDS_PER_DAY:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / SECONDS_PER_DAY:,.1f} days"
+
+
+def format_gpu_time(gpu_hours: float) -> str:
+    """GPU time in GPU-seconds below one GPU-hour, else GPU-hours."""
+    if gpu_hours < 1:
+        return f"{gpu_hours * 3600:,.3g} GPU-seconds"
+    return f"{gpu_hours:,.0f} GPU-hours"
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -812,22 +898,32 @@ def format_estimate(est: dict, name: str = "") -> str:
                              f"/layer; Korthikanti's GPT formula, s x s scores kept: "
                              f"{_gb(m['korthikanti_per_layer (GPT formula)'])}/layer)"),
              ("logits", _gb(m["logits"])),
-             ("total", f"{_gb(m['total'])} of {_gb(m['gpu_memory'])} -> "
-                       f"{'fits' if m['fits'] else 'DOES NOT FIT'}"),
+             ("at backward start (sum)", f"{_gb(m['at_backward_start'])} (weights + optimizer + weight copies + "
+                                         f"activations + logits"
+                                         + (" + gradients, kept between micro-batches)" if L["grad_accum_steps"] > 1
+                                            else "; the gradients come as activations are freed)")),
+             ("at optimizer step (sum)", f"{_gb(m['at_optimizer_step'])} (weights + gradients + optimizer)"),
+             ("peak (the larger)", f"{_gb(m['total'])} of {_gb(m['gpu_memory'])} (2 GB kept for the CUDA context and "
+                                   f"workspaces) -> {'fits' if m['fits'] else 'DOES NOT FIT'}"),
              ("largest micro-batch that fits", str(m["max_micro_batch"]))]
+    if not m["fits"]:
+        fit = m.get("fitting_layout")
+        rows.append(("a layout that fits", f"{fit['flags']} (the first found: the same GPUs, then 2x, 4x, ... "
+                                           f"of them)" if fit else "none up to 65,536 GPUs of this kind"))
     section("communication per GPU per step")
     rows += [(f"data parallel ({c['data_parallel']['collective']})", _gb(c["data_parallel"]["bytes_per_step"])),
              ("tensor parallel", _gb(c["tensor_parallel_bytes_per_step"])),
              ("pipeline p2p", _gb(c["pipeline_bytes_per_step"])),
              ("context parallel ring K/V", _gb(c["context_parallel_bytes_per_step"])),
              ("pipeline bubble (K-1)/(K+M-1)", f"{est['pipeline_bubble'] * 100:.1f} %")]
-    section(f"time ({L['gpus']} x {L['gpu']}, MFU {L['mfu'] * 100:.0f} %)")
+    section(f"time ({L['gpus']} x {L['gpu']}, MFU {L['mfu'] * 100:.0f} %"
+            + (", if it fit: see 'a layout that fits')" if not m["fits"] else ")"))
     rows += [("tokens / step", f"{t['tokens_per_step']:,}"),
-             ("step time", f"{t['step_seconds']:.3f} s"),
+             ("step time", format_duration(t["step_seconds"])),
              ("throughput", f"{t['tokens_per_second']:,.0f} tokens/s"),
              ("steps", f"{t['steps']:,.0f}"),
-             ("training time", f"{t['days']:,.1f} days (6ND: {t['days_6ND']:,.1f} days), "
-                               f"{t['gpu_hours']:,.0f} GPU-hours")]
+             ("training time", f"{format_duration(t['seconds'])} (6ND: {format_duration(t['seconds_6ND'])}), "
+                               f"{format_gpu_time(t['gpu_hours'])}")]
     width = max(len(k) for k, _ in rows if not k.startswith("--"))
     return "\n".join(k if k.startswith("--") else f"{k:<{width}}  {v}" for k, v in rows)
 

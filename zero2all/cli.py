@@ -496,12 +496,13 @@ def _prepare_dpo(p):
     return _prepare_chat_data(p, "dpo", '{"prompt" | "conversations", "chosen", "rejected"} records')
 
 
-def _posttrain_args(p, stage: str):
+def _posttrain_args(p, out_default: str, data_help: str):
+    """The options shared by sft / dpo / reward / rl; ``out_default``: the stage's train.out_dir default
+    (``posttrain.STAGE_TRAIN_DEFAULTS``, not imported here to keep --help fast)."""
     p.add_argument("--init", required=True, help="pretrained checkpoint to start from (ours, HF Llama, or with a "
                                                  "LoRA adapter)")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help=f"jsonl / json files, or one `z2all prepare-{stage}` directory")
-    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default runs/{stage})")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=data_help)
+    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default {out_default})")
     p.add_argument("--config", default=None, help=".toml file with train / post sections (model: ops only)")
     p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
                                                   "directory")
@@ -555,7 +556,7 @@ def _posttrain_run(stage: str):
          "train.lr=2e-4\n"
          "  z2all sft --init runs/demo/final --data chats.jsonl --out runs/sft --resume auto train.max_steps=2000")
 def _sft(p):
-    _posttrain_args(p, "sft")
+    _posttrain_args(p, "runs/sft", "jsonl / json files, or one `z2all prepare-sft` directory")
     p.add_argument("--packing", default=None, choices=["pack", "pad"],
                    help="pack: several samples per row, attention kept inside each (default); pad: one per row")
     _overrides(p)
@@ -569,7 +570,7 @@ def _sft(p):
          "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --out runs/dpo-lora \\\n"
          "      --lora-rank 8 train.lr=5e-5")
 def _dpo(p):
-    _posttrain_args(p, "dpo")
+    _posttrain_args(p, "runs/dpo", "jsonl / json files, or one `z2all prepare-dpo` directory")
     p.add_argument("--beta", type=float, default=None, help="DPO beta (default 0.1)")
     p.add_argument("--ref", default=None, help="reference model directory (default: --init)")
     p.add_argument("--precompute-ref", action="store_true",
@@ -582,7 +583,8 @@ def _dpo(p):
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
 def _reward(p):
-    _posttrain_args(p, "dpo")
+    _posttrain_args(p, "runs/reward", "jsonl / json files of preference pairs, or one `z2all prepare-dpo` "
+                                     "directory")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
     _overrides(p)
@@ -626,7 +628,8 @@ RL_FLAGS = {"--algo": "rl.algo", "--reward-fn": "rl.reward_fn", "--reward-model"
          "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
          "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
 def _rl(p):
-    _posttrain_args(p, "sft")
+    _posttrain_args(p, "runs/rl", "jsonl / json files of prompt records ({\"prompt\": ...}; the other fields "
+                                 "reach the reward function)")
     p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="grpo (default) or ppo")
     p.add_argument("--reward-fn", default=None, metavar="MODULE:FUNCTION",
                    help="reward function, called as fn(completion_text, record) -> float")
@@ -655,14 +658,17 @@ def _rl(p):
 def _demo(p):
     p.add_argument("--out", default="runs/demo", help="output folder")
     p.add_argument("--minutes", type=float, default=None,
-                   help="training time budget (default 4): one update is timed and as many as fit are run "
-                        "(at most 3,000)")
+                   help="pretraining wall-clock budget (default 4): training stops when it is spent; the LR "
+                        "schedule's length is fixed from the rate of the first updates (at most 3,000 updates)")
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides --minutes)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for training (default 2)")
     p.add_argument("--sft-minutes", type=float, default=1.5,
                    help="time budget of the SFT stage on docstring instructions (0 = skip it)")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (overrides --sft-minutes; 0 = skip it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over: retrain the tokenizer, rewrite the shards, move earlier checkpoints aside "
+                        "(default: reuse what --out holds and continue an interrupted run)")
     _overrides(p)
 
     def run(args):
@@ -670,7 +676,7 @@ def _demo(p):
 
         run_demo(args.out, minutes=args.minutes, steps=args.steps, vocab_size=args.vocab_size,
                  threads=args.threads, overrides=list(args.overrides), sft_minutes=args.sft_minutes,
-                 sft_steps=args.sft_steps)
+                 sft_steps=args.sft_steps, overwrite=args.overwrite)
 
     return run
 
@@ -1012,17 +1018,24 @@ def _estimate(p):
         cfg = load_config(args.config, args.overrides)
         ops = cfg.model.ops
         gpus = args.gpus
+        for flag in ("gpus", "dp", "micro_batch", "seq", "grad_accum"):  # 0 is refused, not taken for "default"
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
         if args.dp is not None:
             mesh = args.dp * args.tp * args.pp * args.cp
             if gpus not in (None, mesh):
                 raise ConfigError(f"--gpus {gpus} but --dp {args.dp} x --tp {args.tp} x --pp {args.pp} x --cp "
                                   f"{args.cp} = {mesh}")
             gpus = mesh
-        layout = Layout(gpus=gpus or 1, gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
+        def given(value, default):
+            return default if value is None else value
+
+        layout = Layout(gpus=given(gpus, 1), gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
                         tp=args.tp, pp=args.pp, cp=args.cp,
-                        micro_batch=args.micro_batch or cfg.train.micro_batch_size,
-                        seq_len=args.seq or cfg.data.seq_len or cfg.model.max_seq_len,
-                        grad_accum_steps=args.grad_accum or cfg.train.grad_accum_steps,
+                        micro_batch=given(args.micro_batch, cfg.train.micro_batch_size),
+                        seq_len=given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len),
+                        grad_accum_steps=given(args.grad_accum, cfg.train.grad_accum_steps),
                         recompute=args.recompute, precision=args.precision,
                         fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
                         fused_cross_entropy=ops.cross_entropy != "torch",
@@ -1030,6 +1043,10 @@ def _estimate(p):
                         pp_microbatches=cfg.parallel.pp_microbatches,
                         pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
                         residual_in_fp32=cfg.model.residual_in_fp32)
+        if layout.seq_len > cfg.model.max_seq_len:
+            print(f"warning: --seq {layout.seq_len} is longer than the model's context (model.max_seq_len = "
+                  f"{cfg.model.max_seq_len}); the estimate assumes model.max_seq_len={layout.seq_len}",
+                  file=sys.stderr)
         moe = None
         if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
             from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate

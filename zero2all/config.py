@@ -350,6 +350,10 @@ class TrainConfig:
     micro_batch_size: int = 2
     grad_accum_steps: int = 1
     max_steps: int = 1000
+    # > 0: a wall-clock budget in seconds (training updates, evaluations, checkpoints): max_steps becomes an upper
+    # bound, the LR schedule's length is fixed from the rate measured over the first updates (at the end of warmup,
+    # at least 10 updates), and training stops when the time is up
+    time_budget_s: float = 0.0
     # optimiser
     lr: float = 3e-4
     min_lr: float = 3e-5
@@ -408,7 +412,7 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "sample_every", "num_samples",
                      "sample_new_tokens", "warmup_steps", "keep_last", "sample_top_k", "weight_decay", "z_loss",
                      "max_skipped_updates",
-                     "gpu_peak_flops", "sample_temperature"):
+                     "gpu_peak_flops", "sample_temperature", "time_budget_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.grad_clip < 0:

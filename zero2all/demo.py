@@ -3,7 +3,8 @@
     1. corpus     the running Python's stdlib ``.py`` files (embedded, always present)
     2. tokenizer  an 8k byte-level BPE trained on it               -> OUT/tokenizer/
     3. shards     the corpus tokenized into uint16 shards           -> OUT/data/
-    4. pretrain   the ``tiny`` preset (~7M parameters) for a few minutes on the CPU (a GPU when there is one)
+    4. pretrain   the ``tiny`` preset (~7M parameters) for a wall-clock budget (4 minutes) on the CPU (a GPU when
+                  there is one): ``train.time_budget_s``, the length fixed from the rate of the first updates
                                                                     -> OUT/ckpt-*/, OUT/final/, metrics, report
     5. samples    Python code generated from a few prompts
     6. sft        a short supervised fine-tuning of that model on "write the docstring of X" instructions built
@@ -11,7 +12,8 @@
     7. chat       the fine-tuned model answers instructions it did not train on
 
 Each step is also a command of its own (docs/index.md, "The demo"). Re-running the demo reuses finished steps
-(the tokenizer, the shards) and continues an interrupted training run from its last checkpoint.
+(the tokenizer, the shards) and continues an interrupted training run from its last checkpoint; ``--overwrite``
+starts over instead (earlier checkpoints are moved aside, not deleted).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from pathlib import Path
 import torch
 
 from zero2all.fileio import claim_output_dir, read_output_marker, write_output_marker
+
+# upper bounds on the number of updates of a time-budgeted stage (a GPU reaches them well inside the budget)
+MAX_PRETRAIN_STEPS = 3000
+MAX_SFT_STEPS = 300
 
 DEMO_PROMPTS = ["def ", "class ", "import ", "    def __init__(self", "for i in range("]
 
@@ -49,37 +55,11 @@ def _is_legacy_demo_dir(path: Path) -> bool:
         (path / "config.json").is_file() and (path / "metrics.jsonl").is_file())
 
 
-def measure_step_time(cfg, repeats: int = 2) -> float:
-    """Seconds per optimiser update of ``cfg`` on its device (one warm-up update, then the mean of ``repeats``)."""
-    from zero2all.model.z2all import build_model
-    from zero2all.train.optim import build_optimizer
-    from zero2all.train.trainer import autocast_context, data_seq_len, pick_device, resolve_precision
-
-    device = pick_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    model = build_model(cfg.model, device=device, seed=0)
-    opt = build_optimizer(model, cfg.train, device)
-    T, B = data_seq_len(cfg), cfg.train.micro_batch_size
-    x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device)
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        for _ in range(cfg.train.grad_accum_steps):
-            with autocast_context(precision, device):
-                _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        float(loss.detach())
-        if i:
-            times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
-
-
-def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, steps: int | None = None) -> dict:
-    """Steps 6 and 7: SFT of ``pretrained`` on stdlib docstring instructions for ``steps`` updates, or about
-    ``minutes`` (``step_s``: seconds per update measured in pretraining, same batch shape), then replies to two
-    held-out instructions."""
+def run_sft_stage(out: Path, pretrained: Path, minutes: float, steps: int | None = None,
+                  overwrite: bool = False) -> dict:
+    """Steps 6 and 7: SFT of ``pretrained`` on stdlib docstring instructions for ``steps`` updates, or for
+    ``minutes`` of wall-clock time (``train.time_budget_s``: the length is fixed from the measured rate, at most
+    :data:`MAX_SFT_STEPS`), then replies to two held-out instructions."""
     from zero2all import checkpoint as ckpt_io
     from zero2all.data.instructions import build_docstring_instructions, write_jsonl
     from zero2all.infer.generate import Generator, SamplingParams, load_for_inference
@@ -92,19 +72,25 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
         for name, part in (("train", records[:-50]), ("valid", records[-50:-2]), ("chat", records[-2:])):
             write_jsonl(part, files[name])
         print(f"{stats.records:,} instructions from {stats.files:,} stdlib files -> {data_dir}")
+    if overwrite:
+        _set_aside_checkpoints(sft_dir)
     previous = ckpt_io.newest_verified(sft_dir)[0]
     if steps is None and previous is not None:  # continue an interrupted run with the length it was given
         steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
-    if steps is None:
-        steps = max(10, min(300, int(60 * minutes / step_s)))
-    _say(f"6/7 SFT: {steps} steps on stdlib docstring instructions  (z2all sft --init {pretrained} --data "
-         f"{files['train']} --valid {files['valid']} --out {sft_dir} train.max_steps={steps} train.lr=1e-3 ...)")
+    if steps is not None:
+        length = [f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.ckpt_every={max(1, steps // 2)}"]
+        what = f"{steps} steps"
+    else:
+        length = [f"train.max_steps={MAX_SFT_STEPS}", f"train.time_budget_s={60 * minutes:g}",
+                  f"train.eval_every={MAX_SFT_STEPS}", "train.ckpt_every=50"]
+        what = f"{minutes:g} minutes"
+    _say(f"6/7 SFT: {what} on stdlib docstring instructions  (z2all sft --init {pretrained} --data "
+         f"{files['train']} --valid {files['valid']} --out {sft_dir} {' '.join(length[:2])} train.lr=1e-3 ...)")
     cfg = posttrain_config("sft", None, [f"post.init={json.dumps(str(pretrained))}",
                                          f"post.data=[{json.dumps(str(files['train']))}]",
                                          f"post.valid=[{json.dumps(str(files['valid']))}]",
-                                         f"train.out_dir={json.dumps(str(sft_dir))}", "train.resume='auto'",
-                                         f"train.max_steps={steps}", f"train.eval_every={steps}",
-                                         f"train.ckpt_every={max(1, steps // 2)}"] + DEMO_SFT_TRAIN)
+                                         f"train.out_dir={json.dumps(str(sft_dir))}", "train.resume='auto'"]
+                           + length + DEMO_SFT_TRAIN)
     summary = sft(cfg)
 
     _say("7/7 chat: the fine-tuned model answers instructions it was not trained on (temperature 0.7, top-k 50)")
@@ -121,9 +107,21 @@ def run_sft_stage(out: Path, pretrained: Path, step_s: float, minutes: float, st
     return summary
 
 
+def _set_aside_checkpoints(run_dir: Path) -> None:
+    """``--overwrite``: the run in ``run_dir`` starts over; its checkpoints are moved aside (kept, not deleted)."""
+    from zero2all import checkpoint as ckpt_io
+
+    if run_dir.is_dir() and ckpt_io.list_checkpoints(run_dir):
+        aside, moved = ckpt_io.move_aside_after(run_dir, -1)
+        print(f"--overwrite: moved {len(moved)} earlier checkpoint(s) of {run_dir} aside to {aside}")
+
+
 def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps: int | None = None,
              vocab_size: int = 8192, threads: int = 2, overrides: list[str] | None = None,
-             sft_minutes: float = 1.5, sft_steps: int | None = None) -> dict:
+             sft_minutes: float = 1.5, sft_steps: int | None = None, overwrite: bool = False) -> dict:
+    """The demo (module docstring). ``minutes``: the pretraining wall-clock budget (default 4; ``steps`` fixes the
+    length instead); ``overwrite``: start over (a new tokenizer and shards, earlier checkpoints moved aside)
+    instead of reusing and continuing what ``out`` holds."""
     from zero2all import checkpoint as ckpt_io
     from zero2all.config import ConfigError, load_config
     from zero2all.corpus.readers import stdlib_files
@@ -131,6 +129,12 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     from zero2all.tokenizer import load_tokenizer, train_tokenizer
     from zero2all.train.trainer import Trainer, pick_device, sample_continuation
 
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--minutes {minutes}: must be > 0")
+    if sft_steps is None and not sft_minutes >= 0:
+        raise ConfigError(f"--sft-minutes {sft_minutes}: must be > 0 (or 0 to skip the SFT stage)")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps}: must be >= 1")
     if sft_steps is not None and sft_steps < 0:
         raise ConfigError(f"--sft-steps {sft_steps}: must be >= 0 (0 skips the SFT stage)")
     with_sft = sft_steps > 0 if sft_steps is not None else sft_minutes > 0  # 0 steps or 0 minutes: no SFT stage
@@ -152,7 +156,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
          f"({Path(files[0]).parent if files else '?'})")
 
     tok_dir = out / "tokenizer"
-    if (tok_dir / "tokenizer.json").exists():
+    if (tok_dir / "tokenizer.json").exists() and not overwrite:
         _say(f"2/7 tokenizer: reusing {tok_dir}")
         tok = load_tokenizer(tok_dir)
     else:
@@ -163,7 +167,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
 
     data_dir = out / "data"
     _say(f"3/7 shards: tokenizing the corpus  (z2all prepare --input stdlib --tokenizer {tok_dir} --out {data_dir})")
-    meta = prepare("stdlib", tok_dir, data_dir, seq_len=256)
+    meta = prepare("stdlib", tok_dir, data_dir, seq_len=256, overwrite=overwrite)
     train_tokens = meta["splits"]["train"]["tokens"]
     print(f"{train_tokens:,} training tokens, {meta['splits']['valid']['tokens']:,} validation tokens, "
           f"{meta.get('bytes_per_token', 0):.2f} bytes per token")
@@ -171,21 +175,24 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
     base = [f"data.path={json.dumps(str(data_dir))}", f"train.out_dir={json.dumps(str(out))}",
             "train.resume='auto'", f"model.vocab_size={tok.vocab_size}",
             f"train.sample_prompts={json.dumps(DEMO_PROMPTS[:3])}"] + DEMO_TRAIN + list(overrides or [])
-    cfg = load_config("tiny", base)
+    if overwrite:
+        _set_aside_checkpoints(out)
     previous = ckpt_io.newest_verified(out)[0]
     if steps is None and previous is not None:  # continue the interrupted run with the length it was given
         steps = ckpt_io.read_run_config(previous)["train"]["max_steps"]
-    if steps is None:
+    if steps is not None:
+        length, what = [f"train.max_steps={steps}"], f"{steps} steps"
+    else:  # a wall-clock budget: the length is fixed from the rate measured over the first updates
         budget_s = 60 * (minutes if minutes is not None else 4.0)
-        step_s = measure_step_time(cfg)
-        steps = max(30, min(3000, int(budget_s / step_s)))
-        print(f"measured {step_s:.2f} s per update on {pick_device(cfg.train.device)}: "
-              f"{steps} updates fit {budget_s / 60:.1f} minutes")
-    cfg = load_config("tiny", base + [f"train.max_steps={steps}"])
-    _say(f"4/7 pretraining the tiny preset for {steps} steps  (z2all pretrain --config tiny --data {data_dir} "
-         f"--out {out} train.max_steps={steps} ...)")
+        length = [f"train.max_steps={MAX_PRETRAIN_STEPS}", f"train.time_budget_s={budget_s:g}"]
+        what = f"{budget_s / 60:g} minutes"
+    cfg = load_config("tiny", base + length)
+    what += f" on {pick_device(cfg.train.device)}"
+    _say(f"4/7 pretraining the tiny preset for {what}  (z2all pretrain --config tiny --data {data_dir} "
+         f"--out {out} {' '.join(length)} ...)")
     trainer = Trainer(cfg, output_kind="demo")
     summary = trainer.fit()
+    steps = trainer.step
 
     _say("5/7 samples: Python code generated by the trained model (temperature 0.8, top-k 50)")
     model = trainer.raw_model.eval()
@@ -201,8 +208,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float | None = None, steps:
         print(f"validation loss {summary['first_eval_loss']:.3f} (before training) -> "
               f"{summary['last_eval_loss']:.3f} (perplexity {summary['last_eval_ppl']:.1f}) at step {steps}")
     if with_sft:
-        sft_summary = run_sft_stage(out, out / "final", summary.get("median_step_time_s") or 1.0, sft_minutes,
-                                    sft_steps)
+        sft_summary = run_sft_stage(out, out / "final", sft_minutes, sft_steps, overwrite=overwrite)
         if "last_eval_loss" in sft_summary:
             print(f"SFT validation loss (assistant tokens of held-out instructions) "
                   f"{sft_summary['first_eval_loss']:.3f} -> {sft_summary['last_eval_loss']:.3f}")

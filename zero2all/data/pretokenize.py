@@ -74,6 +74,7 @@ import numpy as np
 
 from zero2all.config import ConfigError
 from zero2all.corpus.mixture import temperature_weights
+from zero2all.corpus.pieces import MAX_PIECE_CHARS, text_pieces
 from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, expand_paths, iter_records
 from zero2all.fileio import (
     LOCK_FILE,
@@ -214,14 +215,22 @@ _NSTATS = 7  # per-source counters, see ChunkResult.per_source
 
 
 def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float, seed: int = 0,
-                 tok=None) -> None:
+                 tok=None, piece_chars: int = MAX_PIECE_CHARS) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if tok is None:
         from zero2all.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction, seed=seed,
-                   dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id)
+                   dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id, piece_chars=piece_chars)
+
+
+def _encode_document(tok, text: str, dtype: np.dtype, piece_chars: int) -> np.ndarray:
+    """A document's tokens followed by eos. A document longer than ``piece_chars`` characters is encoded piece by
+    piece (``zero2all.corpus.pieces``): the tokenizer's working memory stays that of one piece, and only the compact
+    token array grows with the document."""
+    parts = [np.asarray(tok.encode(piece), dtype=dtype) for piece in text_pieces(text, piece_chars)]
+    return np.concatenate(parts + [np.asarray([tok.eos_id], dtype=dtype)])
 
 
 @dataclass
@@ -257,13 +266,19 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
         stats[6] += not is_valid
         if n:
             plan.append((i, n, is_valid))
-    encoded = tok.encode_batch([texts[i] for i, _, _ in plan]) if plan else []
+    limit = w.get("piece_chars", MAX_PIECE_CHARS)
+    short = [i for i, _, _ in plan if len(texts[i]) <= limit]  # whole, in one batch (as ever)
+    encoded = dict(zip(short, tok.encode_batch([texts[i] for i in short]))) if short else {}
     parts: dict = {False: ([], []), True: ([], [])}
-    for (i, n, is_valid), ids in zip(plan, encoded):
+    for i, n, is_valid in plan:
         arrs, lens = parts[is_valid]
-        doc = np.empty(len(ids) + 1, dtype=dtype)
-        doc[:-1] = ids
-        doc[-1] = eos
+        if i in encoded:
+            ids = encoded.pop(i)
+            doc = np.empty(len(ids) + 1, dtype=dtype)
+            doc[:-1] = ids
+            doc[-1] = eos
+        else:
+            doc = _encode_document(tok, texts[i], dtype, limit)
         stats = per_source[names[sources[i]]]
         for _ in range(n):
             arrs.append(doc)
@@ -665,12 +680,14 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
             strict: bool = False, chunk_bytes: int = 1 << 20, shard_chunks: int = 256, seq_len: int | None = None,
             overwrite: bool = False, progress: bool | None = None, command: str | None = None, log=print,
             temperature: float | None = None, target_mb: float | None = None, max_epochs: float | None = None,
-            seed: int = 0, size_sample_mb: float = 256.0, _stop_after_groups: int | None = None) -> dict:
+            seed: int = 0, size_sample_mb: float = 256.0, piece_chars: int = MAX_PIECE_CHARS,
+            _stop_after_groups: int | None = None) -> dict:
     """Tokenize ``inputs`` with the tokenizer in ``tokenizer_dir`` into shards in ``out_dir`` (see the module
     docstring). ``workers``: processes (default: all cores; 1 = in this process). ``weights``: {source name:
     mixture weight}; ``temperature`` / ``target_mb`` / ``max_epochs`` / ``seed``: source sampling (see the module
     docstring; ``size_sample_mb`` bounds the size pass per source). ``seq_len`` (optional) checks each split has
-    at least one window. Returns meta.json's dict.
+    at least one window. ``piece_chars``: documents longer than this are tokenized in pieces (bounded memory; see
+    ``zero2all.corpus.pieces``). Returns meta.json's dict.
     ``_stop_after_groups`` simulates an interruption (tests)."""
     from zero2all.tokenizer import load_tokenizer
 
@@ -694,6 +711,8 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
     if temperature is not None or target_mb is not None or max_epochs is not None or seed:
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
+    if piece_chars != MAX_PIECE_CHARS:
+        fingerprint["piece_chars"] = piece_chars
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
     check_out_outside_inputs(specs, out_dir)
     out = Path(out_dir)
@@ -705,7 +724,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                              txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
-                             t0, _stop_after_groups, mix, explicit)
+                             t0, _stop_after_groups, mix, explicit, piece_chars)
     except Exception as e:
         # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
@@ -730,7 +749,7 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
 
 def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
                   strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                  _stop_after_groups, mix, explicit) -> dict:
+                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS) -> dict:
     complete = _check_existing(out, fingerprint, stamp, overwrite, log)
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
@@ -749,7 +768,8 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
 
     stats = ReadStats()
     names = [s.name for s in specs]
-    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction, mix["seed"])
+    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction, mix["seed"], None,
+                 piece_chars)
     bar = _Progress(progress if progress is not None else sys.stderr.isatty())
     groups: dict[int, dict] = dict(done)
     writer: _GroupWriter | None = None
@@ -776,7 +796,7 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
 
     try:
         if workers == 1:
-            _init_worker(*init_args, tok=tok)
+            _init_worker(*init_args[:-2], tok=tok, piece_chars=piece_chars)
             for args in todo():
                 consume(tokenize_chunk(*args))
         else:

@@ -31,7 +31,10 @@ fed, so the text fed is capped: ``max_memory_gb`` (default 8) buys
 ``(max_memory_gb * 1e9 - BASE_MEMORY_BYTES) / MEMORY_PER_TEXT_BYTE[backend]`` bytes of text (~190 MB for hf,
 ~450 MB for spm at 8 GB). A first pass measures the corpus; if it is larger, documents are sampled with a fixed,
 seeded hash of their position at rate ``budget / corpus_bytes`` (and feeding stops at the budget in any case), so
-memory does not depend on corpus size. The factors were measured on high-diversity text (BENCHMARKS.md) with a
+memory does not depend on corpus size. A long document reaches the trainer in pieces of at most
+``zero2all.corpus.pieces.MAX_PIECE_CHARS`` characters, cut where the pre-tokenizer cuts anyway (the same word
+counts), and batches are bounded in characters, so one huge document does not cost ~100 bytes per character of
+transient memory either. The factors were measured on high-diversity text (BENCHMARKS.md) with a
 margin. Peak RSS is reported in the log and in ``z2all_tokenizer.json``.
 """
 
@@ -45,6 +48,7 @@ import sys
 import time
 from typing import Iterator
 
+from zero2all.corpus.pieces import MAX_PIECE_CHARS, text_pieces
 from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, iter_records
 from zero2all.fileio import check_writable, claim_output_dir, remove_empty_dirs
 from zero2all.tokenizer.hf import (
@@ -135,13 +139,19 @@ class _SampledTexts:
             self.fed_docs += 1
             yield text
 
-    def batches(self, size: int = 256) -> Iterator[list[str]]:
-        batch = []
+    def batches(self, size: int = 256, max_chars: int = 1 << 20,
+                piece_chars: int = MAX_PIECE_CHARS) -> Iterator[list[str]]:
+        """The texts in batches of at most ``size`` texts and about ``max_chars`` characters, a document longer
+        than ``piece_chars`` cut into pieces (``zero2all.corpus.pieces``: at pre-token boundaries, so the trainer
+        counts the same words), so the trainer's per-batch working memory is bounded whatever the document size."""
+        batch, chars = [], 0
         for t in self:
-            batch.append(t)
-            if len(batch) == size:
-                yield batch
-                batch = []
+            for piece in text_pieces(t, piece_chars):
+                batch.append(piece)
+                chars += len(piece)
+                if len(batch) == size or chars >= max_chars:
+                    yield batch
+                    batch, chars = [], 0
         if batch:
             yield batch
 

@@ -140,6 +140,14 @@ class LRSchedule:
         p = min(1.0, (it - decay_start + 1) / self.decay_steps)
         return self.lr - (self.lr - self.min_lr) * p
 
+    def warning(self) -> str | None:
+        """A line for the start of a run whose warmup is longer than the run (its LR never reaches ``lr``)."""
+        if self.warmup_steps <= self.max_steps:
+            return None
+        peak = self.max_steps / self.warmup_steps
+        return (f"warning: train.warmup_steps={self.warmup_steps} is longer than the run (train.max_steps="
+                f"{self.max_steps}): the learning rate peaks at {100 * peak:.0f}% of train.lr={self.lr:g}")
+
     def state_dict(self) -> dict:
         return {"kind": self.kind, "lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
                 "max_steps": self.max_steps, "decay_steps": self.decay_steps}

@@ -22,10 +22,16 @@ from zero2all.train.posttrain import PostTrainer, _prepare, _split_holdout, base
 from zero2all.train.rl import PolicyWithValue, PromptDataset, RLObjective, frozen_reference, load_reward_function
 
 
-def read_prompt_records(paths: list[str]) -> list[dict]:
-    """Every record of the jsonl files (ValueError naming file:line for a malformed one)."""
+def read_prompt_records(paths: list[str], key: str = "post.data") -> list[dict]:
+    """Every record of the jsonl files (ValueError naming file:line for a malformed one). A folder is refused:
+    the reward sees each record's own fields (the expected answer, ...), which a ``prepare-sft`` output (tokens
+    only) no longer holds."""
     from zero2all.data.chat import iter_jsonl
 
+    for path in paths:
+        if Path(path).is_dir():
+            raise ConfigError(f"{key}: {path} is a directory; z2all rl reads prompt records ({{\"prompt\": ...}} per "
+                              f"line) from .jsonl / .json files, not a `prepare-sft` output")
     records = []
     for path in paths:
         for where, rec in iter_jsonl(path):
@@ -72,12 +78,11 @@ def rl(cfg: Config, show_progress: bool = True) -> dict:
             reward_fn = load_reward_function(r.reward_fn)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    records = read_prompt_records(cfg.post.data)  # before _prepare writes anything into the output folder
+    valid_records = read_prompt_records(cfg.post.valid, "post.valid") if cfg.post.valid else None
     env, out_dir, precision, tok, tok_dir, model = _prepare(cfg, "rl")
     device = env.device
-    records = read_prompt_records(cfg.post.data)
-    if cfg.post.valid:
-        valid_records = read_prompt_records(cfg.post.valid)
-    else:
+    if not cfg.post.valid:
         records, valid_records = _split_holdout(records, cfg.post.valid_fraction, cfg.train.seed)
     max_prompt = cfg.model.max_seq_len - r.max_new_tokens
     if max_prompt < 2:

@@ -272,6 +272,11 @@ def sample_continuation(model, prompt_ids: list[int], max_new_tokens: int, tempe
 # the trainer
 
 
+def wall_clock() -> float:
+    """Seconds on a monotonic clock: what ``train.time_budget_s`` is measured with (a seam for tests)."""
+    return time.perf_counter()
+
+
 class Trainer:
     """``Trainer(cfg, objective).fit()``. Datasets, model and tokenizer are built from ``cfg`` unless given.
 
@@ -351,6 +356,8 @@ class Trainer:
         self.skipped_total = 0
         self.skipped_in_a_row = 0
         self.elapsed_s = 0.0
+        self.wall_s = 0.0  # wall time of the training loop (evaluations and checkpoints included), all sessions
+        self.budget_steps: int | None = None  # train.time_budget_s: the run's length once fixed from the rate
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
         self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main)
@@ -421,12 +428,46 @@ class Trainer:
         """The run's counters, LR schedule and loss scaler (the same on every rank)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_total": self.skipped_total,
                 "elapsed_s": self.elapsed_s, "objective": self.objective.name, "scaler": self.scaler.state_dict(),
-                "schedule": self.schedule.state_dict()}
+                "schedule": self.schedule.state_dict(), "wall_s": self.wall_s, "budget_steps": self.budget_steps}
 
     def load_counters(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_total, self.elapsed_s = int(state["skipped_total"]), float(state["elapsed_s"])
+        self.wall_s = float(state.get("wall_s", self.elapsed_s))
+        if state.get("budget_steps") and self.tcfg.time_budget_s:  # the length a budgeted run fixed
+            self._set_length(int(state["budget_steps"]))
         self.scaler.load_state_dict(state["scaler"])
+
+    def _set_length(self, steps: int) -> None:
+        """Fix the run's length (``train.time_budget_s``): the loop's end, the LR schedule, the checkpoints'
+        recorded ``max_steps`` and the progress bar."""
+        self.budget_steps = steps
+        self.tcfg.max_steps = steps
+        self.schedule = LRSchedule.from_config(self.tcfg)
+        if getattr(self, "_bar", None) is not None:
+            self._bar.total = steps
+            self._bar.refresh()
+
+    # the updates a time-budgeted run times before fixing its length (at least; and at least until warmup ends)
+    BUDGET_WINDOW = 10
+
+    def _budget_check(self, wall0: float, window: tuple[int, float], eval_s: float) -> bool:
+        """``train.time_budget_s``: at the end of the measuring window fix the run's length from the measured rate
+        (seconds per update since ``window`` = (step, time) after this session's first update, plus the
+        evaluations' share, ``eval_s`` per evaluation); True when the time is up (every rank agrees)."""
+        t = self.tcfg
+        now = wall_clock()
+        self.wall_s = now - wall0
+        if self.budget_steps is None and self.step >= max(t.warmup_steps, window[0] + self.BUDGET_WINDOW):
+            per_update = zd.all_reduce_mean((now - window[1]) / max(1, self.step - window[0]), self.dist)
+            per_step = per_update + (eval_s / t.eval_every if t.eval_every else 0.0)
+            remaining = max(0.0, t.time_budget_s - self.wall_s)
+            steps = min(t.max_steps, self.step + max(1, int(remaining / per_step)))
+            self._print(f"time budget {t.time_budget_s:g} s: {1000 * per_update:.0f} ms per update measured over "
+                        f"updates {window[0] + 1}-{self.step}" + (f", {eval_s:.1f} s per evaluation" if eval_s else "")
+                        + f" -> {steps} updates in all (at most train.max_steps); the LR schedule ends there")
+            self._set_length(steps)
+        return zd.any_true(self.wall_s >= t.time_budget_s, self.dist)
 
     def _load_data_states(self, states: list[dict]) -> None:
         try:
@@ -793,6 +834,8 @@ class Trainer:
             save_json(to_dict(self.cfg), self.out_dir / "config.json")
             for line in self.describe():
                 self._print(line)
+            if self.schedule.warning():
+                self._print(self.schedule.warning())
             self.logger.log({"kind": "info", "step": self.step, "device": str(self.device),
                              "precision": self.precision, "tokens_per_step": self.tokens_per_step,
                              "params": self.raw_model.num_params(), "non_embedding_params":
@@ -835,9 +878,13 @@ class Trainer:
     def _loop(self, stop: "_StopSignals") -> None:
         t = self.tcfg
         self._last_eval = self._last_sample = self._last_ckpt = None
+        wall0 = wall_clock() - self.wall_s  # a budget counts the earlier sessions of the run too
+        eval_s = 0.0
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self.evaluate()
             self._last_eval = 0
+            eval_s = wall_clock() - wall0
+        window = None
         while self.step < t.max_steps:
             with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
                 rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
@@ -863,6 +910,14 @@ class Trainer:
             if t.ckpt_every and self.step % t.ckpt_every == 0:
                 self.save_checkpoint()
                 self._last_ckpt = self.step
+            if t.time_budget_s:
+                window = window or (self.step, wall_clock())
+                if self._budget_check(wall0, window, eval_s):
+                    self._print(f"time budget of {t.time_budget_s:g} s used up after update {self.step} "
+                                f"(of {t.max_steps})")
+                    break
+            else:
+                self.wall_s = wall_clock() - wall0
             # every rank stops at the same update, whichever of them got the signal
             if zd.any_true(stop.received is not None, self.dist):
                 path = self.save_checkpoint() if self._last_ckpt != self.step else \
