@@ -603,7 +603,9 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
     - tp splits attention by heads (whole KV groups per rank) and the MLP by columns: n_heads, n_kv_heads,
       intermediate_size and the (padded) vocabulary (vocab-parallel embedding and LM head) divisible by tp;
     - pp needs a block for every stage: n_layers >= pp * pp_stages_per_rank, and at least as many pipeline
-      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch;
+      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch; MoE
+      models are refused (a stage's loss holds the cross-entropy only, and the router's load statistics would be
+      reduced over ranks that hold other layers);
     - cp splits each sequence into 2 * cp chunks (load-balanced causal halves): seq_len divisible by 2 * cp;
     - sequence parallel splits each rank's tokens over tp: seq_len / cp divisible by tp.
     """
@@ -630,6 +632,10 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
             raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
                               f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
     if pp > 1:
+        if model.moe.enabled:
+            raise ConfigError(f"{prefix}.pp={pp} with a MoE model (model.moe.n_experts={model.moe.n_experts}): "
+                              f"pipeline stages carry neither the MoE load-balancing / router z-losses nor the "
+                              f"per-layer expert loads across stages; run MoE with ep, tp or FSDP instead")
         stages = pp * parallel.pp_stages_per_rank
         if model.n_layers < stages:
             raise ConfigError(f"{prefix}: {stages} pipeline stages (pp={pp} x pp_stages_per_rank="
