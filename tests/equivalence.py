@@ -117,6 +117,15 @@ def differences(got: Run, want: Run, first_step: int = 1) -> dict:
             "params": worst_param, "worst_param": worst_name}
 
 
+def log_measured(what: str, d: dict) -> dict:
+    """Append a measured difference to the file named by Z2ALL_EQUIV_LOG (when set); returns ``d``."""
+    log = os.environ.get("Z2ALL_EQUIV_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"what": what, **d}) + "\n")
+    return d
+
+
 def assert_equivalent(got: Run, want: Run, what: str, rtol: float = RTOL, params: bool = True,
                       param_rtol: float = PARAM_RTOL) -> dict:
     """Per step the loss and the gradient norm within ``rtol``, and (``params``) every final parameter within
@@ -125,11 +134,7 @@ def assert_equivalent(got: Run, want: Run, what: str, rtol: float = RTOL, params
         assert got.params and want.params, f"{what}: no final model to compare"
     else:
         got = Run(got.losses, got.grad_norms)
-    d = differences(got, want)
-    log = os.environ.get("Z2ALL_EQUIV_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(json.dumps({"what": what, **d}) + "\n")
+    d = log_measured(what, differences(got, want))
     for step, (g, w) in enumerate(zip(got.losses, want.losses), 1):
         assert rel(g, w) <= rtol, f"{what}, step {step}: loss {g!r} vs one process {w!r} (rel {rel(g, w):.2e})"
     for step, (g, w) in enumerate(zip(got.grad_norms, want.grad_norms), 1):
