@@ -25,11 +25,11 @@ import torch
 import torch.multiprocessing as mp
 
 # Bounds, from the differences measured on every mesh of the distributed tests (float64, 2 and 4 gloo processes):
-# losses and gradient norms differ by <= 1e-15 relative (a few units of float64 rounding), the final parameters by
-# <= 1.1e-13 of their tensor's largest element (AdamW's normalised update turns a rounding difference of a near-zero
-# gradient into an update-sized one). Each bound is ~100x its measurement and <= 1e-9; the planted bugs
-# (tests/planted_bugs.py) differ by 1e-4..1.
-RTOL = 1e-13         # per step: loss and gradient norm
+# losses differ by <= 4.4e-16 relative and gradient norms by <= 9.2e-16 (a few units of float64 rounding), the final
+# parameters by <= 2.0e-13 of their tensor's largest element (AdamW's normalised update turns a rounding difference
+# of a near-zero gradient into an update-sized one). Each bound is <= 100x its measurement and <= 1e-9; the planted
+# bugs (tests/planted_bugs.py) differ by 1e-4..1.
+RTOL = 4e-14         # per step: loss and gradient norm
 PARAM_RTOL = 1e-11   # final parameters, per tensor, relative to the tensor's largest element
 
 # a tiny dense model, every op on its plain PyTorch path (the float64 reference), float64, a constant learning rate
@@ -135,9 +135,9 @@ def assert_equivalent(got: Run, want: Run, what: str, rtol: float = RTOL, params
     else:
         got = Run(got.losses, got.grad_norms)
     d = log_measured(what, differences(got, want))
-    for step, (g, w) in enumerate(zip(got.losses, want.losses), 1):
+    for step, (g, w, gn, wn) in enumerate(zip(got.losses, want.losses, got.grad_norms, want.grad_norms), 1):
         assert rel(g, w) <= rtol, f"{what}, step {step}: loss {g!r} vs one process {w!r} (rel {rel(g, w):.2e})"
-    for step, (g, w) in enumerate(zip(got.grad_norms, want.grad_norms), 1):
-        assert rel(g, w) <= rtol, f"{what}, step {step}: grad norm {g!r} vs one process {w!r} (rel {rel(g, w):.2e})"
+        assert rel(gn, wn) <= rtol, f"{what}, step {step}: grad norm {gn!r} vs one process {wn!r} " \
+                                    f"(rel {rel(gn, wn):.2e})"
     assert d["params"] <= param_rtol, f"{what}: final {d['worst_param']} differs by {d['params']:.2e} (relative)"
     return d
