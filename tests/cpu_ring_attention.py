@@ -26,8 +26,15 @@ def _wrap(mesh, tensors):
     return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in tensors)
 
 
+def _merge_in(q: torch.Tensor) -> None:
+    """torch's ring merges the blocks' outputs in float32 (``convert_to_f32``): float64 runs
+    (``train.precision = "fp64"``) merge in float64 instead, else the merge alone differs from one process by ~1e-9."""
+    cp_attention._cp_options.convert_to_f32 = q.dtype != torch.float64
+
+
 def _forward(op_call, args, kwargs):
     mesh, (q, k, v, *rest) = _unwrap(args)
+    _merge_in(q)
     dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
     is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
     out, lse = cp_attention._templated_ring_attention(
@@ -38,6 +45,7 @@ def _forward(op_call, args, kwargs):
 
 def _backward(op_call, args, kwargs):
     mesh, (grad_out, q, k, v, out, lse, dropout_p, is_causal) = _unwrap(args)
+    _merge_in(q)
     grads = cp_attention._templated_ring_attention_backward(
         mesh.get_group(), 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=grad_out,
         grad_out_name="grad_out", query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal,

@@ -40,16 +40,17 @@ FP8_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy
 
 def single_process_losses() -> list[float]:
     env = zd.DistEnv()
-    run, opt = make_run({}, env, dict(ops=FP8_OPS))
-    return train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)
+    run, opt = make_run({"precision": "fp32"}, env, dict(ops=FP8_OPS))   # FP8 is precision-specific: float32
+    return train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)["losses"]
 
 
 def test_fp8_fsdp_and_ddp_match_single_process(tmp_path):
     assert MICRO * ACCUM >= 2
     want = single_process_losses()
     assert want[-1] < want[0] - 0.05, want                                 # training happens
-    modes = [dict(parallel="fsdp", model=dict(ops=FP8_OPS)), dict(parallel="ddp", model=dict(ops=FP8_OPS))]
-    got = spawn("modes", tmp_path, modes=modes)["losses"]
+    modes = [dict(parallel="fsdp", precision="fp32", model=dict(ops=FP8_OPS)),
+             dict(parallel="ddp", precision="fp32", model=dict(ops=FP8_OPS))]
+    got = [r["losses"] for r in spawn("modes", tmp_path, modes=modes)["losses"]]
     for name, losses in zip(("fsdp", "ddp"), got):
         assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
         assert_same_losses(losses[:1], want[:1], rtol=1e-5, msg=f"fp8 {name}, first step")
@@ -61,8 +62,8 @@ DELAYED_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_ent
 
 
 def _delayed_run(env, parallel: str) -> dict:
-    run, opt = make_run(dict(parallel=parallel), env, dict(ops=DELAYED_OPS))
-    losses = train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)
+    run, opt = make_run(dict(parallel=parallel, precision="fp32"), env, dict(ops=DELAYED_OPS))
+    losses = train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)["losses"]
     sites = fp8_ref.AMAX_HISTORY._sites.values()
     n_linears = 4 * len(run.plain.layers)
     return {"losses": losses, "sites": len(sites), "linears": n_linears, "records": sorted({s.n for s in sites})}

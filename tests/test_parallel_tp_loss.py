@@ -5,7 +5,9 @@
   hidden-state gradient, on odd token counts, ignored targets, several chunks, and a batch whose targets are all
   ignored;
 - the sequence-parallel split of the flattened tokens (tp_impl = local) on batches of 1 and 3 sequences (half a
-  sequence per rank; a rank boundary inside a sequence): loss and gradients equal the one-process model's."""
+  sequence per rank; a rank boundary inside a sequence): loss and gradients equal the one-process model's, in
+  float64 with the plain cross-entropy (loss parallel) and in float32 with the fused vocab-parallel one (a float32
+  kernel: float64 would take the plain path)."""
 
 from __future__ import annotations
 
@@ -62,12 +64,13 @@ def _check_token_split(env) -> dict:
                               n_kv_heads=2, max_seq_len=8, ops=OpsConfig.plain())
             tokens = torch.randint(0, 64, (rows, 9), generator=torch.Generator().manual_seed(rows))
             x, y = tokens[:, :-1], tokens[:, 1:]
-            ref = build_model(cfg, seed=7)
+            dtype = torch.float64 if ce == "torch" else torch.float32
+            ref = build_model(cfg, seed=7, dtype=dtype)
             ref_loss = ref(x, y)[1]
             ref_loss.backward()
             cfg.ops.cross_entropy = ce
-            run = zd.parallelize(build_model(cfg, seed=7), ParallelConfig(tp=2, sequence_parallel=True), env,
-                                 precision="fp32")
+            run = zd.parallelize(build_model(cfg, seed=7, dtype=dtype), ParallelConfig(tp=2, sequence_parallel=True),
+                                 env, precision="fp64" if dtype == torch.float64 else "fp32")
             with run.train_context({}):
                 loss = run.model(x, y)[1]
                 loss.backward()
@@ -97,5 +100,9 @@ def test_vocab_parallel_cross_entropy_and_token_split_match_one_process(tmp_path
     for case, (loss, grad_h, grad_w) in errors.items():
         assert loss < 1e-5 and grad_h < 1e-5 and grad_w < 1e-5, (case, loss, grad_h, grad_w)
     assert len(result["split"]) == 4
+    from equivalence import log_measured
+
     for case, err in result["split"].items():
-        assert err < 1e-5, (case, err)
+        log_measured(f"tp2 + SP token split, {case}", {"max": err})
+        # measured: float64 (plain) 8.9e-16, float32 (fused) 4.8e-7
+        assert err < (5e-14 if case.endswith("torch") else 1e-5), (case, err)

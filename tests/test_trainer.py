@@ -353,3 +353,46 @@ def test_logged_mfu_matches_the_formula(tmp_path):
     assert rec["tokens_per_s"] == pytest.approx(3 * 24 / rec["step_time_s"])
     assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * flops_per_token / 1e12, rel=1e-9)
     assert Trainer(tiny_cfg(tmp_path / "b"), show_progress=False).train_step()["mfu"] is None  # CPU: no peak
+
+
+# ------------------------------------------------------------------------------------------------ float64
+
+
+def test_fp64_is_refused_on_a_gpu_and_with_fp8_with_the_reason(tmp_path):
+    from zero2all.train.trainer import resolve_precision
+
+    with pytest.raises(ConfigError, match=r"train.precision = 'fp64' runs on the CPU only .* set train.device = "
+                                          r"'cpu' \(it is 'cuda'\)"):
+        tiny_cfg(tmp_path, "train.precision='fp64'", "train.device='cuda'").validate(1)
+    with pytest.raises(ConfigError, match="runs on the CPU only"):   # device auto that resolved to a GPU
+        resolve_precision("fp64", torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="fp64' with model.ops.linear_precision = 'fp8_rowwise'"):
+        tiny_cfg(tmp_path, "train.precision='fp64'", "model.ops.linear_precision='fp8_rowwise'").validate(1)
+    assert resolve_precision("fp64", torch.device("cpu")) == "fp64"
+
+
+def test_fp64_trains_parameters_activations_and_optimizer_state_in_float64(tmp_path):
+    """With fp64 everything is float64, and the ops asked to run Triton kernels (which compute in float32 at best)
+    take their plain references: the same loss as the all-plain model, to float64 rounding."""
+    from zero2all.model.z2all import build_model
+
+    fused = ["model.ops.rmsnorm='triton'", "model.ops.rope='triton'", "model.ops.swiglu='triton'",
+             "model.ops.fused_linear='triton'", "model.ops.cross_entropy='fused'"]
+    cfg = tiny_cfg(tmp_path / "run", "train.precision='fp64'", "train.max_steps=1", *fused)
+    trainer = Trainer(cfg, show_progress=False)
+    seen = []
+    trainer.raw_model.layers[0].register_forward_hook(lambda m, i, o: seen.append(o[0].dtype))
+    trainer.fit()
+    assert seen and set(seen) == {torch.float64}
+    assert {p.dtype for p in trainer.raw_model.parameters()} == {torch.float64}
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if t.is_floating_point() and t.dim()]
+    assert state and {t.dtype for t in state} == {torch.float64}
+    # the fused ops fall back to the plain references in float64: the plain model's loss
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    plain_cfg = tiny_cfg(tmp_path / "plain", "train.precision='fp64'").model
+    losses = []
+    for model_cfg in (cfg.model, plain_cfg):
+        model = build_model(model_cfg, seed=3, dtype=torch.float64)
+        losses.append(model(tokens[:, :-1], tokens[:, 1:])[1].detach())
+    assert losses[0].dtype == torch.float64
+    assert abs(float(losses[0]) - float(losses[1])) <= 1e-14 * float(losses[1])

@@ -335,8 +335,11 @@ class DataConfig:
 
 # the choices of train.precision, train.schedule and train.fused_adamw (the trainer and optim.py, which read them,
 # keep the same lists: config.py does not import the training code)
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp64")
 SCHEDULES = ("cosine", "wsd", "constant")
+FP64_ON_GPU = ("{prefix}.precision = 'fp64' runs on the CPU only (it exists to compare runs at float64 rounding, "
+               "and GPUs run float64 matmuls far slower than float32); set {prefix}.device = 'cpu' "
+               "(it is {device!r}) or pick fp32 / bf16")
 FUSED_ADAMW = ("auto", "true", "false")
 
 
@@ -368,7 +371,8 @@ class TrainConfig:
     schedule: str = "cosine"
     warmup_steps: int = 100
     decay_fraction: float = 0.2    # wsd: fraction of max_steps spent decaying
-    # precision: auto (bf16 on GPUs that support it, else fp32) | bf16 | fp16 | fp32
+    # precision: auto (bf16 on GPUs that support it, else fp32) | bf16 | fp16 | fp32 | fp64 (CPU only: parameters,
+    # activations and optimizer state in float64, every op on its plain PyTorch path; for equivalence checks)
     precision: str = "auto"
     compile: bool = False
     # evaluation / logging / checkpoints
@@ -429,6 +433,8 @@ class TrainConfig:
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"{prefix}.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
         _check_choice(self, "precision", PRECISIONS, prefix)
+        if self.precision == "fp64" and self.device.startswith("cuda"):
+            raise ConfigError(FP64_ON_GPU.format(prefix=prefix, device=self.device))
         _check_choice(self, "schedule", SCHEDULES, prefix)
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
         _check_choice(self, "trainable", TRAINABLE, prefix)
@@ -618,7 +624,9 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
     - tp splits attention by heads (whole KV groups per rank) and the MLP by columns: n_heads, n_kv_heads,
       intermediate_size and the (padded) vocabulary (vocab-parallel embedding and LM head) divisible by tp;
     - pp needs a block for every stage: n_layers >= pp * pp_stages_per_rank, and at least as many pipeline
-      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch;
+      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch; MoE
+      models are refused (a stage's loss holds the cross-entropy only, and the router's load statistics would be
+      reduced over ranks that hold other layers);
     - cp splits each sequence into 2 * cp chunks (load-balanced causal halves): seq_len divisible by 2 * cp;
     - sequence parallel splits each rank's tokens over tp: seq_len / cp divisible by tp.
     """
@@ -645,6 +653,10 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
             raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
                               f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
     if pp > 1:
+        if model.moe.enabled:
+            raise ConfigError(f"{prefix}.pp={pp} with a MoE model (model.moe.n_experts={model.moe.n_experts}): "
+                              f"pipeline stages carry neither the MoE load-balancing / router z-losses nor the "
+                              f"per-layer expert loads across stages; run MoE with ep, tp or FSDP instead")
         stages = pp * parallel.pp_stages_per_rank
         if model.n_layers < stages:
             raise ConfigError(f"{prefix}: {stages} pipeline stages (pp={pp} x pp_stages_per_rank="
@@ -811,6 +823,10 @@ class Config:
         if self.parallel.cp > 1 and self.data.document_mask:
             raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
                               f"takes the causal mask only, not document masks; set one of them off")
+        if self.train.precision == "fp64" and self.model.ops.linear_precision != "bf16":
+            raise ConfigError(f"train.precision = 'fp64' with model.ops.linear_precision = "
+                              f"{self.model.ops.linear_precision!r}: float64 runs every matmul in float64; set "
+                              f"linear_precision = 'bf16' (the compute dtype) or pick fp32 / bf16")
         mode = self.parallel.resolved_mode(world_size or 1)
         if self.model.ops.step_fusion != "off" and mode != "none":
             raise ConfigError(f"model.ops.step_fusion={self.model.ops.step_fusion!r} needs training in one process "

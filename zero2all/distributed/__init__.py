@@ -78,7 +78,10 @@ __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_obj
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype matmuls run in: bf16/fp16 when asked (or ``auto`` on a GPU with bf16), else fp32."""
+    """The dtype matmuls run in: bf16/fp16 when asked (or ``auto`` on a GPU with bf16), float64 for ``fp64`` (the
+    whole model in float64, CPU only), else fp32."""
+    if precision == "fp64":
+        return torch.float64
     if precision == "bf16":
         return torch.bfloat16
     if precision == "fp16":
@@ -209,7 +212,10 @@ class Parallelized:
             return None
         from zero2all.model.z2all import build_model
 
+        floats = [v.dtype for v in sd.values() if v.is_floating_point()]
         copy = build_model(self.plain.cfg, device="meta").to_empty(device="cpu")
+        if floats:  # the weights' own dtype (float64 under train.precision = "fp64")
+            copy = copy.to(floats[0])
         copy.load_state_dict(sd)
         copy.tie_weights()
         return copy

@@ -132,7 +132,7 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
     n_experts = layers[0][1].cfg.moe.n_experts
     if n_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide model.moe.n_experts={n_experts}")
-    if param_dtype == torch.float32:
+    if param_dtype in (torch.float32, torch.float64):
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -153,7 +153,7 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
         moe.dispatch = AllToAllDispatch(group, ep, n_experts)
         if alone:
             ignored.update(experts.parameters())
-            experts.compute_dtype = None if param_dtype == torch.float32 else param_dtype
+            experts.compute_dtype = None if param_dtype in (torch.float32, torch.float64) else param_dtype
         else:
             fully_shard(experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     world = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))

@@ -27,7 +27,7 @@ def apply_fsdp(model: nn.Module, pc: ParallelConfig, env: DistEnv, param_dtype: 
     sub-mesh of a device mesh (1-D: shard over it; 2-D (replicate, shard): HSDP); None = all ranks."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if param_dtype == torch.float32:
+    if param_dtype in (torch.float32, torch.float64):  # no casts: the parameters' own dtype
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype,

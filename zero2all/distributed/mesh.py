@@ -150,11 +150,11 @@ def mesh_grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
         if _spec(p.grad) is not None and any(pl.is_partial() for pl in p.grad.placements):
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
         groups.setdefault(_spec(p.grad), []).append(p.grad)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float64)  # float64 sums of squares: exact enough for any precision
     for grads in groups.values():
         n = torch.nn.utils.get_total_norm(grads, foreach=True)
         n = n.full_tensor() if hasattr(n, "full_tensor") else n
-        total = total + n.float().cpu() ** 2
+        total = total + n.double().cpu() ** 2
     total = total.sqrt()
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(total) + 1e-6))

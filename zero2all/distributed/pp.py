@@ -221,7 +221,9 @@ class StageModule(nn.Module):
         self.every_chunk_valid = False   # set per micro-batch by PipelineRun (see token_loss_sum)
         # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
         # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
-        self.boundary_dtypes = (compute_dtype, torch.float32 if model.cfg.residual_in_fp32 else compute_dtype)
+        residual_dtype = compute_dtype if compute_dtype == torch.float64 or not model.cfg.residual_in_fp32 \
+            else torch.float32
+        self.boundary_dtypes = (compute_dtype, residual_dtype)
         self.embed_tokens = model.embed_tokens if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -288,20 +290,20 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
             raise ConfigError("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel "
                               "computes the cross-entropy only)")
         logits = head(h)                                  # DTensor, Shard(-1) over the vocabulary
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1), ignore_index=-100,
+        loss = F.cross_entropy(ops.upcast(logits).flatten(0, 1), labels.reshape(-1), ignore_index=-100,
                                reduction="sum")
         return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
     if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
-        return h.float().sum().reshape(1)
+        return ops.upcast(h).sum().reshape(1)
     fused = ops.uses_fused_cross_entropy(impl, h)
     if every_chunk_valid:
         mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
-        return mean.float().reshape(1) * (labels != -100).sum()
+        return ops.upcast(mean).reshape(1) * (labels != -100).sum()
     n_valid = int((labels != -100).sum())
     if n_valid == 0:
-        return h.float().sum().reshape(1) * 0.0
+        return ops.upcast(h).sum().reshape(1) * 0.0
     mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
-    return mean.float().reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
+    return ops.upcast(mean).reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
 class RankModel(nn.Module):
@@ -479,7 +481,7 @@ class PipelineRun:
         """FSDP2 over the dp dimension: every block one unit, then each stage's root (embedding, norm, head)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy() if param_dtype == torch.float32 else \
+        mp = MixedPrecisionPolicy() if param_dtype in (torch.float32, torch.float64) else \
             MixedPrecisionPolicy(param_dtype=param_dtype,
                                  reduce_dtype=torch.float32 if self.pc.fsdp_reduce_fp32 else param_dtype)
         d = self.dims
@@ -586,7 +588,7 @@ class PipelineRun:
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's ``value`` on every rank of this pipeline (a broadcast over the pp group)."""
-        t = value.detach().float().reshape(1).clone()
+        t = value.detach().to(torch.float64).reshape(1).clone()  # one dtype on every rank, whatever computed it
         with collective_timeout(self.env, "broadcast of the loss from the last pipeline stage"):
             dist.broadcast(t, src=dist.get_global_rank(self.pp_group, self.last_pp_rank), group=self.pp_group)
         return t.reshape(())
@@ -604,7 +606,7 @@ class PipelineRun:
             local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
             local = local.full_tensor() if hasattr(local, "full_tensor") else local
         grads = [p.grad for p in params]
-        sq = (local.float() ** 2).reshape(1).to(self.env.device)
+        sq = (local.double() ** 2).reshape(1).to(self.env.device)
         with collective_timeout(self.env, "all-reduce of the gradient norm over the pipeline stages"):
             dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt().reshape(())

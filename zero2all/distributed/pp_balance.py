@@ -55,8 +55,9 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
 
     cfg = model.cfg
     H, T = cfg.hidden_dim, seq_len
-    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32)
-    res_dtype = torch.float32 if cfg.residual_in_fp32 else compute_dtype
+    low = compute_dtype in (torch.bfloat16, torch.float16)
+    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=low)
+    res_dtype = torch.float32 if cfg.residual_in_fp32 and low else compute_dtype
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(dtype, grad=True):

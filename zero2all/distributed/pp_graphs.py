@@ -80,7 +80,7 @@ class _Slot:
                                         allow_unused=True)
             pairs = [(a, g) for a, g in zip(accumulators, grads[len(wants):]) if g is not None]
             if pairs:
-                torch._foreach_add_([a for a, _ in pairs], [g.float() for _, g in pairs])
+                torch._foreach_add_([a for a, _ in pairs], [g.to(a.dtype) for a, g in pairs])
         grads_in = iter(grads[:len(wants)])
         self.grad_inputs = tuple(next(grads_in) if t.requires_grad else None for t in self.inputs)
         self.outputs = tuple(o.detach() for o in self.outputs)
@@ -132,7 +132,8 @@ class GraphedBlocks:
             raise ValueError(f"CUDA graph slots must be >= 1, got {max_slots}")
         self.fn, self.max_slots, self.warmup = fn, max_slots, warmup
         self.params = [p for p in params if p.requires_grad]
-        self.accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.accumulators = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                             for p in self.params]  # float32, or float64 for float64 parameters
         self.slots: list[_Slot] = []
         self.free: list[_Slot] = []
         self.signature: tuple | None = None

@@ -93,6 +93,8 @@ def grouped_swiglu_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, 
         dt = torch.get_autocast_dtype(x.device.type)
         x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
     with torch.autocast(x.device.type, enabled=False):
+        if x.dtype == torch.float64 and impl in ("auto", "triton", "torch"):
+            impl = "loop"  # float64 (train.precision = "fp64"): the plain per-expert reference
         if impl == "auto":
             impl = AUTO_GPU if x.is_cuda and triton is not None else "loop"
             if impl == "torch" and not grouped_mm_available(x):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from zero2all.config import ModelConfig
 from zero2all.kernels.grouped_gemm import grouped_swiglu_mlp
+from zero2all.model import ops
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         m = self.moe
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())                    # (N, E)
+            logits = F.linear(ops.upcast(x), ops.upcast(self.weight))                    # (N, E)
         if m.router == "softmax_topk":
             probs = logits.softmax(dim=-1)
             weights, experts = probs.topk(m.top_k, dim=-1)
@@ -152,7 +153,7 @@ def load_balancing_loss(routing: Routing, n_experts: int, groups: int = 1) -> to
     N, k = routing.experts.shape
     group = torch.arange(N, device=routing.experts.device).div_(N // groups, rounding_mode="floor")
     slot = (group[:, None] * n_experts + routing.experts).reshape(-1)            # (group, expert) of each slot
-    f = expert_counts(slot, groups * n_experts).view(groups, n_experts).float() / (k * (N // groups))
+    f = expert_counts(slot, groups * n_experts).view(groups, n_experts).to(routing.probs.dtype) / (k * (N // groups))
     probs = routing.probs / routing.probs.sum(-1, keepdim=True)  # sigmoid scores normalised like softmax's
     return n_experts * (f * probs.view(groups, N // groups, n_experts).mean(1)).sum(-1).mean()
 

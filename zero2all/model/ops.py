@@ -29,7 +29,17 @@ def triton_available() -> bool:
     return True
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32: the dtype in which norms, rotations, softmax and the loss are computed. A float64
+    tensor stays float64 (``train.precision = "fp64"``), anything narrower becomes float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def use_triton(impl: str, x: torch.Tensor) -> bool:
+    """Whether the fused kernel runs. Float64 tensors always take the plain reference: the Triton kernels compute
+    in float32 at best, and ``train.precision = "fp64"`` exists to compare runs at float64 rounding."""
+    if x.dtype == torch.float64:
+        return False
     if impl == "triton":
         if not triton_available():
             raise RuntimeError("ops: 'triton' was asked for but Triton is not importable; use 'torch' or 'auto'")
@@ -46,7 +56,7 @@ def use_triton(impl: str, x: torch.Tensor) -> bool:
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype (Llama / HF semantics:
     the normalised value is cast to the input dtype before the weight multiply)."""
-    xf = x.float()
+    xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
@@ -59,9 +69,9 @@ def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     bf16 block outputs does not lose precision), else x's dtype. ``residual=None`` starts the stream at ``x``.
     """
     if residual is None:
-        residual = x.float() if residual_in_fp32 else x
+        residual = upcast(x) if residual_in_fp32 else x
     else:
-        residual = residual + (x.float() if residual_in_fp32 else x)
+        residual = residual + (upcast(x) if residual_in_fp32 else x)
     return rmsnorm_torch(residual, weight, eps).to(x.dtype), residual
 
 
@@ -154,7 +164,7 @@ def apply_rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     s = sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]
 
     def rotate(x):
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = upcast(x).chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
@@ -317,7 +327,7 @@ def linear_cross_entropy_torch(hidden: torch.Tensor, weight: torch.Tensor, targe
     """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index (logits in float32).
 
     ``z_loss`` adds z_loss * mean(logsumexp(logits)^2) over the same tokens (PaLM's auxiliary loss)."""
-    logits = F.linear(hidden, weight).float()
+    logits = upcast(F.linear(hidden, weight))
     logits = logits.view(-1, logits.size(-1))
     targets = targets.reshape(-1)
     loss = F.cross_entropy(logits, targets, ignore_index=ignore_index)
@@ -329,7 +339,7 @@ def linear_cross_entropy_torch(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, z_loss=0.0, impl="auto"):
-    if impl == "fused" or (impl == "auto" and hidden.is_cuda and triton_available()):
+    if uses_fused_cross_entropy(impl, hidden):
         from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
 
         return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, z_loss=z_loss)
@@ -337,6 +347,8 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, z_loss=0.0,
 
 
 def uses_fused_cross_entropy(impl: str, hidden: torch.Tensor) -> bool:
+    if hidden.dtype == torch.float64:  # the fused kernel accumulates in float32: the reference in float64
+        return False
     return impl == "fused" or (impl == "auto" and hidden.is_cuda and triton_available())
 
 
@@ -354,13 +366,13 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = (upcast(q) @ upcast(k).transpose(-2, -1)) / math.sqrt(q.size(-1))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
     if dropout_p and training:
         probs = F.dropout(probs, dropout_p)
-    return (probs @ v.float()).to(q.dtype)
+    return (probs @ upcast(v)).to(q.dtype)
 
 
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:

@@ -274,7 +274,7 @@ class Z2all(nn.Module):
                 return None, loss if aux is None else loss + aux
         logits = self.lm_head(h)
         loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
-            F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            F.cross_entropy(ops.upcast(logits).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
         return logits, loss if aux is None else loss + aux
 
     # -- bookkeeping ------------------------------------------------------------------------------------------

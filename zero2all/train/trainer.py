@@ -58,6 +58,7 @@ from zero2all.fileio import (
     write_output_marker,
 )
 from zero2all.kernels import step_fusion
+from zero2all.model import ops
 from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_model, save_model
 from zero2all.model.z2all import build_model
 from zero2all.train.metrics import (
@@ -85,7 +86,7 @@ from zero2all.train.optim import (
 )
 from zero2all.train.trainable import apply_trainable
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp64")
 
 
 class _StopSignals:
@@ -126,17 +127,22 @@ def pick_device(setting: str = "auto") -> torch.device:
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
-    """``auto``: bf16 autocast on GPUs that support it (Ampere and newer), else fp32."""
+    """``auto``: bf16 autocast on GPUs that support it (Ampere and newer), else fp32. ``fp64`` is refused on a GPU."""
     if setting not in PRECISIONS:
         raise ConfigError(f"train.precision: {setting!r} is not one of {', '.join(PRECISIONS)}")
+    if setting == "fp64" and device.type != "cpu":
+        from zero2all.config import FP64_ON_GPU
+
+        raise ConfigError(FP64_ON_GPU.format(prefix="train", device=str(device)))
     if setting == "auto":
         return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     return setting
 
 
 def autocast_context(precision: str, device: torch.device):
-    """Autocast for the forward pass; parameters (master weights) and optimiser state stay float32."""
-    if precision == "fp32":
+    """Autocast for the forward pass; parameters (master weights) and optimiser state stay float32 (float64 with
+    ``fp64``, which runs without autocast)."""
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -327,6 +333,8 @@ class Trainer:
         if model is None:
             model = build_model(cfg.model, device=self.device, seed=self.tcfg.seed)
         self.raw_model = model.to(self.device)
+        if self.precision == "fp64":  # parameters, buffers and so optimizer state and activations in float64
+            self.raw_model = self.raw_model.to(torch.float64)
         if self.tcfg.trainable != "all":
             self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
@@ -602,13 +610,13 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.model.train()
         accum = t.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64 if self.precision == "fp64" else None)
         metric_sums: dict[str, torch.Tensor | float] = {}
         tokens = 0
         if self.pipeline is not None:  # the update's micro-batches as one pipeline schedule (distributed/pp.py)
             batches = [self._to_device(next(self.train_iter)) for _ in range(accum)]
             with self.autocast():
-                loss_sum += self.pipeline.step(batches, self.scaler.scale / accum).float()
+                loss_sum += ops.upcast(self.pipeline.step(batches, self.scaler.scale / accum))
             tokens = sum(self.objective.num_tokens(b) for b in batches)
             loss_sum = self.pipeline.from_last_stage(loss_sum)  # computed on the last stage: every rank gets it
         else:
@@ -617,10 +625,10 @@ class Trainer:
                 # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
                 with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
                     loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
-                loss_sum += loss.float()
+                loss_sum += ops.upcast(loss)
                 tokens += self.objective.num_tokens(batch)
                 for k, v in metrics.items():
-                    v = v.detach().float() if torch.is_tensor(v) else float(v)
+                    v = ops.upcast(v.detach()) if torch.is_tensor(v) else float(v)
                     metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler.unscale_(params)
@@ -740,7 +748,7 @@ class Trainer:
                 else:
                     with self.run.train_context(batch):
                         loss, extra = self.objective.eval_loss(self.model, batch)
-            losses.append(loss.float())
+            losses.append(ops.upcast(loss))
             for key, value in extra.items():
                 metrics.setdefault(key, []).append(value)
         self.model.train()
