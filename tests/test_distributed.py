@@ -279,15 +279,20 @@ def test_parallel_modes_match_single_process(tmp_path):
     for fields, losses in zip(modes[:9], got[:9]):
         assert_same_losses(losses, want, msg=str(fields))
     fp16, powersgd, bf16 = got[9], got[10], got[11]
-    # FSDP's bf16 mixed-precision policy (bf16 compute, fp32 gradient reduction): within bf16 rounding
-    assert_same_losses(bf16, want, rtol=1e-3)
-    assert bf16 != want
-    # fp16 gradients on the wire: the same within fp16 rounding (AdamW normalises it), but not bit-identical
-    assert_same_losses(fp16, want, rtol=2e-3)
-    assert fp16 != want
-    # PowerSGD: exact for the first powersgd_start_iter steps (plain all-reduce), an approximation after
+    # Each hook / policy is compared with the run of the same spawn without it (plain DDP, got[0]; fp32 FSDP2,
+    # got[1]): rounding alone makes runs differ from the single process by ~1e-7, so the lower bounds show that the
+    # hook or policy acted, and the upper bounds are ~5-30x the measured difference (float32, 4 steps).
+    def rel(a, b):
+        return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    # FSDP's bf16 mixed-precision policy (bf16 compute, fp32 gradient reduction): measured 1.2e-5 .. 1.35e-4
+    assert max(rel(bf16, want)) < 1e-3 and max(rel(bf16, got[1])) > 3e-5, (bf16, got[1])
+    # fp16 gradients on the wire: AdamW normalises the rounding away but for 5.7e-7 .. 6.1e-6 (steps 2-4)
+    assert max(rel(fp16, want)) < 5e-4 and max(rel(fp16, got[0])) > 1e-6, (fp16, got[0])
+    # PowerSGD: exact for the first powersgd_start_iter steps (plain all-reduce), an approximation after: the
+    # rank-1 gradients of step 3 change step 4's loss by 1.5e-2
     assert_same_losses(powersgd[:2], want[:2])
-    assert powersgd[2:] != want[2:] and abs(powersgd[-1] - want[-1]) < 0.05 * want[-1]
+    assert powersgd[:3] == got[0][:3], (powersgd, got[0])
+    assert 1e-3 < rel(powersgd, got[0])[3] < 0.05, (powersgd, got[0])
     # fused_linear computes the same float32 math as the plain ops, summed in another order
     for fields, losses in zip(modes[12:], got[12:]):
         assert_same_losses(losses, want, rtol=1e-4, msg=str(fields))
