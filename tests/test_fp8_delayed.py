@@ -150,6 +150,7 @@ def test_config_refusals():
         fp8_ref.apply_fp8_options("transposed", False, 1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_gpu_kernel_matches_reference_over_a_sequence_of_casts(fp8):

@@ -204,6 +204,7 @@ def _has_fp8_gpu():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a GPU with FP8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
 @pytest.mark.parametrize("M,K,N", [(2048, 2048, 2560), (1000, 200, 72)])
@@ -224,6 +225,7 @@ def test_scaled_mm_matches_emulation_on_gpu(recipe, M, K, N):
     assert relative_l2_error(y.float().cpu(), exact) < GEMM_BOUND[E4M3]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a GPU with FP8 (compute capability >= 8.9)")
 def test_fused_fp8_model_on_gpu_compiles_and_tracks_bf16():
     cfg = tiny("fp8_rowwise", "triton")
