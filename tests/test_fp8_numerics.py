@@ -164,7 +164,7 @@ def test_model_fp8_under_bf16_autocast():
     tokens = torch.randint(0, 8192, (2, 16))
     loss, grads = loss_and_grads(tiny("fp8_rowwise", "triton"), tokens, autocast=True)
     full_loss, _ = loss_and_grads(tiny("bf16", "torch"), tokens, autocast=True)
-    assert abs(loss - full_loss) < 0.02 * abs(full_loss)
+    assert abs(loss - full_loss) < 5e-3 * abs(full_loss)       # measured 5.4e-5
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
 
 
