@@ -92,9 +92,10 @@ MUTATIONS: list[dict] = [
          replace=_scale_distributed_grads('"layers.2." in name', 0.5),
          tests=[DP_MODES]),
     dict(bug="tp x dp mesh: the norm weights' gradients x0.5",
-         file="zero2all/distributed/__init__.py",
-         find=CLIP_ENTRY,
-         replace=_scale_distributed_grads('"norm" in name', 0.5),
+         file="zero2all/distributed/mesh.py",
+         find="    groups: dict = {}\n",
+         replace="    for p in params:\n        if p.grad is not None and p.dim() == 1:   # the norm weights\n"
+                 "            p.grad = p.grad * 0.5\n    groups: dict = {}\n",
          tests=["tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_resume_across_meshes"]),
 ]
 
