@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -24,6 +25,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A skip whose reason names the GPU / CUDA is a GPU-only test: it must carry the gpu mark, or `pytest -m gpu` (the
+# GPU run) would never select it. Such a skip without the mark is reported as an error. ("needs a GPU or
+# TRITON_INTERPRET=1" is not GPU-only: the CPU run has the interpreter.)
+_GPU_REASON = re.compile(r"\b(CUDA|GPUs?)\b")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or "gpu" in item.keywords or not isinstance(report.longrepr, tuple):
+        return
+    reason = report.longrepr[2].removeprefix("Skipped: ")
+    if _GPU_REASON.search(reason) and "TRITON_INTERPRET" not in reason:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} skips for lack of a GPU ({reason}) but has no gpu mark: add "
+                           "@pytest.mark.gpu so that `pytest -m gpu` selects it")
 
 
 @pytest.fixture

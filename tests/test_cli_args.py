@@ -210,6 +210,41 @@ def test_bench_options_are_added_at_run_time_and_take_overrides_anywhere(monkeyp
     assert e.value.code == 0 and "--rows" in capsys.readouterr().out
 
 
+TINY_BENCH = ["--config", "tiny", "--seq", "32", "--micro-batch", "2", "--accum", "1", "--iters", "2", "--warmup",
+              "1", "model.vocab_size=256", "model.hidden_dim=64", "model.intermediate_size=96", "model.n_layers=2",
+              "model.n_heads=4", "model.n_kv_heads=2"]
+
+
+def test_bench_train_runs_its_rows_on_the_cpu(tmp_path, capsys):
+    """The real benchmark loop (no mock) on a tiny model: our plain row and the HF peer train, the table and the
+    JSON carry their numbers; the CPU has no MFU or memory column, and a peer that needs a GPU says so."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train", "--device", "cpu", "--rows", "naive,hf,tt_compile", "--out", str(out),
+                 *TINY_BENCH]) == 0
+    printed = capsys.readouterr().out
+    table = printed[printed.index("row "):].splitlines()
+    naive, hf = (next(line for line in table if line.startswith(label)) for label in ("naive ", "HF Llama"))
+    for line in (naive, hf):
+        mb, seq, step_ms, tok_s, mfu, peak = line.split()[-7:-1]
+        assert (mb, seq, mfu, peak) == ("2", "32", "-", "-") and float(step_ms) > 0 and float(tok_s) > 0, line
+    assert "needs a CUDA GPU" in next(line for line in table if line.startswith("torchtitan"))
+    assert "device: CPU (" in printed and "not a measurement" in printed
+    results = {r["row"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["naive"]["tokens_per_s"] > 0 and len(results["naive"]["step_times_ms"]) == 2
+    assert results["hf"]["tokens_per_s"] > 0 and results["tt_compile"]["error"] == "needs a CUDA GPU"
+
+
+def test_bench_train_without_a_gpu_is_one_line(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "train", *TINY_BENCH]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("z2all bench train: error: no CUDA GPU")
+    assert "--device cpu" in err
+
+
 def test_split_overrides_rules():
     parser = build_parser()
     sft = parser._subparsers._group_actions[0].choices["sft"]

@@ -3,11 +3,18 @@ interrupted `prepare` rerun with corrected inputs, read-only outputs and full di
 Each command must end with one clear line and a non-zero exit code, and leave what existed before intact."""
 
 import builtins
+import ctypes
 import errno
 import io
 import json
 import os
+import pwd
+import shutil
+import subprocess
+import sys
 import sysconfig
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -289,18 +296,64 @@ def test_pretrain_into_a_read_only_out_is_one_line(tmp_path, monkeypatch, capsys
     assert _entries(out) == [".z2all-output.json", "notes.txt"] and (out / "notes.txt").read_text() == "before"
 
 
-def test_pretrain_read_only_for_real(tmp_path, capsys):
-    if os.geteuid() == 0:
-        pytest.skip("running as root: chmod 0o555 does not stop root's writes (the injected test covers it)")
-    out = tmp_path / "ro"
-    out.mkdir()
-    out.chmod(0o555)
+def _drop_permission_override():
+    """In a child process about to exec: take CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (1, 2) out of its
+    capability bounding set (prctl PR_CAPBSET_DROP = 24), so that root's program obeys file modes like anyone's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _unprivileged_options(env) -> dict | None:
+    """subprocess options under which chmod 0o555 stops writes: none for an ordinary user; for root, root without
+    its capability to override file modes, else the user nobody; None when neither can run Python here."""
+    if os.geteuid() != 0:
+        return {}
+    candidates = [dict(preexec_fn=_drop_permission_override)]
     try:
-        assert main(["pretrain", "--config", "tiny", "--out", str(out), "--no-progress", *TINY_MODEL,
-                     "model.vocab_size=64", "model.max_seq_len=16", "train.max_steps=2", *QUIET_RUN]) == 1
+        nobody = pwd.getpwnam("nobody")
+        candidates.append(dict(user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[]))
+    except KeyError:
+        pass
+    for options in candidates:
+        try:
+            probe = subprocess.run([sys.executable, "-c", "import zero2all"], env=env, capture_output=True,
+                                   timeout=120, **options)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return options
+    return None
+
+
+def test_pretrain_read_only_for_real():
+    """A real read-only --out (chmod 0o555), the command run as an unprivileged process (as root: without the
+    capability to override file modes, or as nobody)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    options = _unprivileged_options(env)
+    if options is None:
+        pytest.skip("running as root, and neither root without CAP_DAC_OVERRIDE nor the user nobody can run Python "
+                    "here (the injected test covers the message)")
+    base = Path(tempfile.mkdtemp(prefix="z2all-ro-"))
+    try:
+        base.chmod(0o755)                                   # reachable by nobody; out itself is read-only
+        out = base / "ro"
+        out.mkdir()
+        (out / "notes.txt").write_text("before")
+        out.chmod(0o555)
+        proc = subprocess.run([sys.executable, "-m", "zero2all.cli", "pretrain", "--config", "tiny", "--out",
+                               str(out), "--no-progress", *TINY_MODEL, "model.vocab_size=64", "model.max_seq_len=16",
+                               "train.max_steps=2", *QUIET_RUN], env=env, cwd=base, capture_output=True, text=True,
+                              timeout=300, **options)
+        assert proc.returncode == 1, proc.stderr
+        assert "Permission denied" in _one_error_line(proc.stderr, "pretrain")
+        assert _entries(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "before"
     finally:
-        out.chmod(0o755)
-    assert "Permission denied" in _one_error_line(capsys.readouterr().err, "pretrain")
+        if (base / "ro").exists():
+            (base / "ro").chmod(0o755)
+        shutil.rmtree(base)
 
 
 def test_export_hf_into_a_read_only_directory_is_one_line(tmp_path, monkeypatch, capsys):

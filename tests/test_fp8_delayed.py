@@ -133,7 +133,7 @@ def test_model_sites_found_again_and_no_amax_pass_after_the_first_micro_batch(mo
     first_dyn, first_delayed = losses[0][0][0], losses[4][0][0]
     assert first_delayed == first_dyn                       # the first casts scale from their own amax
     for (dyn, _), (delayed, _) in zip(losses[0][1:], losses[4][1:]):
-        assert abs(dyn - delayed) < 2e-2 * abs(dyn)
+        assert abs(dyn - delayed) < 3e-3 * abs(dyn)         # measured 4.3e-5 .. 6.5e-5
 
 
 def test_config_refusals():
@@ -150,6 +150,7 @@ def test_config_refusals():
         fp8_ref.apply_fp8_options("transposed", False, 1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_gpu_kernel_matches_reference_over_a_sequence_of_casts(fp8):

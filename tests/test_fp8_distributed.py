@@ -5,9 +5,10 @@ rule as the kernels, checked bit for bit in test_kernels_fp8.py; the interpreter
 long); the Triton custom ops under FSDP2 are the bf16 lean ops' plumbing, covered by test_distributed.py.
 
 Forward casts are per row (token) or per weight row, so the first loss (before any update) is the single
-process's to 1e-5. The weight-gradient GEMM scales each column of the output gradient over the tokens of the
-micro-batch at hand (a rank's half of it, not the whole): the gradients then differ at FP8's rounding level, and
-the later losses within 1e-2.
+process's to 1e-5 (measured: equal; the run without FP8 differs by 3.6e-5, so this step shows FP8 acted). The
+weight-gradient GEMM scales each column of the output gradient over the tokens of the micro-batch at hand (a
+rank's half of it, not the whole): the gradients then differ at FP8's rounding level, and the later losses by up
+to 3.4e-4 (delayed scaling under FSDP2: 4.2e-4), bounded at 2e-3.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def test_fp8_fsdp_and_ddp_match_single_process(tmp_path):
     for name, losses in zip(("fsdp", "ddp"), got):
         assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
         assert_same_losses(losses[:1], want[:1], rtol=1e-5, msg=f"fp8 {name}, first step")
-        assert_same_losses(losses, want, rtol=1e-2, msg=f"fp8 {name}")
+        assert_same_losses(losses, want, rtol=2e-3, msg=f"fp8 {name}")
 
 
 DELAYED_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
@@ -87,4 +88,4 @@ def test_fp8_delayed_scaling_under_fsdp_keeps_its_sites(tmp_path):
     assert got["sites"] == 2 * got["linears"], got
     assert got["records"] == [STEPS * ACCUM], got
     assert all(torch.isfinite(torch.tensor(got["losses"])))
-    assert_same_losses(got["losses"], want["losses"], rtol=2e-2, msg="fp8 delayed fsdp")
+    assert_same_losses(got["losses"], want["losses"], rtol=2e-3, msg="fp8 delayed fsdp")  # measured 4.2e-4

@@ -138,15 +138,17 @@ def test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision(rec
     ref_stats = FP8_STATS.read()
     full_loss, full_grads = loss_and_grads(tiny("bf16", "torch"), tokens)  # no FP8 at all (float32)
     assert FP8_STATS.read() == {}                                          # bf16 casts nothing
-    assert abs(loss - ref_loss) < 1e-4 * abs(ref_loss)
-    assert abs(loss - full_loss) < 0.01 * abs(full_loss)
+    # measured (CPU): loss equal to the reference path's, 5.5e-5 from float32's; gradients within 3.8e-7 of the
+    # reference path's (an unquantised output gradient in the kernels' backward: 0.065), the projections' 0.048 to
+    # 0.096 from float32's
+    assert abs(loss - ref_loss) < 1e-6 * abs(ref_loss)
+    assert abs(loss - full_loss) < 5e-3 * abs(full_loss)
     for name, grad in grads.items():
         assert torch.isfinite(grad).all()
-        # the same quantisation rule; where the kernels' norm / SwiGLU differ from torch's in the last bit of
-        # float32, an element can round to the neighbouring FP8 value (a 1/8 step), so gradients differ slightly
-        assert relative_l2_error(grad, ref_grads[name]) < 0.08, name
+        # the same quantisation rule; the kernels' norm / SwiGLU differ from torch's in the last bit of float32
+        assert relative_l2_error(grad, ref_grads[name]) < 3e-5, name
         if name.endswith("proj.weight"):
-            assert relative_l2_error(grad, full_grads[name]) < 0.25, name
+            assert 0.01 < relative_l2_error(grad, full_grads[name]) < 0.25, name  # quantised, within FP8's error
     assert set(stats) == {f"fp8_{what}_{kind}" for what in ("saturated", "underflow")
                           for kind in ("qkv", "o", "gate_up", "down")}
     for key, value in stats.items():
@@ -162,7 +164,7 @@ def test_model_fp8_under_bf16_autocast():
     tokens = torch.randint(0, 8192, (2, 16))
     loss, grads = loss_and_grads(tiny("fp8_rowwise", "triton"), tokens, autocast=True)
     full_loss, _ = loss_and_grads(tiny("bf16", "torch"), tokens, autocast=True)
-    assert abs(loss - full_loss) < 0.02 * abs(full_loss)
+    assert abs(loss - full_loss) < 5e-3 * abs(full_loss)       # measured 5.4e-5
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
 
 
@@ -202,6 +204,7 @@ def _has_fp8_gpu():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a GPU with FP8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
 @pytest.mark.parametrize("M,K,N", [(2048, 2048, 2560), (1000, 200, 72)])
@@ -222,6 +225,7 @@ def test_scaled_mm_matches_emulation_on_gpu(recipe, M, K, N):
     assert relative_l2_error(y.float().cpu(), exact) < GEMM_BOUND[E4M3]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a GPU with FP8 (compute capability >= 8.9)")
 def test_fused_fp8_model_on_gpu_compiles_and_tracks_bf16():
     cfg = tiny("fp8_rowwise", "triton")

@@ -40,6 +40,7 @@ def test_cpu_keeps_the_reference_casts_and_cuda_takes_the_triton_ones(monkeypatc
     assert relative_l2_error(y_ref, x @ w.t()) < 0.1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="needs a GPU with FP8 (compute capability >= 8.9)")
 def test_plain_path_fp8_on_gpu_uses_triton_casts_and_matches_lean_path(monkeypatch):

@@ -214,6 +214,7 @@ def test_fused_decode_support_reasons():
     assert "LoRA" in supported(model, 1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tuner times CUDA graphs")
 def test_tune_picks_a_candidate_per_shape_and_keeps_the_step_exact(monkeypatch):
     """FusedDecodeStep.tune times the whole step per candidate tile and keeps one per product shape; the step's

@@ -230,6 +230,7 @@ def _gpu_worker(rank: int, port: int, out: str) -> None:
         zd.destroy_distributed()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_gpu_tp_graphs_match_the_eager_blocks(tmp_path):
     mp.spawn(_gpu_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

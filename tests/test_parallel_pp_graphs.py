@@ -59,6 +59,7 @@ def _tiny_stage(first: bool):
     return StageModule(model, [0, 1, 2], first=first, last=False, compute_dtype=torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("first", [True, False])
 def test_gpu_graphed_stage_matches_eager_in_1f1b_order(first):

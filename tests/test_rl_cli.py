@@ -44,11 +44,19 @@ def records(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def test_reward_command_and_hf_export(world):
-    transformers = pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def reward_model(world):
+    """``z2all reward`` trained once (3 steps, with --export-hf): (its output folder, the HF export)."""
     out, hf = world["root"] / "rm", world["root"] / "rm-hf"
-    main(["reward", "--init", world["init"], "--data", world["pairs"], "--out", str(out), "--valid-fraction", "0.2",
-          "--export-hf", str(hf), "train.max_steps=3", "train.eval_every=3", *COMMON])
+    assert main(["reward", "--init", world["init"], "--data", world["pairs"], "--out", str(out),
+                 "--valid-fraction", "0.2", "--export-hf", str(hf), "train.max_steps=3", "train.eval_every=3",
+                 *COMMON]) == 0
+    return out, hf
+
+
+def test_reward_command_and_hf_export(world, reward_model):
+    transformers = pytest.importorskip("transformers")
+    out, hf = reward_model
     evals = [r for r in records(out) if r.get("kind") == "eval"]
     assert evals and "accuracy" in evals[-1]
     assert (out / "final" / "score.safetensors").exists()
@@ -74,10 +82,8 @@ def test_rl_grpo_lora_command(world):
     assert (out / "final" / "adapter" / "adapter_config.json").exists()
 
 
-def test_rl_ppo_reward_model_command(world):
-    rm = world["root"] / "rm" / "final"
-    if not rm.exists():
-        pytest.skip("needs test_reward_command_and_hf_export's reward model")
+def test_rl_ppo_reward_model_command(world, reward_model):
+    rm = reward_model[0] / "final"
     out = world["root"] / "ppo"
     main(["rl", "--algo", "ppo", "--init", world["init"], "--data", world["prompts"], "--out", str(out),
           "--reward-model", str(rm), "--group-size", "1", "--max-new-tokens", "4", "--epochs", "2",

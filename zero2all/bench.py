@@ -37,6 +37,11 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
                        model.ops.linear_precision=fp8_rowwise runs every other row of ours with FP8 linears
                        (the ablation table in FP8); model.ops.step_fusion=grads|all likewise applies the
                        per-step weight-gradient sums / weight casts (kernels/step_fusion.py) to every row of ours
+
+``--device cpu`` runs the same rows on the CPU (bf16 autocast on the CPU, no memory or MFU column: there is no
+GPU peak to divide by): with ``--config tiny`` and a few short steps it checks, in seconds, that the rows build,
+train and fill the table (the Triton rows then need ``TRITON_INTERPRET=1``; a row that cannot run says why).
+Its timings say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,17 +239,25 @@ def _sdpa_context(backend: str):
         return sdpa_kernel(order)
 
 
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: int, warmup: int,
             device="cuda", peak_flops: float = 989e12, sdpa_backend: str = "default", profile_dir=None,
             log=print, build=None) -> BenchResult:
     """Train ``iters + warmup`` optimizer steps of one row; returns its timing and memory. ``build(base_cfg, row,
-    device, seq) -> (model, loss_fn)`` replaces the row's own model builder."""
+    device, seq) -> (model, loss_fn)`` replaces the row's own model builder. On the CPU (``device="cpu"``) no
+    memory or MFU is recorded."""
     from zero2all.accounting import mfu
 
     result = BenchResult(row, ROW_LABELS.get(row, row), micro_batch, seq, accum)
     model = opt = loss_fn = None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         if build is not None:
             model, loss_fn = build(base_cfg, row, device, seq)
@@ -259,7 +274,7 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
 
         def step():
             for b in batches:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                     loss = loss_fn(b[:, :-1], b[:, 1:])
                 (loss / accum).backward()
             opt.step()
@@ -269,10 +284,10 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
         with _sdpa_context(backend):
             times = []
             for i in range(warmup + iters):
-                torch.cuda.synchronize(device)
+                _synchronize(device)
                 t0 = time.perf_counter()
                 step()
-                torch.cuda.synchronize(device)
+                _synchronize(device)
                 times.append((time.perf_counter() - t0) * 1000)
                 if i == 0:
                     log(f"  {row}: first step {times[0] / 1000:.1f} s")
@@ -282,8 +297,9 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
         result.step_times_ms = [round(t, 2) for t in measured]
         result.step_ms = statistics.median(measured)
         result.tokens_per_s = micro_batch * seq * accum / (result.step_ms / 1000)
-        result.mfu = mfu(result.tokens_per_s, base_cfg, seq, peak_flops)
-        result.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
+        if cuda:
+            result.mfu = mfu(result.tokens_per_s, base_cfg, seq, peak_flops)
+            result.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
     except torch.cuda.OutOfMemoryError:
         result.error = "out of memory"
         result.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
@@ -292,7 +308,8 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
     finally:
         model = opt = loss_fn = None  # free the row's GPU memory before the next row
         gc.collect()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         try:
             torch._dynamo.reset()
         except Exception:
@@ -305,11 +322,12 @@ def _profile(step, row, profile_dir, device):
 
     profile_dir = Path(profile_dir)
     profile_dir.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-        torch.cuda.synchronize(device)
-    table = prof.key_averages().table(sort_by="cuda_time_total" if _has_cuda_total(prof) else "device_time_total",
-                                      row_limit=45, max_name_column_width=70)
+        _synchronize(device)
+    sort = ("cuda_time_total" if _has_cuda_total(prof) else "device_time_total") if cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)
     write_text(profile_dir / f"profile_{row}.txt", table)
 
 
@@ -337,8 +355,10 @@ def format_table(results: list[BenchResult]) -> str:
             lines.append(f"{r.label:<30} {r.micro_batch:>3} {r.seq:>5} {r.error[:40]:>33} {peak}")
             continue
         ratio = f"{r.tokens_per_s / best_peer.tokens_per_s:11.2f}x" if best_peer else f"{'':>12}"
+        mfu = f"{100 * r.mfu:6.1f}" if r.mfu is not None else f"{'-':>6}"      # the CPU has no peak to divide by
+        peak = f"{r.peak_gb:8.1f}" if r.peak_gb is not None else f"{'-':>8}"
         lines.append(f"{r.label:<30} {r.micro_batch:>3} {r.seq:>5} {r.step_ms:9.1f} {r.tokens_per_s:9.0f} "
-                     f"{100 * r.mfu:6.1f} {r.peak_gb:8.1f} {ratio}")
+                     f"{mfu} {peak} {ratio}")
     if best_peer:
         lines.append(f"best peer: {best_peer.label} ({best_peer.tokens_per_s:.0f} tok/s)")
     return "\n".join(lines)
@@ -347,6 +367,9 @@ def format_table(results: list[BenchResult]) -> str:
 def add_arguments(p) -> None:
     """The options of ``z2all bench train`` and ``benchmarks/train_throughput.py``."""
     p.add_argument("--config", default="z2all-1.1b", help="preset or .toml (default z2all-1.1b)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (default; the numbers) or cpu (a check that the rows run: e.g. --config tiny "
+                        "--seq 32 --micro-batch 2 --accum 1 --iters 2 --warmup 1; no MFU or memory column)")
     p.add_argument("--rows", default="all",
                    help="comma-separated rows, or all / ablations / fp8 / peers / extras (default all): "
                         + ", ".join(ROW_LABELS))
@@ -364,23 +387,25 @@ def add_arguments(p) -> None:
 
 
 def main_from_args(args) -> int:
-    if not torch.cuda.is_available():
-        print("bench train: needs a CUDA GPU (none is visible)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("z2all bench train: error: no CUDA GPU is visible; --device cpu runs the rows on the CPU (a check that "
+              "they run, not a measurement)", file=sys.stderr)
         return 2
     bench_train(config=args.config, rows=args.rows, micro_batch=args.micro_batch, seq=args.seq, accum=args.accum,
                 iters=args.iters, warmup=args.warmup, sdpa_backend=args.sdpa_backend, out=args.out,
-                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides)
+                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides, device=args.device)
     return 0
 
 
 def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int = 8, seq: int = 2048,
                 accum: int = 4, iters: int = 5, warmup: int = 2, sdpa_backend: str = "default",
                 out: str | None = None, profile: str = "", profile_dir: str | None = None,
-                overrides: list[str] | None = None, log=print) -> list[BenchResult]:
-    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given."""
+                overrides: list[str] | None = None, log=print, device: str = "cuda") -> list[BenchResult]:
+    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given. ``device="cpu"``:
+    the same rows on the CPU (a check that they run; no MFU or memory)."""
     from zero2all.config import load_config
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench train: needs a CUDA GPU")
     names = []
     for part in rows.split(","):
@@ -415,19 +440,23 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
         elif name == "seq8192":
             s, mb = 8192, max(1, micro_batch * seq // 8192)
         log(f"row {name}: micro-batch {mb}, seq {s}, accum {accum}")
-        if name in EXTERNAL_PEER_ROWS:
+        if name in EXTERNAL_PEER_ROWS and device != "cuda":
+            r = BenchResult(name, ROW_LABELS.get(name, name), mb, s, accum, error="needs a CUDA GPU")
+        elif name in EXTERNAL_PEER_ROWS:
             from zero2all import bench_peers
 
             r = bench_peers.run_row(name, base_cfg, mb, s, accum, iters, warmup, config=config,
                                     overrides=overrides or [], sdpa_backend=sdpa_backend, log=log)
         else:
-            r = run_row(name, base_cfg, mb, s, accum, iters, warmup, sdpa_backend=sdpa_backend,
+            r = run_row(name, base_cfg, mb, s, accum, iters, warmup, device=device, sdpa_backend=sdpa_backend,
                         profile_dir=(profile_dir or ".") if name in profiled else None, log=log)
-        log(f"  -> {r.error or f'{r.step_ms:.1f} ms/step, {r.tokens_per_s:.0f} tok/s, {100 * r.mfu:.1f} % MFU'}"
+        mfu = f", {100 * r.mfu:.1f} % MFU" if r.mfu is not None else ""
+        log(f"  -> {r.error or f'{r.step_ms:.1f} ms/step, {r.tokens_per_s:.0f} tok/s{mfu}'}"
             + (f", peak {r.peak_gb:.1f} GB" if r.peak_gb else ""))
         results.append(r)
     table = format_table(results)
-    env = (f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; not a measurement)"
+    env = (f"device: {torch.cuda.get_device_name() if device == 'cuda' else cpu}, torch {torch.__version__}, "
            f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, config {config}, accum {accum}, "
            f"iters {iters} (median) after {warmup} warm-up, sdpa backend {sdpa_backend}")
     log(env)

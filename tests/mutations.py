@@ -1,0 +1,197 @@
+"""Planted bugs: does each numerical test fail on the bug it exists to catch?
+
+Each entry of ``MUTATIONS`` is plain data: a text substitution in one source file (``find`` must occur exactly
+``count`` times, default 1) and the tests meant to catch the bug. For each entry the script copies the tree into a
+temporary folder, applies the substitution there (the checkout is never modified), runs the tests with pytest
+(``-x``: the first failure is enough) and prints one table row: caught (a test failed), MISSED (every test passed)
+or ERROR (pytest could not run them, or ``find`` no longer matches the source).
+
+By default the tests of each entry are first run on the unmodified copy (a test that fails without the bug proves
+nothing); ``--no-baseline`` skips that. Not part of the test suite: it runs minutes on a 2-core CPU.
+
+    python tests/mutations.py                 # every entry
+    python tests/mutations.py --list          # the entries' names
+    python tests/mutations.py -k hook -k fp8  # the entries whose name contains any of these words
+
+Adding a bug: append a dict with ``bug``, ``file``, ``find``, ``replace``, ``tests`` (pytest node ids, relative to
+the repository root) and optionally ``count``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONVERGENCE = "tests/test_convergence.py::test_convergence_fused_vs_plain_cpu"
+FP8_MODEL = "tests/test_fp8_numerics.py::test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision"
+DP_MODES = "tests/test_distributed.py::test_parallel_modes_match_single_process"
+CLIP_ENTRY = '''    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+'''
+
+
+def _scale_distributed_grads(select: str, factor: float) -> str:
+    """Source that scales, on more than one process only, the gradients of the parameters whose name satisfies
+    ``select`` (a Python expression in ``name``) just before the clipping every training loop calls."""
+    return CLIP_ENTRY + f'''    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        for name, p in model.named_parameters():
+            if p.grad is not None and ({select}):
+                p.grad.mul_({factor})
+'''
+
+
+MUTATIONS: list[dict] = [
+    dict(bug="every gradient of the fused path x16 (fused cross-entropy backward)",
+         file="zero2all/kernels/cross_entropy.py",
+         find="    g = grad_loss.to(torch.float32)\n",
+         replace="    g = grad_loss.to(torch.float32) * 16\n",
+         tests=[CONVERGENCE]),
+    dict(bug="down_proj weight gradient halved (fused SwiGLU + down backward)",
+         file="zero2all/kernels/fused_linear.py",
+         find="return dgu.view(gate_up.shape), dw, db, bwd.counts\n\n\n@_swiglu_linear_bwd.register_fake",
+         replace="return dgu.view(gate_up.shape), dw * 0.5, db, bwd.counts\n\n\n@_swiglu_linear_bwd.register_fake",
+         tests=[CONVERGENCE]),
+    dict(bug="FP8 rowwise: output gradient not quantised in the kernels' backward",
+         file="zero2all/kernels/fused_linear.py",
+         find='self.fp8 = None if precision == "bf16" else',
+         replace='self.fp8 = None if precision in ("bf16", "fp8_rowwise") else',
+         tests=[FP8_MODEL]),
+    dict(bug="residual stream not kept in float32",
+         file="zero2all/model/ops.py",
+         find="x.float() if residual_in_fp32 else x",
+         replace="x",
+         count=2,
+         tests=["tests/test_model.py::test_residual_fp32_under_bf16_autocast"]),
+    dict(bug="DDP fp16 compression hook ignored",
+         file="zero2all/distributed/ddp.py",
+         find="        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)\n",
+         replace="        pass\n",
+         tests=[DP_MODES]),
+    dict(bug="DDP PowerSGD hook ignored",
+         file="zero2all/distributed/ddp.py",
+         find="        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)\n",
+         replace="",
+         tests=[DP_MODES]),
+    dict(bug="data parallel: every gradient x2",
+         file="zero2all/distributed/__init__.py",
+         find=CLIP_ENTRY,
+         replace=_scale_distributed_grads("True", 2),
+         tests=[DP_MODES]),
+    dict(bug="data parallel: the last block's gradients x0.5",
+         file="zero2all/distributed/__init__.py",
+         find=CLIP_ENTRY,
+         replace=_scale_distributed_grads('"layers.2." in name', 0.5),
+         tests=[DP_MODES]),
+    dict(bug="tp x dp mesh: the norm weights' gradients x0.5",
+         file="zero2all/distributed/mesh.py",
+         find="    groups: dict = {}\n",
+         replace="    for p in params:\n        if p.grad is not None and p.dim() == 1:   # the norm weights\n"
+                 "            p.grad = p.grad * 0.5\n    groups: dict = {}\n",
+         tests=["tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_resume_across_meshes"]),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "site", "__pycache__", ".pytest_cache", "*.egg-info", ".whl", ".gl"))
+
+
+def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
+    """('pass' | 'fail' | 'error (...)', seconds, the output's last lines) of pytest on ``tests`` in ``tree``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep), PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault("TRITON_INTERPRET", "1")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"error (over {timeout:.0f} s)", time.perf_counter() - start, ""
+    seconds = time.perf_counter() - start
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    if proc.returncode == 0:
+        return "pass", seconds, tail
+    if proc.returncode == 1:
+        return "fail", seconds, tail
+    return f"error (pytest exit {proc.returncode})", seconds, tail
+
+
+def apply(tree: Path, mutation: dict) -> str | None:
+    """Apply ``mutation`` in ``tree``; return the original text of the file, or None if ``find`` does not occur
+    ``count`` times (the source moved on: update the entry)."""
+    path = tree / mutation["file"]
+    text = path.read_text()
+    if text.count(mutation["find"]) != mutation.get("count", 1):
+        return None
+    path.write_text(text.replace(mutation["find"], mutation["replace"]))
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="only entries whose bug contains this word")
+    parser.add_argument("--list", action="store_true", help="print the entries and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of each test set without the bug")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
+    parser.add_argument("-v", action="store_true", help="print pytest's last lines for every run")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.k or any(k.lower() in m["bug"].lower() for k in args.k)]
+    if args.list or not chosen:
+        for m in chosen or MUTATIONS:
+            print(f"{m['bug']}: {m['file']} -> {' '.join(m['tests'])}")
+        return 0 if chosen else 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="z2all-mutations-") as tmp:
+        tree = Path(tmp) / "tree"
+        copy_tree(tree)
+        check = subprocess.run([sys.executable, "-c", "import zero2all; print(zero2all.__file__)"], cwd=tree,
+                               env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True)
+        if not check.stdout.strip().startswith(str(tree)):
+            print(f"mutations: the copy's zero2all is not the one imported ({check.stdout.strip()}{check.stderr})",
+                  file=sys.stderr)
+            return 1
+        baseline: dict[tuple, str] = {}
+        for m in chosen:
+            key = tuple(m["tests"])
+            if not args.no_baseline and key not in baseline:
+                baseline[key], seconds, tail = run_tests(tree, m["tests"], args.timeout)
+                print(f"[baseline {baseline[key]} in {seconds:.0f} s] {' '.join(m['tests'])}", flush=True)
+                if args.v or baseline[key] != "pass":
+                    print(tail, flush=True)
+            original = apply(tree, m)
+            if original is None:
+                result, seconds, tail = "ERROR (find text not in the source)", 0.0, ""
+            else:
+                try:
+                    status, seconds, tail = run_tests(tree, m["tests"], args.timeout)
+                finally:
+                    (tree / m["file"]).write_text(original)
+                if baseline.get(key, "pass") != "pass":
+                    result = f"ERROR (fails without the bug: {baseline[key]})"
+                else:
+                    result = {"fail": "caught", "pass": "MISSED"}.get(status, status.upper())
+            rows.append((m["bug"], " ".join(t.removeprefix("tests/") for t in m["tests"]), result, seconds))
+            print(f"[{result} in {seconds:.0f} s] {m['bug']}", flush=True)
+            if args.v and tail:
+                print(tail, flush=True)
+    widths = [max(len(r[i]) for r in rows + [("bug", "tests", "result")]) for i in range(3)]
+    line = "| " + " | ".join("{:<%d}" % w for w in widths) + " | {:>5} |"
+    print()
+    print(line.format("bug", "tests", "result", "s"))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|------:|")
+    for bug, tests, result, seconds in rows:
+        print(line.format(bug, tests, result, f"{seconds:.0f}"))
+    return 0 if all(r[2] == "caught" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
