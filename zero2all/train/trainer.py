@@ -49,6 +49,8 @@ from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingDiverged, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
 from zero2all.fileio import (
+    LOCK_FILE,
+    OUTPUT_MARKER,
     OutputDirError,
     OutputLock,
     OutputLockedError,
@@ -290,10 +292,33 @@ class Trainer:
     ``final/`` (model + tokenizer), ``loss.png`` and ``report.md``.
     """
 
-    def __init__(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
-                 train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
-                 rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None,
-                 output_kind: str | None = None):
+    def __init__(self, *args, **kwargs):
+        """See :meth:`_build`. A run that fails while being built (bad data, a model that does not fit) lets go of
+        its output folder again, and removes it when it holds nothing but the marker and lock written here."""
+        self._lock = None
+        try:
+            self._build(*args, **kwargs)
+        except BaseException:
+            self._abandon_out_dir()
+            raise
+
+    def _abandon_out_dir(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        out = getattr(self, "out_dir", None)
+        if out is None or not getattr(self, "is_main", False) or not Path(out).is_dir():
+            return
+        ours = {OUTPUT_MARKER, LOCK_FILE}
+        if getattr(self, "_created_out_dir", False) and {p.name for p in Path(out).iterdir()} <= ours:
+            for name in ours:
+                (Path(out) / name).unlink(missing_ok=True)
+            Path(out).rmdir()
+
+    def _build(self, cfg: Config, objective: Objective | None = None, model: torch.nn.Module | None = None,
+               train_data=None, eval_data=None, tokenizer=None, tokenizer_dir: str | Path | None = None,
+               rank: int = 0, world_size: int = 1, show_progress: bool = True, env: zd.DistEnv | None = None,
+               output_kind: str | None = None):
         """``output_kind``: the command whose output ``out_dir`` is (its marker, ``fileio.claim_output_dir``);
         None: the objective's (pretrain, sft, dpo, reward; rl for the RL algorithms)."""
         self.cfg, self.tcfg = cfg, cfg.train
@@ -823,6 +848,7 @@ class Trainer:
         raises the same ConfigError when it cannot."""
         self._lock, problem = None, None
         if self.is_main:
+            self._created_out_dir = not Path(self.out_dir).exists()
             try:
                 claim_run_dir(self.out_dir, self.output_kind, mark=True)
                 self._lock = OutputLock(self.out_dir, on_takeover=self._print).acquire()
