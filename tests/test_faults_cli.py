@@ -534,7 +534,7 @@ def _small_demo(corpus, tok_dir, out, monkeypatch):
         return real_prepare([str(corpus / "good.jsonl")], tokenizer_dir, out_dir, workers=1, **kw)
 
     monkeypatch.setattr(pretokenize, "prepare", small_prepare)
-    load_tokenizer(tok_dir).save(out / "tokenizer")
+    load_tokenizer(tok_dir).save(out / "tokenizer", kind="train-tokenizer")  # as the demo writes it
     return TINY_MODEL + ["model.max_seq_len=32", "train.micro_batch_size=2", "train.tensorboard=false",
                          "train.num_samples=0", "train.eval_batches=1"]
 
