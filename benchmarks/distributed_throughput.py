@@ -256,6 +256,10 @@ def worker(args) -> None:
 
 
 def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
+    if str(REPO) not in sys.path:  # the driver may run without the package installed
+        sys.path.insert(0, str(REPO))
+    from zero2all.bench_peers import step_spread
+
     result = tmp / f"{variant}-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(__file__).resolve()), "--worker", "--variant", variant, "--result", str(result),
@@ -287,18 +291,8 @@ def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     out = json.loads(result.read_text())
     out["wall_s"] = took
     print(f"[{variant} x{nproc}] {out['tokens_per_s']:,.0f} tok/s, step {out['step_s'] * 1e3:.0f} ms, "
-          f"mem {max(out['mem_gib']):.1f} GiB ({took:.0f}s); {spread(out)}", flush=True)
+          f"mem {max(out['mem_gib']):.1f} GiB ({took:.0f}s); {step_spread(out)}", flush=True)
     return out
-
-
-def spread(out: dict) -> str:
-    """tok/s of rank 0's fastest / median / slowest timed step (the headline is the median, max over ranks)."""
-    ms = out.get("step_times_ms") or []
-    if not ms:
-        return ""
-    tokens = out["tokens_per_s"] * out["step_s"]
-    fast, mid, slow = (tokens / (t / 1e3) for t in (min(ms), sorted(ms)[len(ms) // 2], max(ms)))
-    return f"tok/s min/median/max over {len(ms)} steps: {slow:,.0f} / {mid:,.0f} / {fast:,.0f}"
 
 
 def plan(args) -> list[tuple[str, int]]:

@@ -67,16 +67,6 @@ def parse_variant(text: str, nproc: int) -> Variant:
     return v
 
 
-def _spread(got: dict) -> str:
-    """tok/s of rank 0's fastest / median / slowest timed step (the headline is the median)."""
-    ms = got.get("step_times_ms") or []
-    if not ms:
-        return ""
-    tokens = got["tokens_per_s"] * got["step_s"]
-    fast, mid, slow = (tokens / (t / 1e3) for t in (min(ms), sorted(ms)[len(ms) // 2], max(ms)))
-    return f"tok/s min/median/max over {len(ms)} steps: {slow:,.0f} / {mid:,.0f} / {fast:,.0f}"
-
-
 def format_table(results: list[dict]) -> str:
     """One line per variant, as benchmarks/distributed_throughput.py prints them."""
     lines = [f"{'variant':16s} {'GPUs':>4s} {'seq':>6s} {'mb':>3s} {'tok/s':>10s} {'tok/s/GPU':>10s} {'MFU':>6s}  "
@@ -143,7 +133,7 @@ def main(argv=None) -> int:
             else:
                 print(f"[{v.name}] {got['tokens_per_s']:,.0f} tok/s, step {got['step_s'] * 1e3:.0f} ms, "
                       f"peak {max(got['peak_bytes']) / 2 ** 30:.1f} GiB ({time.time() - t0:.0f}s); "
-                      f"{_spread(got)}", flush=True)
+                      f"{bench_peers.step_spread(got)}", flush=True)
             results.append(got)
     print()
     print(format_table(results))

@@ -146,6 +146,17 @@ def _random_loader_builder(seq: int, vocab: int, accum: int):
     return build
 
 
+
+def step_spread(result: dict) -> str:
+    """tok/s of rank 0's fastest / median / slowest timed step of a benchmark result (``step_times_ms``,
+    ``tokens_per_s`` and ``step_s`` keys; the headline itself is the median step)."""
+    ms = result.get("step_times_ms") or []
+    if not ms:
+        return ""
+    tokens = result["tokens_per_s"] * result["step_s"]
+    fast, mid, slow = (tokens / (t / 1e3) for t in (min(ms), sorted(ms)[len(ms) // 2], max(ms)))
+    return f"tok/s min/median/max over {len(ms)} steps: {slow:,.0f} / {mid:,.0f} / {fast:,.0f}"
+
 def titan_job_config(*, mb: int, seq: int, accum: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1,
                      float8: str | None = None, compile: bool = True, dump_folder: str = ".", pp_mbs: int = 1):
     """torchtitan's JobConfig for one measurement (flavour ``z2all`` of the registered ``z2all_llama3`` spec)."""
