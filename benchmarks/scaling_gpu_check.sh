@@ -9,6 +9,7 @@
 #       llama2-7b: tp2 x FSDP2 over 4, pp2 x tp2 x dp2 (1F1B and interleaved, 2 stages per rank);
 #       z2all-moe-1b: 1 GPU and ep8; z2all-1.7b trained 20 steps on 8 GPUs with a checkpoint, then resumed on
 #       2 GPUs and on 1 process for 10 more (the loss continues: summary at the end)
+#   ONLY='dense-(1gpu|ddp)' bash benchmarks/scaling_gpu_check.sh 4 OUT_DIR   # only the rows whose name matches
 #   SCALING_SMOKE=1 bash benchmarks/scaling_gpu_check.sh 4 OUT_DIR   # CPU, gloo, tiny presets: the plumbing only
 #
 # Per-GPU batch: MB (default 8) x ACCUM (default 8) x seq 2048 for the dense rows (MB=16 is the seed's setting
@@ -37,6 +38,7 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,no
 
 row() {  # name, args...: one measurement, its JSON and log under $OUT
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return 0; fi
   echo "== $name ($(date -u +%H:%M:%S))"
   timeout $((TIMEOUT + 60)) $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || echo "[$name] failed: $OUT/$name.log"
   sed -n '/^variant /,$p' "$OUT/$name.log" | grep -vE '^$|^cpu,|^NVIDIA' | tail -n +2 | cut -c1-170
@@ -56,7 +58,7 @@ case $N in
     mesh dense-pp2dp2 "$DENSE" parallel.pp=2 "parallel.pp_schedule='1f1b'" parallel.pp_microbatches=$PPM
     row moe-1gpu $MOE --gpus 1 --variants ours
     row moe-ep4 $MOE --gpus 4 --variants ours-fsdp --ep 4
-    if [ -z "${SCALING_SMOKE:-}" ]; then
+    if [ -z "${SCALING_SMOKE:-}" ] && [[ estimate =~ ${ONLY:-estimate} ]]; then
       for m in "--dp 4" "--dp 4 --zero 3" "--tp 2 --dp 2 --zero 3" "--pp 2 --dp 2"; do
         echo "== estimate z2all-1.7b $m"
         $PY -m zero2all.cli estimate --config z2all-1.7b --gpu h200 --micro-batch "$MB" --grad-accum "$ACCUM" \
