@@ -244,3 +244,23 @@ def test_config_module_imports_neither_torch_nor_the_training_code():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('zero2all.train')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_fsdp_accum_no_sync_auto_is_on_under_expert_parallelism_only():
+    from zero2all.config import ConfigError, ParallelConfig
+
+    assert ParallelConfig().accum_no_sync() is False
+    assert ParallelConfig(ep=2).accum_no_sync() is True
+    assert ParallelConfig(ep=2, fsdp_accum_no_sync=False).accum_no_sync() is False
+    assert ParallelConfig(fsdp_accum_no_sync=True).accum_no_sync() is True
+    with pytest.raises(ConfigError, match="fsdp_accum_no_sync: expected true, false or \"auto\""):
+        ParallelConfig(fsdp_accum_no_sync="yes").validate()
+
+
+def test_async_tp_is_refused_outside_compiled_dtensor_sequence_parallel():
+    from zero2all.config import ConfigError, ParallelConfig
+
+    ParallelConfig(tp=2, tp_impl="dtensor", sequence_parallel=True, async_tp=True).validate()
+    for bad in (dict(tp=1), dict(tp=2, tp_impl="local", sequence_parallel=True), dict(tp=2, tp_impl="dtensor")):
+        with pytest.raises(ConfigError, match="async_tp .*needs parallel.tp > 1, tp_impl = 'dtensor'"):
+            ParallelConfig(async_tp=True, **bad).validate()

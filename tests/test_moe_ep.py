@@ -161,7 +161,8 @@ MOE_KEYS = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_inte
 def test_trainer_with_expert_parallelism_matches_one_process(tmp_path):
     """`z2all pretrain` under torchrun with parallel.ep=2 (2 micro-steps per update): the loss sequence of one
     process (the sigmoid router's bias update sums the load over the ranks), expert-load metrics logged, the final
-    model gathered; the same sequence with parallel.fsdp_accum_no_sync."""
+    model gathered (defaults: fsdp_accum_no_sync = auto, on under ep); the same sequence with one reduce-scatter
+    per micro-step (fsdp_accum_no_sync = false)."""
     from test_distributed_trainer import assert_close_losses, assert_same_final, single_process, torchrun
 
 
@@ -172,9 +173,9 @@ def test_trainer_with_expert_parallelism_matches_one_process(tmp_path):
     assert_close_losses(got, want, range(1, 7))
     assert "parallel: fsdp on 2 processes" in proc.stdout
     assert [r["step"] for r in recs if "moe/layer1/load_max" in r] == [2, 4, 6]
-    # one reduce-scatter per update (gradients accumulated unsharded over the 2 micro-steps): the same sequence
+    # one reduce-scatter per micro-step instead of per update: the same sequence
     torchrun(tmp_path, tmp_path / "nosync", *MOE_KEYS, "train.max_steps=6", "parallel.ep=2",
-             "parallel.fsdp_accum_no_sync=true")
+             "parallel.fsdp_accum_no_sync=false")
     nosync = [json.loads(line) for line in (tmp_path / "nosync" / "metrics.jsonl").read_text().splitlines()]
     assert_close_losses({r["step"]: (r["loss"], r["grad_norm"]) for r in nosync if r["kind"] == "train"}, want,
                         range(1, 7))

@@ -469,8 +469,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
     fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
     # fsdp with grad_accum_steps > 1: reduce-scatter once per update and keep the gathered parameters between
-    # micro-steps (less communication; unsharded gradients and parameters cost memory)
-    fsdp_accum_no_sync: bool = False
+    # micro-steps (less communication; unsharded gradients and parameters cost memory). "auto": on with ep > 1
+    # (the experts are sharded by ep, not by FSDP, so keeping the rest gathered costs little), off otherwise
+    fsdp_accum_no_sync: bool | str = "auto"
     cpu_offload: bool = False      # fsdp: keep sharded parameters, gradients and optimizer state in CPU memory
     comm_hook: str = "none"        # ddp/zero1 gradient compression: none | bf16 (NCCL) | fp16 | powersgd
     powersgd_rank: int = 2         # powersgd: rank of the low-rank approximation
@@ -497,6 +498,9 @@ class ParallelConfig:
     # tp local, CUDA: each block's forward / backward replayed as CUDA graphs (distributed/graphs.py); plain tp
     # only (no FSDP2, pp, cp, AC, compile). "auto": on wherever that holds (the reason printed where not)
     tp_graphs: bool | str = "auto"
+    # tp_impl = dtensor + sequence_parallel + train.compile: torch's asynchronous tensor parallel (inductor's
+    # micro-pipelining splits each all-gather / reduce-scatter + matmul pair into chunks over symmetric memory)
+    async_tp: bool = False
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     # pipeline microbatches per micro-batch (must divide train.micro_batch_size); 0 = micro_batch_size, one
     # sequence per pipeline microbatch (the most microbatches, the smallest bubble (K-1)/(K+M-1))
@@ -521,6 +525,12 @@ class ParallelConfig:
         if self.mode == "auto":
             return "fsdp" if self.ep > 1 else "ddp" if world_size > 1 else "none"
         return self.mode
+
+    def accum_no_sync(self) -> bool:
+        """``fsdp_accum_no_sync`` resolved: "auto" is on with expert parallelism, off otherwise."""
+        if self.fsdp_accum_no_sync == "auto":
+            return self.ep > 1
+        return bool(self.fsdp_accum_no_sync)
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         """The size of each mesh dimension, outermost first: pp, dp_replicate, dp_shard, cp, tp (``dp_shard =
@@ -578,12 +588,17 @@ class ParallelConfig:
         _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
             raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
-        for name in ("tp_graphs", "pp_cuda_graphs"):
+        for name in ("tp_graphs", "pp_cuda_graphs", "fsdp_accum_no_sync"):
             if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
                 raise ConfigError(f"{prefix}.{name}: expected true, false or \"auto\", got {getattr(self, name)!r}")
         if self.tp_graphs is True and (self.tp == 1 or self.tp_impl != "local"):
             raise ConfigError(f"{prefix}.tp_graphs captures the blocks of tp_impl = 'local': it needs {prefix}.tp "
                               f"> 1 and tp_impl = 'local' (got tp={self.tp}, tp_impl={self.tp_impl!r})")
+        if self.async_tp and (self.tp == 1 or self.tp_impl != "dtensor" or not self.sequence_parallel):
+            raise ConfigError(f"{prefix}.async_tp overlaps the sequence-parallel collectives of DTensor linears: it "
+                              f"needs {prefix}.tp > 1, tp_impl = 'dtensor' and sequence_parallel = true (got tp="
+                              f"{self.tp}, tp_impl={self.tp_impl!r}, sequence_parallel={self.sequence_parallel}); "
+                              f"it also needs train.compile = true")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:

@@ -137,7 +137,7 @@ class Parallelized:
         then gradients accumulate unsharded and parameters stay gathered until the last micro-step. One process:
         nothing to do."""
         if self.fsdp:
-            if self.config.fsdp_accum_no_sync:
+            if self.config.accum_no_sync():
                 from zero2all.distributed.fsdp import set_fsdp_gradient_sync
 
                 set_fsdp_gradient_sync(self.plain, enabled)
@@ -273,6 +273,8 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     if why_not and env.device.type == "cuda" and env.is_main:
         print(f"parallel.tp_graphs = auto: the blocks run eagerly, since {why_not}", flush=True)
     dims = build_mesh(pc, env)
+    if pc.async_tp:
+        enable_async_tp(dims, compile_blocks, env)
     if dims.enabled("pp") and dims.enabled("cp"):
         raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
                           f"combined with context parallelism in this version")
@@ -301,6 +303,24 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
         apply_fsdp(model, pc, env, compute_dtype(precision, env.device), mesh=mesh)
     wrapped = MeshModel(model) if dims.enabled("cp") or dims.enabled("tp") else model
     return Parallelized(wrapped, model, "mesh", env, pc, dims=dims, fused_rows=fused_rows)
+
+
+def enable_async_tp(dims, compile_blocks: bool, env: DistEnv) -> None:
+    """``parallel.async_tp``: inductor's micro-pipelined tensor parallel for the compiled blocks. It rewrites each
+    all-gather + matmul and matmul + reduce-scatter pair it finds in a compiled graph into chunked collectives over
+    symmetric memory, so the transfers run beside the GEMMs; the tp group's symmetric memory is enabled here.
+    Inductor's switch is a torch-wide setting: it stays on for the rest of the process."""
+    from zero2all.config import ConfigError
+
+    if not compile_blocks:
+        raise ConfigError("parallel.async_tp rewrites compiled graphs: set train.compile = true")
+    if env.device.type != "cuda":
+        raise ConfigError("parallel.async_tp needs CUDA devices (symmetric memory over NVLink)")
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(dims["tp"].get_group().group_name)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

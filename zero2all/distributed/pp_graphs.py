@@ -65,8 +65,14 @@ class _Slot:
         with torch.cuda.stream(side), _autocast_without_cache(device):
             for _ in range(warmup):     # compile / autotune outside the graph, settle the caching allocator
                 out = fn(*self.inputs)
-                torch.autograd.grad(out, wants + params, grad_outputs=[torch.ones_like(o) for o in out],
-                                    allow_unused=True)
+                grads = torch.autograd.grad(out, wants + params, grad_outputs=[torch.ones_like(o) for o in out],
+                                            allow_unused=True)
+                # the accumulation the backward graph ends with, into scratch: every kernel the capture launches
+                # must have run once before it (a kernel module loaded lazily inside a capture makes CUDA order
+                # the legacy stream after the capturing one, which fails the capture)
+                pairs = [(a, g) for a, g in zip(accumulators, grads[len(wants):]) if g is not None]
+                if pairs:
+                    torch._foreach_add_([torch.zeros_like(a) for a, _ in pairs], [g.to(a.dtype) for a, g in pairs])
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()
