@@ -553,10 +553,11 @@ def data_parallel_comm_bytes(n_params: float, dp: int, zero: int = 0, precision:
         ZeRO-3        per micro-step all-gather weights for forward and for backward
                       and reduce-scatter grads                                        (dp-1)/dp * M*P*(2w' + g)
 
-    (w' the bytes of the gathered copy.) With g = w and M = 1 this is the ZeRO paper's 2P (stages 0-2) and 3P (stage 3). Under bf16-amp, FSDP2 gathers
-    the weights for compute in bf16 (its ``param_dtype``), so ZeRO-3's gathers move 2 bytes per parameter while
-    the gradients are reduced in fp32 (``parallel.fsdp_reduce_fp32``); measured on z2all-1.7b, dp 4, M 8:
-    all-gather 39.0 GB and reduce-scatter 39.7 GB per GPU per step, as this formula gives.
+    (w' the bytes of the gathered copy.) With g = w and M = 1 this is the ZeRO paper's 2P (stages 0-2) and 3P
+    (stage 3). Under bf16-amp, FSDP2 gathers the weights for compute in bf16 (its ``param_dtype``), so ZeRO-3's
+    gathers move 2 bytes per parameter while the gradients are reduced in fp32 (``parallel.fsdp_reduce_fp32``);
+    measured on z2all-1.7b, dp 4, M 8: all-gather 39.0 GB and reduce-scatter 39.7 GB per GPU per step, as this
+    formula gives.
     """
     p = get_precision(precision)
     g, w, M = p.grad_bytes, p.weight_bytes, grad_accum_steps
