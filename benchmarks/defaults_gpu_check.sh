@@ -15,6 +15,9 @@
 #   TPC2  ours tp2 + SP with tp_chunks = 2 (two groups of sequences per block: collectives beside GEMMs)
 #   TP7 / TT7   llama2-7b tp2 + SP, seq 4096, micro-batch 2 x 4: ours (defaults) / torchtitan tp2
 #   EP1 / EP2   z2all-moe-1b, micro-batch 16 x accum 2 per GPU: ours on 1 GPU / ours ep2 (defaults)
+#   EP2S  ep2 with a reduce-scatter every micro-step (fsdp_accum_no_sync = false, the earlier default)
+#   EP1C / EP2C  the same two with train.compile (per block)
+#   TPD / TPA   tp2 + SP with tp_impl = dtensor + train.compile, without / with parallel.async_tp
 set -u
 OUT=${OUT:?set OUT to a folder for the outputs}
 WHEELS=${1:-}
@@ -44,11 +47,16 @@ row FS 120 "${B[@]}" --variants ours-fsdp --fsdp-no-sync
 row PP 150 "${B[@]}" --variants ours-pp --pp-microbatches 4
 row PP32 150 "${B[@]}" --variants ours-pp --pp-microbatches 8
 row TPC2 150 "${B[@]}" --variants ours-tp --override=parallel.tp_chunks=2
+row TPD 210 "${B[@]}" --variants ours-tp --compile --override=parallel.tp_impl=\'dtensor\'
+row TPA 210 "${B[@]}" --variants ours-tp --compile --override=parallel.tp_impl=\'dtensor\' --override=parallel.async_tp=true
 row TP7 240 "${B[@]}" --config llama2-7b --seq-len 4096 --micro-batch 2 --variants ours-tp
 M=(python3 benchmarks/distributed_throughput.py --config z2all-moe-1b --seq-len 2048 --micro-batch 16 --accum 2
    --steps 10 --warmup 3 --timeout 200)
 row EP1 150 "${M[@]}" --gpus 1 --variants ours
 row EP2 150 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2
+row EP2S 150 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2 --override=parallel.fsdp_accum_no_sync=false
+row EP1C 210 "${M[@]}" --gpus 1 --variants ours --compile
+row EP2C 210 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2 --compile
 if [ -n "$WHEELS" ] && { want TT || want TTP || want TT7; }; then
   eval "$(bash benchmarks/peer_wheels.sh install "$WHEELS")"
   T=(python3 benchmarks/torchtitan_peer.py --steps 10 --warmup 3 --timeout 200)
