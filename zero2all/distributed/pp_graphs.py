@@ -58,30 +58,34 @@ class _Slot:
     def __init__(self, fn: Callable, sample: tuple[torch.Tensor, ...], params: list[nn.Parameter],
                  accumulators: list[torch.Tensor], warmup: int):
         device = sample[0].device
-        self.inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in sample)
-        wants = [t for t in self.inputs if t.requires_grad]
+        # the static inputs are made, warmed up and captured on ONE side stream: autograd makes the stream a leaf
+        # was created on wait for the gradients it receives from several uses (the first block's input is both
+        # the norm's input and the residual stream); were that the default (legacy) stream, the backward capture
+        # would fail ("operation would make the legacy stream depend on a capturing blocking stream")
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in sample)
+        wants = [t for t in self.inputs if t.requires_grad]
         with torch.cuda.stream(side), _autocast_without_cache(device):
             for _ in range(warmup):     # compile / autotune outside the graph, settle the caching allocator
                 out = fn(*self.inputs)
                 grads = torch.autograd.grad(out, wants + params, grad_outputs=[torch.ones_like(o) for o in out],
                                             allow_unused=True)
-                # the accumulation the backward graph ends with, into scratch: every kernel the capture launches
-                # must have run once before it (a kernel module loaded lazily inside a capture makes CUDA order
-                # the legacy stream after the capturing one, which fails the capture)
+                # the accumulation the backward graph ends with, into scratch: the capture then launches no
+                # kernel for the first time
                 pairs = [(a, g) for a, g in zip(accumulators, grads[len(wants):]) if g is not None]
                 if pairs:
                     torch._foreach_add_([torch.zeros_like(a) for a, _ in pairs], [g.to(a.dtype) for a, g in pairs])
-        torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd, pool=pool, capture_error_mode="thread_local"), \
+        with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"), \
                 _autocast_without_cache(device):
             self.outputs = tuple(fn(*self.inputs))
-        self.grad_outputs = tuple(torch.zeros_like(o) for o in self.outputs)
-        with torch.cuda.graph(self.bwd, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.stream(side):
+            self.grad_outputs = tuple(torch.zeros_like(o) for o in self.outputs)
+        with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(self.outputs, wants + params, grad_outputs=self.grad_outputs,
                                         allow_unused=True)
             pairs = [(a, g) for a, g in zip(accumulators, grads[len(wants):]) if g is not None]
