@@ -341,6 +341,7 @@ FP64_ON_GPU = ("{prefix}.precision = 'fp64' runs on the CPU only (it exists to c
                "and GPUs run float64 matmuls far slower than float32); set {prefix}.device = 'cpu' "
                "(it is {device!r}) or pick fp32 / bf16")
 FUSED_ADAMW = ("auto", "true", "false")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -367,6 +368,12 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0         # 0 = off
     fused_adamw: str = "auto"      # auto (fused on CUDA) | true | false
+    # adamw | muon (train/muon.py: orthogonalised momentum for the blocks' weight matrices, AdamW for the rest)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.0           # muon: the Muon matrices' peak learning rate (0 = train.lr), scheduled alike
+    muon_momentum: float = 0.95    # muon: Nesterov momentum
+    muon_ns_steps: int = 5         # muon: Newton-Schulz iterations
+    muon_scale: str = "rms"        # muon: rms (0.2 sqrt(max(out, in)): AdamW's update size) | spectral
     # schedule: cosine (linear warmup then cosine to min_lr) | wsd (warmup, stable, linear decay) | constant
     schedule: str = "cosine"
     warmup_steps: int = 100
@@ -437,6 +444,14 @@ class TrainConfig:
             raise ConfigError(FP64_ON_GPU.format(prefix=prefix, device=self.device))
         _check_choice(self, "schedule", SCHEDULES, prefix)
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
+        _check_choice(self, "optimizer", OPTIMIZERS, prefix)
+        _check_choice(self, "muon_scale", ("rms", "spectral"), prefix)
+        if self.muon_lr < 0:
+            raise ConfigError(f"{prefix}.muon_lr: must be >= 0 (0 = {prefix}.lr), got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"{prefix}.muon_momentum: must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"{prefix}.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
         _check_choice(self, "trainable", TRAINABLE, prefix)
         _check_str_list(self, "sample_prompts", prefix)
         _check_str_list(self, "eval_data", prefix)
@@ -846,6 +861,9 @@ class Config:
         if self.model.ops.step_fusion != "off" and mode != "none":
             raise ConfigError(f"model.ops.step_fusion={self.model.ops.step_fusion!r} needs training in one process "
                               f"without a data-parallel wrapper (parallel mode {mode!r}); set it to 'off'")
+        if self.train.optimizer == "muon" and mode == "zero1":
+            raise ConfigError("train.optimizer = 'muon' with parallel.mode = 'zero1': ZeRO-1's partitioned "
+                              "optimizer takes AdamW's arguments only; use parallel.mode = 'fsdp' or 'ddp'")
         if world_size is not None:
             check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self

@@ -89,8 +89,15 @@ def use_fused_adamw(setting: str, device: torch.device) -> bool:
     raise ConfigError(f"train.fused_adamw: {setting!r} is not one of auto, true, false")
 
 
-def build_optimizer(model: nn.Module, tcfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the two weight-decay groups; the fused CUDA kernel (one launch for all tensors) when on GPU."""
+def build_optimizer(model: nn.Module, tcfg: TrainConfig, device: torch.device,
+                    row_layouts: dict | None = None) -> torch.optim.Optimizer:
+    """AdamW over the two weight-decay groups; the fused CUDA kernel (one launch for all tensors) when on GPU.
+    ``train.optimizer = "muon"``: Muon for the blocks' matrices and AdamW for the rest (train/muon.py; tensor
+    parallel's fused row layouts by parameter name in ``row_layouts``)."""
+    if getattr(tcfg, "optimizer", "adamw") == "muon":
+        from zero2all.train.muon import build_muon
+
+        return build_muon(model, tcfg, device, row_layouts)
     groups = param_groups(model, tcfg.weight_decay, tcfg.decay_embeddings)
     fused = use_fused_adamw(tcfg.fused_adamw, device)
     kwargs = {"fused": True} if fused else {"foreach": device.type == "cuda"}

@@ -375,7 +375,8 @@ class Trainer:
             self.pipeline.set_objective(self.objective)
             self.raw_model = self.run.plain  # this rank's share, under the plain model's names
         self.model = torch.compile(self.run.model) if self.tcfg.compile and not fsdp else self.run.model
-        self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device))
+        self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device,
+                                                                  self.run.fused_rows))
         self.schedule = LRSchedule.from_config(self.tcfg)
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.autocast = lambda: autocast_context(self.precision, self.device)
@@ -445,11 +446,19 @@ class Trainer:
             mesh = f" ({self.run.dims.describe()})" if self.parallel == "mesh" else ""
             lines.append(f"parallel: {self.parallel}{mesh} on {self.world_size} processes ({self.dist.backend}) | "
                          f"activation checkpointing: {self.cfg.parallel.activation_checkpointing}")
-        lines += describe_groups(self.optimizer.param_groups)
+        groups = self.optimizer.param_groups
+        muon = [g for g in groups if g.get("kind") == "muon"]
+        if muon:
+            lines.append(f"muon parameter tensors: {len(muon[0]['params'])}, with "
+                         f"{sum(p.numel() for p in muon[0]['params']):,} parameters (lr {t.lr * muon[0]['lr_ratio']:g}"
+                         f" peak, momentum {t.muon_momentum}, {t.muon_ns_steps} Newton-Schulz steps, scale "
+                         f"{t.muon_scale}); AdamW for the rest:")
+        lines += describe_groups([g for g in groups if g.get("kind") != "muon"])
         if getattr(self, "trainable_line", None):
             lines.append(self.trainable_line)
         fused = bool(self.optimizer.defaults.get("fused"))
-        lines.append(f"optimizer: AdamW{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
+        name = "Muon + AdamW" if muon else "AdamW"
+        lines.append(f"optimizer: {name}{' (fused)' if fused else ''} lr {t.lr:g} -> {t.min_lr:g}, betas "
                      f"({t.beta1}, {t.beta2}), weight decay {t.weight_decay} | schedule {t.schedule}, warmup "
                      f"{t.warmup_steps}, {t.max_steps} steps | grad clip {t.grad_clip or 'off'}")
         if self.peak_flops:
