@@ -396,6 +396,11 @@ class TrainConfig:
     # stop (exit code 3, no final/) after this many optimiser updates in a row were skipped for non-finite
     # gradients (0 = never); a run that skipped more than half of its updates writes no final/ either
     max_skipped_updates: int = 20
+    # the hang watchdog (train/watchdog.py): when no update completes for max(watchdog_min_s, watchdog_factor x the
+    # median update time), every rank writes its threads' stacks to OUT/hang/, the ranks behind are named and the
+    # run exits with code 4 (watchdog_factor = 0: off)
+    watchdog_factor: float = 20.0
+    watchdog_min_s: float = 300.0
     tensorboard: bool = True
     gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
     # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint
@@ -445,6 +450,9 @@ class TrainConfig:
         _check_choice(self, "schedule", SCHEDULES, prefix)
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
         _check_choice(self, "optimizer", OPTIMIZERS, prefix)
+        if self.watchdog_factor < 0 or self.watchdog_min_s <= 0:
+            raise ConfigError(f"{prefix}.watchdog_factor / watchdog_min_s: must be >= 0 / > 0, got "
+                              f"{self.watchdog_factor} / {self.watchdog_min_s}")
         _check_choice(self, "muon_scale", ("rms", "spectral"), prefix)
         if self.muon_lr < 0:
             raise ConfigError(f"{prefix}.muon_lr: must be >= 0 (0 = {prefix}.lr), got {self.muon_lr}")

@@ -891,10 +891,15 @@ class Trainer:
 
             self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                              disable=None)
+        from zero2all.train.watchdog import Watchdog, default_store
+
+        self.watchdog = Watchdog(self.out_dir, self.dist.rank, self.dist.world_size, t.watchdog_factor,
+                                 t.watchdog_min_s, default_store(), print_fn=print).start()
         try:
             with _StopSignals() as stop:
                 self._loop(stop)
         finally:
+            self.watchdog.close()
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -931,6 +936,7 @@ class Trainer:
         while self.step < t.max_steps:
             with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
                 rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
+            self.watchdog.beat(self.step, rec["step_time_s"])
             self._check_diverged(rec)
             if self.is_main:
                 self.numerics.observe(rec)
@@ -944,15 +950,16 @@ class Trainer:
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
-            if t.eval_every and self.step % t.eval_every == 0:
-                self.evaluate()
-                self._last_eval = self.step
-            if t.sample_every and self.step % t.sample_every == 0:
-                self.sample()
-                self._last_sample = self.step
-            if t.ckpt_every and self.step % t.ckpt_every == 0:
-                self.save_checkpoint()
-                self._last_ckpt = self.step
+            with self.watchdog.pause():  # these have their own collective timeout
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self.evaluate()
+                    self._last_eval = self.step
+                if t.sample_every and self.step % t.sample_every == 0:
+                    self.sample()
+                    self._last_sample = self.step
+                if t.ckpt_every and self.step % t.ckpt_every == 0:
+                    self.save_checkpoint()
+                    self._last_ckpt = self.step
             if t.time_budget_s:
                 window = window or (self.step, wall_clock())
                 if self._budget_check(wall0, window, eval_s):
