@@ -460,14 +460,16 @@ def params_per_gpu(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> float:
 def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: int = 1, precision: str = "bf16-amp",
                       zero: int = 0, tp: int = 1, pp: int = 1, grad_accum_steps: int = 1, recompute: str = "none",
                       sequence_parallel: bool | None = None, fused_kernels: bool = True,
-                      fused_cross_entropy: bool = True, fused_linear: bool = False) -> dict:
+                      fused_cross_entropy: bool = True, fused_linear: bool = False, pp_microbatches: int = 0) -> dict:
     """Predicted peak memory of one GPU during a training step, by part:
 
         model states      :func:`model_state_bytes` of :func:`params_per_gpu` over dp = n_gpus / (tp*pp)
         weight copies     :func:`autocast_weight_copy_bytes`
         activations       b*s * (layers_on_gpu * per-layer + head) * in-flight micro-batches (1F1B keeps
-                          min(pp, grad_accum) micro-batches on the first stage); with full recompute one block's
-                          full activations are rebuilt during its backward and are added once
+                          min(pp, grad_accum) micro-batches on the first stage); with ``pp_microbatches`` = m > 0
+                          each micro-batch runs as m pipeline microbatches of b/m sequences, of which
+                          min(pp, grad_accum * m) are in flight; with full recompute one block's full activations
+                          are rebuilt during its backward and are added once
         logits            without the fused loss: the bf16 logits the forward returns (e*V per token) and, at the
                           start of backward, two fp32 gradients of the log-softmax (8*V per token)
 
@@ -484,11 +486,12 @@ def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: 
     states = model_state_bytes(params_per_gpu(cfg, tp, pp), precision, zero, dp)
     copies = autocast_weight_copy_bytes(cfg, precision, tp, pp, zero, fused_cross_entropy, fused_linear)
     tokens = micro_batch * seq_len
+    split = pp_microbatches if pp > 1 and pp_microbatches > 0 else 1   # pipeline microbatches per micro-batch
     layers = math.ceil(cfg.n_layers / pp)
     per_layer = activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, recompute,
                                                      fused_kernels, fused_linear=fused_linear)["total"]
     head = head_activation_bytes_per_token(cfg, precision, fused_cross_entropy, fused_kernels)["total"]
-    in_flight = min(pp, grad_accum_steps) if pp > 1 else 1
+    in_flight = min(pp, grad_accum_steps * split) / split if pp > 1 else 1   # in micro-batches' worth
     activations = in_flight * tokens * (layers * per_layer + head / (tp if sequence_parallel else 1))
     if recompute == "full":
         activations += tokens * activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, "none",
@@ -695,7 +698,7 @@ def _memory_kwargs(L: Layout) -> dict:
     return dict(n_gpus=L.gpus, precision=L.precision, zero=L.zero, tp=L.tp, pp=L.pp,
                 grad_accum_steps=L.grad_accum_steps, recompute=L.recompute, sequence_parallel=sp,
                 fused_kernels=L.fused_kernels, fused_cross_entropy=fused_ce,
-                fused_linear=L.fused_linear and L.tp == 1)
+                fused_linear=L.fused_linear and L.tp == 1, pp_microbatches=L.pp_microbatches)
 
 
 def layout_fits(cfg: ModelConfig, L: Layout, reserve_bytes: float = 2 * GB) -> bool:

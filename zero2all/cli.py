@@ -440,6 +440,13 @@ def _pretrain(p):
                                                   "directory (sets train.resume)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="train nothing: build the plan and every rank's shards of a --world-rank mesh in this "
+                        "process (fake process group, meta tensors) and print each rank's parameters and memory "
+                        "against --gpu, and the communication per step")
+    p.add_argument("--world", type=int, default=1, help="--dry-run: the number of ranks (processes) to try")
+    p.add_argument("--gpu", default="h100", help="--dry-run: the GPU whose memory each rank is checked against "
+                                                 "(a name of `z2all estimate --gpu`)")
     _overrides(p)
 
     def run(args):
@@ -447,6 +454,11 @@ def _pretrain(p):
 
         values, sources = _given(args, PRETRAIN_FLAGS)
         cfg = build_config(args.config, args.overrides, values, sources=sources)
+        if args.dry_run:
+            from zero2all.distributed.dryrun import dry_run, format_dry_run
+
+            print(format_dry_run(dry_run(cfg, args.world, args.gpu), args.config))
+            return
         from zero2all.train.trainer import pretrain  # after the config is checked: a bad one fails at once
 
         pretrain(cfg, show_progress=not args.no_progress)
