@@ -1218,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
-    from zero2all.config import ConfigError, TrainingDiverged, TrainingInterrupted
+    from zero2all.config import ConfigError, TrainingDiverged, TrainingInterrupted, TrainingOutOfMemory
     from zero2all.fileio import OutputDirError, OutputLockedError
 
     try:
@@ -1227,7 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as e:  # a checkpoint was saved; one line, the shell's code for that signal
         print(f"z2all {args.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except TrainingDiverged as e:
+    except (TrainingDiverged, TrainingOutOfMemory) as e:
         print(f"z2all {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except (ConfigError, OutputDirError, OutputLockedError) as e:

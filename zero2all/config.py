@@ -53,6 +53,13 @@ class TrainingDiverged(Exception):
     exit_code = 3
 
 
+class TrainingOutOfMemory(Exception):
+    """A run ran out of device memory; the message is one line with what was allocated, by category, against
+    ``z2all estimate``'s prediction, and what to change. ``exit_code`` 1 (a resource failure, like a full disk)."""
+
+    exit_code = 1
+
+
 class TrainingInterrupted(Exception):
     """SIGINT / SIGTERM stopped a training run after an update and a checkpoint; ``exit_code`` is 128 + the
     signal number (130 for Ctrl-C, 143 for SIGTERM), as shells report a process ended by that signal."""
@@ -401,6 +408,9 @@ class TrainConfig:
     # run exits with code 4 (watchdog_factor = 0: off)
     watchdog_factor: float = 20.0
     watchdog_min_s: float = 300.0
+    # CUDA: record allocations from the start and, on out-of-memory, write OUT/memory_snapshot.pickle for torch's
+    # memory viewer (https://pytorch.org/memory_viz); costs host time per allocation
+    memory_snapshot: bool = False
     tensorboard: bool = True
     gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
     # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint

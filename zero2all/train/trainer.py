@@ -891,7 +891,10 @@ class Trainer:
 
             self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                              disable=None)
+        from zero2all.train.memory import start_snapshot
         from zero2all.train.watchdog import Watchdog, default_store
+
+        self._snapshot_on = t.memory_snapshot and start_snapshot(self.device)
 
         self.watchdog = Watchdog(self.out_dir, self.dist.rank, self.dist.world_size, t.watchdog_factor,
                                  t.watchdog_min_s, default_store(), print_fn=print).start()
@@ -934,8 +937,11 @@ class Trainer:
             eval_s = wall_clock() - wall0
         window = None
         while self.step < t.max_steps:
-            with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
-                rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
+            try:
+                with zd.collective_timeout(self.dist, f"training update {self.step + 1}"):
+                    rec = self.train_step()  # a hung collective fails after parallel.timeout_s, saying so
+            except torch.OutOfMemoryError:
+                raise self._out_of_memory(f"in update {self.step + 1}") from None
             self.watchdog.beat(self.step, rec["step_time_s"])
             self._check_diverged(rec)
             if self.is_main:
@@ -974,6 +980,20 @@ class Trainer:
                     self.out_dir / ckpt_io.checkpoint_name(self.step)
                 self.logger.close()
                 raise TrainingInterrupted(stop.received or signal.SIGTERM, self.step, path)
+
+    def _out_of_memory(self, where: str) -> Exception:
+        """The one-line report of an out-of-memory error (train/memory.py), with the snapshot when recorded."""
+        from zero2all.config import TrainingOutOfMemory
+        from zero2all.train import memory
+
+        breakdown = memory.state_breakdown(self.raw_model, zd.local_optimizer(self.optimizer))
+        snapshot = None
+        if self._snapshot_on:
+            snapshot = memory.dump_snapshot(self.out_dir / f"memory_snapshot_rank{self.dist.rank}.pickle")
+        line = memory.oom_line(where, self.device, breakdown, memory.predicted_peak(self.cfg, self.world_size),
+                               snapshot)
+        self.logger.close()
+        return TrainingOutOfMemory(line if self.dist.world_size == 1 else f"rank {self.dist.rank}: {line}")
 
     def _check_diverged(self, rec: dict) -> None:
         """Stop after ``train.max_skipped_updates`` updates in a row were skipped (every rank decides alike: the
