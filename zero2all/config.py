@@ -412,6 +412,9 @@ class TrainConfig:
     # memory viewer (https://pytorch.org/memory_viz); costs host time per allocation
     memory_snapshot: bool = False
     tensorboard: bool = True
+    # experiment trackers beside metrics.jsonl and TensorBoard (train/trackers.py): wandb | mlflow
+    trackers: list[str] = field(default_factory=list)
+    tracker_project: str = "zero2all"
     gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
     # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint
     # in out_dir, else fresh) | a checkpoint directory
@@ -460,6 +463,9 @@ class TrainConfig:
         _check_choice(self, "schedule", SCHEDULES, prefix)
         _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
         _check_choice(self, "optimizer", OPTIMIZERS, prefix)
+        for name in self.trackers:
+            if name not in ("wandb", "mlflow"):
+                raise ConfigError(f"{prefix}.trackers: {name!r} is not one of wandb, mlflow")
         if self.watchdog_factor < 0 or self.watchdog_min_s <= 0:
             raise ConfigError(f"{prefix}.watchdog_factor / watchdog_min_s: must be >= 0 / > 0, got "
                               f"{self.watchdog_factor} / {self.watchdog_min_s}")

@@ -90,11 +90,14 @@ class MetricsLogger:
     uninterrupted run.
     """
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
+                 trackers: list[str] | None = None, project: str = "zero2all"):
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / "metrics.jsonl"
         self.enabled = enabled
         self._tb = None
+        self.trackers = []          # train/trackers.py: W&B / MLflow runs, opened by open_trackers()
+        self._tracker_names, self._project = list(trackers or []), project
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
@@ -123,12 +126,24 @@ class MetricsLogger:
         write_text(self.path, "".join(line + "\n" for line in kept))
         return dropped
 
+    def open_trackers(self, config: dict) -> None:
+        """Start (or resume) the experiment trackers asked for and give them the run's config."""
+        if not self.enabled or not self._tracker_names or self.trackers:
+            return
+        from zero2all.train.trackers import open_trackers
+
+        self.trackers = open_trackers(self._tracker_names, self.out_dir, self._project, self.out_dir.name)
+        for t in self.trackers:
+            t.config(config)
+
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {"time": time.time(), **record}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for t in self.trackers:
+            t.log(record)
         if self._tb is not None:
             kind, step = record.get("kind", "train"), record.get("step", 0)
             for key, value in record.items():
@@ -139,7 +154,19 @@ class MetricsLogger:
                 elif isinstance(value, str) and kind == "sample":
                     self._tb.add_text(f"sample/{key}", value, step)
 
-    def close(self) -> None:
+    def close(self, artifacts: list[Path] | None = None, failed: bool = True) -> None:
+        """Close TensorBoard and the trackers (after uploading ``artifacts``); a run closed without ``failed =
+        False`` is marked failed in the trackers (it stopped on an error or a signal)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            if artifacts:
+                t.artifacts([Path(p) for p in artifacts if p and Path(p).exists()])
+            t.close(failed)
+
+    def close_tensorboard(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -394,7 +394,8 @@ class Trainer:
         self.budget_steps: int | None = None  # train.time_budget_s: the run's length once fixed from the rate
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
-        self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main)
+        self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main,
+                                    trackers=self.tcfg.trackers, project=self.tcfg.tracker_project)
         self.numerics = NumericsMonitor()
 
     # -- setup helpers ----------------------------------------------------------------------------------------
@@ -848,6 +849,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.logger.close()    # the trackers of a run that stopped on an error are marked failed
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -875,6 +877,7 @@ class Trainer:
             if dropped:
                 self._print(f"metrics.jsonl: dropped {dropped} records written after step {self.step}")
             save_json(to_dict(self.cfg), self.out_dir / "config.json")
+            self.logger.open_trackers(to_dict(self.cfg))
             for line in self.describe():
                 self._print(line)
             if self.schedule.warning():
@@ -1017,7 +1020,7 @@ class Trainer:
 
     def finish(self) -> dict:
         """Final model directory, loss curve, run report; returns the summary numbers."""
-        self.logger.close()
+        self.logger.close_tensorboard()
         plain = self.final_model()  # FSDP: all ranks gather, rank 0 gets the copy
         if not self.is_main:
             return {}
@@ -1041,6 +1044,7 @@ class Trainer:
         report = write_run_report(self.out_dir / "report.md", header, records, samples, png.name if png else None)
         summary = summarize(records)
         summary.update({"final": str(final), "report": str(report), "loss_png": str(png) if png else None})
+        self.logger.close(artifacts=[report, png], failed=False)
         self._print(f"wrote {final}, {report}" + (f", {png}" if png else ""))
         return summary
 
