@@ -82,3 +82,49 @@ def test_a_rank_that_stalls_is_named_and_every_rank_exits(tmp_path):
     assert "behind: rank 1" in summary, summary
     assert "rank 0: after update 2, waiting for the other ranks" in summary, summary
     assert "in train_step" in (hang / "rank1.txt").read_text()
+
+
+def _slow_data_worker(rank: int, world: int, port: int, out: str):
+    from equivalence import train
+    from test_distributed import gloo_worker
+
+    from zero2all.train.trainer import Trainer
+
+    original = Trainer._to_device
+
+    def slow(self, batch):
+        if rank == 1:
+            time.sleep(0.05)   # rank 1's data loading is slow: every micro-batch 50 ms late
+        return original(self, batch)
+
+    Trainer._to_device = slow
+
+    def work(env):
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            train(Path(out) / "run", "parallel.mode='ddp'", "train.micro_batch_size=2", "train.max_steps=15",
+                  "train.straggler_window=3")
+        (Path(out) / f"stdout{rank}.txt").write_text(buf.getvalue())
+
+    gloo_worker(rank, world, port, out, work, timeout_s=120.0)
+
+
+@pytest.mark.slow
+def test_a_rank_with_slow_data_is_named_as_the_straggler(tmp_path):
+    import json
+
+    from test_distributed import free_port
+
+    mp.spawn(_slow_data_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    said = (tmp_path / "stdout0.txt").read_text()
+    assert "straggler: rank 1 is the one the others wait for" in said, said[-2000:]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r.get("kind") == "train"]
+    assert all("data_wait_s" in r and "arrival_wait_s" in r for r in train)
+    judged = [r for r in train if "straggler/slowest_rank" in r]
+    assert judged and all(r["straggler/slowest_rank"] == 1 for r in judged)
+    # rank 1 waits ~100 ms per update (2 micro-batches x 50 ms) longer than rank 0 for its data
+    assert all(r["straggler/data_wait_gap_s"] > 0.05 for r in judged)

@@ -408,6 +408,9 @@ class TrainConfig:
     # run exits with code 4 (watchdog_factor = 0: off)
     watchdog_factor: float = 20.0
     watchdog_min_s: float = 300.0
+    # several processes: every this many updates, name a rank the others keep waiting for (train/watchdog.py,
+    # StragglerMonitor; 0 = off); every update logs its data_wait_s and arrival_wait_s
+    straggler_window: int = 20
     # CUDA: record allocations from the start and, on out-of-memory, write OUT/memory_snapshot.pickle for torch's
     # memory viewer (https://pytorch.org/memory_viz); costs host time per allocation
     memory_snapshot: bool = False
@@ -466,6 +469,8 @@ class TrainConfig:
         for name in self.trackers:
             if name not in ("wandb", "mlflow"):
                 raise ConfigError(f"{prefix}.trackers: {name!r} is not one of wandb, mlflow")
+        if self.straggler_window < 0:
+            raise ConfigError(f"{prefix}.straggler_window: must be >= 0 (0 = off), got {self.straggler_window}")
         if self.watchdog_factor < 0 or self.watchdog_min_s <= 0:
             raise ConfigError(f"{prefix}.watchdog_factor / watchdog_min_s: must be >= 0 / > 0, got "
                               f"{self.watchdog_factor} / {self.watchdog_min_s}")

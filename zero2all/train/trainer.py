@@ -648,15 +648,24 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64 if self.precision == "fp64" else None)
         metric_sums: dict[str, torch.Tensor | float] = {}
         tokens = 0
+        data_wait = 0.0
+
+        def fetch():
+            nonlocal data_wait
+            t_fetch = time.perf_counter()
+            batch = self._to_device(next(self.train_iter))
+            data_wait += time.perf_counter() - t_fetch
+            return batch
+
         if self.pipeline is not None:  # the update's micro-batches as one pipeline schedule (distributed/pp.py)
-            batches = [self._to_device(next(self.train_iter)) for _ in range(accum)]
+            batches = [fetch() for _ in range(accum)]
             with self.autocast():
                 loss_sum += ops.upcast(self.pipeline.step(batches, self.scaler.scale / accum))
             tokens = sum(self.objective.num_tokens(b) for b in batches)
             loss_sum = self.pipeline.from_last_stage(loss_sum)  # computed on the last stage: every rank gets it
         else:
             for micro in range(accum):
-                batch = self._to_device(next(self.train_iter))
+                batch = fetch()
                 # DDP: one all-reduce per update; tp: loss parallel; cp: the sequences split, ring attention
                 with self.run.gradient_sync(micro == accum - 1), self.run.train_context(batch):
                     loss, metrics = self.forward_backward(batch, self.scaler.scale / accum)
@@ -680,7 +689,9 @@ class Trainer:
         moe_stats = self._moe_step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / accum  # waits for the update to finish: the step time below is real
+        t_arrive = time.perf_counter()
         loss_value = self.run.dims.reduce_mean(loss_value)  # the global batch's loss (over dp x cp)
+        arrival_wait = time.perf_counter() - t_arrive       # how long this rank waited for the others
         dt = time.perf_counter() - t0
         self.step += 1
         self.tokens_seen += tokens * self.dp_size
@@ -691,7 +702,10 @@ class Trainer:
                "mfu": compute_mfu(tokens_per_s * self.dp_size / self.world_size, self.cfg.model, self.seq_len,
                                   self.peak_flops),
                "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(self.device),
-               "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total}
+               "tokens_seen": self.tokens_seen, "skipped": not applied, "skipped_total": self.skipped_total,
+               "data_wait_s": data_wait}
+        if self.dist.world_size > 1:
+            rec["arrival_wait_s"] = arrival_wait
         if self.scaler.enabled:
             rec["loss_scale"] = self.scaler.scale
         if self.dist.is_distributed:
@@ -895,12 +909,14 @@ class Trainer:
             self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                              disable=None)
         from zero2all.train.memory import start_snapshot
-        from zero2all.train.watchdog import Watchdog, default_store
+        from zero2all.train.watchdog import StragglerMonitor, Watchdog, default_store
 
         self._snapshot_on = t.memory_snapshot and start_snapshot(self.device)
 
         self.watchdog = Watchdog(self.out_dir, self.dist.rank, self.dist.world_size, t.watchdog_factor,
                                  t.watchdog_min_s, default_store(), print_fn=print).start()
+        self.stragglers = StragglerMonitor(self.dist.rank, self.dist.world_size, t.straggler_window,
+                                           default_store())
         try:
             with _StopSignals() as stop:
                 self._loop(stop)
@@ -946,6 +962,11 @@ class Trainer:
             except torch.OutOfMemoryError:
                 raise self._out_of_memory(f"in update {self.step + 1}") from None
             self.watchdog.beat(self.step, rec["step_time_s"])
+            more, warning = self.stragglers.observe(self.step, rec["step_time_s"], rec["data_wait_s"],
+                                                    rec.get("arrival_wait_s", 0.0))
+            rec.update(more)
+            if warning and self.is_main:
+                self._print(warning)
             self._check_diverged(rec)
             if self.is_main:
                 self.numerics.observe(rec)

@@ -220,3 +220,90 @@ def default_store():
     except Exception:
         return None
     return None
+
+
+class StragglerMonitor:
+    """Which rank the others wait for, from two per-rank times of every update (``train.straggler_window``):
+
+    * ``data_wait_s``: the time this rank spent getting its micro-batches (reading, collating, copying);
+    * ``arrival_wait_s``: the time it spent in the update's last collective (the all-reduce of the logged loss, after
+      the host has waited for the device): every rank leaves it together, so a rank that arrives early waits long
+      and the rank the others wait for waits about nothing.
+
+    Every ``window`` updates each rank publishes its window means through the process group's store; rank 0 reads
+    the previous window's. The suspect is the rank with the lowest arrival wait (gap: the others' median minus
+    its own) or the rank with the highest data wait (gap: its own minus the others' median), whichever gap is
+    larger; when that gap exceeds ``threshold`` of the median update time for the same rank in ``patience``
+    windows in a row, the rank is named. Under DDP the gradient all-reduce runs inside the backward pass, so the
+    others' wait for a rank whose compute is slow lands there, not in the arrival wait: such a rank shows in the
+    update time of all ranks but is not attributed (its data wait still is). Returns the metrics to log."""
+
+    def __init__(self, rank: int, world_size: int, window: int, store=None, threshold: float = 0.05,
+                 patience: int = 3):
+        self.rank, self.world_size, self.window, self.store = rank, world_size, window, store
+        self.threshold, self.patience = threshold, patience
+        self.rows: list[tuple[float, float, float]] = []
+        self.suspect, self.count = None, 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.window > 0 and self.world_size > 1 and self.store is not None
+
+    def observe(self, step: int, step_time_s: float, data_wait_s: float, arrival_wait_s: float):
+        """Record an update; at a window's end publish it, and on rank 0 judge the previous window. Returns
+        (metrics to log, a warning line or None)."""
+        if not self.enabled:
+            return {}, None
+        self.rows.append((step_time_s, data_wait_s, arrival_wait_s))
+        if step % self.window:
+            return {}, None
+        n = len(self.rows)
+        means = [sum(r[i] for r in self.rows) / n for i in range(3)]
+        self.rows = []
+        window_id = step // self.window
+        try:
+            self.store.set(f"z2all/strag/{window_id}/{self.rank}", json.dumps(means))
+        except Exception:
+            return {}, None
+        if self.rank != 0 or window_id < 2:
+            return {}, None
+        return self._judge(window_id - 1)
+
+    def _judge(self, window_id: int):
+        per_rank = {}
+        for r in range(self.world_size):
+            key = f"z2all/strag/{window_id}/{r}"
+            try:
+                if self.store.check([key]):
+                    per_rank[r] = json.loads(self.store.get(key))
+            except Exception:
+                pass
+        if len(per_rank) < self.world_size:
+            return {}, None
+        step_med = statistics.median(v[0] for v in per_rank.values())
+
+        def others(r, i):
+            return statistics.median(v[i] for q, v in per_rank.items() if q != r)
+
+        late = min(per_rank, key=lambda r: per_rank[r][2])       # the others waited for it at the end
+        late_gap = others(late, 2) - per_rank[late][2]
+        hungry = max(per_rank, key=lambda r: per_rank[r][1])     # waited longest for its own data
+        data_gap = per_rank[hungry][1] - others(hungry, 1)
+        slow, gap = (late, late_gap) if late_gap >= data_gap else (hungry, data_gap)
+        metrics = {"straggler/slowest_rank": slow, "straggler/gap_s": gap, "straggler/arrival_wait_gap_s": late_gap,
+                   "straggler/data_wait_gap_s": data_gap}
+        if gap > self.threshold * step_med:
+            self.count = self.count + 1 if slow == self.suspect else 1
+            self.suspect = slow
+        else:
+            self.suspect, self.count = None, 0
+        if self.count != self.patience:
+            return metrics, None
+        why = (f"the others waited {1000 * late_gap:.0f} ms per update for it at the end of each update"
+               if late_gap >= data_gap else
+               f"it waited {1000 * data_gap:.0f} ms per update longer than the others for its data")
+        line = (f"straggler: rank {slow} is the one the others wait for: in {self.patience} windows of "
+                f"{self.window} updates in a row {why} ({100 * gap / step_med:.0f} % of the "
+                f"{1000 * step_med:.0f} ms update; data wait {1000 * per_rank[slow][1]:.0f} ms against the "
+                f"others' {1000 * others(slow, 1):.0f} ms)")
+        return metrics, line
