@@ -267,6 +267,32 @@ def test_a_second_run_on_the_same_out_is_refused_at_once(tmp_path, capsys):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("command", ["prepare", "clean"])
+def test_prepare_and_clean_refuse_a_folder_another_run_holds(command, corpus, tok_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = {"prepare": ["prepare", "--input", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out),
+                        "--workers", "1", "--no-progress"],
+            "clean": ["clean", "--input", str(corpus), "--out", str(out), "--workers", "1"]}[command]
+    out.mkdir()
+    holder = _lock_holder(out)
+    try:
+        t0 = time.perf_counter()
+        assert main(args) == 2
+        assert time.perf_counter() - t0 < 30
+        line = _one_error_line(capsys.readouterr().err, command)
+        assert f"{out} is in use by process {holder.pid} on " in line and "choose another --out" in line
+        assert sorted(os.listdir(out)) == [".z2all-lock"]  # nothing written beside the other run's lock
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(args) == 0  # the lock died with its holder
+    assert (out / ("meta.json" if command == "prepare" else "report.json")).is_file()
+    new_out = tmp_path / "new" / "out"  # a folder the command created holds no lock file once it is done...
+    assert main([a if a != str(out) else str(new_out) for a in args]) == 0
+    assert ".z2all-lock" in os.listdir(new_out)  # (...unless it wrote an output: then the lock file stays, empty)
+    assert (new_out / ".z2all-lock").read_text() == ""
+
+
 def test_output_lock_is_shared_within_a_process_and_released_with_the_last_holder(tmp_path):
     from zero2all.fileio import OutputLock, OutputLockedError
 
