@@ -380,7 +380,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     p.add_argument("--sdpa-backend", default="default", choices=["default", "cudnn", "flash"],
                    help="SDPA backend priority for every row (default: torch's own order)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (a new file, or an existing one "
+                                               "with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (refused otherwise)")
     p.add_argument("--profile", default="", help="comma-separated rows to profile for one extra step")
     p.add_argument("--profile-dir", default=".", help="where profile_ROW.txt tables go")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=4")
@@ -393,17 +395,24 @@ def main_from_args(args) -> int:
         return 2
     bench_train(config=args.config, rows=args.rows, micro_batch=args.micro_batch, seq=args.seq, accum=args.accum,
                 iters=args.iters, warmup=args.warmup, sdpa_backend=args.sdpa_backend, out=args.out,
-                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides, device=args.device)
+                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides, device=args.device,
+                overwrite=args.overwrite)
     return 0
 
 
 def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int = 8, seq: int = 2048,
                 accum: int = 4, iters: int = 5, warmup: int = 2, sdpa_backend: str = "default",
                 out: str | None = None, profile: str = "", profile_dir: str | None = None,
-                overrides: list[str] | None = None, log=print, device: str = "cuda") -> list[BenchResult]:
-    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given. ``device="cpu"``:
-    the same rows on the CPU (a check that they run; no MFU or memory)."""
+                overrides: list[str] | None = None, log=print, device: str = "cuda",
+                overwrite: bool = False) -> list[BenchResult]:
+    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given (an existing file only
+    with ``overwrite``: checked before any row runs). ``device="cpu"``: the same rows on the CPU (a check that they
+    run; no MFU or memory)."""
     from zero2all.config import load_config
+    from zero2all.fileio import claim_output_file
+
+    if out:
+        claim_output_file(out, overwrite)
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench train: needs a CUDA GPU")
