@@ -1081,7 +1081,9 @@ def _estimate(p):
 # (bench)
 
 
-@command("bench", "benchmarks; `bench train`: training throughput of our kernel ablations vs the HF peer (GPU)",
+@command("bench", "benchmarks; `bench train`: training throughput of our kernel ablations vs the HF peer (GPU); "
+         "each step runs what a `z2all pretrain` step runs, gradient clipping at train.grad_clip (default 1.0) "
+         "included",
          "  z2all bench train                                  # every row: ablations, HF peers, extras\n"
          "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
          "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")
