@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 # losses differ by <= 4.4e-16 relative and gradient norms by <= 9.2e-16 (a few units of float64 rounding), the final
 # parameters by <= 2.0e-13 of their tensor's largest element (AdamW's normalised update turns a rounding difference
 # of a near-zero gradient into an update-sized one). Each bound is <= 100x its measurement and <= 1e-9; the planted
-# bugs (tests/planted_bugs.py) differ by 1e-4..1.
+# bugs (tests/mutations.py) differ by 1e-4..1.
 RTOL = 4e-14         # per step: loss and gradient norm
 PARAM_RTOL = 1e-11   # final parameters, per tensor, relative to the tensor's largest element
 

@@ -1,7 +1,10 @@
 """Planted bugs: does each numerical test fail on the bug it exists to catch?
 
-Each entry of ``MUTATIONS`` is plain data: a text substitution in one source file (``find`` must occur exactly
-``count`` times, default 1) and the tests meant to catch the bug. For each entry the script copies the tree into a
+Each entry of ``MUTATIONS`` is plain data: the bug as text substitutions in the package's source (``file``,
+``find``, ``replace`` and optionally ``count``, the number of times ``find`` must occur, default 1; or ``edits``, a
+list of such dicts, for a bug that lives in several places) and the tests meant to catch it. The distributed bugs
+act only in a multi-process run (``torch.distributed`` initialised with more than one rank), so the single-process
+reference those tests compare with stays right. For each entry the script copies the tree into a
 temporary folder, applies the substitution there (the checkout is never modified), runs the tests with pytest
 (``-x``: the first failure is enough) and prints one table row: caught (a test failed), MISSED (every test passed)
 or ERROR (pytest could not run them, or ``find`` no longer matches the source).
@@ -12,9 +15,10 @@ nothing); ``--no-baseline`` skips that. Not part of the test suite: it runs minu
     python tests/mutations.py                 # every entry
     python tests/mutations.py --list          # the entries' names
     python tests/mutations.py -k hook -k fp8  # the entries whose name contains any of these words
+    python tests/mutations.py -t pp_dp        # every entry, with only its tests whose node id contains pp_dp
 
-Adding a bug: append a dict with ``bug``, ``file``, ``find``, ``replace``, ``tests`` (pytest node ids, relative to
-the repository root) and optionally ``count``.
+Adding a bug: append a dict with ``bug``, ``tests`` (pytest node ids, relative to the repository root) and either
+``file``, ``find``, ``replace`` (optionally ``count``) or ``edits``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ CLIP_ENTRY = '''    params = [p for p in model.parameters() if p.grad is not Non
     if not params:
         return 0.0
 '''
+
+
+# the distributed bugs: Python expressions true only in a multi-process run (and on its rank 1)
+DIST = ("__import__('torch').distributed.is_available() and __import__('torch').distributed.is_initialized() "
+        "and __import__('torch').distributed.get_world_size() > 1")
+RANK1 = f"({DIST} and __import__('torch').distributed.get_rank() == 1)"
+TWICE = "{0} + ({0} - {0}.detach())"   # the same value, twice the gradient
+MESH = "tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_resume_across_meshes"
+PP = "tests/test_parallel_pp.py::test_pp2_every_schedule_matches_one_process_and_resumes_on_one"
+PP_DP = "tests/test_parallel_pp_dp.py::test_pp2_with_dp2_and_with_tp2_match_one_process"
+EP = "tests/test_moe_ep.py::test_ep2_and_ep2_dp2_match_single_process_and_resume"
+TRAINER_UPDATE = "        self.scaler.unscale_(params)\n"  # Trainer.train_step: after backward, before the norm
 
 
 def _scale_distributed_grads(select: str, factor: float) -> str:
@@ -96,7 +112,53 @@ MUTATIONS: list[dict] = [
          find="    groups: dict = {}\n",
          replace="    for p in params:\n        if p.grad is not None and p.dim() == 1:   # the norm weights\n"
                  "            p.grad = p.grad * 0.5\n    groups: dict = {}\n",
-         tests=["tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_resume_across_meshes"]),
+         tests=[MESH]),
+    # the trainer's loop on every mesh (tests/equivalence.py: loss, gradient norm and parameters in float64)
+    dict(bug="one rank's loss back-propagated twice (rank 1: its gradients x2 before the data-parallel mean)",
+         edits=[dict(file="zero2all/model/z2all.py",
+                     find="        return logits, loss if aux is None else loss + aux",
+                     replace="        loss = loss if aux is None else loss + aux\n"
+                             f"        loss = {TWICE.format('loss')} if {RANK1} else loss\n"
+                             "        return logits, loss"),
+                dict(file="zero2all/model/z2all.py",
+                     find="                return None, loss if aux is None else loss + aux",
+                     replace="                loss = loss if aux is None else loss + aux\n"
+                             f"                loss = {TWICE.format('loss')} if {RANK1} else loss\n"
+                             "                return None, loss"),
+                dict(file="zero2all/distributed/pp.py", find="    return ops.upcast(mean).reshape(1) * n_valid",
+                     replace="    out = ops.upcast(mean).reshape(1) * n_valid\n"
+                             f"    return {TWICE.format('out')} if {RANK1} else out"),
+                dict(file="zero2all/distributed/pp.py",
+                     find="        return ops.upcast(mean).reshape(1) * (labels != -100).sum()",
+                     replace="        out = ops.upcast(mean).reshape(1) * (labels != -100).sum()\n"
+                             f"        return {TWICE.format('out')} if {RANK1} else out")],
+         tests=[DP_MODES, MESH, PP, EP]),
+    dict(bug="gradients x2 on one rank (rank 1, after backward, before the norm and the update)",
+         file="zero2all/train/trainer.py", find=TRAINER_UPDATE,
+         replace=TRAINER_UPDATE + f"        if {RANK1}:\n"
+                                  "            for p in params:\n"
+                                  "                if p.grad is not None:\n"
+                                  "                    p.grad.mul_(2)\n",
+         tests=[PP_DP, MESH, PP, EP]),
+    dict(bug="the first block passes half its gradient (one block's gradients x0.5)",
+         edits=[dict(file="zero2all/model/z2all.py",
+                     find="            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids, "
+                          "attn_mask)",
+                     replace="            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids, "
+                             f"attn_mask)\n            if layer is self.layers[0] and {DIST}:\n"
+                             "                x = 0.5 * x + 0.5 * x.detach()"),
+                dict(file="zero2all/distributed/pp.py",
+                     find="        for layer in self.layers.values():\n            x, residual = layer(x, residual, "
+                          "cos, sin, None, 0, doc_ids, None)",
+                     replace="        for key, layer in self.layers.items():\n            x, residual = layer(x, "
+                             f"residual, cos, sin, None, 0, doc_ids, None)\n            if key == '0' and {DIST}:\n"
+                             "                x = 0.5 * x + 0.5 * x.detach()")],
+         tests=[DP_MODES, MESH, PP, PP_DP, EP]),
+    dict(bug="every RMSNorm weight receives half its gradient (multi-process runs)",
+         file="zero2all/model/ops.py", find="    weight = local_weight(weight)\n",
+         replace=f"    weight = local_weight(weight)\n    if {DIST}:\n"
+                 "        weight = 0.5 * weight + 0.5 * weight.detach()\n",
+         tests=[DP_MODES, MESH, PP, PP_DP, EP]),
 ]
 
 
@@ -125,29 +187,55 @@ def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float,
     return f"error (pytest exit {proc.returncode})", seconds, tail
 
 
-def apply(tree: Path, mutation: dict) -> str | None:
-    """Apply ``mutation`` in ``tree``; return the original text of the file, or None if ``find`` does not occur
-    ``count`` times (the source moved on: update the entry)."""
-    path = tree / mutation["file"]
-    text = path.read_text()
-    if text.count(mutation["find"]) != mutation.get("count", 1):
-        return None
-    path.write_text(text.replace(mutation["find"], mutation["replace"]))
-    return text
+def edits(mutation: dict) -> list[dict]:
+    """The substitutions of an entry: its ``edits``, or its own ``file`` / ``find`` / ``replace`` / ``count``."""
+    return mutation.get("edits") or [mutation]
+
+
+def apply(tree: Path, mutation: dict) -> dict[str, str] | None:
+    """Apply ``mutation`` in ``tree``; return {file: its original text}, or None (nothing changed) if a ``find``
+    does not occur ``count`` times (the source moved on: update the entry)."""
+    texts: dict[str, str] = {}
+    for edit in edits(mutation):
+        text = texts.get(edit["file"], (tree / edit["file"]).read_text())
+        if text.count(edit["find"]) != edit.get("count", 1):
+            return None
+        texts[edit["file"]] = text.replace(edit["find"], edit["replace"])
+    originals = {}
+    for name, text in texts.items():
+        originals[name] = (tree / name).read_text()
+        (tree / name).write_text(text)
+    return originals
+
+
+def failed_tests(tail: str) -> list[str]:
+    """The node ids pytest's summary lists as FAILED or ERROR."""
+    found = []
+    for line in tail.splitlines():
+        for word in ("FAILED ", "ERROR "):
+            if line.startswith(word):
+                found.append(line[len(word):].split(" - ")[0].strip().removeprefix("tests/"))
+    return found
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", action="append", default=[], help="only entries whose bug contains this word")
+    parser.add_argument("-t", action="append", default=[],
+                        help="run only the tests of each entry whose node id contains this text (e.g. pp_dp)")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of each test set without the bug")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
     parser.add_argument("-v", action="store_true", help="print pytest's last lines for every run")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.k or any(k.lower() in m["bug"].lower() for k in args.k)]
+    if args.t:
+        chosen = [dict(m, tests=[t for t in m["tests"] if any(part in t for part in args.t)]) for m in chosen]
+        chosen = [m for m in chosen if m["tests"]]
     if args.list or not chosen:
         for m in chosen or MUTATIONS:
-            print(f"{m['bug']}: {m['file']} -> {' '.join(m['tests'])}")
+            files = sorted({e["file"] for e in edits(m)})
+            print(f"{m['bug']}: {', '.join(files)} -> {' '.join(m['tests'])}")
         return 0 if chosen else 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="z2all-mutations-") as tmp:
@@ -167,26 +255,30 @@ def main(argv=None) -> int:
                 print(f"[baseline {baseline[key]} in {seconds:.0f} s] {' '.join(m['tests'])}", flush=True)
                 if args.v or baseline[key] != "pass":
                     print(tail, flush=True)
-            original = apply(tree, m)
-            if original is None:
+            originals = apply(tree, m)
+            caught_by = ""
+            if originals is None:
                 result, seconds, tail = "ERROR (find text not in the source)", 0.0, ""
             else:
                 try:
                     status, seconds, tail = run_tests(tree, m["tests"], args.timeout)
                 finally:
-                    (tree / m["file"]).write_text(original)
+                    for name, text in originals.items():
+                        (tree / name).write_text(text)
                 if baseline.get(key, "pass") != "pass":
                     result = f"ERROR (fails without the bug: {baseline[key]})"
                 else:
                     result = {"fail": "caught", "pass": "MISSED"}.get(status, status.upper())
-            rows.append((m["bug"], " ".join(t.removeprefix("tests/") for t in m["tests"]), result, seconds))
+                    caught_by = ", ".join(failed_tests(tail)) if status == "fail" else ""
+            rows.append((m["bug"], caught_by or "-", result, seconds))
             print(f"[{result} in {seconds:.0f} s] {m['bug']}", flush=True)
             if args.v and tail:
                 print(tail, flush=True)
-    widths = [max(len(r[i]) for r in rows + [("bug", "tests", "result")]) for i in range(3)]
+    # the table: each bug, the test that failed on it (pytest -x stops at the first), the verdict, seconds
+    widths = [max(len(r[i]) for r in rows + [("bug", "caught by", "result")]) for i in range(3)]
     line = "| " + " | ".join("{:<%d}" % w for w in widths) + " | {:>5} |"
     print()
-    print(line.format("bug", "tests", "result", "s"))
+    print(line.format("bug", "caught by", "result", "s"))
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|------:|")
     for bug, tests, result, seconds in rows:
         print(line.format(bug, tests, result, f"{seconds:.0f}"))

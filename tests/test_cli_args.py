@@ -235,6 +235,42 @@ def test_bench_train_runs_its_rows_on_the_cpu(tmp_path, capsys):
     assert results["hf"]["tokens_per_s"] > 0 and results["tt_compile"]["error"] == "needs a CUDA GPU"
 
 
+def test_bench_train_clips_gradients_at_train_grad_clip_as_pretrain_does(monkeypatch, capsys):
+    """Each benchmark step runs the trainer's grad_norm_and_clip with the config's train.grad_clip, and the clipping
+    acts: clipped to a norm of 1e-12, AdamW's steps shrink to what its eps and the weight decay leave."""
+    import types
+
+    import torch
+
+    import zero2all.bench as bench
+    import zero2all.train.optim as optim
+
+    calls = []
+    real = optim.grad_norm_and_clip
+    monkeypatch.setattr(optim, "grad_norm_and_clip", lambda params, max_norm: calls.append(max_norm) or
+                        real(params, max_norm))
+    assert main(["bench", "train", "--device", "cpu", "--rows", "naive", *TINY_BENCH, "train.grad_clip=0.25"]) == 0
+    assert calls == [0.25] * 3  # --warmup 1 + --iters 2 steps, each clipped at the config's value
+    assert "grad clip 0.25" in capsys.readouterr().out
+
+    def moved(grad_clip: float) -> float:
+        kept = {}
+
+        def build(cfg, row, device, seq):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+            kept["model"], kept["start"] = model, [p.detach().clone() for p in model.parameters()]
+            return model, lambda x, y: torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+        r = bench.run_row("custom", types.SimpleNamespace(padded_vocab_size=16), 2, 8, 1, 2, 0, device="cpu",
+                          build=build, grad_clip=grad_clip, log=lambda m: None)
+        assert r.error is None, r.error
+        return sum((p.detach() - p0).abs().sum().item() for p, p0 in zip(kept["model"].parameters(), kept["start"]))
+
+    unclipped, clipped = moved(0.0), moved(1e-12)
+    assert unclipped > 0 and clipped < 0.25 * unclipped, (unclipped, clipped)  # measured 0.05x (weight decay)
+
+
 def test_bench_train_without_a_gpu_is_one_line(monkeypatch, capsys):
     import torch
 

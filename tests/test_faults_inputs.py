@@ -478,7 +478,7 @@ def test_export_gguf_on_a_full_disk_keeps_the_previous_file(how, ckpt, tmp_path,
         raise OSError("2097152 requested and 1244392 written")
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", _full() if how == "oserror" else short_write)
-    assert main(["export-gguf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "f16"]) == 1
+    assert main(["export-gguf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "f16", "--overwrite"]) == 1
     _disk_full_line(capsys.readouterr().err, "export-gguf", out)
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 

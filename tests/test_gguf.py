@@ -229,8 +229,10 @@ def test_cli_and_errors(ckpt, tmp_path, capsys):
     out = tmp_path / "cli.gguf"
     assert main(["export-gguf", "--ckpt", str(d / "ck"), "--out", str(out), "--dtype", "q8_0"]) == 0
     assert "wrote" in capsys.readouterr().out and out.exists()
-    assert main(["export-gguf", "--ckpt", str(d / "ck"), "--out", str(out), "--tokenizer", str(tmp_path)]) == 2
-    assert str(tmp_path) in capsys.readouterr().err
+    (tmp_path / "notok").mkdir()
+    assert main(["export-gguf", "--ckpt", str(d / "ck"), "--out", str(out), "--tokenizer", str(tmp_path / "notok"),
+                 "--overwrite"]) == 2
+    assert str(tmp_path / "notok") in capsys.readouterr().err
     save_model(model, tmp_path / "bare")  # no tokenizer files
     assert main(["export-gguf", "--ckpt", str(tmp_path / "bare"), "--out", str(tmp_path / "x.gguf")]) == 2
     assert "tokenizer.json" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()

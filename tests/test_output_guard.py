@@ -267,6 +267,32 @@ def test_a_second_run_on_the_same_out_is_refused_at_once(tmp_path, capsys):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("command", ["prepare", "clean"])
+def test_prepare_and_clean_refuse_a_folder_another_run_holds(command, corpus, tok_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = {"prepare": ["prepare", "--input", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out),
+                        "--workers", "1", "--no-progress"],
+            "clean": ["clean", "--input", str(corpus), "--out", str(out), "--workers", "1"]}[command]
+    out.mkdir()
+    holder = _lock_holder(out)
+    try:
+        t0 = time.perf_counter()
+        assert main(args) == 2
+        assert time.perf_counter() - t0 < 30
+        line = _one_error_line(capsys.readouterr().err, command)
+        assert f"{out} is in use by process {holder.pid} on " in line and "choose another --out" in line
+        assert sorted(os.listdir(out)) == [".z2all-lock"]  # nothing written beside the other run's lock
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(args) == 0  # the lock died with its holder
+    assert (out / ("meta.json" if command == "prepare" else "report.json")).is_file()
+    new_out = tmp_path / "new" / "out"  # a folder the command created holds no lock file once it is done...
+    assert main([a if a != str(out) else str(new_out) for a in args]) == 0
+    assert ".z2all-lock" in os.listdir(new_out)  # (...unless it wrote an output: then the lock file stays, empty)
+    assert (new_out / ".z2all-lock").read_text() == ""
+
+
 def test_output_lock_is_shared_within_a_process_and_released_with_the_last_holder(tmp_path):
     from zero2all.fileio import OutputLock, OutputLockedError
 
@@ -353,3 +379,46 @@ def test_the_old_parallel_key_with_out(tmp_path):
                              sources={"train.out_dir": "--out"}, warn=notes.append)
     assert data["parallel"]["mode"] == "ddp" and data["train"]["out_dir"] == str(tmp_path)
     assert notes == ["note: train.parallel is now parallel.mode (read as parallel.mode='ddp')"]
+
+
+# ---------------------------------------------------------------------------------------------- single-file outputs
+
+TINY_BENCH = ["--config", "tiny", "--seq", "16", "--micro-batch", "2", "--accum", "1", "--iters", "1", "--warmup",
+              "0", "--rows", "naive", "model.vocab_size=64", "model.hidden_dim=32", "model.intermediate_size=64",
+              "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2"]
+
+
+def _file_command(name: str, out: Path, ckpt: Path, corpus: Path) -> list[str]:
+    return {"export-gguf": ["export-gguf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "f16"],
+            "eval": ["eval", "--ckpt", str(ckpt), "--data", str(corpus), "--json", str(out), "--no-progress",
+                     "--device", "cpu", "--max-docs", "4"],
+            "bench": ["bench", "train", "--device", "cpu", "--out", str(out), *TINY_BENCH]}[name]
+
+
+@pytest.mark.parametrize("command", ["export-gguf", "eval", "bench"])
+def test_a_single_file_output_is_replaced_only_with_overwrite(command, ckpt, corpus, tmp_path, capsys):
+    if command == "export-gguf":
+        pytest.importorskip("gguf")
+    out = tmp_path / "result.out"
+    out.write_text("the user's own file")
+    args = _file_command(command, out, ckpt, corpus)
+    t0 = time.perf_counter()
+    assert main(args) == 2
+    assert time.perf_counter() - t0 < 10  # refused before the model is loaded or a row runs
+    option = "--json" if command == "eval" else "--out"
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert f"{option} {out} already exists: pass --overwrite to replace it" in line
+    assert out.read_text() == "the user's own file" and sorted(os.listdir(tmp_path)) == ["result.out"]
+    assert main([*args, "--overwrite"]) == 0
+    written = out.read_bytes()
+    assert written.startswith(b"GGUF") if command == "export-gguf" else "results" in json.loads(written) or \
+        "overall" in json.loads(written)
+    assert sorted(os.listdir(tmp_path)) == ["result.out"]  # written beside it and renamed: no temporary left
+    # a folder is never the file, and the command's own input is never replaced, --overwrite or not
+    assert main([a if a != str(out) else str(tmp_path) for a in args] + ["--overwrite"]) == 2
+    assert "is a folder: name a file" in capsys.readouterr().err
+    if command == "export-gguf":
+        weights = ckpt / "model.safetensors"
+        before = weights.read_bytes()
+        assert main([a if a != str(out) else str(weights) for a in args] + ["--overwrite"]) == 2
+        assert "writing there would replace it" in capsys.readouterr().err and weights.read_bytes() == before

@@ -8,7 +8,12 @@
 
 Each reproduces, per step, the single-process loss and gradient norm of the same global batch, and its final model
 (gathered from every stage, tensor-parallel fused rows back in the plain layout) equals the single process's, all
-within tests/equivalence.py's float64 bound."""
+within tests/equivalence.py's float64 bound.
+
+What it catches (tests/mutations.py, ``-t pp_dp``): gradients x2 on one rank (rank 1 is a first-stage rank in
+every layout here: its stage's gradient norm and parameters move), one block's gradients x0.5, the norm weights'
+gradients x0.5. A bug that doubles the loss of rank 1 acts on no run here (the pipeline's loss lives on the last
+stage, ranks 2 and 3): ``test_parallel_pp.py`` and the data-parallel tests catch that one."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 
 Every row trains the same architecture (a preset, z2all-1.1b by default) on random tokens with the same recipe:
 float32 master weights, bf16 autocast, AdamW (torch's fused implementation unless the row says otherwise), one
-optimizer step per ``accum`` micro-batches of ``micro_batch x seq`` tokens. A row is timed over ``iters`` optimizer
+optimizer step per ``accum`` micro-batches of ``micro_batch x seq`` tokens. Each step does what a step of
+``z2all pretrain`` does around the optimizer: the gradient norm over every parameter, clipping to
+``train.grad_clip`` (the config's, 1.0 by default; ``train.grad_clip=0`` measures the norm only), the norm read
+on the host (pretrain's finite check: a non-finite norm skips the update). A row is timed over ``iters`` optimizer
 steps after ``warmup`` steps (CUDA-synchronised wall clock per step, median reported), and its peak allocated GPU
 memory is recorded. MFU uses the project's formula (``accounting.mfu``):
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import platform
 import statistics
 import sys
@@ -246,11 +250,13 @@ def _synchronize(device) -> None:
 
 def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: int, warmup: int,
             device="cuda", peak_flops: float = 989e12, sdpa_backend: str = "default", profile_dir=None,
-            log=print, build=None) -> BenchResult:
+            log=print, build=None, grad_clip: float = 1.0) -> BenchResult:
     """Train ``iters + warmup`` optimizer steps of one row; returns its timing and memory. ``build(base_cfg, row,
-    device, seq) -> (model, loss_fn)`` replaces the row's own model builder. On the CPU (``device="cpu"``) no
-    memory or MFU is recorded."""
+    device, seq) -> (model, loss_fn)`` replaces the row's own model builder. Each step clips the gradients to
+    ``grad_clip`` (0: the norm only) as ``z2all pretrain`` does. On the CPU (``device="cpu"``) no memory or MFU is
+    recorded."""
     from zero2all.accounting import mfu
+    from zero2all.train import optim as train_optim
 
     result = BenchResult(row, ROW_LABELS.get(row, row), micro_batch, seq, accum)
     model = opt = loss_fn = None
@@ -271,13 +277,17 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
         g = torch.Generator(device="cpu").manual_seed(1234)
         vocab = base_cfg.padded_vocab_size
         batches = [torch.randint(0, vocab, (micro_batch, seq + 1), generator=g).to(device) for _ in range(accum)]
+        params = [p for group in opt.param_groups for p in group["params"]]
 
         def step():
             for b in batches:
                 with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                     loss = loss_fn(b[:, :-1], b[:, 1:])
                 (loss / accum).backward()
-            opt.step()
+            # what the trainer does between backward and the optimizer (Trainer.train_step)
+            norm = train_optim.grad_norm_and_clip(params, grad_clip)
+            if math.isfinite(float(norm)):
+                opt.step()
             opt.zero_grad(set_to_none=True)
 
         backend = {"use_all_flash": "flash", "use_all_cudnn": "cudnn"}.get(row, sdpa_backend)
@@ -380,7 +390,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     p.add_argument("--sdpa-backend", default="default", choices=["default", "cudnn", "flash"],
                    help="SDPA backend priority for every row (default: torch's own order)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (a new file, or an existing one "
+                                               "with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (refused otherwise)")
     p.add_argument("--profile", default="", help="comma-separated rows to profile for one extra step")
     p.add_argument("--profile-dir", default=".", help="where profile_ROW.txt tables go")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=4")
@@ -393,17 +405,24 @@ def main_from_args(args) -> int:
         return 2
     bench_train(config=args.config, rows=args.rows, micro_batch=args.micro_batch, seq=args.seq, accum=args.accum,
                 iters=args.iters, warmup=args.warmup, sdpa_backend=args.sdpa_backend, out=args.out,
-                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides, device=args.device)
+                profile=args.profile, profile_dir=args.profile_dir, overrides=args.overrides, device=args.device,
+                overwrite=args.overwrite)
     return 0
 
 
 def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int = 8, seq: int = 2048,
                 accum: int = 4, iters: int = 5, warmup: int = 2, sdpa_backend: str = "default",
                 out: str | None = None, profile: str = "", profile_dir: str | None = None,
-                overrides: list[str] | None = None, log=print, device: str = "cuda") -> list[BenchResult]:
-    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given. ``device="cpu"``:
-    the same rows on the CPU (a check that they run; no MFU or memory)."""
+                overrides: list[str] | None = None, log=print, device: str = "cuda",
+                overwrite: bool = False) -> list[BenchResult]:
+    """Run the rows named in ``rows`` and print the table; write JSON to ``out`` when given (an existing file only
+    with ``overwrite``: checked before any row runs). ``device="cpu"``: the same rows on the CPU (a check that they
+    run; no MFU or memory)."""
     from zero2all.config import load_config
+    from zero2all.fileio import claim_output_file
+
+    if out:
+        claim_output_file(out, overwrite)
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench train: needs a CUDA GPU")
@@ -429,7 +448,8 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
         names = [n for n in names if n != "hf_liger"]
         last_hf = max([i for i, n in enumerate(names) if n.startswith("hf")], default=len(names) - 1)
         names.insert(last_hf + 1, "hf_liger")
-    base_cfg = load_config(config, overrides).model
+    full_cfg = load_config(config, overrides)
+    base_cfg, grad_clip = full_cfg.model, full_cfg.train.grad_clip
     base_cfg = dataclasses.replace(base_cfg, max_seq_len=max(base_cfg.max_seq_len, seq, 8192))
     results = []
     profiled = set(p for p in profile.split(",") if p)
@@ -446,9 +466,11 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
             from zero2all import bench_peers
 
             r = bench_peers.run_row(name, base_cfg, mb, s, accum, iters, warmup, config=config,
-                                    overrides=overrides or [], sdpa_backend=sdpa_backend, log=log)
+                                    overrides=overrides or [], sdpa_backend=sdpa_backend, log=log,
+                                    grad_clip=grad_clip)
         else:
             r = run_row(name, base_cfg, mb, s, accum, iters, warmup, device=device, sdpa_backend=sdpa_backend,
+                        grad_clip=grad_clip,
                         profile_dir=(profile_dir or ".") if name in profiled else None, log=log)
         mfu = f", {100 * r.mfu:.1f} % MFU" if r.mfu is not None else ""
         log(f"  -> {r.error or f'{r.step_ms:.1f} ms/step, {r.tokens_per_s:.0f} tok/s{mfu}'}"
@@ -458,7 +480,8 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
     cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; not a measurement)"
     env = (f"device: {torch.cuda.get_device_name() if device == 'cuda' else cpu}, torch {torch.__version__}, "
            f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, config {config}, accum {accum}, "
-           f"iters {iters} (median) after {warmup} warm-up, sdpa backend {sdpa_backend}")
+           f"iters {iters} (median) after {warmup} warm-up, sdpa backend {sdpa_backend}, grad clip "
+           f"{grad_clip or 'off (norm only)'}")
     log(env)
     log(table)
     if out:

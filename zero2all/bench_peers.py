@@ -339,8 +339,9 @@ def failure_reason(output: str, returncode: int) -> str:
 
 def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: int, warmup: int,
             config: str = "z2all-1.1b", overrides=(), sdpa_backend: str = "default", timeout: float = 900,
-            log=print):
-    """One peer row of ``z2all bench train``: a BenchResult with numbers, or with the reason it could not run."""
+            log=print, grad_clip: float = 1.0):
+    """One peer row of ``z2all bench train``: a BenchResult with numbers, or with the reason it could not run.
+    ``grad_clip``: the clipping of the rows that run in this process (torchtitan clips in its own Trainer)."""
     from zero2all import bench
 
     reason = missing_reason(row)
@@ -348,7 +349,7 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
         return bench.BenchResult(row, bench.ROW_LABELS.get(row, row), micro_batch, seq, accum, error=reason)
     if row == "hf_ao_fp8":
         return bench.run_row(row, base_cfg, micro_batch, seq, accum, iters, warmup, sdpa_backend=sdpa_backend,
-                             build=build_hf_ao_fp8, log=log)
+                             build=build_hf_ao_fp8, log=log, grad_clip=grad_clip)
     result = bench.BenchResult(row, bench.ROW_LABELS.get(row, row), micro_batch, seq, accum)
     with tempfile.TemporaryDirectory(prefix="z2all-tt-row-") as tmp:
         out = Path(tmp) / "result.json"

@@ -169,10 +169,14 @@ def _export_gguf(p):
                    help="matrix type; norms stay f32 (default: f32)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the weights first")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (refused otherwise)")
 
     def run(args):
+        from zero2all.fileio import claim_output_file
         from zero2all.model.gguf import export_gguf
         from zero2all.model.io import load_model
+
+        claim_output_file(args.out, args.overwrite, inputs=[args.ckpt, args.tokenizer])  # before the slow load
 
         model = load_model(args.ckpt, merge_lora=args.merge_lora)
         out = export_gguf(args.ckpt, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer, model=model,
@@ -921,7 +925,9 @@ def _eval(p):
     p.add_argument("--seed", type=int, default=1234, help="--tasks: seed of few-shot sampling and generation")
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="--tasks: bootstrap resamples for the standard errors (0: none)")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the numbers to this JSON file (a new "
+                                                               "file, or an existing one with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
     p.add_argument("--max-docs", type=int, default=None, help="score at most this many documents")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -938,6 +944,10 @@ def _eval(p):
     def run(args):
         if (args.data is None) == (args.tasks is None):
             raise ValueError("give either --data (bits per byte on text files) or --tasks (harness tasks)")
+        if args.json:
+            from zero2all.fileio import claim_output_file
+
+            claim_output_file(args.json, args.overwrite, inputs=[args.ckpt, *(args.data or [])], option="--json")
         if args.tasks is not None:
             return _eval_tasks(args)
         from zero2all.eval.perplexity import evaluate_files, write_json
@@ -1083,7 +1093,9 @@ def _estimate(p):
 # (bench)
 
 
-@command("bench", "benchmarks; `bench train`: training throughput of our kernel ablations vs the HF peer (GPU)",
+@command("bench", "benchmarks; `bench train`: training throughput of our kernel ablations vs the HF peer (GPU); "
+         "each step runs what a `z2all pretrain` step runs, gradient clipping at train.grad_clip (default 1.0) "
+         "included",
          "  z2all bench train                                  # every row: ablations, HF peers, extras\n"
          "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
          "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")

@@ -620,6 +620,31 @@ def claim_output_dir(path: str | os.PathLike, kind: str, inputs: Any = (), overw
     return _previous(where, kind, overwrite)
 
 
+def claim_output_file(path: str | os.PathLike, overwrite: bool = False, inputs: Any = (),
+                      option: str = "--out") -> str:
+    """Check, before any work, that a command may write the single file ``path``; returns ``"absent"`` or
+    ``"existing"`` (a file that ``overwrite`` allows to replace). Raises :class:`OutputDirError` with one line,
+    writing nothing, when ``path`` is a folder, is or lies inside one of ``inputs`` (whatever ``overwrite`` says),
+    or is an existing file and ``overwrite`` is False. The writer itself writes beside ``path`` and renames onto
+    it (:func:`atomic_write`), so a failed or killed run leaves the previous file or none."""
+    target = Path(path)
+    where = f"{option} {os.fspath(path)}"
+    if target.is_dir():
+        raise OutputDirError(f"{where} is a folder: name a file (a new one, or one to replace with --overwrite)")
+    resolved = target.resolve()
+    for item in [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs or ()):
+        if item is None or not os.path.lexists(item):
+            continue
+        if _inside(resolved, Path(item).resolve()) and os.path.lexists(target):
+            raise OutputDirError(f"{where} is the input {os.fspath(item)} or lies inside it: writing there would "
+                                 f"replace it; choose another {option}")
+    if not os.path.lexists(target):
+        return "absent"
+    if not overwrite:
+        raise OutputDirError(f"{where} already exists: pass --overwrite to replace it, or choose another name")
+    return "existing"
+
+
 def _previous(where: str, kind: str, overwrite: bool) -> str:
     if not overwrite:
         raise OutputDirError(f"{where} holds a previous output of `z2all {kind}`: pass --overwrite to replace it, or "
@@ -735,6 +760,29 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def locked_output_dir(directory: str | os.PathLike, on_takeover=None) -> Iterator[list[Path]]:
+    """Create ``directory`` (``mkdir -p``) and hold its :class:`OutputLock` for the ``with`` block: a second
+    process on the same folder gets :class:`OutputLockedError` at once. Yields the directories this call created;
+    when the block ends and one of them holds nothing but the lock file (a run refused or failed before writing),
+    they are removed again."""
+    created = make_dirs(directory)
+    try:
+        lock = OutputLock(directory, on_takeover=on_takeover).acquire()
+    except BaseException:
+        remove_empty_dirs(created)
+        raise
+    try:
+        yield created
+    finally:
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                if os.listdir(directory) == [LOCK_FILE]:
+                    os.unlink(Path(directory) / LOCK_FILE)
+            remove_empty_dirs(created)
 
 
 # --------------------------------------------------------------------------------------------------------------

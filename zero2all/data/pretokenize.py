@@ -82,9 +82,8 @@ from zero2all.fileio import (
     AtomicFile,
     atomic_write,
     claim_output_dir,
-    make_dirs,
+    locked_output_dir,
     read_output_marker,
-    remove_empty_dirs,
     temporary_target,
     write_output_marker,
 )
@@ -719,7 +718,15 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     # new, empty or a `prepare` output (to resume, or replace with --overwrite); a folder of other files: refused
     claim_output_dir(out, "prepare", inputs=[tokenizer_dir, *([inputs] if isinstance(inputs, (str, os.PathLike))
                                                               else inputs)], legacy=_is_legacy_output)
-    created = make_dirs(out)
+    with locked_output_dir(out, on_takeover=log):  # one run per folder: a second one is refused
+        return _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers,
+                               valid_fraction, txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite,
+                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars)
+
+
+def _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
+                    txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
+                    _stop_after_groups, mix, explicit, piece_chars) -> dict:
     before = _snapshot(out)
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
@@ -733,8 +740,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
             now = _snapshot(out)
             written = {name for name in now if before.get(name) != now[name]}  # new, or replaced (atomic writes)
             _remove_outputs(out, keep={STATE_FILE} if STATE_FILE in before else set(), only=written)
-            remove_empty_dirs(created)
-        raise
+        raise  # locked_output_dir removes a folder this run created once only its lock file is left
 
 
 def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:

@@ -17,6 +17,7 @@ then ``report.json``, ``report.md`` and ``report.png``; ``.work`` is removed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -43,6 +44,7 @@ from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inp
 from zero2all.fileio import (
     atomic_write,
     claim_output_dir,
+    locked_output_dir,
     read_output_marker,
     save_json,
     temporary_target,
@@ -276,8 +278,10 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
         # new, empty or an earlier `clean` output (resumed or redone); never a folder of other files
         claim_output_dir(out_dir, "clean", inputs=inputs, legacy=_is_legacy_output)
     try:
-        return _run(inputs, out_dir, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose,
-                    dry_run)
+        # one run per folder: a second `clean` on the same --out is refused at once (a dry run writes a temporary)
+        with contextlib.nullcontext() if dry_run else locked_output_dir(out_dir):
+            return _run(inputs, out_dir, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose,
+                        dry_run)
     finally:
         if tmp is not None:
             tmp.cleanup()
