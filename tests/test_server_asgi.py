@@ -181,3 +181,15 @@ def test_openapi_and_the_response_models(server):
         err = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": 5}]})
         assert err.status_code == 400 and err.json()["error"]["param"] == "messages[0].content"
         api.ErrorResponse.model_validate(err.json())
+
+
+def test_serve_without_the_server_packages_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from zero2all.cli import main
+
+    monkeypatch.delitem(sys.modules, "zero2all.infer.server", raising=False)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert main(["serve", "--ckpt", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "uvicorn" in err and "zero2all[serve]" in err and "Traceback" not in err

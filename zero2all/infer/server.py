@@ -765,9 +765,13 @@ class EventStream:
 
     async def __call__(self, scope, receive, send):
         async def write(data: bytes, more: bool = True):
+            message = {"type": "http.response.body", "body": data, "more_body": more}
             try:
-                await asyncio.wait_for(send({"type": "http.response.body", "body": data, "more_body": more}),
-                                       self.write_timeout)
+                if hasattr(asyncio, "timeout"):  # Python 3.11+: a timer, no task per write
+                    async with asyncio.timeout(self.write_timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), self.write_timeout)
             except (TimeoutError, asyncio.TimeoutError):
                 self.job.sub.cancel()
                 raise _Gone("the client does not read") from None
