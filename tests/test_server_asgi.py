@@ -140,6 +140,7 @@ def test_metrics_after_requests(generator):
             with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
             assert c.post("/v1/completions", json={**body, "model": "other"}).status_code == 404
+            assert c.get("/health-x1").status_code == 404  # any path a client makes up: one label, "other"
             r = c.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = parse_metrics(r.text)
@@ -150,6 +151,7 @@ def test_metrics_after_requests(generator):
     assert m["z2all_request_duration_seconds_count"] == 2
     assert m['z2all_http_requests_total{route="/v1/completions",status="200"}'] == 2
     assert m['z2all_http_requests_total{route="/v1/completions",status="404"}'] == 1
+    assert m['z2all_http_requests_total{route="other",status="404"}'] == 1
     assert m["z2all_requests_waiting"] == 0 and m["z2all_requests_running"] == 0 and m["z2all_batch_rows"] == 2
     assert m["z2all_generation_tokens_per_second"] > 0 and m['z2all_sequences_finished_total{reason="length"}'] == 2
     # buckets are cumulative: never decreasing, ending at the count

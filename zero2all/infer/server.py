@@ -525,7 +525,7 @@ def _phrase(status: int) -> str:
 KEY_REFUSED = ("a valid API key is required: send the header 'Authorization: Bearer KEY' with the key this server "
                "was started with")
 KNOWN_METHODS = {"GET", "HEAD", "POST", "OPTIONS", "PUT", "DELETE", "PATCH", "TRACE", "CONNECT"}
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+LABELLED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/"}
 
 
 class _Deadline(Exception):
@@ -663,7 +663,7 @@ def make_app(app: InferenceApp, api_key: str | None = None, cors_origin: str | N
         if path != "/" and path.endswith("/"):  # /v1/models/ is /v1/models
             scope = {**scope, "path": path.rstrip("/") or "/"}
             path = scope["path"]
-        route = path if path in ROUTES or path.startswith(("/v1/models", "/health", "/metrics")) else "other"
+        route = path if path in LABELLED else "other"  # a fixed set of labels, whatever paths clients send
         status = []
 
         async def sending(message):
