@@ -107,7 +107,6 @@ MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 EXIT_CANCELLED = 143  # the exit status when the drain timeout ran out and requests were cancelled
 READ_TIMEOUT = 30.0  # seconds a whole request (request line, headers, body) may take to arrive
 MAX_CONNECTIONS = 256  # connections open at once
-_show = show
 
 
 @dataclass
