@@ -4,8 +4,8 @@
 #   make test   -- create .venv, install with test extras, run ruff, the docs build and the test suite
 #   make docs   -- build the documentation site into site/ (mkdocs build --strict: a broken link fails)
 # Two stamps: $(VENV)/.runtime (torch + `pip install -e .`: what the demo needs) and $(VENV)/.installed (that plus
-# the test extras: pytest, triton, lm-eval, peft, openai, mkdocs, ruff, ...). `make test` after `make demo` adds
-# the extras to the same venv.
+# the test extras: pytest, triton, lm-eval, peft, openai, mkdocs, ruff, the server's starlette / uvicorn, ...).
+# `make test` after `make demo` adds the extras to the same venv.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python

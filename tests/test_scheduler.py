@@ -385,3 +385,31 @@ def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused):
         assert tokens_of(busy[0]) == one
     finally:
         sched.stop()
+
+
+def test_async_batches_match_the_threaded_events_and_leaving_early_cancels(make_scheduler):
+    """``Submission.abatches`` (the server's event loop): the same events as ``events()``, woken by the scheduler's
+    thread; closing it before the end cancels the request and frees its row."""
+    import asyncio
+
+    sched = make_scheduler(max_batch=2)
+    params = greedy(max_new_tokens=12)
+    expected = list(sched.submit([[5, 6, 7], [9]], params).events())
+
+    async def consume(limit=None):
+        sub = sched.submit([[5, 6, 7], [9]], params)
+        got = []
+        agen = sub.abatches()
+        async for batch in agen:
+            got.extend(batch)
+            if limit is not None and len(got) >= limit:
+                break
+        await agen.aclose()
+        return sub, got
+
+    _, got = asyncio.run(consume())
+    assert [(e.index, e.token_id, e.text, e.finish_reason) for e in got] == \
+        [(e.index, e.token_id, e.text, e.finish_reason) for e in expected]
+    sub, got = asyncio.run(consume(limit=3))
+    assert sub.cancelled and len(got) >= 3
+    assert sched.wait_idle(10) and sched.stats()["finished"].get(CANCELLED, 0) == 2

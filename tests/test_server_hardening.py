@@ -5,6 +5,7 @@ Raw sockets on 127.0.0.1; the server runs in this process with a read timeout of
 about a second.
 """
 
+import asyncio
 import json
 import select
 import socket
@@ -142,7 +143,7 @@ def test_a_flood_of_idle_connections_cannot_hold_the_server(server):
         time.sleep(0.01)
     assert threading.active_count() <= before + CAP + 1 and server[2].open_connections <= CAP
     start = time.monotonic()
-    status, _, body = raw_exchange(server, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    status, _, body = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status == 200 and json.loads(body)["status"] == "ok" and time.monotonic() - start < TIMEOUT * 0.8
     for sock in flood:  # every one of them is closed, by the cap or by the timeout
         assert read_until_closed(sock)[1] < TIMEOUT + 1.0
@@ -153,16 +154,16 @@ def test_busy_connections_beyond_the_cap_get_503(generator):
     release = threading.Event()
     with hardened(generator) as server:
         app = server[3]
-        real_run = app.run
+        real_complete = app.complete
 
-        def blocked_run(kind, body, alive=None):
-            release.wait(20)
-            return real_run(kind, body, alive)
+        async def blocked_complete(job):  # the request stays in progress until released
+            await asyncio.to_thread(release.wait, 20)
+            return await real_complete(job)
 
-        app.run = blocked_run
+        app.complete = blocked_complete
         body = json.dumps({"model": "m", "prompt": "ab", "max_tokens": 2, "temperature": 0}).encode()
-        request = (f"POST /v1/completions HTTP/1.1\r\n{AUTH}Content-Type: application/json\r\nConnection: close\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Type: application/json\r\n"
+                   f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         results = []
 
         def post():
@@ -183,7 +184,7 @@ def test_busy_connections_beyond_the_cap_get_503(generator):
         for t in threads:
             t.join(30)
         assert results == [200] * CAP
-        assert raw_exchange(server, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0] == 200
+        assert raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
 
 
 @pytest.mark.parametrize("content_type, status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
@@ -207,8 +208,9 @@ def raw_exchange(server, request: bytes) -> tuple[int, dict, bytes]:
 
 
 def test_expect_100_continue_without_the_key_is_401(server):
-    status, headers, _ = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
-                                              b"Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+    status, headers, _ = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                              b"Content-Type: application/json\r\nContent-Length: 5000\r\n"
+                                              b"Expect: 100-continue\r\n\r\n")
     assert status == 401 and headers["connection"] == "close"
 
 
@@ -216,18 +218,18 @@ def test_head_options_and_other_methods(server):
     status, headers, body = raw_exchange(server, b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     get = httpx.get(f"http://{server[0]}:{server[1]}/health", timeout=10)
     assert status == 200 and body == b"" and int(headers["content-length"]) == len(get.content) > 0
-    status, headers, body = raw_exchange(server, b"HEAD /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n")
+    status, headers, body = raw_exchange(server, b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status == 401 and body == b""
-    status, headers, body = raw_exchange(server, f"HEAD /v1/models HTTP/1.1\r\n{AUTH}Connection: close\r\n\r\n"
-                                         .encode())
+    status, headers, body = raw_exchange(server, f"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n{AUTH}"
+                                                 "Connection: close\r\n\r\n".encode())
     assert status == 200 and body == b"" and int(headers["content-length"]) > 0
     # no CORS origin set: OPTIONS is not answered as a preflight
-    status, headers, body = raw_exchange(server, b"OPTIONS /v1/models HTTP/1.1\r\nOrigin: https://a.example\r\n"
+    status, headers, body = raw_exchange(server, b"OPTIONS /v1/models HTTP/1.1\r\nHost: x\r\nOrigin: https://a.example\r\n"
                                                  b"Connection: close\r\n\r\n")
     assert status == 405 and "GET" in headers["allow"] and json.loads(body)["error"]["code"] == "method_not_allowed"
     for method in (b"PUT", b"DELETE", b"PATCH"):
-        status, headers, body = raw_exchange(server, method + b" /v1/completions HTTP/1.1\r\n" + AUTH.encode()
-                                             + b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+        status, headers, body = raw_exchange(server, method + b" /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                             + AUTH.encode() + b"Content-Length: 0\r\nConnection: close\r\n\r\n")
         assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed", method
 
 
@@ -243,9 +245,9 @@ def test_bad_limits_are_one_line_and_exit_2(tmp_path, capsys, flag, value):
 
 @pytest.mark.parametrize("request_bytes, status", [
     (b"GARBAGE\r\n\r\n", 400),
-    (b"GET /health HTTP/9.9\r\n\r\n", 505),
+    (b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 505),
     (b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n", 431),
-    (b"BREW /v1/models HTTP/1.1\r\n\r\n", 501),
+    (b"BREW /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 501),
 ])
 def test_malformed_requests_get_json_errors(server, request_bytes, status):
     got, headers, body = raw_exchange(server, request_bytes)

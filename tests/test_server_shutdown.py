@@ -161,3 +161,32 @@ def test_shutdown_in_process_refuses_new_work_while_draining(monkeypatch):
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert status["exit"] == 0
+
+
+def test_sigterm_drains_a_real_process_new_work_gets_503(ckpt, tmp_path):
+    """``z2all serve``'s process on SIGTERM: a request on a kept-alive connection gets 503 shutting_down and
+    /health says draining, a new connection is refused, the running stream still ends with every token; exit 0."""
+    proc, base = start_server(ckpt, tmp_path, drain_timeout=60)
+    try:
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=f"http://{base}", timeout=60) as keep, \
+                httpx.Client(base_url=f"http://{base}", timeout=60) as c:
+            assert keep.get("/health").json()["status"] == "ok"  # opens the kept-alive connection
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line).startswith("data: ")
+                proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while (health := keep.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert health.status_code == 503 and health.json() == {"status": "draining"}
+                late = keep.post("/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 2})
+                assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+                assert refused(base)
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

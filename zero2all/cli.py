@@ -861,15 +861,21 @@ def _serve(p):
                    help="seconds a whole request (request line, headers, body) may take to arrive, and a stalled "
                         "write may wait for a client that reads nothing; then the connection is closed")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="connections open at once (one thread each); when full, the one that has waited longest for "
-                        "its request is closed to make room, or the new one gets 503 if all are being answered")
+                   help="connections open at once; when full, the one that has waited longest for its request is "
+                        "closed to make room, or the new one gets 503 if all are being answered")
 
     def run(args):
         import math
         import os
 
         from zero2all.config import ConfigError
-        from zero2all.infer.server import AddressError, serve
+
+        try:
+            from zero2all.infer.server import AddressError, serve
+        except ImportError as e:  # starlette / uvicorn / pydantic: the serve extra
+            print(f"z2all serve: error: {e.name or e} is not installed; install the server's packages with "
+                  "pip install 'zero2all[serve]'", file=sys.stderr)
+            return 2
 
         # values that can never work are refused before the model is loaded
         if not 0 <= args.port <= 65535:

@@ -56,7 +56,7 @@ import time
 import traceback
 from collections import Counter, deque
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
@@ -92,6 +92,18 @@ class Submission:
         self.n = n                    # sequences (prompts) in the request
         self.cancelled = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiter = None           # (event loop, future) of an asyncio consumer waiting for the next event
+
+    def _put(self, ev):
+        """(The scheduler's thread.) Queue an event and wake an asyncio consumer that waits for one."""
+        self._queue.put(ev)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
 
     def cancel(self):
         """Stop the request: its rows are freed at the scheduler's next iteration (each sequence then ends with
@@ -147,6 +159,48 @@ class Submission:
             if left:
                 self.cancel()
 
+    async def abatches(self) -> AsyncIterator[list[GenerationEvent]]:
+        """:meth:`batches` for asyncio: the scheduler's thread wakes the event loop when an event arrives (one wake-up
+        per wait, not per event), so no thread waits per request. Leaving the loop early (close the generator) or
+        cancelling the task that runs it cancels the request."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        left, error = self.n, None
+        try:
+            while left:
+                batch = []
+                while left:
+                    try:
+                        ev = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(ev, BaseException):
+                        left, error = 0, ev
+                        break
+                    batch.append(ev)
+                    left -= bool(ev.finish_reason)
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
+                if batch or not left:
+                    continue
+                fut = loop.create_future()
+                self._waiter = (loop, fut)
+                if self._queue.empty():  # an event put before the waiter was set is seen here
+                    await fut
+                self._waiter = None
+        finally:
+            self._waiter = None
+            if left:
+                self.cancel()
+
+
+def _resolve(fut):
+    if not fut.done():
+        fut.set_result(None)
+
 
 class _Seq:
     """One prompt of a request, waiting or in a row."""
@@ -167,7 +221,7 @@ class _Seq:
         return self.pad + len(self.prompt) + self.params.max_new_tokens
 
     def emit(self, ev: GenerationEvent | BaseException):
-        self.sub._queue.put(ev)
+        self.sub._put(ev)
 
 
 def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:

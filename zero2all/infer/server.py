@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server on the standard library (``http.server``), over a continuous-batching scheduler.
+"""An OpenAI-compatible HTTP server: an ASGI app (Starlette) on uvicorn, over a continuous-batching scheduler.
 
 Endpoints::
 
@@ -11,113 +11,120 @@ Endpoints::
                                  "max_completion_tokens", ... as above}
     GET  /health                {"status": "ok", "running", "waiting", "cancelled"} (sequences decoding,
                                 waiting for a row, cancelled so far; 503 {"status": "draining"} while shutting down)
+    GET  /metrics               Prometheus text: queue, running rows, tokens/s, TTFT and ITL histograms, ...
+    GET  /openapi.json          the OpenAPI description, its schemas from the request and response models
     GET  /                      the chat page (``infer/web/``: index.html, app.js, style.css; no build step)
 
-``/v1/models`` also gives ``context_length`` (the model's context) and ``max_tokens_limit`` (this server's limit).
-
-Access: with an API key (``serve --api-key KEY`` or the ``Z2ALL_API_KEY`` environment variable) every ``/v1`` route
-needs ``Authorization: Bearer KEY``, as OpenAI clients send it; the key is compared in constant time
-(``hmac.compare_digest``) and a missing or wrong one is 401 ``invalid_api_key``. The page and ``/health`` stay open
-(they hold no secret; the page asks for the key and sends it with its own calls). No CORS header is sent unless
-``cors_origin`` names the one origin allowed to call the API from another site's pages.
-
-``"stream": true`` answers with server-sent events: one ``data: {chunk}`` line per generated piece and a final
-``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it). Errors are
-JSON ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field at fault: 400 for malformed
-JSON, missing or invalid fields (a number must be finite: ``NaN`` and ``Infinity``, which Python's JSON reader
-accepts, are refused), ``max_tokens`` above the server's limit or a prompt that does not fit the context; 404 for
-an unknown model or path; 413 for a body over 1 MiB; 429 when the queue is full; 503 while shutting down.
-``"ignore_eos": true`` (an extension) keeps generating through stop tokens up to ``max_tokens`` (stop strings still
-apply): every such request produces the same number of tokens, for load tests.
+The request and response bodies are pydantic models (``infer/api.py``), which also give the errors: JSON
+``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field at fault: 400 for malformed JSON,
+missing or invalid fields (a number must be finite: ``NaN`` and ``Infinity``, which Python's JSON reader accepts,
+are refused), ``max_tokens`` above the server's limit or a prompt that does not fit the context; 404 for an unknown
+model or path; 405 for a method a path does not answer; 413 for a body over 1 MiB; 415 for a body that is not JSON;
+429 when the queue is full; 503 while shutting down. ``/v1/models`` also gives ``context_length`` (the model's
+context) and ``max_tokens_limit`` (this server's limit). ``"ignore_eos": true`` (an extension) keeps generating
+through stop tokens up to ``max_tokens`` (stop strings still apply): every such request produces the same number of
+tokens, for load tests.
 
 A field sent as ``null`` is absent (OpenAI's own rule; some clients send ``"max_tokens": null``). Without
 ``max_tokens`` the budget is ``default_max_tokens`` cut to what the longest prompt leaves of the context, so it never
 overflows; an explicit ``max_tokens`` that does not fit is refused, unless the request says ``"fit_context": true``
 (an extension, sent by the chat page): then it is an upper bound, cut the same way.
 
-Concurrency: continuous batching (``infer/scheduler.py``). One background thread owns the model and a pool of
-``max_batch`` KV-cache rows; each decode step advances every running sequence by one token, a new sequence joins
-the batch between two steps (its prompt is prefilled into a free row, the other rows untouched; prompts that arrive
-together are prefilled together, in one forward) and a finished or cancelled one leaves it, its row reused at once.
-Each sequence keeps its own sampling parameters, random stream (a seeded request gives the same text whatever else
-runs), stop strings, budget and stream; a prompt list in one completions request is one sequence per prompt. Up to
-``max_queue`` sequences wait for a row in arrival order; a request beyond that is refused at once with 429 and a
-``Retry-After`` header rather than piling up threads. A client that disconnects cancels its request (noticed at the
-next write, or within half a second while it waits).
-The HTTP side stays one thread per connection (``ThreadingHTTPServer``): those threads only parse, wait for their
-request's events (blocked on a queue, not polling) and write; a stream's events that are ready at once (a handler
-that fell behind the steps) go out in one write.
+``"stream": true`` answers with server-sent events: one ``data: {chunk}`` line per generated piece and a final
+``data: [DONE]`` (with ``"stream_options": {"include_usage": true}`` a usage chunk comes before it); the events
+that are ready at once (the steps run since the stream last wrote) go out in one write.
 
-Connections are bounded (:class:`_Server`): a whole request (the wait for it on a kept-alive connection, its
-request line, headers and body) must arrive within ``read_timeout`` seconds (30), a total, not a limit per read, so a
-client trickling bytes is cut off too (a half-sent body gets 408); a write that a client does not read for as long
-fails and cancels the request. At most ``max_connections`` (256) are open: a new connection past that closes the
-one that has waited longest for its request, or, when every connection is being answered, gets 503
-``too_many_connections`` with ``Retry-After``, without a thread. The API key is checked as soon as its header line
-arrives (a wrong one ends the reading there: 401 and close), before the other headers and the body. A POST whose
-``Content-Type`` is not JSON is 415 (no Content-Type is taken as JSON); HEAD answers as GET without the body;
-OPTIONS is the CORS preflight, and like PUT, DELETE and the other methods 405 otherwise. What the standard library
-refuses itself (a malformed request line, a header line over 64 KiB, over 100 headers) is JSON too.
+Access: with an API key (``serve --api-key KEY`` or the ``Z2ALL_API_KEY`` environment variable) every ``/v1`` route
+needs ``Authorization: Bearer KEY``, as OpenAI clients send it; the key is compared in constant time
+(``hmac.compare_digest``) and a missing or wrong one is 401 ``invalid_api_key``. A wrong key is seen as soon as its
+header line arrives, before the other headers and the body (:class:`_Protocol`): 401 and the connection closes, so
+a client without the key costs no more reading. The page, ``/health``, ``/metrics`` and ``/openapi.json`` stay open
+(they hold no secret; the page asks for the key and sends it with its own calls). No CORS header is sent unless
+``cors_origin`` names the one origin allowed to call the API from another site's pages (OPTIONS is its preflight).
 
-Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops accepting (the listening socket closes; a request on a
-kept-alive connection gets 503), lets the running and waiting requests finish for up to ``drain_timeout`` seconds
-(a second signal cuts the wait short), then cancels what is left: those end with ``finish_reason``
-``"cancelled"`` (a stream still ends with ``data: [DONE]``). The exit status is 0 when every request finished and
-143 (128 + SIGTERM) when some had to be cancelled.
+Concurrency: one event loop (uvicorn's) does all the HTTP work; no thread per connection or request. Continuous
+batching (``infer/scheduler.py``): one background thread owns the model and a pool of ``max_batch`` KV-cache rows;
+each decode step advances every running sequence by one token, a new sequence joins the batch between two steps and
+a finished or cancelled one leaves it. The scheduler's thread hands each request's events to the loop
+(``Submission.abatches``: one wake-up per wait). Up to ``max_queue`` sequences wait for a row; a request beyond that
+is refused at once with 429 and ``Retry-After``. A client that disconnects cancels its request at once.
+
+Connections are bounded (:class:`_Protocol`, uvicorn's HTTP/1.1 protocol on h11 with the limits added): a whole
+request (the wait for it on a kept-alive connection, its request line, headers and body) must arrive within
+``read_timeout`` seconds (30), a total, not a limit per read, so a client trickling bytes is cut off too (a half-sent
+request is closed, a half-sent body gets 408); a write that a client does not read for as long fails and cancels the
+request. At most ``max_connections`` (256) are open: a new connection past that closes the one that has waited
+longest for its request, or, when every connection is being answered, gets 503 ``too_many_connections`` with
+``Retry-After``. A malformed request (a bad request line, headers over 64 KiB, an unknown HTTP version or method)
+gets its error in JSON too, and the connection closes.
+
+Shutdown (``serve``; SIGTERM or Ctrl-C): the server stops listening (new connections are refused; a request on a
+kept-alive connection gets 503 ``shutting_down``, ``/health`` 503 ``draining``), lets the running and waiting
+requests finish for up to ``drain_timeout`` seconds (a second signal cuts the wait short), then cancels what is
+left: those end with ``finish_reason`` ``"cancelled"`` (a stream still ends with ``data: [DONE]``). The exit status
+is 0 when every request finished and 143 (128 + SIGTERM) when some had to be cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import functools
 import hmac
-import io
 import ipaddress
 import json
+import logging
 import math
-import select
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections import Counter, deque
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
 
+import h11
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from uvicorn import Config
+from uvicorn import Server as Uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from zero2all.infer import api
+from zero2all.infer.api import RequestError, show
 from zero2all.infer.generate import Generator, SamplingParams
-from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown
+from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown, Submission
 
 MAX_BODY_BYTES = 1 << 20
+MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 EXIT_CANCELLED = 143  # the exit status when the drain timeout ran out and requests were cancelled
 READ_TIMEOUT = 30.0  # seconds a whole request (request line, headers, body) may take to arrive
-MAX_CONNECTIONS = 256  # connections open at once (each one holds a thread)
-GONE = (BrokenPipeError, ConnectionError, TimeoutError)  # a write that failed because the client is gone or stuck
+MAX_CONNECTIONS = 256  # connections open at once
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _show(value) -> str:
-    """A request value for an error message, cut short (a 4000-digit integer would flood the message)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+@dataclass
+class _Job:
+    """A validated, queued request."""
+    chat: bool
+    rid: str
+    prompts: list[list[int]]
+    sub: Submission
+    stream: bool
+    include_usage: bool
+    arrived: float
 
 
 class InferenceApp:
-    """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP handler only moves
+    """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP layer only moves
     bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU. ``max_queue``: sequences
-    that may wait for a row (a waiting request costs a thread and its prompt, no cache); more get 429."""
+    that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
                  default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
@@ -140,6 +147,7 @@ class InferenceApp:
         self.max_queue = max_queue
         self.document_start = document_start
         self.created = int(time.time())
+        self.metrics = ServerMetrics()
         self._inflight = 0
         self._inflight_cond = threading.Condition()
 
@@ -171,125 +179,42 @@ class InferenceApp:
             return self._inflight == 0
 
     # -- validation -------------------------------------------------------------------------------------------
-    def _number(self, body, key, default, lo=None, hi=None, integer=False, lo_open=False):
-        value = body.get(key, default)
-        if value is None:
-            return default
-        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool):
-            raise RequestError(400, f"'{key}' must be {'an integer' if integer else 'a number'}, got "
-                                    f"{_show(value)}", key)
-        if not integer:
-            try:
-                value = float(value)
-            except OverflowError:  # an integer beyond any float
-                value = math.inf
-            if not math.isfinite(value):  # NaN passes every comparison below
-                raise RequestError(400, f"'{key}' must be a finite number, got {_show(body.get(key))}", key)
-        if lo is not None and (value <= lo if lo_open else value < lo):
-            raise RequestError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {_show(value)}", key)
-        if hi is not None and value > hi:
-            raise RequestError(400, f"'{key}' must be <= {hi}, got {_show(value)}", key)
-        return value
-
-    def _flag(self, body, key) -> bool:
-        value = body.get(key, False)
-        if value is None:
-            return False
-        if not isinstance(value, bool):
-            raise RequestError(400, f"'{key}' must be true or false, got {_show(value)}", key)
-        return value
-
-    def parse_common(self, body: dict, chat: bool) -> tuple[SamplingParams, bool, bool]:
-        """(sampling parameters, stream, include_usage). A null field means the field is absent."""
+    def check_model(self, body: dict):
+        """The model is checked first: a request for another model is 404 whatever else it holds."""
         if body.get("model") is None:  # null is absent
             raise RequestError(400, "missing required field 'model'", "model", "missing_field")
         if body["model"] != self.model_name:
-            raise RequestError(404, f"model {_show(body['model'])} does not exist; this server serves "
+            raise RequestError(404, f"model {show(body['model'])} does not exist; this server serves "
                                     f"{self.model_name!r}", "model", "model_not_found")
-        # null is "not given", as OpenAI's API defines it; in a chat a null max_completion_tokens leaves max_tokens
-        key = next((k for k in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
-                    if body.get(k) is not None), "max_tokens")
-        max_tokens = self._number(body, key, self.default_max_tokens, lo=1, integer=True)
-        if max_tokens > self.max_tokens_limit:
-            raise RequestError(400, f"'{key}' is {_show(max_tokens)}, above this server's limit of "
-                                    f"{self.max_tokens_limit}", key, "max_tokens_exceeded")
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
-            raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-        n = body.get("n", 1)
-        if n is not None and (n != 1 or isinstance(n, bool)):
-            raise RequestError(400, "only n=1 is supported", "n")
-        stream = self._flag(body, "stream")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise RequestError(400, "logprobs are not supported by this server", "logprobs")
-        for key in ("tools", "functions"):  # silently ignored, a client would wait for tool calls that never come
-            if body.get(key):
-                raise RequestError(400, f"'{key}' is not supported by this server (no tool calling)", key)
-        response_format = body.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise RequestError(400, f"'response_format' {_show(response_format)} is not supported by this server: "
-                                    "only {\"type\": \"text\"} (no JSON mode)", "response_format")
-        seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                                 or not -(1 << 63) <= seed < (1 << 64)):
-            raise RequestError(400, f"'seed' must be a 64-bit integer, got {_show(seed)}", "seed")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise RequestError(400, "'stream_options' must be an object", "stream_options")
-        include_usage = bool(options.get("include_usage"))
-        params = SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=self._number(body, "temperature", 1.0, lo=0, hi=2),
-            top_p=self._number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True),
-            top_k=self._number(body, "top_k", 0, lo=0, integer=True),
-            repetition_penalty=self._number(body, "repetition_penalty", 1.0, lo=0, lo_open=True),
-            stop=tuple(stop), seed=seed,
-            stop_token_ids=[] if self._flag(body, "ignore_eos") else None)
-        return params, stream, include_usage
 
-    def completion_prompts(self, body: dict) -> list[list[int]]:
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise RequestError(400, "missing required field 'prompt'", "prompt", "missing_field")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(prompts, list) or not prompts or any(not isinstance(p, str) for p in prompts):
-            raise RequestError(400, "'prompt' must be a string or a non-empty list of strings", "prompt")
+    def sampling(self, req: api.CompletionRequest | api.ChatCompletionRequest, chat: bool) -> SamplingParams:
+        key = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, key)
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens
+        elif max_tokens > self.max_tokens_limit:
+            raise RequestError(400, f"'{key}' is {show(max_tokens)}, above this server's limit of "
+                                    f"{self.max_tokens_limit}", key, "max_tokens_exceeded")
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            stop=tuple(req.stop or ()), seed=req.seed,
+            stop_token_ids=[] if req.ignore_eos else None)
+
+    def completion_prompts(self, req: api.CompletionRequest) -> list[list[int]]:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) > self.max_batch:
             raise RequestError(400, f"at most {self.max_batch} prompts per request", "prompt")
         tok = self.generator.tokenizer
-        if any(not p for p in prompts):
-            raise RequestError(400, "'prompt' must not be empty", "prompt")
         # a prompt starts a new document: the pretraining data has the end-of-text separator before each one
         head = [tok.eos_id] if self.document_start and tok.eos_id is not None else []
         return [head + list(tok.encode(p)) for p in prompts]
 
-    def chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if messages is None:
-            raise RequestError(400, "missing required field 'messages'", "messages", "missing_field")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                raise RequestError(400, f"messages[{i}] must have a role of system, user or assistant",
-                                   f"messages[{i}].role")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                       for p in content):
-                    raise RequestError(400, f"messages[{i}].content: only text parts are supported",
-                                       f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise RequestError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-            role = "system" if m["role"] == "developer" else m["role"]
-            clean.append({"role": role, "content": content})
+    def chat_prompt(self, req: api.ChatCompletionRequest) -> list[int]:
+        clean = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         return list(self.generator.tokenizer.apply_chat_template(clean, add_generation_prompt=True))
 
     def check_fits(self, prompts: list[list[int]], params: SamplingParams, field: str = "prompt"):
@@ -304,15 +229,16 @@ class InferenceApp:
                                         f"that exceeds the context of {ctx} tokens", "max_tokens",
                                    "context_length_exceeded")
 
-    # -- responses --------------------------------------------------------------------------------------------
-    def run(self, kind: str, body: dict, alive: Callable[[], bool] | None = None):
-        """Validate and queue, then return ("json", dict) or ("stream", iterator of dicts); raises RequestError.
-        ``alive`` says whether the client is still there (asked while waiting; False cancels the request)."""
+    def submit(self, kind: str, body: dict) -> _Job:
+        """Validate and queue a request (``kind``: "chat" or "completion"); raises :class:`RequestError`."""
+        arrived = time.monotonic()
         chat = kind == "chat"
-        params, stream, include_usage = self.parse_common(body, chat)
-        prompts = [self.chat_prompt(body)] if chat else self.completion_prompts(body)
-        asked = body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
-        if self._flag(body, "fit_context") or not asked:
+        self.check_model(body)
+        req = api.parse(api.ChatCompletionRequest if chat else api.CompletionRequest, body)
+        params = self.sampling(req, chat)
+        prompts = [self.chat_prompt(req)] if chat else self.completion_prompts(req)
+        asked = req.max_tokens is not None or (chat and req.max_completion_tokens is not None)
+        if req.fit_context or not asked:
             # no budget asked for: the default, cut to what the longest prompt leaves of the context (a small
             # model's context may be no longer than the default); an explicit max_tokens is shortened only when
             # the request says so ("fit_context": true, an extension the chat page sends)
@@ -328,67 +254,89 @@ class InferenceApp:
         except ShuttingDown as e:
             raise RequestError(503, str(e), kind="server_error", code="shutting_down",
                                headers={"Connection": "close"}) from None
-        if stream:
-            return "stream", self._stream(chat, rid, prompts, sub, include_usage, alive)
-        texts, reasons, drawn = [""] * len(prompts), ["length"] * len(prompts), [0] * len(prompts)
-        for ev in sub.events(alive=alive):
-            drawn[ev.index] += ev.token_id >= 0
-            texts[ev.index] += ev.text
-            if ev.finish_reason:
-                reasons[ev.index] = ev.finish_reason
+        except ValueError as e:  # a check inside generation
+            raise RequestError(400, str(e)) from None
+        self.metrics.prompt_tokens += sum(len(p) for p in prompts)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _Job(chat, rid, prompts, sub, bool(req.stream), include_usage, arrived)
+
+    # -- responses --------------------------------------------------------------------------------------------
+    async def events(self, job: _Job):
+        """The job's events in lists, as the loop receives them; timed into the metrics (TTFT, ITL, tokens)."""
+        m, last = self.metrics, {}
+        async with aclosing(job.sub.abatches()) as batches:
+            async for batch in batches:
+                now = time.monotonic()
+                drawn = 0
+                for ev in batch:
+                    if ev.token_id < 0:
+                        continue
+                    drawn += 1
+                    before = last.get(ev.index)
+                    m.ttft.observe(now - job.arrived) if before is None else m.itl.observe(now - before)
+                    last[ev.index] = now
+                m.tokens(drawn, now)
+                yield batch
+        m.latency.observe(time.monotonic() - job.arrived)
+
+    async def complete(self, job: _Job) -> dict:
+        """The whole answer of a request that does not stream."""
+        n = len(job.prompts)
+        texts, reasons, drawn = [""] * n, ["length"] * n, [0] * n
+        async with aclosing(self.events(job)) as batches:
+            async for batch in batches:
+                for ev in batch:
+                    drawn[ev.index] += ev.token_id >= 0
+                    texts[ev.index] += ev.text
+                    if ev.finish_reason:
+                        reasons[ev.index] = ev.finish_reason
         created = int(time.time())
-        usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": sum(drawn)}
+        usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(drawn)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        if chat:
+        if job.chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
                         "logprobs": None, "finish_reason": reasons[0]}]
-            return "json", {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                            "choices": choices, "usage": usage}
+            return {"id": job.rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage}
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
-        return "json", {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": choices, "usage": usage}
+        return {"id": job.rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": usage}
 
-    def _stream(self, chat: bool, rid: str, prompts, sub, include_usage: bool, alive):
-        """The chunks of a streamed response, in lists: each list is what is ready at once (the events of the
-        steps run since the handler last wrote), to be written together."""
+    async def chunks(self, job: _Job):
+        """The chunks of a streamed response, in lists: each list is what is ready at once, written together."""
         created = int(time.time())
         drawn = 0
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        obj = "chat.completion.chunk" if job.chat else "text_completion"
+        rid, model = job.rid, self.model_name
 
         def chunk(index, text, finish, first=False):
-            if chat:
+            if job.chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
-        done = False
-        try:
-            if chat:
-                yield [chunk(0, "", None, first=True)]
-            for events in sub.batches(alive=alive):
+        if job.chat:
+            yield [chunk(0, "", None, first=True)]
+        async with aclosing(self.events(job)) as batches:
+            async for events in batches:
                 out = []
                 for ev in events:
                     drawn += ev.token_id >= 0
                     if ev.text or ev.finish_reason:
-                        if chat and ev.text and ev.finish_reason:
+                        if job.chat and ev.text and ev.finish_reason:
                             out.append(chunk(ev.index, ev.text, None))
                             out.append(chunk(ev.index, "", ev.finish_reason))
                         else:
                             out.append(chunk(ev.index, ev.text, ev.finish_reason))
                 if out:
                     yield out
-            done = True
-        finally:
-            if not done:  # the client went away (or the stream was dropped): free the rows
-                sub.cancel()
-        if include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
-            usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": drawn}
+        if job.include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
+            usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": drawn}
             usage["total_tokens"] = usage["prompt_tokens"] + drawn
-            yield [{"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                    "usage": usage}]
+            yield [{"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}]
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -401,6 +349,99 @@ class InferenceApp:
         stats = self.scheduler.stats()
         return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
                      "cancelled": stats["finished"].get("cancelled", 0)}
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count), updated from the event loop only."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float):
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+                break
+        self.sum += value
+        self.count += 1
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for b, c in zip(self.buckets, self.counts):
+            total += c
+            out.append(f'{self.name}_bucket{{le="{b:g}"}} {total}')
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
+                f"{self.name}_count {self.count}"]
+        return out
+
+
+class ServerMetrics:
+    """What ``/metrics`` reports besides the scheduler's own state: requests by route and status, tokens,
+    TTFT / ITL / request-latency histograms (seconds, as the clients see them: timed when the HTTP layer receives
+    the events), and the generation rate over the last ``window`` seconds."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self.requests: Counter = Counter()   # (route, status) -> count
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self._recent: deque = deque()        # (time, tokens) within the window
+        ms = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+        self.ttft = Histogram("z2all_time_to_first_token_seconds", "from a request's arrival to its first token", ms
+                              + (30.0, 60.0))
+        self.itl = Histogram("z2all_inter_token_latency_seconds", "between two tokens of one sequence", ms)
+        self.latency = Histogram("z2all_request_duration_seconds", "from a request's arrival to its last token",
+                                 ms[4:] + (30.0, 60.0, 120.0, 300.0))
+
+    def tokens(self, n: int, now: float):
+        if n:
+            self.generated_tokens += n
+            self._recent.append((now, n))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._recent and self._recent[0][0] < now - self.window:
+            self._recent.popleft()
+        return sum(n for _, n in self._recent) / self.window
+
+    def render(self, app: InferenceApp, connections: tuple[int, int] | None = None) -> str:
+        s = app.scheduler.stats()
+        lines = []
+
+        def metric(name, kind, help, value, labels=""):
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{labels} {value}"])
+
+        metric("z2all_requests_waiting", "gauge", "sequences waiting for a batch row (the queue)", s["waiting"])
+        metric("z2all_requests_running", "gauge", "sequences decoding (batch rows in use)", s["running"])
+        metric("z2all_batch_rows", "gauge", "batch rows (KV-cache rows) in all", app.max_batch)
+        metric("z2all_kv_cache_slots", "gauge", "cache slots per row", app.scheduler.cache_len)
+        metric("z2all_kv_cache_column", "gauge", "the cache slot the next decode step writes", s["column"])
+        metric("z2all_queue_limit", "gauge", "sequences that may wait", app.max_queue)
+        metric("z2all_decode_steps_total", "counter", "decode steps run", s["steps"])
+        metric("z2all_prompt_tokens_total", "counter", "prompt tokens of accepted requests", self.prompt_tokens)
+        metric("z2all_generation_tokens_total", "counter", "tokens generated", self.generated_tokens)
+        metric("z2all_generation_tokens_per_second", "gauge", f"tokens generated per second over the last "
+               f"{self.window:g} s", f"{self.rate():.3f}")
+        lines += ["# HELP z2all_sequences_finished_total sequences ended, by finish reason",
+                  "# TYPE z2all_sequences_finished_total counter"]
+        lines += [f'z2all_sequences_finished_total{{reason="{r}"}} {n}' for r, n in sorted(s["finished"].items())]
+        lines += ["# HELP z2all_http_requests_total HTTP requests answered, by route and status",
+                  "# TYPE z2all_http_requests_total counter"]
+        lines += [f'z2all_http_requests_total{{route="{r}",status="{c}"}} {n}'
+                  for (r, c), n in sorted(self.requests.items())]
+        if connections is not None:
+            metric("z2all_http_connections_open", "gauge", "client connections open", connections[0])
+            metric("z2all_http_connections_busy", "gauge", "connections whose request is being answered",
+                    connections[1])
+        metric("z2all_draining", "gauge", "1 while shutting down", int(not app.accepting))
+        for h in (self.ttft, self.itl, self.latency):
+            lines += h.lines()
+        return "\n".join(lines) + "\n"
 
 
 # the chat page's files and their content types; served from the package (zero2all/infer/web/)
@@ -440,423 +481,567 @@ def is_loopback(host: str) -> bool:
             return False
 
 
+def key_matches(header: str | bytes, expected: bytes) -> bool:
+    """``Authorization: Bearer KEY`` with the right key (compared in constant time, so the time taken says nothing
+    of how much of a guess was right)."""
+    if isinstance(header, bytes):
+        header = header.decode("latin-1")
+    scheme, _, given = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1", "replace"), expected)
+
+
+def needs_key(method: str, path: str) -> bool:
+    """Which requests the key guards: every /v1 route, and any POST."""
+    return method == "POST" or path.startswith("/v1")
+
+
 def _sse(chunks: list[dict]) -> bytes:
     """Server-sent events, one ``data:`` line per chunk."""
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
 
 
-def make_handler(app: InferenceApp, quiet: bool = False, api_key: str | None = None,
-                 cors_origin: str | None = None):
-    """The request handler class. ``api_key``: required as ``Authorization: Bearer KEY`` on every /v1 route.
-    ``cors_origin``: the one other origin whose pages may call the API (None: no CORS header at all). It runs under
-    :class:`_Server`, which gives each connection its deadline-bound reader (:class:`_Connection`)."""
+def _json(err: RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), err.status, headers={**err.headers, **(headers or {})})
+
+
+def raw_error(err: RequestError, headers: dict | None = None) -> bytes:
+    """A whole HTTP/1.1 error response, for the protocol layer (before or outside any request) and closing."""
+    body = json.dumps(err.body()).encode()
+    head = [f"HTTP/1.1 {err.status} {_phrase(err.status)}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in {**err.headers, **(headers or {})}.items()),
+            "Connection: close"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _phrase(status: int) -> str:
+    from http import HTTPStatus
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+KEY_REFUSED = ("a valid API key is required: send the header 'Authorization: Bearer KEY' with the key this server "
+               "was started with")
+KNOWN_METHODS = {"GET", "HEAD", "POST", "OPTIONS", "PUT", "DELETE", "PATCH", "TRACE", "CONNECT"}
+LABELLED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/"}
+
+
+class _Deadline(Exception):
+    """The request's body did not arrive in time."""
+
+
+class _Gone(Exception):
+    """The client went away."""
+
+
+def make_app(app: InferenceApp, api_key: str | None = None, cors_origin: str | None = None,
+             read_timeout: float = READ_TIMEOUT, quiet: bool = False, connections=None):
+    """The ASGI app serving ``app``: Starlette routes behind a guard for what every request shares (HTTP version,
+    method, API key, CORS, the access log, the request counts of ``/metrics``). ``api_key``: required as
+    ``Authorization: Bearer KEY`` on every /v1 route. ``cors_origin``: the one other origin whose pages may call the
+    API (None: no CORS header at all). ``connections`` (a callable giving (open, busy)) feeds ``/metrics``."""
     expected = api_key.encode() if api_key else None
+    metrics = app.metrics
+    schema = api.openapi("zero2all", _version())
 
-    def key_matches(value: str) -> bool:
-        scheme, _, given = value.strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+    def deadline_of(request: Request) -> float:
+        return request.scope.get("extensions", {}).get("zero2all.deadline") or (time.monotonic() + read_timeout)
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "zero2all"
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):
-            if not quiet:
-                sys.stderr.write(f"[serve] {self.address_string()} {fmt % args}\n")
-
-        # -- reading under a deadline, the key checked as soon as its header arrives ------------------------------
-        def setup(self):
-            super().setup()
-            self.conn = self.server.connection(self.request)
-            made, self.rfile = self.rfile, _LineReader(self.conn)
-            made.close()  # the socket's own file would keep the descriptor open after the close
-
-        def handle_one_request(self):
-            self.key_refused = False  # a wrong key was seen among the headers (reading stopped there)
-            self.head_only = False
-            self.server.start_request(self.conn)
-            super().handle_one_request()
-
-        def parse_request(self):
-            self.rfile.on_line = self._header_line
-            try:
-                return super().parse_request()
-            finally:
-                self.rfile.on_line = None
-
-        def _needs_key(self) -> bool:
-            return expected is not None and (self.command == "POST" or self.path.startswith("/v1"))
-
-        def _header_line(self, line: bytes) -> bytes:
-            """Sees each header line as it arrives: a wrong key ends the headers there (an empty line), so a client
-            without the key costs no more reading; the answer is then 401 and the connection closes."""
-            if line[:14].lower() == b"authorization:" and not self.key_refused and self._needs_key():
-                if not key_matches(line[14:].decode("latin-1")):
-                    self.key_refused = True
-                    return b"\r\n"
-            return line
-
-        def send_error(self, code, message=None, explain=None):
-            """The standard library's own refusals (a malformed request line, a line or headers too long, an
-            unknown method) in JSON like every other error, and the connection closed (the rest is unread)."""
-            text = message or self.responses.get(code, ("error",))[0]
-            err = RequestError(int(code), f"{text}: {explain}" if explain else text)
-            if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # no version read (or an unknown one): the
-                self.request_version = "HTTP/1.1"                     # answer still gets its status line
-            self._error(err, {"Connection": "close"})
-
-        def handle_expect_100(self):
-            """``Expect: 100-continue`` (curl's way with large bodies): a client without the key gets 401, not an
-            invitation to send its body."""
-            if self._needs_key() and not self._authorized():
-                self._refuse(close=True)
-                return False
-            return super().handle_expect_100()
-
-        def _answering(self):
-            """The request is read: no deadline now, and a write stuck on a client that reads nothing ends after
-            the read timeout (the answer's other side); a connection being answered is never evicted."""
-            self.server.stop_reading(self.conn)
-
-        def end_headers(self):
-            if cors_origin and getattr(self, "path", "").startswith("/v1"):
-                self.send_header("Access-Control-Allow-Origin", cors_origin)
-                self.send_header("Vary", "Origin")
-            super().end_headers()
-
-        def _send_json(self, status: int, obj: dict, headers: dict | None = None):
-            self._send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
-
-        def _send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None):
-            self._answering()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            if not self.head_only:  # HEAD: GET's status and headers, no body
-                self.wfile.write(data)
-
-        def _authorized(self) -> bool:
-            """True without a key; with one, the request must carry ``Authorization: Bearer KEY`` (compared in
-            constant time, so the time taken says nothing of how much of a guess was right)."""
-            if expected is None:
-                return True
-            return not self.key_refused and key_matches(self.headers.get("Authorization") or "")
-
-        def _refuse(self, close: bool = False):
-            close = close or self.key_refused  # the headers were not all read: the connection cannot be reused
-            self._error(RequestError(401, "a valid API key is required: send the header 'Authorization: Bearer "
-                                          "KEY' with the key this server was started with", code="invalid_api_key",
-                                     headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if close
-                                                                               else {})}))
-
-        def _allowed(self) -> str:
-            return "GET, HEAD, POST" + (", OPTIONS" if cors_origin else "")
-
-        def _not_allowed(self):
-            """405 for a method this server does not answer (PUT, DELETE, ...; OPTIONS outside a CORS preflight).
-            Any body is left unread, so the connection closes."""
-            why = (" (OPTIONS is answered only as a CORS preflight from the origin set by --cors-origin)"
-                   if self.command == "OPTIONS" else "")
-            self._error(RequestError(405, f"method {self.command} is not allowed here{why}; use "
-                                          f"{self._allowed()}", code="method_not_allowed",
-                                     headers={"Allow": self._allowed(), "Connection": "close"}))
-
-        do_PUT = do_DELETE = do_PATCH = do_TRACE = do_CONNECT = _not_allowed
-
-        def do_OPTIONS(self):
-            """The CORS preflight, answered only for the allowed origin."""
-            if not cors_origin or self.headers.get("Origin") != cors_origin or not self.path.startswith("/v1"):
-                return self._not_allowed()
-            self._send_bytes(204, b"", "text/plain", {
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
-
-        def do_HEAD(self):
-            self.head_only = True
-            self.do_GET()
-
-        def _error(self, err: RequestError, headers=None):
-            headers = {**err.headers, **(headers or {})}
-            if headers.get("Connection") == "close":
-                self.close_connection = True
-            self._send_json(err.status, err.body(), headers)
-
-        def _client_alive(self) -> bool:
-            """False once the client has closed its end (a readable socket with nothing to read)."""
-            try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return not readable or bool(self.connection.recv(1, socket.MSG_PEEK))
-            except (OSError, ValueError):
-                return False
-
-        def do_GET(self):
-            path = self.path.split("?", 1)[0]
-            if path in PAGE_FILES:
-                name, content_type = PAGE_FILES[path]
-                return self._send_bytes(200, page_file(name), content_type, PAGE_HEADERS)
-            path = path.rstrip("/")
-            if path.startswith("/v1") and not self._authorized():
-                self._refuse()
-            elif path == "/v1/models":
-                self._send_json(200, app.models())
-            elif path == "/health":
-                self._send_json(*app.health())
-            else:
-                self._error(RequestError(404, f"no such path {self.path}", kind="not_found_error"))
-
-        def _read_body(self) -> dict:
-            ctype = self.headers.get("Content-Type")
-            media = (ctype or "").partition(";")[0].strip().lower()
-            if ctype is not None and media != "application/json" and not media.endswith("+json"):
-                raise RequestError(415, f"Content-Type {_show(ctype)} is not supported: send the body as JSON with "
-                                        "'Content-Type: application/json'", "Content-Type", "unsupported_media_type")
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise RequestError(411, "a Content-Length header is required")
+    async def read_body(request: Request) -> dict:
+        """The JSON body, read under the request's deadline (the protocol's, from the request's first byte)."""
+        ctype = request.headers.get("content-type")
+        media = (ctype or "").partition(";")[0].strip().lower()
+        if ctype is not None and media != "application/json" and not media.endswith("+json"):
+            raise RequestError(415, f"Content-Type {show(ctype)} is not supported: send the body as JSON with "
+                                    "'Content-Type: application/json'", "Content-Type", "unsupported_media_type")
+        length = request.headers.get("content-length")
+        if length is None and "chunked" not in request.headers.get("transfer-encoding", "").lower():
+            raise RequestError(411, "a Content-Length header is required")
+        if length is not None:
             try:
                 n = int(length)
             except ValueError:
                 raise RequestError(400, f"bad Content-Length {length!r}") from None
             if n > MAX_BODY_BYTES:
-                self.close_connection = True
                 raise RequestError(413, f"request body of {n} bytes is over the limit of {MAX_BODY_BYTES}")
+        deadline = deadline_of(request)
+        raw = bytearray()
+        receive = request.receive
+        while True:
+            left = deadline - time.monotonic()
             try:
-                raw = self.rfile.read(n)
-            except TimeoutError:
-                raise RequestError(408, f"the request did not arrive within the read timeout of "
-                                        f"{self.server.read_timeout:g} s", code="request_timeout") from None
-            if len(raw) < n:
-                raise RequestError(400, f"the body ended after {len(raw)} of its {n} bytes")
-            try:
-                body = json.loads(raw)
-            # ValueError: an integer too long to convert; RecursionError: nesting too deep
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the body must be a JSON object")
-            return body
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), left)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise RequestError(408, f"the request did not arrive within the read timeout of {read_timeout:g} s",
+                                   code="request_timeout") from None
+            if message["type"] == "http.disconnect":
+                raise _Gone
+            raw += message.get("body", b"")
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(413, f"request body over the limit of {MAX_BODY_BYTES} bytes")
+            if not message.get("more_body"):
+                break
+        try:
+            body = json.loads(raw)
+        # ValueError: an integer too long to convert; RecursionError: nesting too deep
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        return body
 
-        def do_POST(self):
-            with app.tracked():
-                self._post()
-
-        def _post(self):
-            path = self.path.split("?", 1)[0].rstrip("/")
-            kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
+    async def generate(request: Request):
+        kind = "chat" if request.url.path == "/v1/chat/completions" else "completion"
+        with app.tracked():
             try:
-                if not self._authorized():  # before the body is read: an unauthorised client costs nothing
-                    return self._refuse(close=True)  # the body is unread: the connection cannot be reused
-                if kind is None:
-                    raise RequestError(404, f"no such path {self.path}", kind="not_found_error")
-                body = self._read_body()
+                body = await read_body(request)
+            except RequestError as e:  # the body may be unread: the connection cannot be reused; say so
+                return _json(e, {"Connection": "close"})
+            except _Gone:
+                return Response(status_code=499)  # nobody reads it
+            try:
+                job = app.submit(kind, body)
             except RequestError as e:
-                self.close_connection = True  # the body may be unread: do not reuse the connection,
-                try:  # and say so, or a client may send on it again
-                    return self._error(e, {"Connection": "close"})
-                except (*GONE, OSError):  # closed to make room for another connection, or gone
-                    return
-            self._answering()
+                return _json(e)
+            if job.stream:
+                return await EventStream.start(app, job, request, read_timeout)
+            watch = asyncio.ensure_future(_on_disconnect(request.receive, job.sub.cancel))
             try:
-                mode, payload = app.run(kind, body, alive=self._client_alive)
-                if mode == "json":
-                    self._send_json(200, payload)
-                else:
-                    self._send_stream(payload)
-            except RequestError as e:
-                self._error(e)
-            except ValueError as e:  # a check inside generation
-                self._error(RequestError(400, str(e)))
-            except GONE:
-                self.close_connection = True  # the client is gone (or reads nothing): its request was cancelled
-            except Exception as e:  # noqa: BLE001 - an internal error still answers in JSON
-                self._error(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
-
-        def _send_stream(self, chunks):
-            """Server-sent events: each list of chunks from ``chunks`` goes out in one write."""
-            first = next(chunks)  # before the 200 goes out: a model error can still be a 500
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-            try:  # small writes go out at once rather than wait for the client's acknowledgement (Nagle)
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):  # not a TCP socket
-                pass
-            try:
-                self.wfile.write(_sse(first))
-                self.wfile.flush()
-                try:
-                    for batch in chunks:
-                        self.wfile.write(_sse(batch))
-                        self.wfile.flush()
-                except GONE:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the 200 is out: the error goes into the stream
-                    err = RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
-                    self.wfile.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-                    return
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
+                return JSONResponse(await app.complete(job))
+            except Exception as e:  # noqa: BLE001 - an error in generation still answers in JSON
+                return _json(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
             finally:
-                chunks.close()  # a client that went away stops the generation
+                watch.cancel()
 
-    return Handler
+    async def models(request: Request):
+        return JSONResponse(app.models())
+
+    async def health(request: Request):
+        status, body = app.health()
+        return JSONResponse(body, status)
+
+    async def prometheus(request: Request):
+        return Response(metrics.render(app, connections() if connections else None),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(request: Request):
+        return JSONResponse(schema)
+
+    def page(name: str, content_type: str):
+        async def serve_file(request: Request):
+            return Response(page_file(name), headers={**PAGE_HEADERS, "Content-Type": content_type})
+        return serve_file
+
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 405:
+            allowed = exc.headers.get("Allow", "") if exc.headers else ""
+            return _json(RequestError(405, f"method {request.method} is not allowed on {request.url.path}; use "
+                                           f"{allowed}", code="method_not_allowed"), {"Allow": allowed})
+        if exc.status_code == 404:
+            return _json(RequestError(404, f"no such path {request.url.path}", kind="not_found_error"),
+                         {"Connection": "close"} if request.method == "POST" else None)
+        return _json(RequestError(exc.status_code, str(exc.detail)))
+
+    routes = [Route(path, page(name, ctype), methods=["GET"]) for path, (name, ctype) in PAGE_FILES.items()]
+    routes += [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+               Route("/metrics", prometheus, methods=["GET"]), Route("/openapi.json", openapi, methods=["GET"]),
+               Route("/v1/completions", generate, methods=["POST"]),
+               Route("/v1/chat/completions", generate, methods=["POST"])]
+    inner = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    inner.router.redirect_slashes = False
+    allowed = "GET, HEAD, POST" + (", OPTIONS" if cors_origin else "")
+    log = None if quiet else _access_log
+
+    async def guard(scope, receive, send):
+        if scope["type"] != "http":
+            return await inner(scope, receive, send)
+        method, path = scope["method"], scope["path"]
+        if path != "/" and path.endswith("/"):  # /v1/models/ is /v1/models
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            path = scope["path"]
+        route = path if path in LABELLED else "other"  # a fixed set of labels, whatever paths clients send
+        status = []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                if cors_origin and path.startswith("/v1"):
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"access-control-allow-origin", cors_origin.encode()),
+                                                      (b"vary", b"Origin")]}
+            await send(message)
+
+        try:
+            err = None
+            if scope.get("http_version") not in ("1.0", "1.1"):
+                err = RequestError(505, f"HTTP version {scope.get('http_version')} is not supported: use HTTP/1.1",
+                                   headers={"Connection": "close"})
+            elif method not in KNOWN_METHODS:
+                err = RequestError(501, f"unsupported method {show(method)}", headers={"Connection": "close"})
+            elif method == "OPTIONS" and cors_origin and path.startswith("/v1") and \
+                    _header(scope, b"origin") == cors_origin.encode():
+                return await Response(status_code=204, headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                    "Access-Control-Max-Age": "600"})(scope, receive, sending)
+            elif method not in ("GET", "HEAD", "POST"):
+                why = (" (OPTIONS is answered only as a CORS preflight from the origin set by --cors-origin)"
+                       if method == "OPTIONS" else "")
+                err = RequestError(405, f"method {method} is not allowed here{why}; use {allowed}",
+                                   code="method_not_allowed", headers={"Allow": allowed, "Connection": "close"})
+            elif expected is not None and needs_key(method, path) and \
+                    not key_matches(_header(scope, b"authorization") or b"", expected):
+                close = {"Connection": "close"} if method == "POST" else {}  # the body stays unread
+                err = RequestError(401, KEY_REFUSED, code="invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer", **close})
+            if err is not None:
+                return await _json(err)(scope, receive, sending)
+            await inner(scope, receive, sending)
+        finally:
+            code = status[0] if status else 499
+            metrics.requests[(route, code)] += 1
+            if log is not None:
+                log(scope, code)
+
+    return guard
 
 
-class _Connection(io.RawIOBase):
-    """One client connection's bytes, read under a deadline, and its state among the server's connections.
-
-    The deadline covers a whole request: the wait for its first byte (a kept-alive connection idling), the request
-    line, the headers and the body. Each read waits only for what is left of it, so a client that trickles one byte
-    at a time is cut off as surely as one that stops sending (a timeout per read would let it go on for ever).
-    ``reading``: waiting for (part of) a request, as opposed to being answered; ``evicted``: the server closed it to
-    make room for a new connection."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.deadline: float | None = None
-        self.reading = True
-        self.since = time.monotonic()
-        self.evicted = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0 or self.evicted:
-                raise TimeoutError("the request did not arrive in time")
-            self.sock.settimeout(left)
-        n = self.sock.recv_into(buf)
-        if self.evicted:  # woken by the server's shutdown of the socket
-            raise TimeoutError("the connection was closed to make room for another")
-        return n
+def _header(scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
 
 
-class _LineReader(io.BufferedReader):
-    """The handler's ``rfile``: ``on_line`` (when set) sees each line read, and may replace it; the handler uses it
-    to check the API key as soon as its header line arrives, before the other headers and the body."""
-
-    on_line: Callable[[bytes], bytes] | None = None
-
-    def readline(self, size: int | None = -1) -> bytes:
-        line = super().readline(-1 if size is None else size)
-        return self.on_line(line) if self.on_line is not None else line
+def _access_log(scope, status: int):
+    client = scope.get("client") or ("-", 0)
+    sys.stderr.write(f'[serve] {client[0]} "{scope["method"]} {scope["path"]} HTTP/{scope["http_version"]}" '
+                     f"{status}\n")
 
 
-class _Server(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` with bounded connections: at most ``max_connections`` open at once (one thread
-    each), every request read under a deadline of ``read_timeout`` seconds (:class:`_Connection`).
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("zero2all")
+    except Exception:  # noqa: BLE001 - not installed (a source tree on the path)
+        return "0"
 
-    When a new connection finds the server full, the connection that has waited longest for its request (an idle
-    keep-alive or a half-sent request) is closed to make room, so connections that send nothing cannot lock others
-    out; if every connection is being answered, the new one gets 503 ``too_many_connections`` with ``Retry-After``
-    and is closed, without a thread."""
 
-    daemon_threads = True
-    request_queue_size = 256  # the listen backlog: 5 by default, too few for a burst of clients connecting at once
+async def _on_disconnect(receive, callback):
+    """Calls ``callback`` when the client goes away (the request's body is read by then)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            callback()
+            return
 
-    def __init__(self, address, handler, read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
+
+class EventStream:
+    """A streamed answer (server-sent events) as an ASGI response: each list of chunks in one write, a write that
+    the client does not take within ``write_timeout`` seconds ends the stream (and cancels the request), and a
+    client that goes away cancels it at once."""
+
+    def __init__(self, app: InferenceApp, job: _Job, chunks, first: list[dict], write_timeout: float):
+        self.app, self.job, self.chunks, self.first, self.write_timeout = app, job, chunks, first, write_timeout
+
+    @classmethod
+    async def start(cls, app: InferenceApp, job: _Job, request: Request, write_timeout: float):
+        """The first chunks are drawn before the 200 goes out, so that a model error can still be a 500."""
+        chunks = app.chunks(job)
+        watch = asyncio.ensure_future(_on_disconnect(request.receive, job.sub.cancel))
+        try:
+            first = await chunks.__anext__()
+        except Exception as e:  # noqa: BLE001
+            watch.cancel()
+            await chunks.aclose()
+            return _json(RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        stream = cls(app, job, chunks, first, write_timeout)
+        stream.watch = watch
+        return stream
+
+    async def __call__(self, scope, receive, send):
+        async def write(data: bytes, more: bool = True):
+            message = {"type": "http.response.body", "body": data, "more_body": more}
+            try:
+                if hasattr(asyncio, "timeout"):  # Python 3.11+: a timer, no task per write
+                    async with asyncio.timeout(self.write_timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), self.write_timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self.job.sub.cancel()
+                raise _Gone("the client does not read") from None
+
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            await write(_sse(self.first))
+            try:
+                async for batch in self.chunks:
+                    await write(_sse(batch))
+            except Exception as e:  # noqa: BLE001 - the 200 is out: the error goes into the stream
+                if isinstance(e, _Gone):
+                    raise
+                err = RequestError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+                await write(b"data: " + json.dumps(err.body()).encode() + b"\n\n", more=False)
+                return
+            await write(b"data: [DONE]\n\n", more=False)
+        finally:
+            self.watch.cancel()
+            await self.chunks.aclose()  # a client that went away stops the generation
+
+
+# -- the HTTP/1.1 protocol with limits ----------------------------------------------------------------------------
+
+class _Connections:
+    """The server's open connections: the cap, the eviction of the longest-waiting idle one, the counts."""
+
+    def __init__(self, max_connections: int, read_timeout: float, api_key: str | None, cors_origin: str | None):
         if not read_timeout > 0:
             raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.read_timeout = float(read_timeout)
-        self.max_connections = max_connections
-        self._connections: dict[socket.socket, _Connection] = {}
-        self._lock = threading.Lock()
-        super().__init__(address, handler)
+        self.max_connections, self.read_timeout = max_connections, float(read_timeout)
+        self.expected = api_key.encode() if api_key else None
+        self.cors_origin = cors_origin
+        self.open: dict = {}  # protocol -> None, in the order they came
+
+    def admit(self, conn: "_Protocol") -> bool:
+        if len(self.open) >= self.max_connections:
+            idle = [c for c in self.open if c.reading]
+            if not idle:
+                return False
+            min(idle, key=lambda c: c.since).evict()
+        self.open[conn] = None
+        return True
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.open), sum(not c.reading for c in self.open)
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11) with what a server facing the open network needs and uvicorn leaves out:
+
+    * a deadline for each whole request: the wait for it (a kept-alive connection idling), its request line, its
+      headers and its body must arrive within ``read_timeout`` seconds of the wait's start; a client that stops
+      half-way, or trickles one byte at a time, is closed at the deadline (the app answers a half-sent body with
+      408, reading it under the same deadline: ``scope["extensions"]["zero2all.deadline"]``);
+    * at most ``max_connections`` open (:class:`_Connections`): a new one past that closes the one that has waited
+      longest for its request, or gets 503 when every connection is being answered;
+    * the API key checked as soon as its header line arrives: a wrong one is refused with 401 before the other
+      headers and the body are read;
+    * malformed requests answered in JSON, with the status h11 suggests (431 for headers too long).
+    """
+
+    def __init__(self, config, server_state, app_state, _loop=None, *, pool: _Connections):
+        super().__init__(config, server_state, app_state, _loop)
+        self.pool = pool
+        self.since = time.monotonic()
+        self.deadline = self.since + pool.read_timeout
+        self.evicted = self.refused = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._head = b""       # the current request's head so far, while it has not ended
+        self._head_done = self._key_checked = False
+        inner = self.app
+
+        async def with_deadline(scope, receive, send):
+            scope.setdefault("extensions", {})["zero2all.deadline"] = self.deadline
+            await inner(scope, receive, send)
+
+        self.app = with_deadline
+
+    @property
+    def reading(self) -> bool:
+        """Waiting for (part of) a request, as opposed to being answered."""
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started)
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        if not self.pool.admit(self):
+            self.refused = True
+            err = RequestError(503, f"the server has {self.pool.max_connections} connections being answered, its "
+                                    "most; try again shortly", kind="server_error", code="too_many_connections",
+                               headers={"Retry-After": "1"})
+            transport.write(raw_error(err))
+            transport.close()
+            return
+        self._await_request()
+
+    def connection_lost(self, exc):
+        self.pool.open.pop(self, None)
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def evict(self):
+        self.evicted = True
+        self.pool.open.pop(self, None)
+        self.transport.close()
+
+    def _await_request(self):
+        """A (next) request is awaited: its deadline starts now."""
+        self.since = time.monotonic()
+        self.deadline = self.since + self.pool.read_timeout
+        self._head, self._head_done, self._key_checked = b"", False, False
+        self._stop_timer()
+        self._timer = self.loop.call_later(self.pool.read_timeout, self._late)
+
+    def _stop_timer(self):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self):
+        """The deadline passed: a connection still waiting for its request's head is closed; one whose body is
+        half-sent is the app's to answer (408), closed here a second later if it has not been."""
+        self._timer = None
+        if self.transport.is_closing() or not self.reading:
+            return
+        if self.conn.their_state is h11.IDLE or self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+        else:
+            self._timer = self.loop.call_later(1.0, self.transport.close)
+
+    def data_received(self, data: bytes):
+        if self.refused or self.evicted:
+            return
+        if self.conn.their_state is h11.IDLE and not self._head_done and not self._check_head(data):
+            return
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.more_body and not self.reading:
+            self._stop_timer()  # the whole request is in: the deadline no longer applies
+
+    def _check_head(self, data: bytes) -> bool:
+        """Looks at the request's head (request line and headers) as it arrives; False, with the error sent and the
+        connection closing, when it grows past ``MAX_HEAD_BYTES`` (431) or as soon as a wrong ``Authorization``
+        line is complete on a request that needs the key (401)."""
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        head = self._head if end < 0 else self._head[:end + 2]
+        if len(head) > MAX_HEAD_BYTES:
+            return self._refuse(RequestError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes",
+                                             code="headers_too_large"))
+        if self.pool.expected is not None and not self._key_checked:
+            lines = head.lstrip(b"\r\n").split(b"\n")
+            if len(lines) >= 2:
+                parts = lines[0].split()
+                method, target = (parts[0].decode("latin-1"), parts[1].decode("latin-1")) if len(parts) >= 2 \
+                    else ("", "")
+                if not needs_key(method, target):
+                    self._key_checked = True
+                for line in lines[1:-1]:  # the complete header lines
+                    if self._key_checked:
+                        break
+                    if line[:14].lower() == b"authorization:":
+                        self._key_checked = True
+                        if not key_matches(line[14:], self.pool.expected):
+                            cors = self.pool.cors_origin
+                            extra = {"Access-Control-Allow-Origin": cors, "Vary": "Origin"} if cors and \
+                                target.startswith("/v1") else {}
+                            return self._refuse(RequestError(401, KEY_REFUSED, code="invalid_api_key",
+                                                             headers={"WWW-Authenticate": "Bearer", **extra}))
+        if end >= 0:
+            self._head_done, self._head = True, b""
+        return True
+
+    def _refuse(self, err: RequestError) -> bool:
+        """Answer with ``err`` outside any request (the head was not all read) and close."""
+        self.transport.write(raw_error(err))
+        self.refused = True
+        self._stop_timer()
+        self.transport.close()
+        return False
+
+    def send_400_response(self, msg: str):
+        """What h11 refuses (called while its error is being handled), in JSON with the status it suggests."""
+        exc = sys.exc_info()[1]
+        status = getattr(exc, "error_status_hint", 400) or 400
+        what = {431: "the request's headers are too long"}.get(status, "malformed request")
+        self._refuse(RequestError(status, f"{what}: {exc or msg}"))
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_request()
+
+
+class HTTPServer:
+    """uvicorn serving an ASGI app on a socket bound at construction (``port=0`` picks a free port:
+    ``server_address``). ``serve_forever`` runs the event loop in the calling thread; ``shutdown`` (from another
+    thread) ends it after the connections close; ``stop_listening`` closes the listening socket only."""
+
+    def __init__(self, address: tuple[str, int], asgi, pool: _Connections, quiet: bool = False):
+        self.pool = pool
+        self.read_timeout, self.max_connections = pool.read_timeout, pool.max_connections
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(2048)
+        except BaseException:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()
+        self.config = Config(asgi, http=functools.partial(_Protocol, pool=pool), lifespan="off", log_config=None,
+                             log_level=logging.CRITICAL if quiet else logging.ERROR, access_log=False,
+                             timeout_keep_alive=int(math.ceil(pool.read_timeout)) + 1,
+                             h11_max_incomplete_event_size=MAX_HEAD_BYTES, server_header=False,
+                             timeout_graceful_shutdown=5)
+        self.uvicorn = Uvicorn(self.config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._started, self._done = threading.Event(), threading.Event()
 
     @property
     def open_connections(self) -> int:
-        with self._lock:
-            return sum(not c.evicted for c in self._connections.values())
+        return self.pool.counts()[0]
 
     @property
     def busy_connections(self) -> int:
         """Connections whose request is being answered."""
-        with self._lock:
-            return sum(not c.evicted and not c.reading for c in self._connections.values())
+        return self.pool.counts()[1]
 
-    def connection(self, request: socket.socket) -> _Connection:
-        with self._lock:
-            return self._connections[request]
-
-    def start_request(self, conn: _Connection):
-        """A (next) request is awaited on ``conn``: the deadline starts."""
-        with self._lock:
-            conn.reading, conn.since = True, time.monotonic()
-            conn.deadline = conn.since + self.read_timeout
-
-    def stop_reading(self, conn: _Connection):
-        """``conn``'s request is read and is being answered: writes get the read timeout, a total for each."""
-        with self._lock:
-            if conn.evicted:
-                raise TimeoutError("the connection was closed to make room for another")
-            if conn.reading:
-                conn.reading, conn.deadline = False, None
-                conn.sock.settimeout(self.read_timeout)
-
-    def process_request(self, request, client_address):
-        with self._lock:
-            live = [c for c in self._connections.values() if not c.evicted]
-            if len(live) >= self.max_connections:
-                idle = [c for c in live if c.reading]
-                if not idle:
-                    admitted = False
-                else:
-                    oldest = min(idle, key=lambda c: c.since)
-                    oldest.evicted = True
-                    try:  # wakes its thread, blocked in a read
-                        oldest.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    admitted = True
-            else:
-                admitted = True
-            if admitted:
-                self._connections[request] = _Connection(request)
-        if not admitted:
-            return self._refuse(request)
+    def serve_forever(self):
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._forget(request)
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
+            asyncio.run(self._serve())
         finally:
-            self._forget(request)
+            self._done.set()
 
-    def _forget(self, request):
-        with self._lock:
-            self._connections.pop(request, None)
+    async def _serve(self):
+        self.loop = asyncio.get_running_loop()
+        self._started.set()
+        await self.uvicorn.serve(sockets=[self.socket])
 
-    def _refuse(self, request: socket.socket):
-        """503 straight from the accept loop, never blocking it: what fits in the socket's buffer, then close."""
-        err = RequestError(503, f"the server has {self.max_connections} connections being answered, its most; "
-                                "try again shortly", kind="server_error", code="too_many_connections")
-        body = json.dumps(err.body()).encode()
-        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
-        try:
-            request.setblocking(False)
-            try:  # what the client has sent already: closing with unread bytes would reset the connection
-                request.recv(65536)
-            except OSError:
+    def stop_listening(self):
+        """New connections are refused from now on; the open ones go on."""
+        if self._started.wait(5) and self.loop is not None and not self._done.is_set():
+            done = threading.Event()
+
+            def close():
+                for s in getattr(self.uvicorn, "servers", []):
+                    s.close()
+                done.set()
+
+            try:
+                self.loop.call_soon_threadsafe(close)
+                done.wait(5)
+            except RuntimeError:  # the loop already ended
                 pass
-            request.send(head + body)
+        try:
+            self.socket.close()
         except OSError:
             pass
-        self.shutdown_request(request)
+
+    def shutdown(self):
+        """End ``serve_forever`` (the open connections are closed once their responses are out)."""
+        self.uvicorn.should_exit = True
+        if self._started.is_set():
+            self._done.wait(30)
+
+    def server_close(self):
+        self.stop_listening()
 
 
 class AddressError(Exception):
@@ -893,7 +1078,7 @@ def check_address(host: str, port: int) -> None:
     """Bind ``host:port`` as the server will (IPv4, address reuse) and let go again, so that a busy port or a bad
     host is said in one line before minutes of model loading; raises :class:`AddressError`."""
     try:
-        with socket.socket(_Server.address_family, socket.SOCK_STREAM) as sock:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except (OSError, OverflowError) as e:
@@ -906,11 +1091,11 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
                   cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None,
                   read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS
-                  ) -> tuple[ThreadingHTTPServer, InferenceApp]:
+                  ) -> tuple[HTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
-    ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key`` and ``cors_origin``: see
-    :func:`make_handler`; ``read_timeout`` and ``max_connections``: see :class:`_Server`."""
+    ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key``, ``cors_origin``: see
+    :func:`make_app`; ``read_timeout`` and ``max_connections``: see :class:`_Protocol`."""
     from zero2all.infer.generate import load_for_inference
 
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
@@ -923,38 +1108,41 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
 
 def bind(app: InferenceApp, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False,
          api_key: str | None = None, cors_origin: str | None = None, read_timeout: float = READ_TIMEOUT,
-         max_connections: int = MAX_CONNECTIONS) -> tuple[ThreadingHTTPServer, InferenceApp]:
+         max_connections: int = MAX_CONNECTIONS) -> tuple[HTTPServer, InferenceApp]:
     """An HTTP server for an app (not yet serving: ``serve_forever`` or :func:`run_server`)."""
-    handler = make_handler(app, quiet=quiet, api_key=api_key, cors_origin=cors_origin)
+    pool = _Connections(max_connections, read_timeout, api_key, cors_origin)
+    asgi = make_app(app, api_key=api_key, cors_origin=cors_origin, read_timeout=read_timeout, quiet=quiet,
+                    connections=pool.counts)
     try:
-        return _Server((host, port), handler, read_timeout, max_connections), app
+        return HTTPServer((host, port), asgi, pool, quiet), app
     except (OSError, OverflowError) as e:
         raise address_error(e, host, port) from None
 
 
-def shutdown(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
+def shutdown(httpd: HTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
              hurry: threading.Event | None = None) -> int:
     """Stop accepting, let requests finish for up to ``drain_timeout`` seconds (less once ``hurry`` is set), cancel
-    the rest, stop. Call it while ``serve_forever`` runs in another thread (``httpd.shutdown`` waits for that loop
-    to end). Returns the exit status: 0, or ``EXIT_CANCELLED`` when requests were cancelled."""
+    the rest, stop. Call it while ``serve_forever`` runs in another thread. Returns the exit status: 0, or
+    ``EXIT_CANCELLED`` when requests were cancelled."""
     app.scheduler.stop_accepting()     # from now on a request on an open connection gets 503
-    httpd.shutdown()                   # the accept loop ends
-    httpd.server_close()               # and the listening socket closes: new connections are refused
+    httpd.stop_listening()             # and new connections are refused
     deadline = time.monotonic() + drain_timeout
     while app.scheduler.busy() and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
         app.scheduler.wait_idle(min(0.2, max(0.0, deadline - time.monotonic())))
     cancelled = app.scheduler.drain(0.0)
-    app.wait_responses(5.0)            # the handler threads write their last chunks
+    app.wait_responses(5.0)            # the streams write their last chunks
+    httpd.shutdown()                   # the event loop ends once the connections are closed
     app.close()
     print(f"stopped: {cancelled} request(s) cancelled after the drain timeout of {drain_timeout:g} s"
           if cancelled else "stopped: every request finished", file=sys.stderr, flush=True)
     return EXIT_CANCELLED if cancelled else 0
 
 
-def run_server(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
+def run_server(httpd: HTTPServer, app: InferenceApp, drain_timeout: float = 30.0,
                signals=(signal.SIGTERM, signal.SIGINT)) -> int:
     """Serve until one of ``signals`` arrives, then :func:`shutdown` (a second signal cancels at once). Run it in
-    the main thread (signal handlers live there). Returns the exit status."""
+    the main thread (signal handlers live there); the event loop runs in a thread of its own. Returns the exit
+    status."""
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
@@ -965,7 +1153,7 @@ def run_server(httpd: ThreadingHTTPServer, app: InferenceApp, drain_timeout: flo
     thread.start()
     try:
         while not stop.wait(0.5):
-            if not thread.is_alive():  # the accept loop died: shut down as well
+            if not thread.is_alive():  # the event loop died: shut down as well
                 break
         return shutdown(httpd, app, drain_timeout, hurry)
     finally:
@@ -986,6 +1174,7 @@ def serve(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, drain_tim
           f"stops after the running requests (at most {drain_timeout:g} s)", flush=True)
     print(f"chat page: http://{h}:{p}/" + ("  (it asks for the API key once per tab)" if kwargs.get("api_key")
                                           else ""), flush=True)
+    print(f"metrics: http://{h}:{p}/metrics   API description: http://{h}:{p}/openapi.json", flush=True)
     if app.max_tokens_limit > app.context:
         print(f"note: the max_tokens limit {app.max_tokens_limit} is above the model's context of {app.context} "
               "tokens: a request's prompt + max_tokens must fit the context", flush=True)

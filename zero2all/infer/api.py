@@ -1,0 +1,368 @@
+"""The OpenAI request and response bodies of ``z2all serve``, as pydantic models, and the API's error shape.
+
+The request models validate what a client sends (after ``null`` fields are dropped: OpenAI's rule is that a field
+sent as ``null`` is absent); :func:`validation_error` turns pydantic's first complaint into the API's error, a 400
+whose ``param`` names the field at fault (``messages[2].content``) and whose message says what the field must be and
+what it got. The response models are the shapes the server writes (it builds plain dicts for speed; the tests check
+them against these models) and, with the requests, make ``/openapi.json`` (:func:`openapi`).
+
+Types are strict: ``"1"`` is not a number and ``true`` is not 1; a number must be finite (``NaN`` and ``Infinity``,
+which Python's JSON reader accepts, are refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.json_schema import models_json_schema
+
+
+class RequestError(Exception):
+    """An API error: the HTTP status and OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def show(value) -> str:
+    """A request value for an error message, cut short (a 4000-digit integer would flood the message)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- requests -----------------------------------------------------------------------------------------------------
+
+FINITE = {"allow_inf_nan": False}
+
+
+class _Request(BaseModel):
+    """The fields both endpoints share, in the order they are checked (the first error is the one reported)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str = Field(description="the model id (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: the server's "
+                                                           "default, cut to what the prompt leaves of the context)")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
+    n: int | None = Field(None, description="only 1")
+    stream: bool | None = Field(None, description="server-sent events, one chunk per generated piece")
+    logprobs: Any = Field(None, description="not supported")
+    top_logprobs: Any = Field(None, description="not supported")
+    tools: list | None = Field(None, description="not supported (an empty list is accepted)")
+    functions: list | None = Field(None, description="not supported (an empty list is accepted)")
+    response_format: dict | None = Field(None, description='only {"type": "text"}')
+    seed: int | None = Field(None, description="a 64-bit integer: the same request gives the same text")
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2, **FINITE)
+    top_p: float | None = Field(None, gt=0, le=1, **FINITE)
+    top_k: int | None = Field(None, ge=0, description="an extension: sample among the k likeliest (0: all)")
+    repetition_penalty: float | None = Field(None, gt=0, **FINITE, description="an extension (1: none)")
+    ignore_eos: bool | None = Field(None, description="an extension: generate through stop tokens up to max_tokens")
+    fit_context: bool | None = Field(None, description="an extension: an explicit max_tokens is an upper bound, cut "
+                                                       "to what the prompt leaves of the context")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or len(v) > 4 or any(not isinstance(s, str) or not s for s in v):
+            raise ValueError("'stop' must be a non-empty string or a list of up to 4 of them")
+        return v
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n(cls, v):
+        if v != 1 or isinstance(v, bool):
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logprobs", "top_logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not False:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("tools", "functions", mode="before")
+    @classmethod
+    def _tools(cls, v, info):
+        if v:  # silently ignored, a client would wait for tool calls that never come
+            raise ValueError(f"'{info.field_name}' is not supported by this server (no tool calling)")
+        return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v):
+        if v != {"type": "text"}:
+            raise ValueError(f"'response_format' {show(v)} is not supported by this server: only "
+                             "{\"type\": \"text\"} (no JSON mode)")
+        return v
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed(cls, v):
+        if not isinstance(v, int) or isinstance(v, bool) or not -(1 << 63) <= v < (1 << 64):
+            raise ValueError(f"'seed' must be a 64-bit integer, got {show(v)}")
+        return v
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = Field(None, description="a last chunk with the usage and no choices")
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: each prompt starts a new document (the end-of-text separator goes in front)."""
+
+    prompt: str | list[str] = Field(description="a string or a list of them (one sequence each)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        prompts = [v] if isinstance(v, str) else v
+        if not isinstance(prompts, list) or not prompts or any(not isinstance(p, str) for p in prompts):
+            raise ValueError("'prompt' must be a string or a non-empty list of strings")
+        if any(not p for p in prompts):
+            raise ValueError("'prompt' must not be empty")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"] = Field(description="developer is read as system")
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, list):  # [{"type": "text", "text": ...}, ...]
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in v):
+                raise ValueError("only text parts are supported")
+            return v
+        if not isinstance(v, str):
+            raise ValueError("must be a string")
+        return v
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``: the messages in the model's chat template, then the assistant's turn."""
+
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens (wins)")
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+# -- responses (the shapes written; /openapi.json) ----------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "cancelled"] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    """The answer of ``/v1/completions``; streamed, each chunk has this shape (one choice, no usage)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (the last one, with include_usage: no choices)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    context_length: int = Field(description="the most tokens a prompt and its completion may span")
+    max_tokens_limit: int = Field(description="the largest max_tokens this server accepts")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "draining"]
+    running: int | None = None
+    waiting: int | None = None
+    cancelled: int | None = None
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+
+_PHRASES = {"int_type": "must be an integer", "int_from_float": "must be an integer", "float_type": "must be a number",
+            "finite_number": "must be a finite number", "bool_type": "must be true or false",
+            "string_type": "must be a string", "list_type": "must be a list", "dict_type": "must be an object",
+            "model_type": "must be an object", "model_attributes_type": "must be an object",
+            "too_short": "must not be empty"}
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+           "less_than": ("lt", "<")}
+
+
+def param_name(loc: tuple) -> str:
+    """pydantic's location of a field as the API names it: ('messages', 2, 'content') -> messages[2].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "str" or not str(part).isidentifier():
+            continue  # the member of a union that was tried ("list[str]")
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    """The first of pydantic's complaints as a 400 naming the field."""
+    err = e.errors(include_url=False)[0]
+    param = param_name(err["loc"])
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "missing":
+        return RequestError(400, f"missing required field '{param}'", param, "missing_field")
+    if kind == "value_error":
+        text = str(ctx.get("error", err["msg"]))
+        # the top-level checks name their field themselves; a nested one gets its place in front
+        return RequestError(400, f"{param}: {text}" if "." in param or "[" in param else text, param)
+    if kind in _BOUNDS:
+        key, sign = _BOUNDS[kind]
+        phrase = f"must be {sign} {ctx[key]}"
+    elif kind == "literal_error":
+        phrase = f"must be one of {ctx.get('expected')}"
+    else:
+        phrase = _PHRASES.get(kind, err["msg"].lower())
+    return RequestError(400, f"'{param}' {phrase}, got {show(err.get('input'))}", param)
+
+
+def parse(model: type[BaseModel], body: dict) -> BaseModel:
+    """Validate a request body (``null`` fields dropped first: they mean absent); raises :class:`RequestError`."""
+    try:
+        return model.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# -- OpenAPI --------------------------------------------------------------------------------------------------------
+
+def openapi(title: str, version: str) -> dict:
+    """The OpenAPI 3.1 description of the server's routes, its schemas generated from the models above."""
+    models = [CompletionRequest, ChatCompletionRequest, Completion, ChatCompletion, ChatCompletionChunk, ModelList,
+              ErrorResponse, Health]
+    _, top = models_json_schema([(m, "validation" if m.__name__.endswith("Request") else "serialization")
+                                 for m in models], ref_template="#/components/schemas/{model}")
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}
+    errors = {str(s): {"description": d, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+              for s, d in ((400, "invalid request (param names the field)"), (401, "missing or wrong API key"),
+                           (404, "unknown model"), (413, "body over 1 MiB"), (429, "queue full (Retry-After)"),
+                           (503, "shutting down"))}
+
+    def post(summary, request, response, chunk):
+        return {"post": {"summary": summary, "security": [{"bearer": []}], "requestBody": {
+            "required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {"200": {"description": f"the answer; with stream: true, server-sent events of {chunk}s "
+                                                 "ending with data: [DONE]",
+                                  "content": {"application/json": {"schema": ref(response)},
+                                              "text/event-stream": {"schema": ref(chunk)}}}, **errors}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": {
+            "/v1/completions": post("text completion", "CompletionRequest", "Completion", "Completion"),
+            "/v1/chat/completions": post("chat completion", "ChatCompletionRequest", "ChatCompletion",
+                                         "ChatCompletionChunk"),
+            "/v1/models": {"get": {"summary": "the served model", "security": [{"bearer": []}], "responses": {
+                "200": {"description": "one model", "content": {"application/json": {"schema": ref("ModelList")}}},
+                "401": errors["401"]}}},
+            "/health": {"get": {"summary": "liveness and load (503 while draining)", "responses": {
+                s: {"description": d, "content": {"application/json": {"schema": ref("Health")}}}
+                for s, d in (("200", "serving"), ("503", "draining"))}}},
+            "/metrics": {"get": {"summary": "Prometheus text exposition", "responses": {
+                "200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+        "components": {"schemas": top.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
