@@ -111,3 +111,27 @@ def test_importing_the_package_registers_no_global_optimizer_hook():
 
     assert not optimizer._global_optimizer_pre_hooks
     assert not optimizer._global_optimizer_post_hooks
+
+
+def test_new_embeddings_keeps_its_rows_undecayed_without_marking_the_parameters(tmp_path):
+    """``train.trainable = new_embeddings``: the embedding and the LM head get no weight decay (their old rows
+    must stay bit for bit), decided by the optimizer from the setting, not by an attribute on the parameters."""
+    import json
+
+    from zero2all.config import load_config
+    from zero2all.train.optim import build_optimizer
+    from zero2all.train.trainable import apply_trainable
+
+    (tmp_path / "z2all.json").write_text(json.dumps({"resize": {"old_vocab": 100}}))
+    cfg = load_config("tiny")
+    cfg.model.hidden_dim, cfg.model.intermediate_size, cfg.model.n_layers = 32, 48, 1
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.tie_word_embeddings = 2, 1, False
+    cfg.train.trainable, cfg.train.weight_decay = "new_embeddings", 0.1
+    model = build_model(cfg.model, seed=0)
+    apply_trainable(model, "new_embeddings", str(tmp_path))
+    assert not any(vars(p) for p in model.parameters())            # nothing hung on the parameters
+    for optimizer in ("adamw", "muon"):
+        cfg.train.optimizer = optimizer
+        groups = build_optimizer(model, cfg.train, torch.device("cpu")).param_groups
+        names = {n: g["weight_decay"] for g in groups for n in g["names"]}
+        assert names == {"embed_tokens.weight": 0.0, "lm_head.weight": 0.0}, (optimizer, names)
