@@ -135,3 +135,24 @@ def test_new_embeddings_keeps_its_rows_undecayed_without_marking_the_parameters(
         groups = build_optimizer(model, cfg.train, torch.device("cpu")).param_groups
         names = {n: g["weight_decay"] for g in groups for n in g["names"]}
         assert names == {"embed_tokens.weight": 0.0, "lm_head.weight": 0.0}, (optimizer, names)
+
+
+def test_the_rl_reference_copy_gets_a_context_of_its_own():
+    """RL's frozen reference is a deep copy of the policy: the copy gets a fresh context with the same options
+    (its own handle, no shared cache or history), and running it leaves the policy's recorded maxima as they were."""
+    from zero2all.train.rl import frozen_reference
+
+    data = batches()
+    policy = build_model(tiny(), seed=0)
+    micro_batch_losses(policy, data[:1])
+    sites = {k: (s.n, s.buf.clone()) for k, s in policy.numerics.amax_history._sites.items()}
+    reference = frozen_reference(policy)
+    nx, rx = policy.numerics, reference.numerics
+    assert rx is not nx and rx.handle != nx.handle and rx.options == nx.options
+    assert all(block.numerics is rx for block in reference.layers)
+    assert not rx.weight_casts._entries and not rx.amax_history._sites
+    with torch.no_grad():
+        reference(*data[1])
+    assert rx.amax_history._sites
+    assert {k: s.n for k, s in nx.amax_history._sites.items()} == {k: n for k, (n, _) in sites.items()}
+    assert all(torch.equal(nx.amax_history._sites[k].buf, buf) for k, (_, buf) in sites.items())
