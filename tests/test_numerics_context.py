@@ -83,6 +83,11 @@ def test_each_model_owns_its_options_and_history():
     assert all(s.buf.numel() == 9 for s in ref.numerics.amax_history._sites.values())
     assert policy.numerics.weight_casts._entries and ref.numerics.weight_casts._entries
     assert not plain.numerics.weight_casts._entries and not plain.numerics.amax_history._sites
+    # the saturation counts too: the reference's casts never land in the policy's logging window
+    assert policy.numerics.fp8_stats.read() and ref.numerics.fp8_stats.read()
+    with torch.no_grad():
+        ref(tokens, targets)
+    assert policy.numerics.fp8_stats.read() == {} and ref.numerics.fp8_stats.read()
 
 
 def test_cache_invalidation_is_registered_on_the_trainers_optimizer_only():

@@ -175,10 +175,6 @@ def _build_ours(base_cfg, row: str, device):
     if ops.linear_precision == "fp8_tensorwise":
         ops.fp8_amax_history = DELAYED_HISTORY if row == "use_all_fp8_delayed" else base_cfg.ops.fp8_amax_history
     cfg = dataclasses.replace(base_cfg, ops=ops)
-    if cfg.ops.linear_precision != "bf16":
-        from zero2all.kernels.fp8_ref import FP8_STATS
-
-        FP8_STATS.read()  # start the row's saturation counts afresh
     model = build_model(cfg, device=device, seed=0)
     if cfg.ops.step_fusion != "off":  # one process, no wrapper (kernels/step_fusion.py)
         model.numerics.mark(model, cfg.ops.step_fusion)

@@ -107,7 +107,7 @@ class _NormLinear(torch.autograd.Function):
             grad_out, grad_res, yhat, rstd, norm_weight, weight, ctx.x_dtype,
             ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6],
             ctx.precision, ctx.numerics)
-        fl._record(ctx.kind, grad_out.numel() * (1 + need[5]), counts)
+        fl._record(ctx.kind, grad_out.numel() * (1 + need[5]), counts, ctx.numerics)
         return (dx, dres if has_res else None, dnorm_w, None, None, dw.to(ctx.weight_dtype) if need[5] else None,
                 db if ctx.has_bias and need[6] else None, None, None, None, None)
 
@@ -129,7 +129,7 @@ class _SwigluLinear(torch.autograd.Function):
         grad_out = fl._out_grad(grad_out, (*gate_up.shape[:-1], weight.shape[0]), ctx.compute_dtype, gate_up.device)
         dgu, dw, db, counts = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db,
                                                  ctx.precision, ctx.numerics)
-        fl._record(ctx.kind, grad_out.numel() * (1 + need[1]), counts)
+        fl._record(ctx.kind, grad_out.numel() * (1 + need[1]), counts, ctx.numerics)
         return dgu, (dw.to(ctx.weight_dtype) if need[1] else None), (db if want_db else None), None, None, None, None
 
 
@@ -150,7 +150,7 @@ class _LeanLinear(torch.autograd.Function):
         grad_out = fl._out_grad(grad_out, (*x.shape[:-1], weight.shape[0]), ctx.compute_dtype, x.device)
         dx, dw, db, counts = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db,
                                               ctx.precision, ctx.numerics)
-        fl._record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts)
+        fl._record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts, ctx.numerics)
         return ((dx if need[0] else None), (dw.to(ctx.weight_dtype) if need[1] else None),
                 (db if want_db else None), None, None, None, None)
 
@@ -162,7 +162,7 @@ def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=No
     out, res_out, _, _, counts = _NormLinear.apply(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
                                                    weight, bias, fl.compute_dtype(x, weight), precision, kind,
                                                    handle_of(numerics))
-    fl._record(kind, x.numel() + weight.numel(), counts)
+    fl._record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out, res_out
 
 
@@ -176,7 +176,7 @@ def swiglu_linear(gate_up, weight, bias=None, precision="bf16", kind="", numeric
     fl._check_precision(precision, gate_up)
     out, counts = _SwigluLinear.apply(gate_up, weight, bias, fl.compute_dtype(gate_up, weight), precision, kind,
                                       handle_of(numerics))
-    fl._record(kind, gate_up.numel() // 2 + weight.numel(), counts)
+    fl._record(kind, gate_up.numel() // 2 + weight.numel(), counts, handle_of(numerics))
     return out
 
 
@@ -188,7 +188,7 @@ def lean_linear(x, weight, bias=None, precision="bf16", kind="", numerics=None):
     fl._check_precision(precision, x)
     out, counts = _LeanLinear.apply(x, weight, bias, fl.compute_dtype(x, weight), precision, kind,
                                     handle_of(numerics))
-    fl._record(kind, x.numel() + weight.numel(), counts)
+    fl._record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out
 
 

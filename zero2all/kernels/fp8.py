@@ -54,10 +54,10 @@ the amax pass is skipped. The weights' casts are made once per optimizer step (t
 ``fp8_ref.WeightCasts``; both live on its numerics context, ``kernels/numerics.py``).
 
 Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
-atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer
-reads them once per logging window. Under torch.compile the counts are not collected (they are accumulated
-outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear``
-are in ``fp8_ref.py`` (no Triton needed there).
+atomic adds per program; the model's ``numerics.fp8_stats`` sums them per layer kind (qkv, o, gate_up, down) and the
+trainer reads them once per logging window. Under torch.compile the counts are not collected (they are accumulated
+outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear`` are
+in ``fp8_ref.py`` (no Triton needed there).
 
 Bit exactness: on a GPU the kernels round with the hardware's FP8 conversion (round to nearest even, as torch's
 float8 casts); under the Triton interpreter they round to the FP8 grid in float32 arithmetic first (``_to_grid``:

@@ -296,7 +296,7 @@ class AmaxHistory:
     Sites: ``(weight, "x")`` the input of the linear with that weight, ``(weight, "g")`` its output gradient. The
     backward's transposed cast of the input (for d W) reads the input's site without recording (its values are
     the forward's, already recorded). Elements beyond the scale's range saturate (clamped to the format's largest
-    value) and are counted in the saturation statistics (``FP8_STATS``). A site is keyed by the weight object
+    value) and are counted in the saturation statistics (the model's ``Fp8Stats``). A site is keyed by the weight object
     (a weak reference: under FSDP2 the unsharded parameter is the same object at every gather) and lives until
     its weight is freed or ``clear()``; the maxima are not part of checkpoints (after a resume the first cast of
     each site scales from its own amax). ``length = 0``: off (every scale from the operand's own amax)."""
@@ -466,9 +466,6 @@ class Fp8Stats:
         return out
 
 
-FP8_STATS = Fp8Stats()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # a plain FP8 linear (the reference path of ops.fp8_linear_torch, and any linear outside the fused blocks)
 
@@ -481,7 +478,8 @@ class FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe, out_dtype, quant, kind, numerics=None):
         x2 = x.reshape(-1, x.shape[-1])
         out, counts = linear_forward(x2, weight, recipe, out_dtype, quant, numerics=numerics)
-        FP8_STATS.add(kind, x2.numel() + weight.numel(), counts)
+        if numerics is not None:
+            numerics.fp8_stats.add(kind, x2.numel() + weight.numel(), counts)
         if bias is not None:
             out = out + bias.to(out_dtype)
         ctx.save_for_backward(x, weight)
@@ -495,7 +493,8 @@ class FP8Linear(torch.autograd.Function):
         g2 = grad.reshape(-1, weight.shape[0])
         need = ctx.needs_input_grad
         bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant, weight=weight, numerics=ctx.numerics)
-        FP8_STATS.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
+        if ctx.numerics is not None:
+            ctx.numerics.fp8_stats.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
         dx = bwd.grad_input(weight, x.dtype).view(x.shape) if need[0] else None
         dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if need[1] else None
         db = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need[2] else None
@@ -512,7 +511,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                out_dtype: Optional[torch.dtype] = None, use_triton: bool = True, kind: Optional[str] = None,
                numerics=None) -> torch.Tensor:
     """``F.linear`` with FP8 GEMMs (``recipe``: fp8_rowwise / fp8_tensorwise); ``kind`` names the layer in
-    ``FP8_STATS`` (None: not counted); ``numerics``: the model's context (``kernels/numerics.py``: its weight
+    the model's ``Fp8Stats`` (None: not counted); ``numerics``: the model's context (``kernels/numerics.py``: its weight
     casts, delayed scaling and hints; None: every cast made here, scaled from its operand)."""
     scaling_of(recipe)
     check_fp8_device(x.device)

@@ -54,7 +54,7 @@ kernels write the maxima of what they produce (dx, normed', d gate_up, a; with t
 a in forward) for those casts (the model's ``fp8_ref.AmaxHints``). Both, the recorded maxima of delayed scaling
 and the step-fusion marks live on the model's numerics context (``kernels/numerics.py``); the custom ops receive
 its integer handle (``numerics``, 0 for none). What is saved for backward is unchanged. The ops
-also return the casts' saturation / underflow counts, which the wrappers add to ``fp8_ref.FP8_STATS`` under
+also return the casts' saturation / underflow counts, which the wrappers add to the model's ``numerics.fp8_stats`` under
 ``kind`` (qkv, o, gate_up, down).
 
 For z2all-1.1b in bf16 a block then keeps 46,216 instead of 73,864 bytes per token, and none of the 1.98 GB of
@@ -290,7 +290,7 @@ def _norm_linear_backward(ctx, grad_out, grad_res, _grad_yhat, _grad_rstd, _grad
         grad_out, grad_res, yhat, rstd, norm_weight, weight, ctx.x_dtype,
         ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6], ctx.precision,
         ctx.numerics)
-    _record(ctx.kind, grad_out.numel() * (1 + need[5]), counts)
+    _record(ctx.kind, grad_out.numel() * (1 + need[5]), counts, ctx.numerics)
     return (dx, dres if has_res else None, dnorm_w, None, None, dw if need[5] else None,
             db if ctx.has_bias and need[6] else None, None, None, None, None)
 
@@ -326,7 +326,7 @@ def triton_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
     out, res_out, _, _, counts = _norm_linear_fwd(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
                                                   weight, bias, compute_dtype(x, weight), precision, kind,
                                                   handle_of(numerics))
-    _record(kind, x.numel() + weight.numel(), counts)
+    _record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out, res_out
 
 
@@ -410,7 +410,7 @@ def _swiglu_linear_backward(ctx, grad_out, _grad_counts):
     grad_out = _out_grad(grad_out, (*gate_up.shape[:-1], weight.shape[0]), ctx.compute_dtype, gate_up.device)
     dgu, dw, db, counts = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db,
                                              ctx.precision, ctx.numerics)
-    _record(ctx.kind, grad_out.numel() * (1 + need[1]), counts)
+    _record(ctx.kind, grad_out.numel() * (1 + need[1]), counts, ctx.numerics)
     return dgu, (dw if need[1] else None), (db if want_db else None), None, None, None, None
 
 
@@ -430,7 +430,7 @@ def triton_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Opti
     _check_precision(precision, gate_up)
     out, counts = _swiglu_linear_fwd(gate_up, weight, bias, compute_dtype(gate_up, weight), precision, kind,
                                      handle_of(numerics))
-    _record(kind, gate_up.numel() // 2 + weight.numel(), counts)
+    _record(kind, gate_up.numel() // 2 + weight.numel(), counts, handle_of(numerics))
     return out
 
 
@@ -475,7 +475,7 @@ def _lean_linear_backward(ctx, grad_out, _grad_counts):
     grad_out = _out_grad(grad_out, (*x.shape[:-1], weight.shape[0]), ctx.compute_dtype, x.device)
     dx, dw, db, counts = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db,
                                           ctx.precision, ctx.numerics)
-    _record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts)
+    _record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts, ctx.numerics)
     return (dx if need[0] else None), (dw if need[1] else None), (db if want_db else None), None, None, None, None
 
 
@@ -490,11 +490,13 @@ def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                          f"{x.shape[-1]}")
     _check_precision(precision, x)
     out, counts = _lean_linear_fwd(x, weight, bias, compute_dtype(x, weight), precision, kind, handle_of(numerics))
-    _record(kind, x.numel() + weight.numel(), counts)
+    _record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out
 
 
-def _record(kind: str, numel: int, counts: torch.Tensor) -> None:
-    """Add an FP8 op's saturation / underflow counts to the statistics (nothing in bf16)."""
-    if counts.numel():
-        fp8_ref.FP8_STATS.add(kind or None, numel, counts)
+def _record(kind: str, numel: int, counts: torch.Tensor, numerics: int = 0) -> None:
+    """Add an FP8 op's saturation / underflow counts to the statistics of the model whose context has the handle
+    ``numerics`` (nothing in bf16, nothing without a context)."""
+    nx = lookup(numerics)
+    if counts.numel() and nx is not None:
+        nx.fp8_stats.add(kind or None, numel, counts)

@@ -8,6 +8,8 @@ A model (``model.numerics``, built by the constructor from ``model.ops``) owns:
   (``fp8_ref.AmaxHistory``; ``model.ops.fp8_amax_history``);
 * ``amax_hints``: the partial maxima a kernel wrote next to its output for the next FP8 cast of that tensor
   (``fp8_ref.AmaxHints``; ``model.ops.fp8_fused_amax``);
+* ``fp8_stats``: the saturation and underflow counts of its FP8 casts, read by the trainer once per logging
+  window (``fp8_ref.Fp8Stats``);
 * ``compute_casts`` and the step-fusion marks: which of its parameters have their compute-dtype cast kept for
   the step and their gradient summed inside the GEMM (``kernels/step_fusion.py``; ``model.ops.step_fusion``).
 
@@ -34,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from zero2all.kernels.fp8_ref import AMAX_HISTORY_MAX, AmaxHints, AmaxHistory, WeightCasts
+from zero2all.kernels.fp8_ref import AMAX_HISTORY_MAX, AmaxHints, AmaxHistory, Fp8Stats, WeightCasts
 from zero2all.kernels.step_fusion import SETTINGS, ComputeCasts
 
 WEIGHT_CACHES = ("both", "transposed")
@@ -57,6 +59,7 @@ class Numerics:
         self.amax_history.length = amax_history
         self.amax_hints = AmaxHints()
         self.amax_hints.enabled = bool(fused_amax)
+        self.fp8_stats = Fp8Stats()
         self.compute_casts = ComputeCasts()
         self.step_fusion = "off"
         self._grad_in_gemm: dict[int, weakref.ref] = {}

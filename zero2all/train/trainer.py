@@ -399,7 +399,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
         self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main)
-        self.numerics = NumericsMonitor()
+        self.numerics = NumericsMonitor(
+            fp8_stats=self.model_numerics.fp8_stats if self.model_numerics is not None else None)
 
     # -- setup helpers ----------------------------------------------------------------------------------------
     def _check_config(self) -> None:
