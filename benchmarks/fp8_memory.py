@@ -5,7 +5,7 @@ in phases (forward / backward of each micro-batch, the optimizer step) with the 
 and prints:
 
 - static state: parameters, gradients (at the end of the last backward), AdamW's moments;
-- ``fp8_ref.WEIGHT_CASTS`` (the FP8 copies of the weights held until the optimizer step);
+- the model's ``numerics.weight_casts`` (the FP8 copies of the weights held until the optimizer step);
 - what autograd keeps from one micro-batch's forward, by storage (a view keeps its whole storage alive; the
   parameters a Function saves are not counted again), grouped by dtype and bytes per token, with the shapes seen;
 - each phase's allocated memory at its start and its peak (the step's peak is the largest of them).
@@ -41,11 +41,9 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _cache_bytes() -> int:
-    from zero2all.kernels.fp8_ref import WEIGHT_CASTS
-
+def _cache_bytes(model) -> int:
     ts = []
-    for entry in WEIGHT_CASTS._entries.values():
+    for entry in model.numerics.weight_casts._entries.values():
         q = entry[2]
         ts += [q.q, q.q_scale, q.qt, q.qt_scale]
     return _bytes(ts)
@@ -88,6 +86,7 @@ def measure(row: str, base_cfg, micro_batch: int, seq: int, accum: int, log=prin
     torch.cuda.empty_cache()
     model, loss_fn = _build_ours(base_cfg, row, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    model.numerics.attach(opt)
     g = torch.Generator(device="cpu").manual_seed(1234)
     batches = [torch.randint(0, base_cfg.padded_vocab_size, (micro_batch, seq + 1), generator=g).to(device)
                for _ in range(accum)]
@@ -126,14 +125,14 @@ def measure(row: str, base_cfg, micro_batch: int, seq: int, accum: int, log=prin
             out["forward_delta_gb"] = (torch.cuda.memory_allocated() - before) / GB
             rows, saved = hook.table()
             out["saved"], out["saved_gb"] = rows, saved / GB
-            out["weight_casts_gb"] = _cache_bytes() / GB
+            out["weight_casts_gb"] = _cache_bytes(model) / GB
         else:
             loss = phase(f"forward {i}", lambda: fwd(b))
         phase(f"backward {i}", loss.backward)
         del loss
     out["params_gb"] = _bytes(params) / GB
     out["grads_gb"] = _bytes([p.grad for p in params]) / GB
-    out["weight_casts_end_gb"] = _cache_bytes() / GB
+    out["weight_casts_end_gb"] = _cache_bytes(model) / GB
     phase("optimizer", opt.step)
     out["adam_state_gb"] = _bytes([t for s in opt.state.values() for t in s.values()
                                    if isinstance(t, torch.Tensor)]) / GB

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from zero2all.kernels import cross_entropy, step_fusion
+from zero2all.kernels import cross_entropy
 
 CATEGORIES = [  # (category, substrings of the kernel name, lower case); the first match wins
     ("attention bwd", ("bprop", "flash_bwd", "attention_backward", "fmha_bwd", "_attn_bwd")),
@@ -67,7 +67,6 @@ def category(name: str) -> str:
 def set_variant(variant: str):
     """Apply a variant's process-wide switches; returns the SDPA context it runs under."""
     parts = set(variant.split("+"))
-    step_fusion.CASTS.clear()
     cross_entropy.CHUNK_ELEMENTS = 2 ** 30 if "ce30" in parts else 2 ** 29 if "ce29" in parts else 2 ** 28
     if "flash" in parts:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -84,9 +83,10 @@ def build(cfg, micro_batch, seq, accum, graph=False, fusion="off", row="use_all"
     if graph == "micro" and fusion != "off":
         raise ValueError("step_profile: the graph variant runs with step fusion off")
     model, loss_fn = _build_ours(cfg, row, "cuda")
-    step_fusion.mark(model, fusion)
+    model.numerics.mark(model, fusion)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True,
                             capturable=graph == "step")
+    model.numerics.attach(opt)
     g = torch.Generator(device="cpu").manual_seed(1234)
     batches = [torch.randint(0, cfg.padded_vocab_size, (micro_batch, seq + 1), generator=g).cuda()
                for _ in range(accum)]

@@ -60,8 +60,10 @@ def make_run(fields: dict, env: zd.DistEnv, model_kw: dict | None = None):
     pc = ParallelConfig(mode=fields.pop("parallel", "none"), **fields)
     model = build_model(tiny_cfg(**(model_kw or {})), seed=1234, dtype=torch.float64 if precision == "fp64" else None)
     run = zd.parallelize(model, pc, env, precision=precision, seed=1337)
-    opt = torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    return run, run.shard_optimizer(opt)
+    opt = run.shard_optimizer(torch.optim.AdamW(run.model.parameters(), lr=3e-3, weight_decay=0.1,
+                                                betas=(0.9, 0.95)))
+    model.numerics.attach(opt)          # as the trainer does: the model's kept casts dropped after each step
+    return run, opt
 
 
 def checkpoint_parts(run, opt, env, step: list, saved_world: int | None = None, rank_box: list | None = None,

@@ -17,6 +17,7 @@ from zero2all.config import ConfigError, OpsConfig
 from zero2all.kernels import fp8_ref
 from zero2all.kernels.fp8 import quantize
 from zero2all.kernels.fp8_ref import E4M3, E5M2, AmaxSite, quantize_torch
+from zero2all.kernels.numerics import Numerics
 
 
 def operands(shape, dtype, n, seed):
@@ -105,26 +106,25 @@ def test_model_sites_found_again_and_no_amax_pass_after_the_first_micro_batch(mo
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 8192, (2, 24), generator=gen) for _ in range(3)]
     losses = {}
-    try:
-        for history in (0, 4):
-            model = build_model(tiny(history, fused_linear), seed=0)
-            per_batch = []
-            for tokens in batches:                          # three micro-batches of one optimizer step
-                calls.clear()
-                _, loss = model(tokens, tokens.roll(-1, 1))
-                loss.backward()
-                per_batch.append((loss.item(), len(calls)))
-            losses[history] = per_batch
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            assert all(torch.isfinite(g).all() for g in grads)
-            if history:
-                sites = fp8_ref.AMAX_HISTORY._sites
-                n_linears = 4 * model.cfg.n_layers
-                assert len(sites) == 2 * n_linears          # (weight, "x") and (weight, "g") per linear
-                assert sorted({s.n for s in sites.values()}) == [3]    # recorded once per micro-batch each
-    finally:
-        fp8_ref.apply_fp8_options("transposed", False)
-    assert fp8_ref.AMAX_HISTORY.length == 0 and not fp8_ref.AMAX_HISTORY._sites
+    for history in (0, 4):
+        model = build_model(tiny(history, fused_linear), seed=0)
+        per_batch = []
+        for tokens in batches:                              # three micro-batches of one optimizer step
+            calls.clear()
+            _, loss = model(tokens, tokens.roll(-1, 1))
+            loss.backward()
+            per_batch.append((loss.item(), len(calls)))
+        losses[history] = per_batch
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert all(torch.isfinite(g).all() for g in grads)
+        sites = model.numerics.amax_history._sites
+        assert model.numerics.amax_history.length == history
+        if history:
+            n_linears = 4 * model.cfg.n_layers
+            assert len(sites) == 2 * n_linears              # (weight, "x") and (weight, "g") per linear
+            assert sorted({s.n for s in sites.values()}) == [3]    # recorded once per micro-batch each
+        else:
+            assert not sites
     if fused_linear == "triton":
         # dynamic: an amax pass per cast; delayed: only in the first micro-batch (no site has a record yet, and
         # the W^T casts, made once per step); none after
@@ -147,7 +147,7 @@ def test_config_refusals():
     with pytest.raises(ConfigError, match="fp8_fused_amax"):
         OpsConfig(linear_precision="fp8_tensorwise", fp8_amax_history=16, fp8_fused_amax=True).validate()
     with pytest.raises(ValueError, match="fp8_amax_history"):
-        fp8_ref.apply_fp8_options("transposed", False, 1)
+        Numerics(amax_history=1)
 
 
 @pytest.mark.gpu

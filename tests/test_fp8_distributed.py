@@ -33,7 +33,6 @@ from test_distributed import (
 
 from zero2all import distributed as zd
 from zero2all.config import OpsConfig
-from zero2all.kernels import fp8_ref
 
 FP8_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_entropy="torch", attention="sdpa",
                     fused_linear="torch", linear_precision="fp8_rowwise")
@@ -65,7 +64,7 @@ DELAYED_OPS = OpsConfig(rmsnorm="torch", rope="torch", swiglu="torch", cross_ent
 def _delayed_run(env, parallel: str) -> dict:
     run, opt = make_run(dict(parallel=parallel, precision="fp32"), env, dict(ops=DELAYED_OPS))
     losses = train_steps(run, opt, global_batches(STEPS), env, range(STEPS), WORLD)["losses"]
-    sites = fp8_ref.AMAX_HISTORY._sites.values()
+    sites = run.plain.numerics.amax_history._sites.values()
     n_linears = 4 * len(run.plain.layers)
     return {"losses": losses, "sites": len(sites), "linears": n_linears, "records": sorted({s.n for s in sites})}
 
@@ -78,10 +77,7 @@ def test_fp8_delayed_scaling_under_fsdp_keeps_its_sites(tmp_path):
     """Delayed scaling under FSDP2: the gathered weight is the same object at every gather, so each linear keeps
     its two sites (input, output gradient), each recording once per micro-batch; the losses stay near the single
     process's (each rank scales from the maxima of its own half of the batch)."""
-    try:
-        want = _delayed_run(zd.DistEnv(), "none")
-    finally:
-        fp8_ref.apply_fp8_options("transposed", False)      # process-wide state: off again for other tests
+    want = _delayed_run(zd.DistEnv(), "none")
     assert want["sites"] == 2 * want["linears"] and want["records"] == [STEPS * ACCUM]
     mp.spawn(_delayed_entry, args=(WORLD, free_port(), str(tmp_path), "fsdp"), nprocs=WORLD, join=True)
     got = json.loads((tmp_path / "result.json").read_text())

@@ -4,7 +4,6 @@ metrics.jsonl."""
 import torch
 from test_trainer import tiny_cfg
 
-from zero2all.kernels.fp8_ref import FP8_STATS
 from zero2all.train.metrics import NumericsMonitor, read_metrics
 from zero2all.train.trainer import Trainer
 
@@ -21,7 +20,6 @@ def run_windows(monitor, skips_per_window, updates_per_window=4):
 
 
 def test_skip_ratio_and_rising_trend_warning_once():
-    FP8_STATS.read()
     windows = run_windows(NumericsMonitor(patience=3), [0, 1, 2, 3, 4, 4, 1, 2, 3, 4])
     assert [rec["skip_ratio"] for rec, _ in windows] == [0, 0.25, 0.5, 0.75, 1, 1, 0.25, 0.5, 0.75, 1]
     warned = [i for i, (_, w) in enumerate(windows) if w]

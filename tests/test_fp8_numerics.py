@@ -19,7 +19,7 @@ from kernel_check import relative_l2_error
 
 from zero2all.config import ConfigError, OpsConfig, load_config
 from zero2all.kernels import fp8_ref
-from zero2all.kernels.fp8_ref import E4M3, E5M2, FP8_STATS, fp8_linear, quantize_torch
+from zero2all.kernels.fp8_ref import E4M3, E5M2, fp8_linear, quantize_torch
 from zero2all.model.z2all import build_model
 
 U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
@@ -119,11 +119,15 @@ def tiny(precision, fused_linear="triton"):
     return cfg
 
 
-def loss_and_grads(cfg, tokens, autocast=False):
+def loss_and_grads(cfg, tokens, autocast=False, stats=None):
+    """(loss, gradients by name) of one forward + backward; ``stats``: a dict given the model's FP8 counts."""
     model = build_model(cfg, seed=0)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         _, loss = model(tokens, tokens.roll(-1, 1))
     loss.backward()
+    if stats is not None:
+        stats.update(model.numerics.fp8_stats.read())
+        assert model.numerics.fp8_stats.read() == {}            # read() starts a new window
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -131,13 +135,11 @@ def loss_and_grads(cfg, tokens, autocast=False):
 def test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision(recipe):
     torch.manual_seed(0)
     tokens = torch.randint(0, 8192, (2, 24))
-    FP8_STATS.read()
-    loss, grads = loss_and_grads(tiny(recipe, "triton"), tokens)           # our kernels (interpreter on CPU)
-    stats = FP8_STATS.read()
-    ref_loss, ref_grads = loss_and_grads(tiny(recipe, "torch"), tokens)    # the PyTorch reference of the rule
-    ref_stats = FP8_STATS.read()
-    full_loss, full_grads = loss_and_grads(tiny("bf16", "torch"), tokens)  # no FP8 at all (float32)
-    assert FP8_STATS.read() == {}                                          # bf16 casts nothing
+    stats, ref_stats, full_stats = {}, {}, {}
+    loss, grads = loss_and_grads(tiny(recipe, "triton"), tokens, stats=stats)      # our kernels (interpreter)
+    ref_loss, ref_grads = loss_and_grads(tiny(recipe, "torch"), tokens, stats=ref_stats)  # the rule in PyTorch
+    full_loss, full_grads = loss_and_grads(tiny("bf16", "torch"), tokens, stats=full_stats)  # no FP8 (float32)
+    assert full_stats == {}                                                # bf16 casts nothing
     # measured (CPU): loss equal to the reference path's, 5.5e-5 from float32's; gradients within 3.8e-7 of the
     # reference path's (an unquantised output gradient in the kernels' backward: 0.065), the projections' 0.048 to
     # 0.096 from float32's
@@ -156,7 +158,6 @@ def test_model_fp8_kernels_match_reference_path_and_stay_near_full_precision(rec
     assert stats["fp8_saturated_qkv"] > 0                   # each row's or tensor's largest element lands on FMAX
     assert ref_stats.keys() == stats.keys()                 # the reference path counts the same casts
     assert all(abs(ref_stats[k] - stats[k]) < 0.01 for k in stats), (ref_stats, stats)
-    assert FP8_STATS.read() == {}                           # read() starts a new window
 
 
 def test_model_fp8_under_bf16_autocast():
@@ -252,13 +253,13 @@ def test_fused_fp8_model_on_gpu_compiles_and_tracks_bf16():
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
 def test_maxima_handed_over_by_the_backward_kernels_change_nothing(monkeypatch, recipe):
-    """The norm and SwiGLU backward kernels of the FP8 blocks write the maxima of what they produce (the
-    gradients d x and d gate_up, the rebuilt inputs normed' and a), and the casts of those skip their amax pass
-    (``model.ops.fp8_fused_amax``, fp8.AMAX_HINTS): the same losses and gradients bit for bit, with 6 amax
-    passes per layer in backward instead of 12 (left: the 4 W^T casts, d qkv from attention, the attention
-    output) and one for the last down projection. Tensorwise casts of forward inputs take one each (4 per
-    layer) without the hand-over, and with it only the attention output's (the norm and SwiGLU forward kernels
-    write the maxima of normed and a)."""
+    """The norm and SwiGLU backward kernels of the FP8 blocks write the maxima of what they produce (the gradients d
+    x and d gate_up, the rebuilt inputs normed' and a), and the casts of those skip their amax pass
+    (``model.ops.fp8_fused_amax``, the model's ``numerics.amax_hints``): the same losses and gradients bit for bit,
+    with 6 amax passes per layer in backward instead of 12 (left: the 4 W^T casts, d qkv from attention, the
+    attention output) and one for the last down projection. Tensorwise casts of forward inputs take one each (4 per
+    layer) without the hand-over, and with it only the attention output's (the norm and SwiGLU forward kernels write
+    the maxima of normed and a)."""
     import zero2all.kernels.fp8 as fp8
 
     calls = []
@@ -269,15 +270,10 @@ def test_maxima_handed_over_by_the_backward_kernels_change_nothing(monkeypatch, 
     cfg = tiny(recipe)
     cfg.ops.fp8_weight_cache = "transposed"                 # W^T once per step (tensorwise W: its transpose)
     results = {}
-    try:
-        for enabled in (True, False):
-            cfg.ops.fp8_fused_amax = enabled                # model.ops.fp8_fused_amax, set by build_model
-            calls.clear()
-            results[enabled] = loss_and_grads(cfg, tokens), len(calls)
-            assert fp8.AMAX_HINTS.enabled == enabled
-            assert not fp8.AMAX_HINTS._entries or all(e[0]() is None for e in fp8.AMAX_HINTS._entries.values())
-    finally:
-        fp8_ref.apply_fp8_options("both", False)
+    for enabled in (True, False):
+        cfg.ops.fp8_fused_amax = enabled                    # model.ops.fp8_fused_amax, read by build_model
+        calls.clear()
+        results[enabled] = loss_and_grads(cfg, tokens), len(calls)
     (loss, grads), n_on = results[True]
     (loss_off, grads_off), n_off = results[False]
     assert torch.equal(loss, loss_off)

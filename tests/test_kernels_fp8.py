@@ -113,7 +113,8 @@ def test_swiglu_backward_writes_the_maxima_of_its_outputs(monkeypatch, rows, I, 
     from zero2all.kernels.swiglu import _swiglu_bwd_kernel
 
     monkeypatch.setattr(fp8, "TILE", tile)
-    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
+    hints = fp8.AmaxHints()                                 # a model's hints (model.ops.fp8_fused_amax)
+    hints.enabled = True
     amax_calls = []
     real_amax = fp8._amax_kernel
     monkeypatch.setattr(fp8, "_amax_kernel", type("Counted", (), {
@@ -128,19 +129,19 @@ def test_swiglu_backward_writes_the_maxima_of_its_outputs(monkeypatch, rows, I, 
     _swiglu_bwd_kernel[(rows, 1)](grad_a, gate_up, want_dgu, want_a, I, gate_up.stride(0),
                                   BLOCK=triton.next_power_of_2(I), WRITE_A=True, num_warps=4)
     for scaling, fmt in (("axis", E4M3), ("tensor", E5M2)):
-        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True)
+        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True, hints)
         assert torch.equal(dgu, want_dgu) and torch.equal(a, want_a)
         view = dgu.view(1, rows, 2 * I).reshape(rows, -1)   # as autograd hands it on: a view of the same base
         for x, want_q, f in ((view, True, fmt), (a, False, E4M3)):
-            got = quantize(x, f, scaling, want_q, True)
+            got = quantize(x, f, scaling, want_q, True, hints=hints)
             ref = quantize_torch(x, f, scaling, want_q, True)
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(got, name), getattr(ref, name), f"{name} ({scaling})")
             assert torch.equal(got.counts, ref.counts)
-        assert not amax_calls and not fp8.AMAX_HINTS._entries      # both maxima handed over, each used once
-    dgu, _ = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, "axis", False)
+        assert not amax_calls and not hints._entries      # both maxima handed over, each used once
+    dgu, _ = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, "axis", False, hints)
     dgu.mul_(2.0)                                           # changed after the kernel: its maxima are stale
-    got, ref = quantize(dgu, E4M3, "axis", True, True), quantize_torch(dgu, E4M3, "axis", True, True)
+    got, ref = quantize(dgu, E4M3, "axis", True, True, hints=hints), quantize_torch(dgu, E4M3, "axis", True, True)
     assert amax_calls and torch.equal(got.qt_scale, ref.qt_scale) and torch.equal(got.q_scale, ref.q_scale)
     with pytest.raises(ValueError, match="swiglu_backward"):
         fp8.swiglu_backward(grad_a, gate_up[:, 1:], torch.bfloat16, torch.bfloat16, "axis", True)
@@ -153,7 +154,8 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
     import zero2all.kernels.fp8 as fp8
     from zero2all.kernels.swiglu import triton_swiglu
 
-    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
+    hints = fp8.AmaxHints()                                 # a model's hints (model.ops.fp8_fused_amax)
+    hints.enabled = True
     monkeypatch.setattr(fp8, "ROWWISE_TILE", tile)
     g = torch.Generator().manual_seed(rows + I)
     gate_up = (torch.randn(rows, 2 * I, generator=g) * 3).to(dtype)
@@ -166,12 +168,12 @@ def test_swiglu_rowwise_cast_matches_swiglu_then_cast(monkeypatch, rows, I, dtyp
     assert torch.equal(got.counts, want.counts)
     with pytest.raises(ValueError, match="quantize_swiglu"):
         fp8.quantize_swiglu(gate_up[:, 1:], a.dtype)
-    a2 = fp8.swiglu_amax(gate_up, a.dtype)                  # a itself, with its rows' amax handed over
+    a2 = fp8.swiglu_amax(gate_up, a.dtype, hints)           # a itself, with its rows' amax handed over
     assert torch.equal(a2, a)
-    got, want = quantize(a2, E5M2, "tensor", True, True), quantize_torch(a, E5M2, "tensor", True, True)
+    got, want = quantize(a2, E5M2, "tensor", True, True, hints=hints), quantize_torch(a, E5M2, "tensor", True, True)
     for name in ("q", "q_scale", "qt", "qt_scale"):
         assert_same(getattr(got, name), getattr(want, name), f"tensorwise {name}")
-    assert not fp8.AMAX_HINTS._entries
+    assert not hints._entries
     with pytest.raises(ValueError, match="swiglu_amax"):
         fp8.swiglu_amax(gate_up[:, 1:], a.dtype)
 
@@ -186,7 +188,8 @@ def test_norm_rowwise_cast_matches_norm_then_cast(monkeypatch, rows, N, res):
     from zero2all.kernels.fp8 import norm_quantize
     from zero2all.kernels.rmsnorm import _add_rmsnorm_fwd_kernel, _warps
 
-    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
+    hints = fp8.AmaxHints()                                 # a model's hints (model.ops.fp8_fused_amax)
+    hints.enabled = True
     g = torch.Generator().manual_seed(rows * N)
     x = (torch.randn(rows, N, generator=g) * 4).to(torch.bfloat16)
     residual = torch.randn(rows, N, generator=g) if res else None
@@ -211,11 +214,12 @@ def test_norm_rowwise_cast_matches_norm_then_cast(monkeypatch, rows, N, res):
         out[fused] = (qn, res_out, rstd, yhat)
         if not fused:                                        # store_normed: normed itself and its rows' amax
             res2, rstd2, yhat2 = torch.empty_like(res_out), torch.empty_like(rstd), torch.empty_like(yhat)
-            got = norm_quantize(x, residual, w, 1e-5, res2, rstd2, yhat2, torch.bfloat16, warps, store_normed=True)
+            got = norm_quantize(x, residual, w, 1e-5, res2, rstd2, yhat2, torch.bfloat16, warps, store_normed=True,
+                                hints=hints)
             assert torch.equal(got.q, normed) and torch.equal(got.q_scale, normed.float().abs().amax(1))
             assert torch.equal(res2, res_out) and torch.equal(rstd2, rstd) and torch.equal(yhat2, yhat)
             want = quantize_torch(normed, E5M2, "tensor", True, True)
-            tq = quantize(got.q.reshape(rows, N), E5M2, "tensor", True, True)   # from the handed-over amax
+            tq = quantize(got.q.reshape(rows, N), E5M2, "tensor", True, True, hints=hints)   # the handed-over amax
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(tq, name), getattr(want, name), f"tensorwise {name}")
     (q0, *t0), (q1, *t1) = out[False], out[True]
@@ -224,7 +228,7 @@ def test_norm_rowwise_cast_matches_norm_then_cast(monkeypatch, rows, N, res):
     assert_same(q1.q, q0.q, "q")
     assert_same(q1.q_scale, q0.q_scale, "scale")
     assert torch.equal(q1.counts, q0.counts)
-    assert not fp8.AMAX_HINTS._entries or all(e[0]() is None for e in fp8.AMAX_HINTS._entries.values())
+    assert not hints._entries or all(e[0]() is None for e in hints._entries.values())
 
 
 @pytest.mark.gpu
@@ -234,7 +238,8 @@ def test_kernels_on_gpu_bit_for_bit(monkeypatch):
     import zero2all.kernels.fp8 as fp8
     from zero2all.kernels.swiglu import triton_swiglu
 
-    monkeypatch.setattr(fp8.AMAX_HINTS, "enabled", True)
+    hints = fp8.AmaxHints()                                 # a model's hints (model.ops.fp8_fused_amax)
+    hints.enabled = True
     for shape in [(1000, 1030), (4099, 300), (17, 5000)]:
         x = operand(shape, torch.bfloat16, seed=shape[0]).cuda()
         for fmt in (E4M3, E5M2):
@@ -251,15 +256,16 @@ def test_kernels_on_gpu_bit_for_bit(monkeypatch):
     assert_same(got.q_scale, want.q_scale, "swiglu scale")
     grad_a = torch.randn(333, 700, device="cuda", dtype=torch.bfloat16)
     for scaling in ("axis", "tensor"):
-        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True)
+        dgu, a = fp8.swiglu_backward(grad_a, gate_up, torch.bfloat16, torch.bfloat16, scaling, True, hints)
         assert torch.equal(a, triton_swiglu(gate_up))
         for t, want_q in ((dgu, True), (a, False)):      # casts from the handed-over maxima
-            got, want = quantize(t, E4M3, scaling, want_q, True), quantize_torch(t, E4M3, scaling, want_q, True)
+            got = quantize(t, E4M3, scaling, want_q, True, hints=hints)
+            want = quantize_torch(t, E4M3, scaling, want_q, True)
             for name in ("q", "q_scale", "qt", "qt_scale"):
                 assert_same(getattr(got, name), getattr(want, name), f"swiglu_backward {name} {scaling}")
-        assert not fp8.AMAX_HINTS._entries
-    a = fp8.swiglu_amax(gate_up, torch.bfloat16)
+        assert not hints._entries
+    a = fp8.swiglu_amax(gate_up, torch.bfloat16, hints)
     assert torch.equal(a, triton_swiglu(gate_up))
-    got, want = quantize(a, E5M2, "tensor", True, True), quantize_torch(a, E5M2, "tensor", True, True)
+    got, want = quantize(a, E5M2, "tensor", True, True, hints=hints), quantize_torch(a, E5M2, "tensor", True, True)
     for name in ("q", "q_scale", "qt", "qt_scale"):
         assert_same(getattr(got, name), getattr(want, name), f"swiglu_amax {name}")

@@ -13,18 +13,14 @@ from kernel_check import assert_close_to_reference
 
 from zero2all.config import ModelConfig, OpsConfig
 from zero2all.kernels import step_fusion
-from zero2all.kernels.step_fusion import CASTS, ComputeCasts, matmul_to
+from zero2all.kernels.numerics import Numerics
+from zero2all.kernels.step_fusion import ComputeCasts, matmul_to
 from zero2all.model.z2all import build_model
-
-
-def marked(t):
-    setattr(t, step_fusion.STEP_CAST, True)
-    return t
 
 
 def test_cache_hits_only_while_the_weight_is_unchanged():
     cache = ComputeCasts()
-    w = marked(torch.randn(37, 19, requires_grad=True))
+    w = torch.randn(37, 19, requires_grad=True)
     a = cache.get(w, torch.bfloat16)
     assert a.dtype == torch.bfloat16 and torch.equal(a, w.detach().to(torch.bfloat16))
     assert cache.get(w, torch.bfloat16) is a                       # unchanged: the same copy
@@ -37,37 +33,50 @@ def test_cache_hits_only_while_the_weight_is_unchanged():
     assert torch.equal(cache.get(other, torch.bfloat16), other.to(torch.bfloat16))
     cache.clear()
     assert len(cache) == 0
+    nx = Numerics()                                                # a context that marked nothing: no cache
     unmarked = torch.randn(8, 8)
-    assert cache.get(unmarked, torch.bfloat16) is not cache.get(unmarked, torch.bfloat16) and len(cache) == 0
+    cast = step_fusion.cast
+    assert cast(unmarked, torch.bfloat16, nx) is not cast(unmarked, torch.bfloat16, nx)
+    assert len(nx.compute_casts) == 0
 
 
 def test_an_entry_dies_with_its_weight():
     cache = ComputeCasts()
-    w = marked(torch.randn(16, 8))
+    w = torch.randn(16, 8)
     cache.get(w, torch.bfloat16)
     assert len(cache) == 1
     del w
     assert len(cache) == 0
 
 
-def test_optimizer_step_empties_the_cache():
-    w = marked(torch.nn.Parameter(torch.randn(8, 8)))
-    CASTS.get(w, torch.bfloat16)
-    assert len(CASTS) == 1
+def test_a_step_of_the_attached_optimizer_empties_the_cache():
+    model = torch.nn.Linear(8, 8, bias=False)
+    nx = Numerics()
+    nx.mark(model, "all")
+    w = model.weight
+    assert step_fusion.cast(w, torch.bfloat16, nx) is step_fusion.cast(w, torch.bfloat16, nx)
+    assert len(nx.compute_casts) == 1
     w.grad = torch.ones_like(w)
-    torch.optim.SGD([w], lr=0.1).step()
-    assert len(CASTS) == 0
+    torch.optim.SGD([w], lr=0.1).step()                            # not attached: the cache stays
+    assert len(nx.compute_casts) == 1
+    opt = torch.optim.SGD([w], lr=0.1)
+    nx.attach(opt)
+    opt.step()
+    assert len(nx.compute_casts) == 0
 
 
 def test_mark_sets_the_switches_on_matrices_only():
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
     w = model[0].weight
+    nx = Numerics()
     for setting, grads, casts in (("grads", True, False), ("all", True, True), ("off", False, False)):
-        assert step_fusion.mark(model, setting) == (setting != "off")
-        assert getattr(w, step_fusion.GRAD_IN_GEMM) == grads and getattr(w, step_fusion.STEP_CAST) == casts
-    assert not hasattr(model[0].bias, step_fusion.STEP_CAST)
+        assert nx.mark(model, setting) == (setting != "off")
+        assert nx.grad_in_gemm(w) == grads and nx.step_cast(w) == casts
+        assert not nx.grad_in_gemm(model[0].bias) and not nx.step_cast(model[0].bias)
+        assert not Numerics().grad_in_gemm(w)                      # the marks belong to that context only
+    assert not any(vars(p) for p in model.parameters())            # nothing hung on the parameters
     with pytest.raises(ValueError, match="step_fusion: 'auto' is not one of off, grads, all"):
-        step_fusion.mark(model, "auto")
+        nx.mark(model, "auto")
 
 
 def _train(steps: int, accum: int, casts: bool):
@@ -75,8 +84,9 @@ def _train(steps: int, accum: int, casts: bool):
                       max_seq_len=16, ops=OpsConfig(rmsnorm="triton", swiglu="triton", fused_linear="triton",
                                                     rope="torch", cross_entropy="torch", attention="sdpa"))
     model = build_model(cfg, seed=0)
-    step_fusion.mark(model, "all" if casts else "off")
+    model.numerics.mark(model, "all" if casts else "off")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.numerics.attach(opt)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
@@ -89,15 +99,14 @@ def _train(steps: int, accum: int, casts: bool):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, grads
+    return losses, grads, model.numerics.compute_casts.hits
 
 
 def test_training_with_cached_casts_is_identical():
     """Two optimizer steps of 2 micro-batches under bf16 autocast: the same losses and gradients, bit for bit."""
-    want_losses, want_grads = _train(2, 2, casts=False)
-    hits = CASTS.hits
-    got_losses, got_grads = _train(2, 2, casts=True)
-    assert CASTS.hits - hits == 2 * 4 * 3      # per step: 4 block weights, 4 uses each, the first one a miss
+    want_losses, want_grads, no_hits = _train(2, 2, casts=False)
+    got_losses, got_grads, hits = _train(2, 2, casts=True)
+    assert no_hits == 0 and hits == 2 * 4 * 3  # per step: 4 block weights, 4 uses each, the first one a miss
     assert got_losses == want_losses
     for name, grad in want_grads.items():
         assert torch.equal(got_grads[name], grad), name
@@ -132,7 +141,7 @@ def test_gradient_accumulation_inside_the_gemm_gpu(setting):
 
     def grads(mark, one_at_a_time):
         model = build_model(cfg, device="cuda", seed=0)
-        step_fusion.mark(model, mark)
+        model.numerics.mark(model, mark)
         seen, total = [], {}
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
@@ -166,8 +175,8 @@ def test_the_trainer_marks_a_single_process_model(tmp_path, setting):
 
     trainer = Trainer(tiny_cfg(tmp_path, f"model.ops.step_fusion='{setting}'"), show_progress=False)
     w = trainer.raw_model.layers[0].self_attn.qkv_proj.weight
-    assert getattr(w, step_fusion.GRAD_IN_GEMM, False) == (setting != "off")
-    assert getattr(w, step_fusion.STEP_CAST, False) == (setting == "all")
+    assert trainer.raw_model.numerics.grad_in_gemm(w) == (setting != "off")
+    assert trainer.raw_model.numerics.step_cast(w) == (setting == "all")
 
 
 def test_config_refuses_an_unknown_setting_and_data_parallel_runs(tmp_path):
@@ -194,12 +203,12 @@ def test_fused_loss_with_a_marked_weight_matches_float64(monkeypatch, dtype, chu
     monkeypatch.setattr(ce, "CHUNK_ELEMENTS", chunk_elements)
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(3, 11, 96, generator=g).to(dtype).requires_grad_()
-    weight = (0.1 * torch.randn(257, 96, generator=g)).requires_grad_()
+    weight = torch.nn.Parameter(0.1 * torch.randn(257, 96, generator=g))
     targets = torch.randint(0, 257, (3, 11), generator=g)
     targets[0, :2] = -100
-    setattr(weight, step_fusion.GRAD_IN_GEMM, True)
-    setattr(weight, step_fusion.STEP_CAST, True)
-    loss = ce.fused_linear_cross_entropy(hidden, weight, targets)
+    nx = Numerics()
+    assert nx.mark(torch.nn.ParameterList([weight]), "all") == 1
+    loss = ce.fused_linear_cross_entropy(hidden, weight, targets, numerics=nx)
     gh, gw = torch.autograd.grad(loss, (hidden, weight))
     assert gw.dtype == torch.float32 and gh.dtype == dtype
     h64 = hidden.detach().double().requires_grad_()

@@ -179,15 +179,9 @@ def _build_ours(base_cfg, row: str, device):
     if ops.linear_precision == "fp8_tensorwise":
         ops.fp8_amax_history = DELAYED_HISTORY if row == "use_all_fp8_delayed" else base_cfg.ops.fp8_amax_history
     cfg = dataclasses.replace(base_cfg, ops=ops)
-    if cfg.ops.linear_precision != "bf16":
-        from zero2all.kernels.fp8_ref import FP8_STATS
-
-        FP8_STATS.read()  # start the row's saturation counts afresh
     model = build_model(cfg, device=device, seed=0)
     if cfg.ops.step_fusion != "off":  # one process, no wrapper (kernels/step_fusion.py)
-        from zero2all.kernels import step_fusion
-
-        step_fusion.mark(model, cfg.ops.step_fusion)
+        model.numerics.mark(model, cfg.ops.step_fusion)
     if row.startswith("layout_"):
         layout = row.split("_")[1]
         return model, (lambda tokens, targets: layout_forward(model, tokens, targets, layout))
@@ -274,6 +268,9 @@ def run_row(row: str, base_cfg, micro_batch: int, seq: int, accum: int, iters: i
         fused = row != "no_adamw"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                 fused=fused, foreach=None if fused else True)
+        numerics = getattr(model, "numerics", None)
+        if numerics is not None:  # our model: its kept casts are dropped after each step of this optimizer
+            numerics.attach(opt)
         g = torch.Generator(device="cpu").manual_seed(1234)
         vocab = base_cfg.padded_vocab_size
         batches = [torch.randint(0, vocab, (micro_batch, seq + 1), generator=g).to(device) for _ in range(accum)]

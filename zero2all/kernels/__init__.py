@@ -23,6 +23,8 @@ CPU tensors under ``TRITON_INTERPRET=1`` (that is how the CI tests run them).
                       time per call than the custom-op path; model/ops.py picks it when not compiling)
     step_fusion.py    opt-in per-step work for one-process training (model.ops.step_fusion): weight gradients
                       summed inside their GEMMs in float32, weight casts once per optimizer step
+    numerics.py       the per-model numerics context (model.numerics): FP8 weight casts, amax histories and
+                      hints, step-fusion casts and marks; nothing of it is module state
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ sum_i loss_i / n_valid, the mean over tokens whose target is not ignore_index (`
 Because the loss is a scalar, its gradients are computed during the forward (when autograd will need them) and
 merely scaled by the incoming gradient in the backward: the peak extra memory is one chunk of logits plus the two
 gradients, instead of (tokens x vocab) logits in float32 plus their gradient. The weight gradient is accumulated
-in float32 over chunks and cast to the weight's dtype at the end. With step fusion (a weight marked by
-``step_fusion.mark``) the op receives the weight as stored (float32 master weights) and casts it itself
-(``step_fusion.cast``), each chunk's GEMM adds its product to the running float32 sum (``step_fusion.addmm_to``),
-and the gradient reaches autograd in float32 without a bf16 round trip.
+in float32 over chunks and cast to the weight's dtype at the end. With step fusion (a weight marked in the model's
+numerics context, ``kernels/numerics.py``) the op receives the weight as stored (float32 master weights) and casts
+it itself (``step_fusion.cast``), each chunk's GEMM adds its product to the running float32 sum
+(``step_fusion.addmm_to``), and the gradient reaches autograd in float32 without a bf16 round trip.
 """
 
 import torch
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from zero2all.kernels import step_fusion
+from zero2all.kernels.numerics import handle_of, lookup
 
 # at most this many logits per chunk (2^28 = 512 MiB in bf16): 4096 tokens at a 64k vocabulary
 CHUNK_ELEMENTS = 2 ** 28
@@ -72,13 +73,15 @@ def _chunk_rows(n_tokens: int, vocab: int) -> int:
 
 @torch.library.custom_op("z2all::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                          z_loss: float, compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          z_loss: float, compute_grad: bool, numerics: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, H), weight (V, H) (any float dtype: cast to hidden's for the GEMMs), targets (N,) -> (loss,
-    d loss/d hidden, d loss/d weight in weight's dtype)."""
+    d loss/d hidden, d loss/d weight in weight's dtype). ``numerics``: the handle of the model's numerics context
+    (``kernels/numerics.py``; its step-fusion marks and casts), 0 for none."""
     N, H = hidden.shape
     V = weight.shape[0]
     hidden = hidden.contiguous()
-    w = step_fusion.cast(weight.contiguous(), hidden.dtype)         # the compute-dtype weight (V, H)
+    w = step_fusion.cast(weight.contiguous(), hidden.dtype, lookup(numerics))   # the compute-dtype weight (V, H)
     targets = targets.contiguous()
     n_valid = (targets != ignore_index).sum()
     row_loss = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -131,7 +134,7 @@ def _chunks(hidden, w, targets, ignore_index, z_loss, compute_grad, n_valid, row
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, z_loss, compute_grad):
+def _(hidden, weight, targets, ignore_index, z_loss, compute_grad, numerics=0):
     loss = hidden.new_empty((), dtype=torch.float32)
     if compute_grad:
         return loss, torch.empty_like(hidden), torch.empty_like(weight)
@@ -149,18 +152,20 @@ def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
         raise RuntimeError("fused_linear_cross_entropy: called without gradients; cannot run backward")
     grad_hidden, grad_weight = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
-    return (grad_hidden * g).to(grad_hidden.dtype), (grad_weight * g).to(grad_weight.dtype), None, None, None, None
+    return ((grad_hidden * g).to(grad_hidden.dtype), (grad_weight * g).to(grad_weight.dtype), None, None, None, None,
+            None)
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
+                               ignore_index: int = -100, z_loss: float = 0.0, numerics=None) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index, plus ``z_loss * mean(lse^2)``.
 
     hidden (..., H); weight (V, H) (cast to hidden's dtype, as autocast's linear would); targets (...) int64.
-    Equal to ``ops.linear_cross_entropy_torch``; gradients flow to hidden and weight.
+    Equal to ``ops.linear_cross_entropy_torch``; gradients flow to hidden and weight. ``numerics``: the model's
+    numerics context (``kernels/numerics.py``), whose step-fusion marks the LM head's weight may carry.
     """
     H = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != H:
@@ -175,7 +180,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                              f"[0, {weight.shape[0]}) (and not ignore_index={ignore_index})")
     h2 = hidden.reshape(-1, H)
     # a weight marked for step fusion enters as stored (the op casts it); otherwise autograd casts it here
-    w = weight if getattr(weight, step_fusion.GRAD_IN_GEMM, False) else weight.to(hidden.dtype)
+    w = weight if step_fusion.grad_in_gemm(weight, numerics) else weight.to(hidden.dtype)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, _, _ = _linear_cross_entropy(h2, w, targets.reshape(-1), int(ignore_index), float(z_loss), compute_grad)
+    loss, _, _ = _linear_cross_entropy(h2, w, targets.reshape(-1), int(ignore_index), float(z_loss), compute_grad,
+                                       handle_of(numerics))
     return loss

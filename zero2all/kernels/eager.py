@@ -36,6 +36,7 @@ import torch
 
 from zero2all.kernels import fused_linear as fl
 from zero2all.kernels import rope
+from zero2all.kernels.numerics import handle_of
 
 # the custom ops' bodies: the functions torch.library.custom_op wrapped (CustomOpDef keeps them; torch offers
 # no public accessor)
@@ -86,11 +87,12 @@ def _compute_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torc
 
 class _NormLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, eps, residual_in_fp32, weight, bias, cdt, precision, kind):
+    def forward(ctx, x, residual, norm_weight, eps, residual_in_fp32, weight, bias, cdt, precision, kind, numerics):
         w = _compute_weight(weight, bias, cdt, precision)
-        output = _norm_linear_fwd(x, residual, norm_weight, eps, residual_in_fp32, w, bias, cdt, precision, kind)
+        output = _norm_linear_fwd(x, residual, norm_weight, eps, residual_in_fp32, w, bias, cdt, precision, kind,
+                                  numerics)
         fl._norm_linear_setup(ctx, (x, residual, norm_weight, eps, residual_in_fp32, w, bias, cdt, precision,
-                                    kind), output)
+                                    kind, numerics), output)
         ctx.weight_dtype = weight.dtype
         return output
 
@@ -104,18 +106,18 @@ class _NormLinear(torch.autograd.Function):
         dx, dres, dnorm_w, dw, db, counts = _norm_linear_bwd(
             grad_out, grad_res, yhat, rstd, norm_weight, weight, ctx.x_dtype,
             ctx.residual_dtype if has_res else ctx.x_dtype, has_res, need[5], ctx.has_bias and need[6],
-            ctx.precision)
-        fl._record(ctx.kind, grad_out.numel() * (1 + need[5]), counts)
+            ctx.precision, ctx.numerics)
+        fl._record(ctx.kind, grad_out.numel() * (1 + need[5]), counts, ctx.numerics)
         return (dx, dres if has_res else None, dnorm_w, None, None, dw.to(ctx.weight_dtype) if need[5] else None,
-                db if ctx.has_bias and need[6] else None, None, None, None)
+                db if ctx.has_bias and need[6] else None, None, None, None, None)
 
 
 class _SwigluLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, weight, bias, cdt, precision, kind):
+    def forward(ctx, gate_up, weight, bias, cdt, precision, kind, numerics):
         w = _compute_weight(weight, bias, cdt, precision)
-        output = _swiglu_linear_fwd(gate_up, w, bias, cdt, precision, kind)
-        fl._save_input_and_weight(ctx, (gate_up, w, bias, cdt, precision, kind), output)
+        output = _swiglu_linear_fwd(gate_up, w, bias, cdt, precision, kind, numerics)
+        fl._save_input_and_weight(ctx, (gate_up, w, bias, cdt, precision, kind, numerics), output)
         ctx.weight_dtype = weight.dtype
         return output
 
@@ -126,17 +128,17 @@ class _SwigluLinear(torch.autograd.Function):
         want_db = ctx.has_bias and need[2]
         grad_out = fl._out_grad(grad_out, (*gate_up.shape[:-1], weight.shape[0]), ctx.compute_dtype, gate_up.device)
         dgu, dw, db, counts = _swiglu_linear_bwd(grad_out, gate_up, weight, ctx.compute_dtype, need[1], want_db,
-                                                 ctx.precision)
-        fl._record(ctx.kind, grad_out.numel() * (1 + need[1]), counts)
-        return dgu, (dw.to(ctx.weight_dtype) if need[1] else None), (db if want_db else None), None, None, None
+                                                 ctx.precision, ctx.numerics)
+        fl._record(ctx.kind, grad_out.numel() * (1 + need[1]), counts, ctx.numerics)
+        return dgu, (dw.to(ctx.weight_dtype) if need[1] else None), (db if want_db else None), None, None, None, None
 
 
 class _LeanLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cdt, precision, kind):
+    def forward(ctx, x, weight, bias, cdt, precision, kind, numerics):
         w = _compute_weight(weight, bias, cdt, precision)
-        output = _lean_linear_fwd(x, w, bias, cdt, precision, kind)
-        fl._save_input_and_weight(ctx, (x, w, bias, cdt, precision, kind), output)
+        output = _lean_linear_fwd(x, w, bias, cdt, precision, kind, numerics)
+        fl._save_input_and_weight(ctx, (x, w, bias, cdt, precision, kind, numerics), output)
         ctx.weight_dtype = weight.dtype
         return output
 
@@ -147,22 +149,24 @@ class _LeanLinear(torch.autograd.Function):
         want_db = ctx.has_bias and need[2]
         grad_out = fl._out_grad(grad_out, (*x.shape[:-1], weight.shape[0]), ctx.compute_dtype, x.device)
         dx, dw, db, counts = _lean_linear_bwd(grad_out, x, weight, ctx.compute_dtype, need[0], need[1], want_db,
-                                              ctx.precision)
-        fl._record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts)
+                                              ctx.precision, ctx.numerics)
+        fl._record(ctx.kind, grad_out.numel() * (need[0] + need[1]), counts, ctx.numerics)
         return ((dx if need[0] else None), (dw.to(ctx.weight_dtype) if need[1] else None),
-                (db if want_db else None), None, None, None)
+                (db if want_db else None), None, None, None, None)
 
 
-def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16", kind=""):
+def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16", kind="",
+                numerics=None):
     """``fused_linear.triton_norm_linear`` through a plain autograd Function (same checks, values, gradients)."""
     fl.check_norm_linear_args(x, residual, norm_weight, weight, precision)
     out, res_out, _, _, counts = _NormLinear.apply(x, residual, norm_weight, float(eps), bool(residual_in_fp32),
-                                                   weight, bias, fl.compute_dtype(x, weight), precision, kind)
-    fl._record(kind, x.numel() + weight.numel(), counts)
+                                                   weight, bias, fl.compute_dtype(x, weight), precision, kind,
+                                                   handle_of(numerics))
+    fl._record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out, res_out
 
 
-def swiglu_linear(gate_up, weight, bias=None, precision="bf16", kind=""):
+def swiglu_linear(gate_up, weight, bias=None, precision="bf16", kind="", numerics=None):
     """``fused_linear.triton_swiglu_linear`` through a plain autograd Function."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_linear: last dimension {gate_up.shape[-1]} must be even ([gate | up])")
@@ -170,19 +174,21 @@ def swiglu_linear(gate_up, weight, bias=None, precision="bf16", kind=""):
         raise ValueError(f"swiglu_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
                          f"{gate_up.shape[-1] // 2}")
     fl._check_precision(precision, gate_up)
-    out, counts = _SwigluLinear.apply(gate_up, weight, bias, fl.compute_dtype(gate_up, weight), precision, kind)
-    fl._record(kind, gate_up.numel() // 2 + weight.numel(), counts)
+    out, counts = _SwigluLinear.apply(gate_up, weight, bias, fl.compute_dtype(gate_up, weight), precision, kind,
+                                      handle_of(numerics))
+    fl._record(kind, gate_up.numel() // 2 + weight.numel(), counts, handle_of(numerics))
     return out
 
 
-def lean_linear(x, weight, bias=None, precision="bf16", kind=""):
+def lean_linear(x, weight, bias=None, precision="bf16", kind="", numerics=None):
     """``fused_linear.lean_linear`` through a plain autograd Function."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"lean_linear: weight shape {tuple(weight.shape)} does not take inputs of width "
                          f"{x.shape[-1]}")
     fl._check_precision(precision, x)
-    out, counts = _LeanLinear.apply(x, weight, bias, fl.compute_dtype(x, weight), precision, kind)
-    fl._record(kind, x.numel() + weight.numel(), counts)
+    out, counts = _LeanLinear.apply(x, weight, bias, fl.compute_dtype(x, weight), precision, kind,
+                                    handle_of(numerics))
+    fl._record(kind, x.numel() + weight.numel(), counts, handle_of(numerics))
     return out
 
 

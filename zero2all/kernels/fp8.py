@@ -48,15 +48,16 @@ Tiles are 64 x 128 (rows x columns; measured, see ``TILE``). So a rowwise cast o
 pass (none of its own for the normed inputs and the SwiGLU output); where backward needs the transposed,
 column-scaled copy (the gradient dy for both backward GEMMs, the inputs and W for their transposes) the amax pass
 comes first and one cast pass writes both copies. With ``model.ops.fp8_fused_amax`` the kernel that produced
-the operand writes its maxima (``AMAX_HINTS``: the norm backward for dx and normed', the SwiGLU backward for
-d gate_up and a, and with tensorwise scaling the norm and SwiGLU forward for normed and a) and the amax pass is
-skipped. The weights' casts are made once per optimizer step (``fp8_ref.WEIGHT_CASTS``).
+the operand writes its maxima (the model's ``fp8_ref.AmaxHints``: the norm backward for dx and normed', the
+SwiGLU backward for d gate_up and a, and with tensorwise scaling the norm and SwiGLU forward for normed and a) and
+the amax pass is skipped. The weights' casts are made once per optimizer step (the model's
+``fp8_ref.WeightCasts``; both live on its numerics context, ``kernels/numerics.py``).
 
 Monitoring: each cast counts its saturated elements (|q| = FMAX) and its underflows (x != 0 but q = 0) with two
-atomic adds per program; ``fp8_ref.FP8_STATS`` sums them per layer kind (qkv, o, gate_up, down) and the trainer
-reads them once per logging window. Under torch.compile the counts are not collected (they are accumulated
-outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear``
-are in ``fp8_ref.py`` (no Triton needed there).
+atomic adds per program; the model's ``numerics.fp8_stats`` sums them per layer kind (qkv, o, gate_up, down) and the
+trainer reads them once per logging window. Under torch.compile the counts are not collected (they are accumulated
+outside the ops). The GEMMs, the reference quantiser ``quantize_torch`` and the autograd Function ``FP8Linear`` are
+in ``fp8_ref.py`` (no Triton needed there).
 
 Bit exactness: on a GPU the kernels round with the hardware's FP8 conversion (round to nearest even, as torch's
 float8 casts); under the Triton interpreter they round to the FP8 grid in float32 arithmetic first (``_to_grid``:
@@ -66,7 +67,6 @@ the value is then exactly representable, so the cast is exact). Either way they 
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from zero2all.kernels import grid_programs
-from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, AmaxSite, Quantized, _rows2d
+from zero2all.kernels.fp8_ref import AMAX_FLOOR, E4M3, E5M2, AmaxHints, AmaxSite, Quantized, _rows2d
 from zero2all.kernels.rmsnorm import add_rmsnorm_row
 
 # (mantissa bits, smallest normal exponent) of each format, for the rounding in the kernels
@@ -369,11 +369,13 @@ def _split(device: torch.device, bands: int, tiles_k: int) -> int:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False,
-             history: Optional[AmaxSite] = None, observe: bool = True) -> Quantized:
+             history: Optional[AmaxSite] = None, observe: bool = True,
+             hints: Optional[AmaxHints] = None) -> Quantized:
     """Quantise a 2-D tensor with the Triton kernels. ``scaling``: ``axis`` (q per row, qt per column) or
-    ``tensor`` (one scale for both). Where the kernel that produced ``x`` left its partial maxima
-    (``AMAX_HINTS``), the amax pass is skipped. ``history`` (tensorwise): delayed scaling, the scale from that
-    site's recorded maxima and no amax pass (``fp8_ref.AmaxHistory``); ``observe``: record x's own amax there."""
+    ``tensor`` (one scale for both). Where the kernel that produced ``x`` left its partial maxima in ``hints``
+    (the model's ``AmaxHints``), the amax pass is skipped. ``history`` (tensorwise): delayed scaling, the scale
+    from that site's recorded maxima and no amax pass (``fp8_ref.AmaxHistory``); ``observe``: record x's own
+    amax there."""
     x = _rows2d(x)
     if scaling != "tensor":
         history = None
@@ -404,7 +406,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
         return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
                          floor.expand(K).clone() if want_qt else None, counts)
     rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
-    hint = AMAX_HINTS.take(x)
+    hint = hints.take(x) if hints is not None else None
     if history is not None and not history.empty and hint is None:      # delayed scaling: one pass
         q_s = torch.empty((), dtype=torch.float32, device=x.device)
         slot, nxt = history.open_slot() if observe else (-1, -1)
@@ -445,53 +447,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     return Quantized(q, q_s, qt, qt_s, counts)
 
 
-class AmaxHints:
-    """Partial maxima that the kernel producing a tensor wrote next to it (``swiglu_backward``), handed to the
-    next ``quantize`` of that very tensor so that it skips its amax pass (one read of the operand less).
-
-    An entry is keyed by the tensor's address and used only if, at that call, the tensor (or the base it is a
-    view of) is the same object, with the same shape, strides and ``_version`` (unchanged since the kernel
-    wrote it); it is used once. Entries whose tensor has been freed are dropped. Values are unchanged: the
-    maxima are those ``_amax_kernel`` would compute (partial maxima over other tiles, the same maximum).
-    Off by default (``enabled = True`` turns it on: the producing kernels then write the maxima); not yet
-    measured on a GPU."""
-
-    def __init__(self):
-        self.enabled = False
-        self._entries: dict[int, tuple] = {}
-
-    def put(self, x: torch.Tensor, row_part: torch.Tensor, col_part: Optional[torch.Tensor]) -> None:
-        if not self.enabled:
-            return
-        self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
-        owner = x if x._base is None else x._base
-        self._entries[x.data_ptr()] = (weakref.ref(owner), tuple(x.shape), x.stride(), x._version, row_part,
-                                       col_part)
-
-    def take(self, x: torch.Tensor):
-        """(row_part (S, M), col_part (B, K) or None) for ``x`` (2-D), or None."""
-        if not self._entries:
-            return None
-        entry = self._entries.pop(x.data_ptr(), None)
-        if entry is None:
-            return None
-        ref, shape, stride, version, row_part, col_part = entry
-        base = x if x._base is None else x._base
-        owner = ref()
-        if owner is None or base is not owner or tuple(x.shape) != shape \
-                or x.stride() != stride or x._version != version:
-            return None
-        return row_part, col_part
-
-
-AMAX_HINTS = AmaxHints()
-
-
 def swiglu_backward(grad_a: torch.Tensor, gate_up: torch.Tensor, dgu_dtype: torch.dtype, a_dtype: torch.dtype,
-                    scaling: str, want_a: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    scaling: str, want_a: bool, hints: Optional[AmaxHints] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SwiGLU's backward for FP8 projections: ``(d gate_up (M, 2 I), a (M, I) or None)`` from ``grad_a``
     (M, I) and ``gate_up`` (M, 2 I) (row-major), with the values of ``kernels/swiglu.py``'s backward. The same
-    pass writes the partial maxima of d gate_up and of a for their next ``quantize`` (``AMAX_HINTS``; the
+    pass writes the partial maxima of d gate_up and of a for their next ``quantize`` (into ``hints``; the
     scaling, ``axis`` or ``tensor``, says which are needed), so that neither is read again for its amax."""
     M, I = grad_a.shape
     if gate_up.shape != (M, 2 * I) or gate_up.stride(1) != 1 or not grad_a.is_contiguous():
@@ -512,9 +473,10 @@ def swiglu_backward(grad_a: torch.Tensor, gate_up: torch.Tensor, dgu_dtype: torc
     _swiglu_bwd_amax_kernel[(bands, n_split)](grad_a, gate_up, dgu, a if want_a else dgu, dgu_row, dgu_col, a_row,
                                               a_col, M, I, gate_up.stride(0), BM=BM, BK=BK, WRITE_A=want_a,
                                               COLS=cols, num_warps=TILE["num_warps"])
-    AMAX_HINTS.put(dgu, dgu_row, dgu_col if cols else None)
-    if want_a:
-        AMAX_HINTS.put(a, a_row, a_col if cols else None)
+    if hints is not None:
+        hints.put(dgu, dgu_row, dgu_col if cols else None)
+        if want_a:
+            hints.put(a, a_row, a_col if cols else None)
     return dgu, a
 
 
@@ -544,9 +506,9 @@ def quantize_swiglu(gate_up: torch.Tensor, a_dtype: torch.dtype, dtype: torch.dt
     return Quantized(q, s, None, None, counts)
 
 
-def swiglu_amax(gate_up: torch.Tensor, a_dtype: torch.dtype) -> torch.Tensor:
+def swiglu_amax(gate_up: torch.Tensor, a_dtype: torch.dtype, hints: Optional[AmaxHints] = None) -> torch.Tensor:
     """a = silu(gate) * up (rounded to ``a_dtype``, the values of ``kernels/swiglu.py``) for ``gate_up`` (M, 2 I),
-    written with its rows' amax in the same pass, handed to a's next ``quantize`` (``AMAX_HINTS``: tensorwise
+    written with its rows' amax in the same pass, handed to a's next ``quantize`` (``hints``: tensorwise
     scaling then needs no amax pass of its own)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"fp8 swiglu_amax: expected a row-major (M, 2 I) tensor, got shape "
@@ -561,19 +523,21 @@ def swiglu_amax(gate_up: torch.Tensor, a_dtype: torch.dtype) -> torch.Tensor:
                                                     MANT=3, MIN_EXP=-6, BM=bm, BLOCK=block, ONE_PASS=K <= block,
                                                     COUNT=False, SWIGLU=True, A_DTYPE=_TL_DTYPES[a_dtype],
                                                     NATIVE=False, STORE_X=True, num_warps=8)
-        AMAX_HINTS.put(a, amax.view(1, M), None)
+        if hints is not None:
+            hints.put(a, amax.view(1, M), None)
     return a
 
 
 def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                   res_out: torch.Tensor, rstd: torch.Tensor, yhat: torch.Tensor, normed_dtype: torch.dtype,
-                  warps: int, dtype: torch.dtype = E4M3, store_normed: bool = False) -> Quantized:
+                  warps: int, dtype: torch.dtype = E4M3, store_normed: bool = False,
+                  hints: Optional[AmaxHints] = None) -> Quantized:
     """The residual add + RMSNorm of ``kernels/rmsnorm.py`` (writing res_out, rstd and yhat as its forward kernel
     with WRITE_Y does) with the rowwise FP8 cast of normed = round_c(norm_weight * y) in the same pass, instead
     of normed itself: normed is never written to memory. x2, res2 (or None), res_out, yhat: (M, N) contiguous.
     ``warps``: the norm kernel's own choice, so that the row sums are added in the same order.
     ``store_normed``: no cast; ``q`` is normed itself (in ``normed_dtype``), ``q_scale`` its rows' amax, handed to
-    normed's next ``quantize`` (``AMAX_HINTS``: tensorwise scaling then needs no amax pass of its own)."""
+    normed's next ``quantize`` (``hints``: tensorwise scaling then needs no amax pass of its own)."""
     M, N = x2.shape
     mant, min_exp = _GRID[dtype]
     q = torch.empty((M, N), dtype=normed_dtype if store_normed else dtype, device=x2.device)
@@ -587,7 +551,7 @@ def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: t
                                         NATIVE=x2.is_cuda and NATIVE_CAST, STORE_NORMED=store_normed,
                                         num_warps=warps)
     if store_normed:
-        if M and N:
-            AMAX_HINTS.put(q, s.view(1, M), None)
+        if M and N and hints is not None:
+            hints.put(q, s.view(1, M), None)
         return Quantized(q, s, None, None, torch.zeros(2, dtype=torch.int64, device=x2.device))
     return Quantized(q, s, None, None, per_row.sum(1, dtype=torch.int64))

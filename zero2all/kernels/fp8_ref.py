@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -85,10 +84,12 @@ def _cast_torch(xf: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
 
 
 def quantize_torch(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False,
-                   history: Optional["AmaxSite"] = None, observe: bool = True) -> Quantized:
+                   history: Optional["AmaxSite"] = None, observe: bool = True,
+                   hints: Optional["AmaxHints"] = None) -> Quantized:
     """The reference of ``quantize``: the same rule in PyTorch (torch's float8 casts round to nearest even).
     ``history`` (tensorwise only): delayed scaling from that site's recorded maxima (``AmaxHistory``); with
-    ``observe`` the operand's own amax is recorded there."""
+    ``observe`` the operand's own amax is recorded there. ``hints`` is accepted for the kernels' signature and
+    unused: the reference computes every maximum itself."""
     xf = _rows2d(x).float()
     counts = torch.zeros(2, dtype=torch.int64, device=x.device)
     q = q_s = qt = qt_s = None
@@ -182,13 +183,14 @@ class WeightCasts:
     parameter, 1 GB more for z2all-1.1b, and no faster on an H100 (72.8k / 74.4k tok/s rowwise / tensorwise
     against 72.3k / 74.4k with W^T alone, BENCHMARKS.md).
 
-    An entry is keyed by the weight's storage address, shape, strides, dtype and the cast asked for, and used
-    only while it describes the very same tensor object (a weak reference) at the same ``_version`` (any
-    in-place write to the weight bumps it). Every ``torch.optim.Optimizer.step`` empties the cache (a global step
-    hook), and so does ``clear()``. Under FSDP2 the gathered weight of a layer is the same unsharded parameter
-    object on every gather: an entry it hits holds the cast of that layer's weight in the same step (the values
-    do not change before the step), and where the gather bumped ``_version`` it is cast again; another layer's
-    weight at a reused address is another object and never hits.
+    An entry is keyed by the weight's storage address, shape, strides, dtype and the cast asked for, and used only
+    while it describes the very same tensor object (a weak reference) at the same ``_version`` (any in-place write
+    to the weight bumps it). The model's numerics context (``kernels/numerics.py``) owns the cache and empties it
+    after each step of the optimizer it is attached to (the trainer's), and so does ``clear()``. Under FSDP2 the
+    gathered weight of a layer is the same unsharded parameter object on every gather: an entry it hits holds the
+    cast of that layer's weight in the same step (the values do not change before the step), and where the gather
+    bumped ``_version`` it is cast again; another layer's weight at a reused address is another object and never
+    hits.
     """
 
     def __init__(self):
@@ -225,8 +227,12 @@ class WeightCasts:
         self._entries.clear()
 
 
-WEIGHT_CASTS = WeightCasts()
-register_optimizer_step_post_hook(WEIGHT_CASTS.clear)
+def cast_weight(casts: Optional[WeightCasts], weight: torch.Tensor, scaling: str, transposed: bool,
+                quant) -> Quantized:
+    """The FP8 cast of a weight through ``casts`` (a model's cache), or made here when there is none."""
+    if casts is None:
+        return WeightCasts._cast(weight, scaling, transposed, quant)
+    return casts.get(weight, scaling, transposed, quant)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -290,7 +296,7 @@ class AmaxHistory:
     Sites: ``(weight, "x")`` the input of the linear with that weight, ``(weight, "g")`` its output gradient. The
     backward's transposed cast of the input (for d W) reads the input's site without recording (its values are
     the forward's, already recorded). Elements beyond the scale's range saturate (clamped to the format's largest
-    value) and are counted in the saturation statistics (``FP8_STATS``). A site is keyed by the weight object
+    value) and are counted in the saturation statistics (the model's ``Fp8Stats``). A site is keyed by the weight object
     (a weak reference: under FSDP2 the unsharded parameter is the same object at every gather) and lives until
     its weight is freed or ``clear()``; the maxima are not part of checkpoints (after a resume the first cast of
     each site scales from its own amax). ``length = 0``: off (every scale from the operand's own amax)."""
@@ -315,39 +321,67 @@ class AmaxHistory:
         self._sites.clear()
 
 
-AMAX_HISTORY = AmaxHistory()
 AMAX_HISTORY_MAX = 1024
 
 
-def _site(weight: Optional[torch.Tensor], scaling: str, role: str, observe: bool = True) -> dict:
-    """The keyword arguments of a quantiser for the cast at (weight, role): none without delayed scaling."""
-    site = AMAX_HISTORY.site(weight, role) if scaling == "tensor" else None
-    return {} if site is None else {"history": site, "observe": observe}
+def _site(numerics, weight: Optional[torch.Tensor], scaling: str, role: str, observe: bool = True) -> dict:
+    """The keyword arguments of a quantiser for the cast at (weight, role) in ``numerics`` (a model's context,
+    ``kernels/numerics.py``, or None): the site of delayed scaling and the hints of fused maxima, where on."""
+    if numerics is None:
+        return {}
+    kwargs = {"hints": numerics.amax_hints} if numerics.amax_hints.enabled else {}
+    site = numerics.amax_history.site(weight, role) if scaling == "tensor" else None
+    if site is not None:
+        kwargs.update(history=site, observe=observe)
+    return kwargs
 
 
-def apply_fp8_options(weight_cache: str, fused_amax: bool, amax_history: int = 0) -> None:
-    """``model.ops.fp8_weight_cache`` (both | transposed), ``model.ops.fp8_fused_amax`` and
-    ``model.ops.fp8_amax_history`` (0, or 2 to 1024: delayed scaling), set process-wide (the weight-cast cache,
-    the hand-over of maxima and the recorded maxima are module state) when a model with FP8 linears is built."""
-    if weight_cache not in ("both", "transposed"):
-        raise ValueError(f"model.ops.fp8_weight_cache: {weight_cache!r} is not one of both, transposed")
-    if amax_history != 0 and not 2 <= amax_history <= AMAX_HISTORY_MAX:
-        raise ValueError(f"model.ops.fp8_amax_history: {amax_history} is neither 0 (off) nor in 2 .. "
-                         f"{AMAX_HISTORY_MAX}")
-    AMAX_HISTORY.length = amax_history
-    AMAX_HISTORY.clear()
-    WEIGHT_CASTS.keep_forward = weight_cache == "both"
-    WEIGHT_CASTS.clear()
-    if fused_amax:
-        from zero2all.kernels.fp8 import AMAX_HINTS
+class AmaxHints:
+    """Partial maxima that the kernel producing a tensor wrote next to it (``kernels/fp8.py``: the norm and
+    SwiGLU kernels), handed to the next ``quantize`` of that very tensor so that it skips its amax pass (one read
+    of the operand less). Each model's numerics context owns one (``model.ops.fp8_fused_amax``).
 
-        AMAX_HINTS.enabled = True
-    else:
-        try:
-            from zero2all.kernels.fp8 import AMAX_HINTS
-        except ImportError:          # no Triton: nothing to turn off
+    An entry is keyed by the tensor's address and used only if, at that call, the tensor (or the base it is a
+    view of) is the same object, with the same shape, strides and ``_version`` (unchanged since the kernel
+    wrote it); it is used once. Entries whose tensor has been freed are dropped. Values are unchanged: the
+    maxima are those ``_amax_kernel`` would compute (partial maxima over other tiles, the same maximum).
+    Off by default (``enabled = True`` turns it on: the producing kernels then write the maxima); not yet
+    measured on a GPU."""
+
+    def __init__(self):
+        self.enabled = False
+        self._entries: dict[int, tuple] = {}
+
+    def put(self, x: torch.Tensor, row_part: torch.Tensor, col_part: Optional[torch.Tensor]) -> None:
+        if not self.enabled:
             return
-        AMAX_HINTS.enabled = False
+        self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
+        owner = x if x._base is None else x._base
+        self._entries[x.data_ptr()] = (weakref.ref(owner), tuple(x.shape), x.stride(), x._version, row_part,
+                                       col_part)
+
+    def take(self, x: torch.Tensor):
+        """(row_part (S, M), col_part (B, K) or None) for ``x`` (2-D), or None."""
+        if not self._entries:
+            return None
+        entry = self._entries.pop(x.data_ptr(), None)
+        if entry is None:
+            return None
+        ref, shape, stride, version, row_part, col_part = entry
+        base = x if x._base is None else x._base
+        owner = ref()
+        if owner is None or base is not owner or tuple(x.shape) != shape \
+                or x.stride() != stride or x._version != version:
+            return None
+        return row_part, col_part
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def hints_of(numerics) -> Optional[AmaxHints]:
+    """The hints of ``numerics`` where fused maxima are on (the producing kernels write them), else None."""
+    return numerics.amax_hints if numerics is not None and numerics.amax_hints.enabled else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -355,12 +389,14 @@ def apply_fp8_options(weight_cache: str, fused_amax: bool, amax_history: int = 0
 
 
 def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dtype: torch.dtype,
-                   quant=quantize_torch, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   quant=quantize_torch, out: Optional[torch.Tensor] = None, numerics=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``a2d @ W^T`` with both operands in E4M3 (into ``out`` when given); returns (out (M, N), counts (2,)).
-    ``a2d`` may come already quantised (a ``Quantized`` with ``q``, cast by the op that produced it)."""
+    ``a2d`` may come already quantised (a ``Quantized`` with ``q``, cast by the op that produced it).
+    ``numerics``: the model's context (weight casts, delayed scaling, hints; None: none)."""
     scaling = scaling_of(recipe)
-    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling, **_site(weight, scaling, "x"))
-    qw = WEIGHT_CASTS.get(weight, scaling, False, quant)
+    qa = a2d if isinstance(a2d, Quantized) else quant(a2d, E4M3, scaling, **_site(numerics, weight, scaling, "x"))
+    qw = cast_weight(numerics.weight_casts if numerics is not None else None, weight, scaling, False, quant)
     y = fp8_mm(qa.q, qa.q_scale, qw.q, qw.q_scale, out_dtype, out=out, fast_accum=FAST_ACCUM_FORWARD)
     return y, qa.counts + qw.counts
 
@@ -368,22 +404,25 @@ def linear_forward(a2d: torch.Tensor, weight: torch.Tensor, recipe: str, out_dty
 class LinearBackward:
     """The two backward GEMMs of ``y = a W^T`` from one quantisation of the gradient ``g`` (M, N): ``q`` (row
     scaled) for d a = g W, ``qt`` (column scaled, transposed) for d W = g^T a. ``counts`` covers g's casts.
-    ``weight``: the layer's weight, whose sites delayed scaling uses (``AMAX_HISTORY``; None: none)."""
+    ``weight``: the layer's weight, whose sites delayed scaling uses; ``numerics``: the model's context (its
+    ``AmaxHistory``, weight casts and hints; None: none)."""
 
     def __init__(self, g2d: torch.Tensor, recipe: str, want_da: bool, want_dw: bool, quant=quantize_torch,
-                 weight: Optional[torch.Tensor] = None):
+                 weight: Optional[torch.Tensor] = None, numerics=None):
         self.recipe, self.scaling, self.quant, self.weight = recipe, scaling_of(recipe), quant, weight
+        self.numerics = numerics
         self.g = quant(g2d, grad_dtype(recipe), self.scaling, want_q=want_da, want_qt=want_dw,
-                       **_site(weight, self.scaling, "g"))
+                       **_site(numerics, weight, self.scaling, "g"))
         self.counts = self.g.counts
 
     def grad_input(self, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        wt = WEIGHT_CASTS.get(weight, self.scaling, True, self.quant)                     # W^T (K, N)
+        casts = self.numerics.weight_casts if self.numerics is not None else None
+        wt = cast_weight(casts, weight, self.scaling, True, self.quant)                  # W^T (K, N)
         return fp8_mm(self.g.q, self.g.q_scale, wt.qt, wt.qt_scale, out_dtype)
 
     def grad_weight(self, a2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         at = self.quant(a2d, E4M3, self.scaling, want_q=False, want_qt=True,            # a^T (K, M)
-                        **_site(self.weight, self.scaling, "x", observe=False))
+                        **_site(self.numerics, self.weight, self.scaling, "x", observe=False))
         return fp8_mm(self.g.qt, self.g.qt_scale, at.qt, at.qt_scale, out_dtype)
 
 
@@ -427,9 +466,6 @@ class Fp8Stats:
         return out
 
 
-FP8_STATS = Fp8Stats()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # a plain FP8 linear (the reference path of ops.fp8_linear_torch, and any linear outside the fused blocks)
 
@@ -439,14 +475,16 @@ class FP8Linear(torch.autograd.Function):
     kernels or ``quantize_torch``). Saves x and W (not their casts); the output is in ``out_dtype``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, out_dtype, quant, kind):
+    def forward(ctx, x, weight, bias, recipe, out_dtype, quant, kind, numerics=None):
         x2 = x.reshape(-1, x.shape[-1])
-        out, counts = linear_forward(x2, weight, recipe, out_dtype, quant)
-        FP8_STATS.add(kind, x2.numel() + weight.numel(), counts)
+        out, counts = linear_forward(x2, weight, recipe, out_dtype, quant, numerics=numerics)
+        if numerics is not None:
+            numerics.fp8_stats.add(kind, x2.numel() + weight.numel(), counts)
         if bias is not None:
             out = out + bias.to(out_dtype)
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.quant, ctx.out_dtype, ctx.has_bias, ctx.kind = recipe, quant, out_dtype, bias is not None, kind
+        ctx.numerics = numerics
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -454,12 +492,13 @@ class FP8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, weight.shape[0])
         need = ctx.needs_input_grad
-        bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant, weight=weight)
-        FP8_STATS.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
+        bwd = LinearBackward(g2, ctx.recipe, need[0], need[1], ctx.quant, weight=weight, numerics=ctx.numerics)
+        if ctx.numerics is not None:
+            ctx.numerics.fp8_stats.add(ctx.kind, g2.numel() * (int(need[0]) + int(need[1])), bwd.counts)
         dx = bwd.grad_input(weight, x.dtype).view(x.shape) if need[0] else None
         dw = bwd.grad_weight(x.reshape(-1, x.shape[-1]), weight.dtype) if need[1] else None
         db = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need[2] else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _triton_quantize():
@@ -469,11 +508,12 @@ def _triton_quantize():
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
-               out_dtype: Optional[torch.dtype] = None, use_triton: bool = True, kind: Optional[str] = None
-               ) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, use_triton: bool = True, kind: Optional[str] = None,
+               numerics=None) -> torch.Tensor:
     """``F.linear`` with FP8 GEMMs (``recipe``: fp8_rowwise / fp8_tensorwise); ``kind`` names the layer in
-    ``FP8_STATS`` (None: not counted)."""
+    the model's ``Fp8Stats`` (None: not counted); ``numerics``: the model's context (``kernels/numerics.py``: its weight
+    casts, delayed scaling and hints; None: every cast made here, scaled from its operand)."""
     scaling_of(recipe)
     check_fp8_device(x.device)
     quant = _triton_quantize() if use_triton else quantize_torch
-    return FP8Linear.apply(x, weight, bias, recipe, out_dtype or x.dtype, quant, kind)
+    return FP8Linear.apply(x, weight, bias, recipe, out_dtype or x.dtype, quant, kind, numerics)

@@ -9,20 +9,22 @@ The lean projections (``kernels/fused_linear.py``) keep float32 master weights. 
   autograd's accumulation ``W.grad += d W`` reads both and writes the sum (12 P bytes).
 
 With gradient accumulation over ``a`` micro-batches the weights do not change between the casts, and the
-gradient's only reader before the optimizer step is the next micro-batch's sum. For the weights marked by
-:func:`mark`:
+gradient's only reader before the optimizer step is the next micro-batch's sum. For the weights marked in the
+model's numerics context (``kernels/numerics.py``: ``model.numerics.mark(model, setting)``, which the trainer
+calls; the marks, like the cached casts, belong to that one model):
 
-* ``grads`` (``GRAD_IN_GEMM``): ``weight_grad(g^T, x, W)`` computes ``W.grad + g^T x`` in one GEMM that reads
+* ``grads``: ``weight_grad(g^T, x, W, numerics)`` computes ``W.grad + g^T x`` in one GEMM that reads
   the accumulated gradient and writes float32 from bf16 operands (``addmm`` with beta = 1, ``out_dtype``: 8 P
   bytes instead of 20 P, and the product is never rounded to bf16), then clears ``W.grad`` so that autograd
   installs the sum as the new gradient (its post-accumulate hooks still run). The first micro-batch's GEMM
   writes float32 directly (``matmul_to``). The LM head's weight enters the fused loss as stored and its float32
   gradient is summed over the loss's chunks the same way (``kernels/cross_entropy.py``).
-* ``all`` adds ``STEP_CAST``: ``cast(W, bf16)`` keeps the first cast of a step and hands it to the other
-  ``2 a - 1`` GEMMs (``CASTS``); it holds 2 bytes per parameter from the first forward to the step (the copies
-  autocast keeps anyway on the plain path). An entry is used only while it describes the very same tensor object
-  (a weak reference) at the same ``_version`` (every in-place write, the optimizer's included, bumps it), so a
-  stale copy is never read; every ``torch.optim.Optimizer.step`` empties the cache (a global step hook).
+* ``all`` adds the step casts: ``cast(W, bf16, numerics)`` keeps the first cast of a step and hands it to the
+  other ``2 a - 1`` GEMMs (the context's ``compute_casts``); it holds 2 bytes per parameter from the first forward
+  to the step (the copies autocast keeps anyway on the plain path). An entry is used only while it describes the
+  very same tensor object (a weak reference) at the same ``_version`` (every in-place write, the optimizer's
+  included, bumps it), so a stale copy is never read; a step of the optimizer the context is attached to (the
+  trainer's) empties the cache.
 
 The float32-output GEMMs (``aten::mm`` / ``addmm`` with ``out_dtype``) exist on CUDA only; on the CPU the marked
 path computes the same sums with a bf16 product and a cast. Both need one process owning plain parameters:
@@ -36,38 +38,21 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
-STEP_CAST = "_z2all_step_cast"          # attribute on a parameter: its compute-dtype cast is kept for the step
-GRAD_IN_GEMM = "_z2all_grad_in_gemm"    # attribute on a parameter: its gradient is accumulated by the GEMM
-
 
 SETTINGS = ("off", "grads", "all")   # model.ops.step_fusion
 
 
-def mark(model: torch.nn.Module, setting: str = "all") -> int:
-    """Mark the matrix parameters (2-D, float32) of ``model`` for ``setting`` (one of ``SETTINGS``; ``off``
-    clears the marks); returns how many matrices were marked. Only the lean projections and the fused loss read
-    the marks."""
-    if setting not in SETTINGS:
-        raise ValueError(f"step_fusion: {setting!r} is not one of {', '.join(SETTINGS)}")
-    n = 0
-    for p in model.parameters():
-        if p.dim() == 2 and p.dtype == torch.float32:
-            setattr(p, GRAD_IN_GEMM, setting != "off")
-            setattr(p, STEP_CAST, setting == "all")
-            n += setting != "off"
-    return n
-
-
 class ComputeCasts:
+    """The compute-dtype casts of the weights marked ``all``, kept until the optimizer step (one per model, on
+    its numerics context)."""
+
     def __init__(self):
         self.hits = 0                       # casts served from the cache (for tests and benchmarks)
         self._entries: dict[tuple, tuple] = {}
 
     def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight.to(dtype)``, from the cache when the weight is marked and the entry is current."""
-        if weight.dtype == dtype or not getattr(weight, STEP_CAST, False) or weight.is_inference():
+        """``weight.to(dtype)``, from the cache when the entry is current (the caller checks the mark)."""
+        if weight.dtype == dtype or weight.is_inference():
             return weight.to(dtype)
         key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, dtype)
         entry = self._entries.get(key)
@@ -92,13 +77,17 @@ class ComputeCasts:
         return len(self._entries)
 
 
-CASTS = ComputeCasts()
-register_optimizer_step_post_hook(CASTS.clear)
+def cast(weight: torch.Tensor, dtype: torch.dtype, numerics=None) -> torch.Tensor:
+    """The weight in the compute dtype (a copy cached in ``numerics``, the model's context, for weights marked
+    ``all`` there)."""
+    if numerics is not None and numerics.step_cast(weight):
+        return numerics.compute_casts.get(weight, dtype)
+    return weight.to(dtype)
 
 
-def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in the compute dtype (a cached copy for marked weights)."""
-    return CASTS.get(weight, dtype)
+def grad_in_gemm(weight: torch.Tensor, numerics=None) -> bool:
+    """Whether ``weight`` is marked in ``numerics`` for its gradient to be summed inside the GEMM."""
+    return numerics is not None and numerics.grad_in_gemm(weight)
 
 
 def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,11 +113,12 @@ def addmm_to(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torc
         return acc.add_(a @ b)
 
 
-def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """d W = g^T inp in W's dtype. Unmarked W: a product in the operands' dtype, then a cast. A marked W
-    (``GRAD_IN_GEMM``): the product in float32, and on CUDA with a float32 ``.grad`` already there, returns
-    ``W.grad + g^T inp`` (one GEMM) and clears ``W.grad``, so that autograd installs the sum instead of adding."""
-    if not getattr(weight, GRAD_IN_GEMM, False):
+def weight_grad(g_t: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, numerics=None) -> torch.Tensor:
+    """d W = g^T inp in W's dtype. Unmarked W: a product in the operands' dtype, then a cast. A W marked in
+    ``numerics`` (the model's context) for ``grads`` or ``all``: the product in float32, and on CUDA with a float32
+    ``.grad`` already there, returns ``W.grad + g^T inp`` (one GEMM) and clears ``W.grad``, so that autograd
+    installs the sum instead of adding."""
+    if not grad_in_gemm(weight, numerics):
         with torch.autocast(g_t.device.type, enabled=False):
             return (g_t @ inp).to(weight.dtype)
     acc = weight.grad if g_t.is_cuda and weight.is_leaf else None

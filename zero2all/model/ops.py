@@ -248,11 +248,12 @@ def fp8_casts_use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def linear_torch(x, weight, bias=None, precision="bf16", kind=""):
+def linear_torch(x, weight, bias=None, precision="bf16", kind="", numerics=None):
     """``F.linear``; with an FP8 ``precision`` (fp8_rowwise / fp8_tensorwise) the same linear with its three GEMMs
     on FP8 operands (``torch._scaled_mm`` and the Triton casts on a GPU, the PyTorch reference of the rule and a
     float32 emulation of the GEMM on CPU: ``fp8_casts_use_triton``). Under autocast the output is in autocast's
-    dtype, as F.linear's."""
+    dtype, as F.linear's. ``numerics``: the model's numerics context (``kernels/numerics.py``: FP8 weight casts,
+    delayed scaling; None: none)."""
     if precision == "bf16":
         return F.linear(x, weight, bias)
     from zero2all.kernels.fp8_ref import fp8_linear
@@ -260,62 +261,65 @@ def linear_torch(x, weight, bias=None, precision="bf16", kind=""):
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
         return fp8_linear(x, weight, bias, precision, out_dtype=out_dtype, use_triton=fp8_casts_use_triton(x),
-                          kind=kind or None)
+                          kind=kind or None, numerics=numerics)
 
 
 def norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, precision="bf16",
-                      kind=""):
+                      kind="", numerics=None):
     normed, residual = add_rmsnorm_torch(x, residual, norm_weight, eps, residual_in_fp32)
-    return linear_torch(normed, weight, bias, precision, kind), residual
+    return linear_torch(normed, weight, bias, precision, kind, numerics), residual
 
 
 def norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, impl="auto", precision="bf16",
-                kind=""):
+                kind="", numerics=None):
     """``(F.linear(normed, weight, bias), new_residual)`` with ``normed, new_residual = add_rmsnorm(...)``.
 
     ``precision``: bf16 (the compute dtype) or an FP8 recipe for the GEMMs; ``kind`` (qkv, gate_up) names the
-    projection in the FP8 statistics."""
+    projection in the FP8 statistics; ``numerics``: the model's numerics context (``kernels/numerics.py``), which
+    owns every cache and history the op keeps (None: none)."""
     if use_triton(impl, x):
         if eager_functions():
             from zero2all.kernels import eager
 
             return eager.norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision,
-                                     kind)
+                                     kind, numerics)
         from zero2all.kernels.fused_linear import triton_norm_linear
 
-        return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
-    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind)
+        return triton_norm_linear(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind,
+                                  numerics)
+    return norm_linear_torch(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, precision, kind,
+                             numerics)
 
 
-def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16", kind=""):
-    return linear_torch(swiglu_torch(gate_up), weight, bias, precision, kind)
+def swiglu_linear_torch(gate_up, weight, bias=None, precision="bf16", kind="", numerics=None):
+    return linear_torch(swiglu_torch(gate_up), weight, bias, precision, kind, numerics)
 
 
-def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind=""):
+def swiglu_linear(gate_up, weight, bias=None, impl="auto", precision="bf16", kind="", numerics=None):
     """``F.linear(silu(gate) * up, weight, bias)``."""
     if use_triton(impl, gate_up):
         if eager_functions():
             from zero2all.kernels import eager
 
-            return eager.swiglu_linear(gate_up, weight, bias, precision, kind)
+            return eager.swiglu_linear(gate_up, weight, bias, precision, kind, numerics)
         from zero2all.kernels.fused_linear import triton_swiglu_linear
 
-        return triton_swiglu_linear(gate_up, weight, bias, precision, kind)
-    return swiglu_linear_torch(gate_up, weight, bias, precision, kind)
+        return triton_swiglu_linear(gate_up, weight, bias, precision, kind, numerics)
+    return swiglu_linear_torch(gate_up, weight, bias, precision, kind, numerics)
 
 
-def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind=""):
+def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind="", numerics=None):
     """``F.linear(x, weight, bias)``; the fused version casts the weight again in backward instead of keeping
     autocast's copy."""
     if use_triton(impl, x):
         if eager_functions():
             from zero2all.kernels import eager
 
-            return eager.lean_linear(x, weight, bias, precision, kind)
+            return eager.lean_linear(x, weight, bias, precision, kind, numerics)
         from zero2all.kernels.fused_linear import lean_linear as triton_lean_linear
 
-        return triton_lean_linear(x, weight, bias, precision, kind)
-    return linear_torch(x, weight, bias, precision, kind)
+        return triton_lean_linear(x, weight, bias, precision, kind, numerics)
+    return linear_torch(x, weight, bias, precision, kind, numerics)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -338,11 +342,13 @@ def linear_cross_entropy_torch(hidden: torch.Tensor, weight: torch.Tensor, targe
     return loss
 
 
-def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, z_loss=0.0, impl="auto"):
+def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, z_loss=0.0, impl="auto", numerics=None):
+    """``numerics``: the model's numerics context (the fused loss reads its step-fusion marks; None: none)."""
     if uses_fused_cross_entropy(impl, hidden):
         from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
 
-        return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, z_loss=z_loss)
+        return fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, z_loss=z_loss,
+                                          numerics=numerics)
     return linear_cross_entropy_torch(hidden, weight, targets, ignore_index, z_loss)
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zero2all.config import ModelConfig
+from zero2all.kernels.numerics import Numerics
 from zero2all.model import ops
 from zero2all.model.moe import MoE, init_moe_, moe_aux_loss
 
@@ -109,9 +110,10 @@ class Block(nn.Module):
     With ``ops.fused_linear`` the same math runs through the lean fused projections (``kernels/fused_linear.py``:
     norm + qkv, o, norm + gate|up, SwiGLU + down), which keep far less for backward; parameters are unchanged."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, numerics: Numerics | None = None):
         super().__init__()
         self.cfg = cfg
+        self.numerics = numerics if numerics is not None else Numerics.from_ops(cfg.ops)  # the model's, shared
         self.input_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
@@ -148,16 +150,17 @@ class Block(nn.Module):
         if self.uses_fused_linear(x):
             # the same math; norm + qkv, o, norm + gate|up and SwiGLU + down as lean fused functions
             attn, mlp, impl, prec = self.self_attn, self.mlp, c.ops.fused_linear, c.ops.linear_precision
+            nx = self.numerics
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
                                             c.residual_in_fp32, attn.qkv_proj.weight, attn.qkv_proj.bias, impl,
-                                            prec, "qkv")
+                                            prec, "qkv", nx)
             y = attn.attend(qkv, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
-            h = ops.lean_linear(y, attn.o_proj.weight, attn.o_proj.bias, impl, prec, "o")
+            h = ops.lean_linear(y, attn.o_proj.weight, attn.o_proj.bias, impl, prec, "o", nx)
             h = F.dropout(h, c.dropout1, self.training) if c.dropout1 else h
             gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm.weight, c.rms_norm_eps,
                                                 c.residual_in_fp32, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                                impl, prec, "gate_up")
-            h = ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, impl, prec, "down")
+                                                impl, prec, "gate_up", nx)
+            h = ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, impl, prec, "down", nx)
             h = F.dropout(h, c.dropout2, self.training) if c.dropout2 else h
             return h, residual
         h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, c.rms_norm_eps,
@@ -176,13 +179,11 @@ class Z2all(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        if cfg.ops.linear_precision != "bf16":
-            from zero2all.kernels.fp8_ref import apply_fp8_options
-
-            apply_fp8_options(cfg.ops.fp8_weight_cache, cfg.ops.fp8_fused_amax, cfg.ops.fp8_amax_history)
+        # this model's FP8 options, weight casts, amax histories and step-fusion marks (kernels/numerics.py)
+        self.numerics = Numerics.from_ops(cfg.ops)
         V = cfg.padded_vocab_size
         self.embed_tokens = nn.Embedding(V, cfg.hidden_dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.numerics) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_dim, V, bias=False)
         self.tie_weights()
@@ -269,7 +270,8 @@ class Z2all(nn.Module):
             if ops.is_dtensor(self.lm_head.weight):  # tensor parallel: vocab-parallel, or None (loss parallel)
                 loss = ops.tensor_parallel_cross_entropy(self, h, targets)
             else:
-                loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused")
+                loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused",
+                                                numerics=self.numerics)
             if loss is not None:
                 return None, loss if aux is None else loss + aux
         logits = self.lm_head(h)

@@ -310,8 +310,9 @@ class NumericsMonitor:
     line per such key (once per rise).
     """
 
-    def __init__(self, patience: int = 3, floor: float = 1e-4):
+    def __init__(self, patience: int = 3, floor: float = 1e-4, fp8_stats=None):
         self.patience, self.floor = patience, floor
+        self.fp8_stats = fp8_stats      # the trained model's FP8 saturation counts (kernels/numerics.py), or None
         self.history: dict[str, list[float]] = {}
         self._updates = self._skipped = 0
         self._warned: set[str] = set()
@@ -322,10 +323,9 @@ class NumericsMonitor:
         self._skipped += bool(rec.get("skipped"))
 
     def window(self, rec: dict) -> list[str]:
-        from zero2all.kernels.fp8_ref import FP8_STATS
-
         values = {"skip_ratio": self._skipped / max(self._updates, 1)}
-        values.update(FP8_STATS.read())
+        if self.fp8_stats is not None:
+            values.update(self.fp8_stats.read())
         self._updates = self._skipped = 0
         rec.update(values)
         warnings = []

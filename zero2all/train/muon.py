@@ -115,7 +115,7 @@ def _muon_pieces(name: str, p: torch.Tensor, n_heads: int, n_kv_heads: int) -> t
 
 def is_muon_param(name: str, p: torch.Tensor, module: nn.Module) -> bool:
     """Hidden matrices inside the blocks: 2-D (or the experts' 3-D stacks), not embeddings, head or router."""
-    if p.ndim < 2 or isinstance(module, nn.Embedding) or getattr(p, "_z2all_no_weight_decay", False):
+    if p.ndim < 2 or isinstance(module, nn.Embedding):
         return False
     parts = name.split(".")
     return "layers" in parts and "router" not in parts
@@ -125,6 +125,9 @@ def muon_param_groups(model: nn.Module, tcfg: TrainConfig) -> list[dict]:
     """The Muon group (with each parameter's pieces) first, then the AdamW groups of ``optim.param_groups`` over
     the rest."""
     from zero2all.train.optim import is_decayed
+    from zero2all.train.trainable import no_decay_modules
+
+    held_modules = no_decay_modules(getattr(tcfg, "trainable", "all"))
 
     cfg = getattr(model, "cfg", None)
     n_heads, n_kv = (cfg.n_heads, cfg.n_kv_heads) if cfg is not None else (1, 1)
@@ -144,7 +147,8 @@ def muon_param_groups(model: nn.Module, tcfg: TrainConfig) -> list[dict]:
                 muon["names"].append(name)
                 muon["pieces"].append(_muon_pieces(name, p, n_heads, n_kv))
             else:
-                group = decay if is_decayed(pname, p, module, tcfg.decay_embeddings) else no_decay
+                held = module_name.rsplit(".", 1)[-1] in held_modules
+                group = decay if is_decayed(pname, p, module, tcfg.decay_embeddings, held) else no_decay
                 group["params"].append(p)
                 group["names"].append(name)
     return [g for g in (muon, decay, no_decay) if g["params"]]

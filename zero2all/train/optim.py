@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from zero2all.config import ConfigError, TrainConfig
+from zero2all.train.trainable import no_decay_modules
 
 SCHEDULES = ("cosine", "wsd", "constant")
 
@@ -38,19 +39,21 @@ SCHEDULES = ("cosine", "wsd", "constant")
 # parameter groups and AdamW
 
 
-def is_decayed(name: str, param: torch.Tensor, module: nn.Module, decay_embeddings: bool) -> bool:
-    """True for parameters that get weight decay: matrices of linear layers (and embeddings if asked)."""
-    if param.ndim < 2:  # norm gains and biases
-        return False
-    if getattr(param, "_z2all_no_weight_decay", False):  # train.trainable = new_embeddings (train/trainable.py)
+def is_decayed(name: str, param: torch.Tensor, module: nn.Module, decay_embeddings: bool,
+               held: bool = False) -> bool:
+    """True for parameters that get weight decay: matrices of linear layers (and embeddings if asked). ``held``:
+    the module is one whose rows must not move (``train.trainable = new_embeddings``: train/trainable.py)."""
+    if param.ndim < 2 or held:  # norm gains and biases; rows that must stay
         return False
     if isinstance(module, nn.Embedding):
         return decay_embeddings
     return True
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
-    """Split trainable parameters into a decayed and a non-decayed group (shared tensors counted once).
+def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False,
+                 no_decay_modules: tuple[str, ...] = ()) -> list[dict]:
+    """Split trainable parameters into a decayed and a non-decayed group (shared tensors counted once). The
+    parameters of modules named in ``no_decay_modules`` (their own name, the last part of the path) get none.
 
     Each group carries ``names`` (for printing and tests); torch's optimisers ignore unknown group keys.
     A tied LM head shares the embedding tensor: it is classified by the first module that owns it (the embedding).
@@ -63,7 +66,8 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            group = decay if is_decayed(pname, p, module, decay_embeddings) else no_decay
+            held = module_name.rsplit(".", 1)[-1] in no_decay_modules
+            group = decay if is_decayed(pname, p, module, decay_embeddings, held) else no_decay
             group["params"].append(p)
             group["names"].append(f"{module_name}.{pname}" if module_name else pname)
     return [g for g in (decay, no_decay) if g["params"]]
@@ -98,7 +102,8 @@ def build_optimizer(model: nn.Module, tcfg: TrainConfig, device: torch.device,
         from zero2all.train.muon import build_muon
 
         return build_muon(model, tcfg, device, row_layouts)
-    groups = param_groups(model, tcfg.weight_decay, tcfg.decay_embeddings)
+    groups = param_groups(model, tcfg.weight_decay, tcfg.decay_embeddings,
+                          no_decay_modules(getattr(tcfg, "trainable", "all")))
     fused = use_fused_adamw(tcfg.fused_adamw, device)
     kwargs = {"fused": True} if fused else {"foreach": device.type == "cuda"}
     return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps, **kwargs)

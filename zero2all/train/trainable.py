@@ -5,8 +5,9 @@
   (``requires_grad = False``, so the optimizer never sees it).
 * ``new_embeddings``: only the embedding and LM-head rows at ids ``>= old_vocab`` (the rows ``z2all resize-vocab``
   added; ``old_vocab`` comes from the ``train.init`` checkpoint's ``z2all.json``). Every other tensor is frozen; a
-  gradient hook zeroes the gradient of rows ``< old_vocab``, and the two tensors get no weight decay, so AdamW's
-  update of those rows is exactly zero and they stay bit for bit.
+  gradient hook zeroes the gradient of rows ``< old_vocab``, and the two tensors get no weight decay (the optimizer
+  reads the setting: ``no_decay_modules``), so AdamW's update of those rows is exactly zero and they stay bit for
+  bit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import torch
 
 from zero2all.config import ConfigError
 
-NO_DECAY_ATTR = "_z2all_no_weight_decay"  # read by train/optim.py: a tensor with it set gets no weight decay
+HEAD_MODULES = ("embed_tokens", "lm_head")
+
+
+def no_decay_modules(mode: str) -> tuple[str, ...]:
+    """The modules (by their own name) whose parameters get no weight decay under ``train.trainable = mode``:
+    the embedding and the LM head for ``new_embeddings`` (decay would move the frozen rows), else none."""
+    return HEAD_MODULES if mode == "new_embeddings" else ()
 
 
 def resized_old_vocab(init: str | Path) -> int:
@@ -56,5 +63,4 @@ def apply_trainable(model: torch.nn.Module, mode: str, init: str = "") -> str:
 
     for p in {id(p): p for p in (model.embed_tokens.weight, model.lm_head.weight)}.values():
         p.register_hook(mask)
-        setattr(p, NO_DECAY_ATTR, True)
     return f"trainable: embedding and LM-head rows {old}..{rows - 1} only ({rows - old} new rows)"

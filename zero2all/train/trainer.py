@@ -59,7 +59,7 @@ from zero2all.fileio import (
     save_json,
     write_output_marker,
 )
-from zero2all.kernels import step_fusion
+from zero2all.kernels.numerics import numerics_of
 from zero2all.model import ops
 from zero2all.model.io import check_tokenizer_fits, copy_tokenizer_files, load_model, save_model
 from zero2all.model.z2all import build_model
@@ -368,8 +368,10 @@ class Trainer:
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
                                   compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
         self.parallel = self.run.mode
+        # the model's numerics context (kernels/numerics.py): its weight casts, FP8 histories, step-fusion marks
+        self.model_numerics = numerics_of(self.raw_model)
         if cfg.model.ops.step_fusion != "off":  # kernels/step_fusion.py (Config.validate: one process, no wrapper)
-            step_fusion.mark(self.raw_model, cfg.model.ops.step_fusion)
+            self.model_numerics.mark(self.raw_model, cfg.model.ops.step_fusion)
         self.pipeline = self.run.pipeline  # pp > 1: this rank's stages and their schedule (distributed/pp.py)
         if self.pipeline is not None:
             self.pipeline.set_objective(self.objective)
@@ -377,6 +379,8 @@ class Trainer:
         self.model = torch.compile(self.run.model) if self.tcfg.compile and not fsdp else self.run.model
         self.optimizer = self.run.shard_optimizer(build_optimizer(self.raw_model, self.tcfg, self.device,
                                                                   self.run.fused_rows))
+        if self.model_numerics is not None:  # the casts kept for a step are dropped after each step of this one
+            self.model_numerics.attach(self.optimizer)
         self.schedule = LRSchedule.from_config(self.tcfg)
         self.scaler = DynamicLossScaler(enabled=self.precision == "fp16")
         self.autocast = lambda: autocast_context(self.precision, self.device)
@@ -396,7 +400,8 @@ class Trainer:
         self.last_samples: list[dict] = []
         self.logger = MetricsLogger(self.out_dir, tensorboard=self.tcfg.tensorboard, enabled=self.is_main,
                                     trackers=self.tcfg.trackers, project=self.tcfg.tracker_project)
-        self.numerics = NumericsMonitor()
+        self.numerics = NumericsMonitor(
+            fp8_stats=self.model_numerics.fp8_stats if self.model_numerics is not None else None)
 
     # -- setup helpers ----------------------------------------------------------------------------------------
     def _check_config(self) -> None:
