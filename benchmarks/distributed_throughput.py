@@ -258,7 +258,7 @@ def worker(args) -> None:
 def run_variant(args, variant: str, nproc: int, tmp: Path) -> dict | None:
     if str(REPO) not in sys.path:  # the driver may run without the package installed
         sys.path.insert(0, str(REPO))
-    from zero2all.bench_peers import step_spread
+    from zero2all.bench.peers import step_spread
 
     result = tmp / f"{variant}-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zero2all.accounting import mfu_flops_per_token  # noqa: E402
-from zero2all.accounting_moe import moe_param_counts  # noqa: E402
+from zero2all.accounting.moe import moe_param_counts  # noqa: E402
 from zero2all.config import load_config  # noqa: E402
 from zero2all.model.z2all import build_model  # noqa: E402
 

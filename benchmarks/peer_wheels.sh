@@ -6,7 +6,7 @@
 #
 # torch is NOT downloaded: the GPU machine's own (2.11+cu130) is used. Pins, and why:
 #   torchtitan 0.2.2    0.3.0 needs torch.distributed.fsdp.DataParallelMeshDims (torch > 2.11); its unused HF
-#                       `datasets` import is satisfied by a stub module (zero2all/bench_peers.py)
+#                       `datasets` import is satisfied by a stub module (zero2all/bench/peers.py)
 #   tyro, torchdata, docstring_parser, typeguard, typing_extensions >= 4.16   torchtitan's imports missing there
 #   torchao 0.18.0      abi3 wheel built for CUDA 13; it also ships a top-level `test` package that would shadow
 #                       Python's own, so it goes into its own target directory with that package removed

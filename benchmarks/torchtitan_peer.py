@@ -5,7 +5,7 @@
     python benchmarks/torchtitan_peer.py                              # 2 GPUs: fsdp,tp2,pp2,tp2@16384x1,cp2@65536x1
     python benchmarks/torchtitan_peer.py --nproc 1 --variants fsdp --steps 1 --warmup 1 model.n_layers=2   # smoke
 
-Each variant is its own ``torchrun --standalone --nproc_per_node=N -m zero2all.bench_peers`` job: torchtitan's own
+Each variant is its own ``torchrun --standalone --nproc_per_node=N -m zero2all.bench.peers`` job: torchtitan's own
 ``Trainer`` (llama3 at our preset's shape through a registered flavour, random tokens through a custom
 dataloader, fused AdamW, gradient clipping at 1.0, per-block torch.compile, no activation checkpointing), timed
 over ``--steps`` optimizer steps after ``--warmup`` (median of each rank, max over ranks). The table has the format
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zero2all import bench_peers  # noqa: E402
+from zero2all.bench import peers as bench_peers  # noqa: E402
 
 DEFAULT_VARIANTS = "fsdp,tp2,pp2,tp2@16384x1,cp2@65536x1"
 

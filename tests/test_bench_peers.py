@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zero2all import bench, bench_peers
+from zero2all import bench
+from zero2all.bench import peers as bench_peers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def test_worker_command_round_trips_through_the_worker_parser(tmp_path):
                                     micro_batch=1, seq=65536, accum=4, steps=3, warmup=2, cp=2, float8="rowwise",
                                     compile=False, overrides=["model.n_layers=2"])
     assert cmd[:5] == [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    args = bench_peers.worker_parser().parse_args(cmd[cmd.index("zero2all.bench_peers") + 1:])
+    args = bench_peers.worker_parser().parse_args(cmd[cmd.index("zero2all.bench.peers") + 1:])
     assert (args.micro_batch, args.seq, args.accum, args.cp, args.tp, args.pp) == (1, 65536, 4, 2, 1, 1)
     assert args.float8 == "rowwise" and args.no_compile and args.override == ["model.n_layers=2"]
     assert args.result == str(tmp_path / "r.json") and args.amp == "autocast"

@@ -197,7 +197,7 @@ def test_config_validation_names_the_field():
 
 
 def test_estimate_counts_match_the_model_and_the_cli_prints_them(capsys):
-    from zero2all.accounting_moe import moe_estimate, moe_param_counts
+    from zero2all.accounting.moe import moe_estimate, moe_param_counts
     from zero2all.cli import main
 
     for c in (cfg(first_dense_layers=1, moe_every=2), cfg(shared_expert_gate=True), load_config("z2all-moe-1b").model):
@@ -260,7 +260,7 @@ def test_gguf_export_refuses_moe(tmp_path):
 
 def test_mfu_counts_the_active_parameters():
     from zero2all.accounting import mfu_flops_per_token
-    from zero2all.accounting_moe import moe_param_counts
+    from zero2all.accounting.moe import moe_param_counts
 
     c = load_config("z2all-moe-1b").model
     n_active = moe_param_counts(c).active_non_embedding

@@ -14,9 +14,9 @@ import random
 
 import pytest
 import torch
-from equivalence import MOE, RTOL, TINY, Run, assert_equivalent, launch, log_measured, rel, train
+from equivalence import RTOL, TINY, Run, assert_equivalent, launch, log_measured, rel, train
 
-from zero2all.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, check_mesh, load_config
+from zero2all.config import ConfigError, ModelConfig, ParallelConfig, check_mesh, load_config
 from zero2all.distributed.pp import split_layers, stage_layout, stage_rank, unit_costs
 
 STEPS, CKPT_AT = 6, 3
@@ -150,20 +150,57 @@ def test_impossible_pipelines_are_refused_naming_the_numbers():
                                          n_heads=4, n_kv_heads=2, tie_word_embeddings=True))
 
 
-def test_moe_is_refused_under_pipeline_parallelism_before_any_process_group():
-    """A stage's loss is the cross-entropy alone (the MoE load-balancing / z-losses of the one-process loss would be
-    dropped), and the routers' load statistics are all-reduced over ranks holding other layers (a collective of
-    mismatched sizes): MoE under pp is refused by the config, with the auxiliary losses on or off."""
-    moe = ModelConfig(vocab_size=64, hidden_dim=32, intermediate_size=64, n_layers=4, n_heads=4, n_kv_heads=2,
-                      moe=MoEConfig(n_experts=4, aux_loss_coef=0.5, z_loss_coef=0.5))
-    cfg = load_config("tiny", BASE + ["parallel.pp=2", "train.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match=r"parallel.pp=2 with a MoE model \(model.moe.n_experts=4\): pipeline "
-                                          r"stages carry neither the MoE load-balancing / router z-losses"):
-        check_mesh(moe, cfg.train, ParallelConfig(pp=2), 2)
-    with pytest.raises(ConfigError, match="with a MoE model"):   # the sigmoid router, no auxiliary loss
-        load_config("tiny", BASE + [*MOE, "parallel.pp=2", "train.micro_batch_size=4"]).validate(2)
-    moe.moe.n_experts = 0
-    check_mesh(moe, cfg.train, ParallelConfig(pp=2), 2)
+# a MoE model with every auxiliary term of the loss: 8 experts top-2 with the softmax router, the load-balancing,
+# sequence-wise and router z-losses weighted (0.5, 0.1, 0.5), one dense block first (a stage without MoE blocks)
+MOE_AUX = ["model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.expert_intermediate_size=16",
+           "model.moe.first_dense_layers=1", "model.moe.router='softmax_topk'", "model.moe.aux_loss_coef=0.5",
+           "model.moe.seq_aux_loss_coef=0.1", "model.moe.z_loss_coef=0.5", "train.max_steps=4"]
+
+
+def test_moe_stages_are_not_graphed():
+    from zero2all.distributed.pp import pipeline_graphs_wanted
+
+    shape = {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert pipeline_graphs_wanted(ParallelConfig(pp=2), shape, torch.device("cpu"), moe=True)[0] is False
+    with pytest.raises(ConfigError, match="pp_cuda_graphs = true with a MoE model"):
+        pipeline_graphs_wanted(ParallelConfig(pp=2, pp_cuda_graphs=True), shape, torch.device("cpu"), moe=True)
+
+
+@pytest.mark.slow
+def test_moe_pp2_every_schedule_matches_one_process_with_its_auxiliary_losses(tmp_path):
+    """The training loss of a MoE model under pp includes every MoE term (load-balancing, sequence-wise, router
+    z-loss) of every stage's blocks, not only the last stage's cross-entropy: loss, gradient norm per step and the
+    final parameters equal one process. A pipeline microbatch is a forward of its own (its auxiliary losses are
+    computed over its tokens, as under gradient accumulation), so the single process runs one pipeline microbatch
+    (one sequence) per micro-batch over the same global batch: 1 x 8 against pp's 4 sequences x 2, split in 4."""
+    base = [*BASE, *MOE_AUX]
+    torch.set_num_threads(1)
+    want = train(tmp_path / "single", "train.micro_batch_size=1", "train.grad_accum_steps=8", base=base)
+    runs = [["train.micro_batch_size=4", "parallel.pp=2", f"parallel.pp_schedule='{name}'",
+             f"parallel.pp_stages_per_rank={v}",
+             *(["parallel.pp_balance='time'"] if name == "1f1b" else [])]  # timed MoE forwards must not count
+            for name, v in SCHEDULES]
+    got = launch(tmp_path, 2, runs, base=base)
+    for (name, v), run in zip(SCHEDULES, got):
+        assert_equivalent(run, want, f"MoE pp2 {name} (stages per rank {v})")
+    # every MoE layer's statistics are logged (each stage's own layers, gathered), equal to one process's
+    import json
+
+    def moe_metrics(out):
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return [{k: v for k, v in r.items() if k.startswith("moe/")} for r in recs if r.get("kind") == "train"]
+
+    single = moe_metrics(tmp_path / "single")
+    assert {k.split("/")[1] for k in single[0]} == {"layer1", "layer2", "layer3"}
+    for i in range(len(SCHEDULES)):
+        for got_step, want_step in zip(moe_metrics(tmp_path / f"run{i}"), single):
+            assert set(got_step) == set(want_step)
+            assert all(rel(got_step[k], want_step[k]) <= RTOL for k in want_step), (got_step, want_step)
+    # the auxiliary losses weigh: without them the same run logs another loss
+    plain = train(tmp_path / "no_aux", "train.micro_batch_size=1", "train.grad_accum_steps=8",
+                  "model.moe.aux_loss_coef=0.0", "model.moe.seq_aux_loss_coef=0.0", "model.moe.z_loss_coef=0.0",
+                  base=base)
+    assert rel(plain.losses[0], want.losses[0]) > 1e-3
 
 
 @pytest.mark.slow

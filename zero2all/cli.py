@@ -1076,8 +1076,8 @@ def _estimate(p):
                   f"{cfg.model.max_seq_len}); the estimate assumes model.max_seq_len={layout.seq_len}",
                   file=sys.stderr)
         moe = None
-        if cfg.model.moe.enabled:  # zero2all/accounting_moe.py; the dense table then shows the active path
-            from zero2all.accounting_moe import active_dense_config, format_moe_estimate, moe_estimate
+        if cfg.model.moe.enabled:  # zero2all/accounting/moe.py; the dense table then shows the active path
+            from zero2all.accounting.moe import active_dense_config, format_moe_estimate, moe_estimate
 
             moe = moe_estimate(cfg.model, args.gpus, args.ep or cfg.parallel.ep, layout.micro_batch,
                                layout.seq_len, layout.grad_accum_steps, mfu=args.mfu)

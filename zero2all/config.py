@@ -712,10 +712,6 @@ def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: Parallel
             raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
                               f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
     if pp > 1:
-        if model.moe.enabled:
-            raise ConfigError(f"{prefix}.pp={pp} with a MoE model (model.moe.n_experts={model.moe.n_experts}): "
-                              f"pipeline stages carry neither the MoE load-balancing / router z-losses nor the "
-                              f"per-layer expert loads across stages; run MoE with ep, tp or FSDP instead")
         stages = pp * parallel.pp_stages_per_rank
         if model.n_layers < stages:
             raise ConfigError(f"{prefix}: {stages} pipeline stages (pp={pp} x pp_stages_per_rank="

@@ -112,6 +112,10 @@ def pipeline_graphs_wanted(pc: ParallelConfig, shape: dict[str, int], device: to
     if pc.pp_cuda_graphs is False or pc.pp < 2:
         return False, ""
     if pc.pp_cuda_graphs is True:
+        if moe:
+            raise ConfigError("parallel.pp_cuda_graphs = true with a MoE model: mixture-of-experts blocks route a "
+                              "varying number of tokens per expert, which a graph replay cannot follow; set it to "
+                              "false or auto")
         check_pipeline_graphs(pc, shape, device, linear_precision)
         return True, ""
     if pc.pp_schedule == "zero_bubble":
@@ -230,6 +234,14 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if last else None
         self._rope_cache: dict = {}
         self.graphed = None   # a pp_graphs.GraphedBlocks over run_blocks (parallel.pp_cuda_graphs)
+        from zero2all.model.moe import moe_layers
+
+        # MoE blocks: their auxiliary losses (load-balancing, sequence-wise, router z) of each microbatch join
+        # the training loss with weight ``aux_weight`` (set per step by PipelineRun), their values in aux_reported
+        self.moe_blocks = [moe for _, moe in moe_layers(self.layers)]
+        self.aux_weight, self.aux_share = 1.0, 1.0
+        self.aux_reported: list[torch.Tensor] = []
+        self.in_chunk = False   # True inside the schedule's forward of a real microbatch (PipelineRun sets it)
 
     def _rope_tables(self, T: int, device, position_ids):
         """cos, sin for this microbatch: the tables of positions 0..T-1 are the same for every microbatch, so
@@ -244,6 +256,15 @@ class StageModule(nn.Module):
         return self._rope_cache[key]
 
     def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+        if self.moe_blocks and not self.in_chunk and self.training:
+            from zero2all.model.moe import statistics_kept
+
+            # the runtime's shape inference: the MoE blocks' statistics stay those of the real microbatches
+            with statistics_kept(self.layers):
+                return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
+        return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
+
+    def _forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
         if self.first:
             (tokens,) = inputs
             x, residual = self.embed_tokens(tokens), None
@@ -257,12 +278,29 @@ class StageModule(nn.Module):
             x, residual = self.graphed(x) if residual is None else self.graphed(x, residual)
         else:
             x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
+        x = self._attach_moe_losses(x)
         if not self.last:
             return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
 
+
+    def _attach_moe_losses(self, x: torch.Tensor) -> torch.Tensor:
+        """This microbatch's MoE auxiliary losses of the stage's blocks, attached to the stage's activations: a
+        microbatch is a forward of its own (its losses are over its tokens, as under gradient accumulation),
+        weighted by 1 / (pipeline microbatches per micro-batch) like the cross-entropy's share, times the trainer's
+        multiplier. The unscaled shares are kept for the reported loss."""
+        from zero2all.model.moe import attach_loss
+
+        aux = None
+        for moe in self.moe_blocks:
+            if moe.aux_loss is not None:
+                aux = moe.aux_loss if aux is None else aux + moe.aux_loss
+        if aux is None or x.device.type == "meta":
+            return x
+        self.aux_reported.append(ops.upcast(aux.detach()) * self.aux_share)
+        return attach_loss(x, aux, self.aux_weight)
 
     def run_blocks(self, x, residual=None, rope=None, doc_ids=None):
         """The stage's blocks on ``(x, residual)`` (residual None before the first block of the model); ``rope``:
@@ -304,6 +342,19 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
         return ops.upcast(h).sum().reshape(1) * 0.0
     mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
     return ops.upcast(mean).reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
+
+
+def _marking_real_forwards(fn, module: StageModule):
+    """``fn`` (a stage's forward of one microbatch) with ``module.in_chunk`` set while it runs: any other call of
+    the stage module is the runtime's shape inference (on uninitialised tensors), which must not count in the MoE
+    blocks' load statistics."""
+    def forward_one_chunk(*args, **kwargs):
+        module.in_chunk = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            module.in_chunk = False
+    return forward_one_chunk
 
 
 class RankModel(nn.Module):
@@ -423,10 +474,12 @@ class PipelineRun:
             print(f"parallel.pp_cuda_graphs = auto: the stages run eagerly, since {why_not}", flush=True)
         self.timer = BusyTimer(env.device.type == "cuda")
         self.measure = False
-        for st in self.stages:
+        for st, m in zip(self.stages, self.modules):
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(st, name):
                     setattr(st, name, self._maybe_timed(getattr(st, name)))
+            if m.moe_blocks and hasattr(st, "forward_one_chunk"):
+                st.forward_one_chunk = _marking_real_forwards(st.forward_one_chunk, m)
         self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
         self.n_microbatches = 0
         self._multiplier = 1.0
@@ -523,10 +576,14 @@ class PipelineRun:
         """Forward and backward of an update's micro-batches as ONE pipeline schedule (gradient accumulation
         expressed as microbatches: grad_accum_steps x pp_microbatches of them, so the pipeline fills and drains
         once per update). Returns the sum of the micro-batches' mean token losses on the last stage's rank, 0
-        elsewhere (:meth:`from_last_stage` hands it to every rank)."""
+        elsewhere, plus the MoE auxiliary losses of this rank's stages (:meth:`from_last_stage` sums the pipeline's
+        shares on every rank)."""
         tokens, labels, weight, kwargs, n_micro = self._prepare(batches)
         self._multiplier = multiplier
         self._reported = []
+        share = len(batches) / n_micro   # one microbatch's share of its micro-batch
+        for m in self.modules:
+            m.aux_weight, m.aux_share, m.aux_reported = multiplier * share, share, []
         schedule = self._schedule_for(n_micro)
         if self.measure:
             self._sync()
@@ -546,7 +603,12 @@ class PipelineRun:
         if self.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0
-        return self._reported_sum(tokens.device)
+        total = self._reported_sum(tokens.device)
+        for m in self.modules:   # MoE auxiliary losses of this rank's stages (the last n_micro forwards are real)
+            if m.aux_reported:
+                total = total + torch.stack(m.aux_reported[-n_micro:]).sum().to(total.device)
+            m.aux_reported = []
+        return total
 
     def _first_stage_args(self, tokens: torch.Tensor) -> tuple:
         """The positional inputs of a schedule step: the tokens on the rank holding the first stage, nothing
@@ -587,11 +649,33 @@ class PipelineRun:
         return self.from_last_stage(self._reported_sum(tokens.device))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``value`` on every rank of this pipeline (a broadcast over the pp group)."""
+        """The pipeline's loss on every rank: the sum over the pp group of each rank's share (the last stage's
+        cross-entropy, every stage's MoE auxiliary losses; 0 elsewhere)."""
         t = value.detach().to(torch.float64).reshape(1).clone()  # one dtype on every rank, whatever computed it
-        with collective_timeout(self.env, "broadcast of the loss from the last pipeline stage"):
-            dist.broadcast(t, src=dist.get_global_rank(self.pp_group, self.last_pp_rank), group=self.pp_group)
+        with collective_timeout(self.env, "all-reduce of the loss over the pipeline stages"):
+            dist.all_reduce(t, group=self.pp_group)
         return t.reshape(())
+
+    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the ranks holding the same stages (data / context parallel: the ranks whose
+        blocks saw other tokens), e.g. the expert loads of this rank's MoE blocks."""
+        if not self.dims.enabled("dp_cp"):
+            return t
+        t = t.detach().clone()
+        with collective_timeout(self.env, "all-reduce of the MoE statistics over the data-parallel ranks"):
+            dist.all_reduce(t, group=self.dims["dp_cp"].get_group())
+        return t
+
+    def gather_from_stages(self, metrics: dict) -> dict:
+        """The union of every stage's ``metrics`` (per-layer entries: each rank has its own blocks') on every rank
+        of the pipeline."""
+        parts: list = [None] * dist.get_world_size(self.pp_group)
+        with collective_timeout(self.env, "gathering metrics from the pipeline stages"):
+            dist.all_gather_object(parts, metrics, group=self.pp_group)
+        merged: dict = {}
+        for part in parts:
+            merged.update(part or {})
+        return dict(sorted(merged.items()))
 
     # -- gradients ------------------------------------------------------------------------------------------------
     def grad_norm_and_clip(self, params, max_norm: float) -> torch.Tensor:

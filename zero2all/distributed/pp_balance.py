@@ -51,6 +51,7 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
     norm + LM head + loss): the same triple as ``pp.unit_costs``, timed (see the module docstring)."""
     from zero2all.distributed.pp import token_loss_sum
     from zero2all.model import ops
+    from zero2all.model.moe import statistics_kept
     from zero2all.model.z2all import Z2all
 
     cfg = model.cfg
@@ -89,11 +90,12 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
 
     by_kind: dict[str, float] = {}
     blocks = []
-    for block in model.layers:
-        kind = type(block.mlp).__name__
-        if kind not in by_kind:
-            by_kind[kind] = _timed(block_run(block), device, repeats)
-        blocks.append(by_kind[kind])
+    with statistics_kept(model):   # the timed MoE forwards do not count in the expert loads
+        for block in model.layers:
+            kind = type(block.mlp).__name__
+            if kind not in by_kind:
+                by_kind[kind] = _timed(block_run(block), device, repeats)
+            blocks.append(by_kind[kind])
     costs = torch.tensor([_timed(embedding, device, repeats), *blocks, _timed(head, device, repeats)],
                          dtype=torch.float64, device=device)
     model.zero_grad(set_to_none=True)

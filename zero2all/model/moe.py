@@ -30,6 +30,7 @@ rows between ranks with all-to-all; this file knows nothing else of it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -285,7 +286,7 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale):
         ctx.scale = scale
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, g):
@@ -462,6 +463,19 @@ def moe_window_metrics(model: nn.Module, all_reduce_sum=None) -> dict[str, float
     return out
 
 
+@contextlib.contextmanager
+def statistics_kept(model: nn.Module):
+    """Forwards inside this context (timing runs, a pipeline runtime's shape inference) leave the MoE blocks' load
+    counters and window sums as they were."""
+    saved = [(b, b.clone()) for _, moe in moe_layers(model) for b in moe.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, old in saved:
+                b.copy_(old)
+
+
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The sum of the last forward's auxiliary losses over the MoE layers (None when there are none)."""
     total = None
@@ -469,6 +483,30 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
         if moe.aux_loss is not None:
             total = moe.aux_loss if total is None else total + moe.aux_loss
     return total
+
+
+class _AttachedLoss(torch.autograd.Function):
+    """A copy of ``x`` (not a view: a pipeline stage's outputs are detached in place by the schedule); in backward,
+    the gradient of ``weight * loss`` joins the graph through ``loss``."""
+
+    @staticmethod
+    def forward(ctx, x, loss, weight):
+        ctx.weight = weight
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype, device=grad.device), None
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor | None, weight: float) -> torch.Tensor:
+    """``x`` unchanged, with ``weight * loss`` added to whatever objective ``x``'s gradient comes from: a loss computed
+    where the objective is not (a pipeline stage's MoE auxiliary losses, whose objective is on the last stage)
+    takes part in the backward pass of the objective without being sent along."""
+    if loss is None or not loss.requires_grad or not torch.is_grad_enabled():
+        return x
+    return _AttachedLoss.apply(x, loss, float(weight))
 
 
 @torch.no_grad()

@@ -732,9 +732,14 @@ class Trainer:
         def reduce(t):
             return zd.all_reduce_sum(t, self.dist)
 
-        update_router_biases(self.run.plain, reduce)
+        # pipeline: each rank holds some blocks; their loads are summed over the ranks holding the same blocks
+        reduce_fn = self.pipeline.sum_over_replicas if self.pipeline is not None else reduce
+        update_router_biases(self.run.plain, reduce_fn)
         log_every = self.tcfg.log_every or 1
-        return moe_window_metrics(self.run.plain, reduce) if (self.step + 1) % log_every == 0 else {}
+        if (self.step + 1) % log_every:
+            return {}
+        metrics = moe_window_metrics(self.run.plain, reduce_fn)
+        return self.pipeline.gather_from_stages(metrics) if self.pipeline is not None else metrics
 
     # -- evaluation and samples -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -27,7 +27,7 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
     hf / hf_compile / hf_liger   transformers' LlamaForCausalLM (sdpa), eager / decoder layers compiled the same
                                  way / with Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
     hf_ao_fp8 / tt_compile / tt_fp8 / tt_fp8_tensorwise   HF + torchao float8 (rowwise) + compile; torchtitan's
-                       llama3 at our shape, bf16 + compile / + float8 rowwise / tensorwise (zero2all/bench_peers.py)
+                       llama3 at our shape, bf16 + compile / + float8 rowwise / tensorwise (zero2all/bench/peers.py)
     mb16               use_all at micro-batch 16 (twice the tokens per step)
     seq8192            use_all at seq 8192 with micro-batch * seq kept equal to the base run's
     layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
@@ -67,7 +67,7 @@ from zero2all.fileio import save_json, write_text
 ABLATION_ROWS = ["naive", "use_all", "no_flash", "no_rope", "no_cross_entropy", "no_rmsnorm", "no_swiglu",
                  "no_fused_linear", "no_adamw", "use_all_compile"]
 PEER_ROWS = ["hf", "hf_compile", "hf_liger", "hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]
-EXTERNAL_PEER_ROWS = ["hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]  # run by bench_peers.py
+EXTERNAL_PEER_ROWS = ["hf_ao_fp8", "tt_compile", "tt_fp8", "tt_fp8_tensorwise"]  # run by bench/peers.py
 EXTRA_ROWS = ["mb16", "seq8192", "layout_bsh", "layout_sbh", "use_all_flash", "use_all_cudnn"]
 FP8_ROWS = ["use_all_fp8", "use_all_fp8_mb16", "use_all_fp8_tensorwise", "use_all_fp8_delayed"]
 DELAYED_HISTORY = 16        # use_all_fp8_delayed: model.ops.fp8_amax_history
@@ -460,11 +460,10 @@ def bench_train(config: str = "z2all-1.1b", rows: str = "all", micro_batch: int 
         if name in EXTERNAL_PEER_ROWS and device != "cuda":
             r = BenchResult(name, ROW_LABELS.get(name, name), mb, s, accum, error="needs a CUDA GPU")
         elif name in EXTERNAL_PEER_ROWS:
-            from zero2all import bench_peers
+            from zero2all.bench import peers
 
-            r = bench_peers.run_row(name, base_cfg, mb, s, accum, iters, warmup, config=config,
-                                    overrides=overrides or [], sdpa_backend=sdpa_backend, log=log,
-                                    grad_clip=grad_clip)
+            r = peers.run_row(name, base_cfg, mb, s, accum, iters, warmup, config=config,
+                              overrides=overrides or [], sdpa_backend=sdpa_backend, log=log, grad_clip=grad_clip)
         else:
             r = run_row(name, base_cfg, mb, s, accum, iters, warmup, device=device, sdpa_backend=sdpa_backend,
                         grad_clip=grad_clip,

@@ -133,8 +133,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     mlp = 3 * h * I
     norms_layer = 2 * h
     mlp_all = l * mlp
-    if cfg.moe.enabled:  # MoE layers: router + routed and shared experts (zero2all/accounting_moe.py)
-        from zero2all.accounting_moe import mlp_params_all_layers
+    if cfg.moe.enabled:  # MoE layers: router + routed and shared experts (zero2all/accounting/moe.py)
+        from zero2all.accounting.moe import mlp_params_all_layers
 
         mlp_all = mlp_params_all_layers(cfg)
     layers = l * (q + k + v + o + norms_layer) + mlp_all
@@ -206,7 +206,7 @@ def megatron_flops_per_step(batch_size: int, seq_len: int, hidden: int, n_layers
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The project's model FLOPs per trained token: 6*N + 6*l*h*s, N = non-embedding parameters (LM head counts).
 
-    MoE models: N counts the parameters one token goes through (``accounting_moe``: router, top_k routed and the
+    MoE models: N counts the parameters one token goes through (``accounting.moe``: router, top_k routed and the
     shared experts). 6*N is the matmul work of forward+backward; 6*l*h*s is the attention score/value products of
     a causal model as the kernel computes them: 3 (forward + backward) x 4*s*q_dim (q k^T and p v, q_dim = h) x 1/2,
     because under the causal mask a token attends to the positions before it, so only the lower half of the s x s
@@ -216,7 +216,7 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     ``attention_causal=True`` up to the norm weights (6 FLOPs per norm weight).
     """
     if cfg.moe.enabled:  # a MoE token goes through top_k of the routed experts: N = active parameters
-        from zero2all.accounting_moe import moe_param_counts
+        from zero2all.accounting.moe import moe_param_counts
 
         n = moe_param_counts(cfg).active_non_embedding
     else:
