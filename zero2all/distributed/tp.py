@@ -53,6 +53,7 @@ collectives. :func:`describe_tp_ops` says which implementation each op uses (log
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -272,6 +273,14 @@ def block_weights(regions: TPRegions, block: nn.Module) -> BlockWeights:
                         mlp.gate_up_proj.weight.to_local(), mlp.down_proj.weight.to_local())
 
 
+def _installed_block_forward(regions: TPRegions, block: nn.Module, x, residual, cos, sin, kv_cache=None,
+                             start_pos=0, doc_ids=None, attn_mask=None):
+    """The forward ``apply_tp`` installs on each block (``Block.set_forward``)."""
+    if kv_cache is not None:
+        raise ValueError("tensor parallel blocks do not decode with a KV cache; gather the model first")
+    return block_forward(regions, block, x, residual, cos, sin, doc_ids, attn_mask)
+
+
 def block_forward(regions: TPRegions, block: nn.Module, x, residual, cos, sin, doc_ids=None, attn_mask=None):
     """``Block.forward`` on local shards: residual += x; h = attn(norm(residual)); residual += h;
     out = mlp(norm(residual)), with ``enter`` / ``exit`` around each region. x and residual are in the
@@ -373,6 +382,7 @@ def _apply_local(model: nn.Module, regions: TPRegions) -> None:
             shard(block.input_layernorm, "weight", Replicate())
             shard(block.post_attention_layernorm, "weight", Replicate())
         _REGIONS[block] = regions
+        block.set_forward(functools.partial(_installed_block_forward, regions))
     if sp:
         shard(model.norm, "weight", Replicate())
     shard(model.embed_tokens, "weight", Shard(0))
@@ -397,6 +407,7 @@ def _apply_local(model: nn.Module, regions: TPRegions) -> None:
         return logits.unsqueeze(0) if logits.dim() == 2 else logits
 
     _REGIONS[model] = regions
+    model.set_parallel_loss(vocab_parallel_loss)
     model.embed_tokens.register_forward_pre_hook(embed_input)
     model.embed_tokens.register_forward_hook(embed_output)
     model.lm_head.register_forward_pre_hook(head_input)

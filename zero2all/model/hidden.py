@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from zero2all.model import ops
-
 
 def hidden_states(model, tokens: torch.Tensor | None = None, embeds: torch.Tensor | None = None, kv_cache=None,
                   start_pos: int = 0, position_ids: torch.Tensor | None = None,
@@ -19,15 +17,11 @@ def hidden_states(model, tokens: torch.Tensor | None = None, embeds: torch.Tenso
     """(B, T, hidden): the final RMSNorm's output for ``tokens`` (B, T) or ``embeds`` (B, T, hidden)."""
     if (tokens is None) == (embeds is None):
         raise ValueError("hidden_states: give exactly one of tokens and embeds")
-    x = model.embed_tokens(tokens) if embeds is None else embeds
+    x = model.embed(tokens) if embeds is None else embeds
     B, T = x.shape[:2]
     cos, sin = model.rope_tables(start_pos, T, x.device, position_ids)
-    residual = None
-    for layer in model.layers:
-        x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, None, attn_mask)
-    c = model.cfg
-    h, _ = ops.add_rmsnorm(x, residual, model.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-    return h
+    x, residual = model.blocks(x, None, cos, sin, kv_cache, start_pos, None, attn_mask)
+    return model.final_norm(x, residual)
 
 
 def last_token_index(lengths: torch.Tensor) -> torch.Tensor:

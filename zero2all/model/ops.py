@@ -95,23 +95,6 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=[Partial()])
 
 
-def tensor_parallel_regions(block):
-    """The tensor-parallel regions of a block sharded on local tensors (``distributed/tp.py``), else None."""
-    if not is_dtensor(getattr(block.self_attn.qkv_proj, "weight", None)):
-        return None
-    from zero2all.distributed.tp import regions_of
-
-    return regions_of(block)
-
-
-def tensor_parallel_cross_entropy(model, h, targets):
-    """The fused vocab-parallel LM head + cross-entropy of a model sharded on local tensors
-    (``distributed/tp.py``), or None (then the vocab-sharded logits go through loss parallel)."""
-    from zero2all.distributed.tp import vocab_parallel_loss
-
-    return vocab_parallel_loss(model, h, targets)
-
-
 def add_rmsnorm(x, residual, weight, eps, residual_in_fp32=True, impl="auto"):
     weight = local_weight(weight)
     if use_triton(impl, x):

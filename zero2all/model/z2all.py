@@ -104,6 +104,20 @@ class MLP(nn.Module):
         return self.down_proj(ops.swiglu(self.gate_up_proj(x), impl=self.cfg.ops.swiglu))
 
 
+class Installed:
+    """A function installed on a module from outside (:meth:`Block.set_forward`, :meth:`Z2all.set_parallel_loss`).
+    It belongs to the module it was installed on: a deep copy of the module (a frozen reference model) gets none
+    and runs the model's own code."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __deepcopy__(self, memo):
+        return None
+
+
 class Block(nn.Module):
     """residual += x; h = attn(norm(residual)); residual += h; out = mlp(norm(residual)). Returns (out, residual).
 
@@ -118,6 +132,13 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.moe.is_moe_layer(layer_idx) else MLP(cfg)
+        self.installed_forward: Installed | None = None
+
+    def set_forward(self, impl=None) -> None:
+        """Replace this block's forward by ``impl(block, x, residual, cos, sin, kv_cache, start_pos, doc_ids,
+        attn_mask) -> (out, residual)`` (the same math on another layout: tensor parallelism on local shards
+        installs its own); ``None`` restores the model's own. Callers keep calling the block as before."""
+        self.installed_forward = None if impl is None else Installed(impl)
 
     def uses_fused_linear(self, x) -> bool:
         """The lean fused projections (``ops.fused_linear``) apply when selected and the projections are plain
@@ -140,13 +161,8 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None):
         c = self.cfg
-        regions = ops.tensor_parallel_regions(self)
-        if regions is not None:  # tensor parallel on local shards (distributed/tp.py): the same math
-            if kv_cache is not None:
-                raise ValueError("tensor parallel blocks do not decode with a KV cache; gather the model first")
-            from zero2all.distributed.tp import block_forward
-
-            return block_forward(regions, self, x, residual, cos, sin, doc_ids, attn_mask)
+        if self.installed_forward is not None:  # e.g. tensor parallel on local shards: the same math
+            return self.installed_forward.fn(self, x, residual, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
         if self.uses_fused_linear(x):
             # the same math; norm + qkv, o, norm + gate|up and SwiGLU + down as lean fused functions
             attn, mlp, impl, prec = self.self_attn, self.mlp, c.ops.fused_linear, c.ops.linear_precision
@@ -186,9 +202,16 @@ class Z2all(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, self.numerics) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_dim, V, bias=False)
+        self.parallel_loss: Installed | None = None
         self.tie_weights()
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
+
+    def set_parallel_loss(self, fn=None) -> None:
+        """Install ``fn(model, h, targets) -> loss or None``: the LM head + cross-entropy of a sharded LM head
+        (tensor parallelism's vocab-parallel loss); None (or ``fn`` returning None) leaves the head to the logits
+        path. ``None`` uninstalls."""
+        self.parallel_loss = None if fn is None else Installed(fn)
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings`` the LM head uses the embedding matrix itself (one parameter, two uses).
@@ -257,18 +280,39 @@ class Z2all(nn.Module):
         """
         B, T = tokens.shape
         cos, sin = self.rope_tables(start_pos, T, tokens.device, position_ids)
-        x, residual = self.embed_tokens(tokens), None                        # (B, T, hidden)
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
-        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, self.cfg.rms_norm_eps, self.cfg.residual_in_fp32,
-                               impl=self.cfg.ops.rmsnorm)
+        x, residual = self.blocks(self.embed(tokens), None, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
+        h = self.final_norm(x, residual)
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), None
-        # MoE layers: their load-balancing / router z-losses of this forward join the loss (model.moe coefs)
+        return self.head_loss(h, targets, z_loss)
+
+    # -- the pieces of the forward (what pipeline stages, hidden-state readers and value heads call) -----------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> the first block's input (B, T, hidden)."""
+        return self.embed_tokens(tokens)
+
+    def blocks(self, x, residual, cos, sin, kv_cache=None, start_pos=0, doc_ids=None, attn_mask=None,
+               layers=None):
+        """``(x, residual)`` through ``layers`` (default every block, in order; residual None before the first
+        block of the model) -> ``(x, residual)``. Each block runs its own forward or the one installed on it."""
+        for layer in self.layers if layers is None else layers:
+            x, residual = layer(x, residual, cos, sin, kv_cache, start_pos, doc_ids, attn_mask)
+        return x, residual
+
+    def final_norm(self, x, residual) -> torch.Tensor:
+        """The last block's ``(x, residual)`` -> h, the LM head's input (residual += x; RMSNorm)."""
+        c = self.cfg
+        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
+        return h
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
+        """(logits or None, the training loss): the mean cross-entropy (+ z-loss) of the LM head over targets !=
+        -100, plus every MoE term of the last forward (load-balancing, sequence-wise and router z-losses with their
+        ``model.moe`` weights). Logits are None where the fused linear + cross-entropy never forms them."""
         aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
         if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
             if ops.is_dtensor(self.lm_head.weight):  # tensor parallel: vocab-parallel, or None (loss parallel)
-                loss = ops.tensor_parallel_cross_entropy(self, h, targets)
+                loss = self.parallel_loss.fn(self, h, targets) if self.parallel_loss is not None else None
             else:
                 loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused",
                                                 numerics=self.numerics)
