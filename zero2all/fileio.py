@@ -766,9 +766,11 @@ class OutputLock:
 def locked_output_dir(directory: str | os.PathLike, on_takeover=None) -> Iterator[list[Path]]:
     """Create ``directory`` (``mkdir -p``) and hold its :class:`OutputLock` for the ``with`` block: a second
     process on the same folder gets :class:`OutputLockedError` at once. Yields the directories this call created;
-    when the block ends and one of them holds nothing but the lock file (a run refused or failed before writing),
-    they are removed again."""
+    when the block ends the lock file goes again if this call made it (a folder is left as the command's output
+    made it, a failed run's as it was), and created folders left empty are removed. (A lock file that was there
+    before stays: a process may be opening it.)"""
     created = make_dirs(directory)
+    made_lock = not (Path(directory) / LOCK_FILE).exists()
     try:
         lock = OutputLock(directory, on_takeover=on_takeover).acquire()
     except BaseException:
@@ -778,10 +780,10 @@ def locked_output_dir(directory: str | os.PathLike, on_takeover=None) -> Iterato
         yield created
     finally:
         lock.release()
-        if created:
+        if made_lock:
             with contextlib.suppress(OSError):
-                if os.listdir(directory) == [LOCK_FILE]:
-                    os.unlink(Path(directory) / LOCK_FILE)
+                os.unlink(Path(directory) / LOCK_FILE)
+        if created:
             remove_empty_dirs(created)
 
 
