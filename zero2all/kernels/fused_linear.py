@@ -497,6 +497,13 @@ def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def _record(kind: str, numel: int, counts: torch.Tensor, numerics: int = 0) -> None:
     """Add an FP8 op's saturation / underflow counts to the statistics of the model whose context has the handle
     ``numerics`` (nothing in bf16, nothing without a context)."""
+    if counts.numel() and numerics:       # both static under torch.compile: the bf16 path traces nothing here
+        _add_counts(kind, numel, counts, numerics)
+
+
+@torch.compiler.disable
+def _add_counts(kind: str, numel: int, counts: torch.Tensor, numerics: int) -> None:
+    """The context lookup (a weak reference) stays out of compiled graphs."""
     nx = lookup(numerics)
-    if counts.numel() and nx is not None:
+    if nx is not None:
         nx.fp8_stats.add(kind or None, numel, counts)
