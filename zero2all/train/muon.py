@@ -124,34 +124,23 @@ def is_muon_param(name: str, p: torch.Tensor, module: nn.Module) -> bool:
 def muon_param_groups(model: nn.Module, tcfg: TrainConfig) -> list[dict]:
     """The Muon group (with each parameter's pieces) first, then the AdamW groups of ``optim.param_groups`` over
     the rest."""
-    from zero2all.train.optim import is_decayed
+    from zero2all.train.optim import named_trainable, param_groups
     from zero2all.train.trainable import no_decay_modules
-
-    held_modules = no_decay_modules(getattr(tcfg, "trainable", "all"))
 
     cfg = getattr(model, "cfg", None)
     n_heads, n_kv = (cfg.n_heads, cfg.n_kv_heads) if cfg is not None else (1, 1)
     muon = {"params": [], "names": [], "pieces": [], "kind": "muon", "weight_decay": tcfg.weight_decay,
             "lr_ratio": (tcfg.muon_lr / tcfg.lr) if tcfg.muon_lr > 0 else 1.0}
-    decay = {"params": [], "names": [], "kind": "adamw", "weight_decay": tcfg.weight_decay, "lr_ratio": 1.0}
-    no_decay = {"params": [], "names": [], "kind": "adamw", "weight_decay": 0.0, "lr_ratio": 1.0}
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = f"{module_name}.{pname}" if module_name else pname
-            if is_muon_param(name, p, module):
-                muon["params"].append(p)
-                muon["names"].append(name)
-                muon["pieces"].append(_muon_pieces(name, p, n_heads, n_kv))
-            else:
-                held = module_name.rsplit(".", 1)[-1] in held_modules
-                group = decay if is_decayed(pname, p, module, tcfg.decay_embeddings, held) else no_decay
-                group["params"].append(p)
-                group["names"].append(name)
-    return [g for g in (muon, decay, no_decay) if g["params"]]
+    for name, _, _, p, module in named_trainable(model):
+        if is_muon_param(name, p, module):
+            muon["params"].append(p)
+            muon["names"].append(name)
+            muon["pieces"].append(_muon_pieces(name, p, n_heads, n_kv))
+    rest = param_groups(model, tcfg.weight_decay, tcfg.decay_embeddings,
+                        no_decay_modules(getattr(tcfg, "trainable", "all")), skip=is_muon_param)
+    for g in rest:
+        g.update(kind="adamw", lr_ratio=1.0)
+    return ([muon] if muon["params"] else []) + rest
 
 
 class Muon(torch.optim.Optimizer):

@@ -50,26 +50,36 @@ def is_decayed(name: str, param: torch.Tensor, module: nn.Module, decay_embeddin
     return True
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False,
-                 no_decay_modules: tuple[str, ...] = ()) -> list[dict]:
-    """Split trainable parameters into a decayed and a non-decayed group (shared tensors counted once). The
-    parameters of modules named in ``no_decay_modules`` (their own name, the last part of the path) get none.
-
-    Each group carries ``names`` (for printing and tests); torch's optimisers ignore unknown group keys.
-    A tied LM head shares the embedding tensor: it is classified by the first module that owns it (the embedding).
-    """
-    decay, no_decay = {"params": [], "names": [], "weight_decay": weight_decay}, \
-        {"params": [], "names": [], "weight_decay": 0.0}
+def named_trainable(model: nn.Module):
+    """``(name, module_name, param_name, param, module)`` of each trainable tensor, a shared one once (with the
+    first module that owns it: a tied LM head goes with the embedding)."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            held = module_name.rsplit(".", 1)[-1] in no_decay_modules
-            group = decay if is_decayed(pname, p, module, decay_embeddings, held) else no_decay
-            group["params"].append(p)
-            group["names"].append(f"{module_name}.{pname}" if module_name else pname)
+            yield (f"{module_name}.{pname}" if module_name else pname), module_name, pname, p, module
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False,
+                 no_decay_modules: tuple[str, ...] = (), skip=None) -> list[dict]:
+    """Split trainable parameters into a decayed and a non-decayed group (shared tensors counted once). The
+    parameters of modules named in ``no_decay_modules`` (their own name, the last part of the path) get none;
+    ``skip(name, param, module)`` true leaves a parameter out (another optimizer's, e.g. Muon's matrices).
+
+    Each group carries ``names`` (for printing and tests); torch's optimisers ignore unknown group keys.
+    A tied LM head shares the embedding tensor: it is classified by the first module that owns it (the embedding).
+    """
+    decay, no_decay = {"params": [], "names": [], "weight_decay": weight_decay}, \
+        {"params": [], "names": [], "weight_decay": 0.0}
+    for name, module_name, pname, p, module in named_trainable(model):
+        if skip is not None and skip(name, p, module):
+            continue
+        held = module_name.rsplit(".", 1)[-1] in no_decay_modules
+        group = decay if is_decayed(pname, p, module, decay_embeddings, held) else no_decay
+        group["params"].append(p)
+        group["names"].append(name)
     return [g for g in (decay, no_decay) if g["params"]]
 
 
