@@ -64,14 +64,20 @@ class _Ids:
         write_text(self.path, json.dumps(self.ids, indent=1) + "\n")
 
 
+def _require(tracker: str, package: str):
+    """Import a tracker's package, or say in one line how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        raise ConfigError(f"train.trackers = ['{tracker}']: the {tracker} package is not installed "
+                          f"(pip install 'zero2all[trackers]')") from e
+
+
 class WandbTracker:
     def __init__(self, out_dir: Path, project: str, name: str, ids: _Ids):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError("train.trackers = ['wandb']: the wandb package is not installed "
-                              "(pip install 'zero2all[trackers]')") from e
-        self.wandb = wandb
+        self.wandb = wandb = _require("wandb", "wandb")
         run_id = ids.get("wandb") or uuid.uuid4().hex[:12]
         self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(out_dir))
         ids.put("wandb", run_id)
@@ -96,12 +102,7 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, out_dir: Path, project: str, name: str, ids: _Ids):
-        try:
-            import mlflow
-        except ImportError as e:
-            raise ConfigError("train.trackers = ['mlflow']: the mlflow package is not installed "
-                              "(pip install 'zero2all[trackers]')") from e
-        self.mlflow = mlflow
+        self.mlflow = mlflow = _require("mlflow", "mlflow")
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"file:{(out_dir / 'mlruns').resolve()}"
         if uri.startswith("file:"):     # a local store needs no server; MLflow keeps it behind this switch
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
