@@ -24,6 +24,7 @@ A single process gets steps 1 and 4 (a stuck data loader or device shows in its 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -93,19 +94,15 @@ class Watchdog:
         self.last = time.monotonic()
         self.armed = True
 
+    @contextlib.contextmanager
     def pause(self):
-        """Context: evaluations and checkpoints do not count (they have their own collective timeout)."""
-        dog = self
-
-        class _Paused:
-            def __enter__(self):
-                dog.paused += 1
-
-            def __exit__(self, *exc):
-                dog.paused -= 1
-                dog.last = time.monotonic()
-
-        return _Paused()
+        """Evaluations and checkpoints do not count (they have their own collective timeout)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+            self.last = time.monotonic()
 
     def limit_s(self) -> float:
         median = statistics.median(self.times) if self.times else 0.0
