@@ -18,6 +18,8 @@
 #   EP2S  ep2 with a reduce-scatter every micro-step (fsdp_accum_no_sync = false, the earlier default)
 #   EP1C / EP2C  the same two with train.compile (per block)
 #   TPD / TPA   tp2 + SP with tp_impl = dtensor + train.compile, without / with parallel.async_tp
+# PROFILE=1: every row of ours also profiles one extra step, a table per rank under $OUT/profiles/ (the kernel
+# breakdown first: compute, communication and the exposed part of it, idle)
 set -u
 OUT=${OUT:?set OUT to a folder for the outputs}
 WHEELS=${1:-}
@@ -39,7 +41,9 @@ row() {  # row NAME LIMIT_S CMD...: run under its own timeout, then print its re
   echo "$name: rc $rc ($((SECONDS - t0)) s)"
   grep -E '^\[(ours|tp|pp|fsdp)[^]]*\]|passed|failed|bubble|exit [0-9]+ after|Error' "$out" | tail -4 | cut -c1-330
 }
-B=(python3 benchmarks/distributed_throughput.py --gpus 2 --steps 10 --warmup 3 --timeout 200)
+PROF=()
+[ -n "${PROFILE:-}" ] && PROF=(--profile "$OUT/profiles")
+B=(python3 benchmarks/distributed_throughput.py --gpus 2 --steps 10 --warmup 3 --timeout 200 "${PROF[@]}")
 row T 200 python3 -m pytest -q -s -m gpu tests/test_parallel_mesh_graphs.py tests/test_parallel_pp_graphs.py
 row TP 150 "${B[@]}" --variants ours-tp
 row TPE 120 "${B[@]}" --variants ours-tp --override=parallel.tp_graphs=false
@@ -51,7 +55,7 @@ row TPD 210 "${B[@]}" --variants ours-tp --compile --override=parallel.tp_impl=\
 row TPA 210 "${B[@]}" --variants ours-tp --compile --override=parallel.tp_impl=\'dtensor\' --override=parallel.async_tp=true
 row TP7 240 "${B[@]}" --config llama2-7b --seq-len 4096 --micro-batch 2 --variants ours-tp
 M=(python3 benchmarks/distributed_throughput.py --config z2all-moe-1b --seq-len 2048 --micro-batch 16 --accum 2
-   --steps 10 --warmup 3 --timeout 200)
+   --steps 10 --warmup 3 --timeout 200 "${PROF[@]}")
 row EP1 150 "${M[@]}" --gpus 1 --variants ours
 row EP2 150 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2
 row EP2S 150 "${M[@]}" --gpus 2 --variants ours-fsdp --ep 2 --override=parallel.fsdp_accum_no_sync=false

@@ -81,19 +81,67 @@ def _peer_model(cfg, device):
     return model, liger
 
 
+def _union_ns(spans) -> int:
+    """Total length of the union of (start, end) intervals."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0 if cur_e is None else cur_e - cur_s)
+
+
+def kernel_breakdown(kernels) -> str:
+    """Where one step's GPU time goes, from the profiler's CUDA kernel events ``(name, start_ns, end_ns)``:
+    time per category (step_profile's categories, with communication first), then the overlap that decides
+    multi-GPU speed: communication kernels' union, the part of it no compute kernel runs beside (exposed), compute's
+    union, and the idle time inside the span (no kernel at all)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_profile import category
+
+    def cat(name: str) -> str:
+        low = name.lower()
+        if "nccl" in low or "all_to_all" in low or "alltoall" in low:
+            return "communication (NCCL)"
+        return "grouped GEMMs (MoE, Triton)" if "grouped" in low else category(name)
+
+    per_cat: dict[str, float] = {}
+    comm, compute = [], []
+    for name, s, e in kernels:
+        c = cat(name)
+        per_cat[c] = per_cat.get(c, 0.0) + (e - s) / 1e6
+        (comm if c.startswith("communication") else compute).append((s, e))
+    if not kernels:
+        return "no CUDA kernels recorded"
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    every, comm_u, compute_u = _union_ns(comm + compute), _union_ns(comm), _union_ns(compute)
+    exposed = every - compute_u          # time when only communication kernels run
+    lines = [f"GPU span {span / 1e6:.1f} ms: compute busy {compute_u / 1e6:.1f} ms, communication "
+             f"{comm_u / 1e6:.1f} ms of which exposed (nothing else running) {exposed / 1e6:.1f} ms, idle "
+             f"{(span - every) / 1e6:.1f} ms", f"{'category':40s} {'ms':>9s} {'of span':>8s}"]
+    for c, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{c:40s} {ms:9.2f} {100 * ms * 1e6 / span:7.1f}%")
+    return "\n".join(lines)
+
+
 def _profile_step(step, sync, path: Path, rows: int = 28) -> None:
-    """One step under ``torch.profiler``: the ops with the most CUDA time (self), then those with the most host
-    time (self: kernel launches, host waits), written to ``path``."""
+    """One step under ``torch.profiler``: the kernel breakdown (:func:`kernel_breakdown`), the ops with the most
+    CUDA time (self), then those with the most host time (self: kernel launches, host waits), written to ``path``."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         sync()
+    kernels = [(e.name(), e.start_ns(), e.start_ns() + e.duration_ns())
+               for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
     averages = prof.key_averages()
     table = averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
     host = averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table + "\n\nby host time (self CPU)\n" + host)
+    path.write_text(kernel_breakdown(kernels) + "\n\n" + table + "\n\nby host time (self CPU)\n" + host)
 
 
 def worker(args) -> None:

@@ -67,9 +67,13 @@ class _Slot:
         with torch.cuda.stream(side):
             self.inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in sample)
         wants = [t for t in self.inputs if t.requires_grad]
-        with torch.cuda.stream(side), _autocast_without_cache(device):
+        with torch.cuda.stream(side):
             for _ in range(warmup):     # compile / autotune outside the graph, settle the caching allocator
-                out = fn(*self.inputs)
+                # under the same autocast state as each capture below (the forward under autocast, the backward
+                # not): a backward that ran differently here would meet kernels for the first time inside the
+                # capture, and loading a kernel's module there is an implicit synchronisation the capture refuses
+                with _autocast_without_cache(device):
+                    out = fn(*self.inputs)
                 grads = torch.autograd.grad(out, wants + params, grad_outputs=[torch.ones_like(o) for o in out],
                                             allow_unused=True)
                 # the accumulation the backward graph ends with, into scratch: the capture then launches no
