@@ -100,6 +100,10 @@ def test_gpu_graphed_stage_matches_eager_in_1f1b_order(first):
                 p.grad = None
             want_out, want_gin = run(stage.run_blocks, data, upstream)
             want_w = [p.grad.clone() for p in params]
+        # the eager graph must be gone before a capture, as it is between the pipeline's updates: while it lives,
+        # the parameters' gradient accumulators made on the default stream live on, and a captured backward that
+        # hands them gradients would make the default stream wait on the capture (which CUDA refuses)
+        want_out = {m: tuple(o.detach() for o in outs) for m, outs in want_out.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16), ops.weight_cast_cache(store):
             for p in params:
                 p.grad = None

@@ -31,7 +31,10 @@ Capture runs under autocast without its cast cache (a cached cast from before th
 constant inside the graph) and in thread-local capture mode (the NCCL watchdog thread keeps querying its events).
 Capture needs warm-up calls first (Triton compiles and autotunes outside the graph); the pipeline turns the graphs
 on (``enabled``) from the second schedule step of a microbatch count, after torch's runtime has inferred its
-shapes with a forward that has no backward (it would hold a slot). Only plain pipeline stages are
+shapes with a forward that has no backward (it would hold a slot). No autograd graph of an eager forward may be
+alive at a capture: it keeps the parameters' gradient accumulators made on the default stream, and a captured
+backward handing them gradients would make the default stream wait on the capture, which CUDA refuses (between
+the pipeline's updates every graph is freed). Only plain pipeline stages are
 graphed: no FSDP, tensor or context parallelism, activation checkpointing, document masks or per-row positions;
 the zero-bubble schedule (which splits a backward into two parts) is refused (``pp.check_pipeline_graphs``).
 """
