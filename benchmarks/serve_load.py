@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     src.add_argument("--ckpt", default=None, help="a checkpoint directory (with its tokenizer)")
     src.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", default=None, help="with --url: the model id (default: the server's first)")
+    ap.add_argument("--tokenizer", default=None, help="with --url: the server's tokenizer directory, so that prompts "
+                    "are exactly --prompt-len tokens (default: about 4 characters a token)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -281,6 +283,10 @@ def main(argv=None) -> int:
     if args.url:
         url = args.url.rstrip("/")
         model = args.model or json.load(urlopen(f"{url}/v1/models"))["data"][0]["id"]
+        if args.tokenizer:
+            from zero2all.tokenizer.hf import load_tokenizer
+
+            tok = load_tokenizer(args.tokenizer)
     else:
         import torch
 
