@@ -243,3 +243,19 @@ def test_cli_and_errors(ckpt, tmp_path, capsys):
         zg.load_gguf(tmp_path / "bad.gguf")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert load_tokenizer(d / "tok").hash == tok.hash
+
+
+def test_missing_gguf_package_is_one_line(ckpt, tmp_path, capsys, monkeypatch):
+    """Without the optional package: exit 2 and one line naming the install, no traceback, no file."""
+    import sys
+
+    from zero2all.cli import main
+
+    backend, d, _, _ = ckpt
+    if backend != "hf":
+        pytest.skip("once is enough")
+    monkeypatch.setitem(sys.modules, "gguf", None)    # `import gguf` now raises ImportError
+    assert main(["export-gguf", "--ckpt", str(d / "ck"), "--out", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'zero2all[gguf]'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.gguf").exists()

@@ -46,6 +46,11 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
+class MissingPackageError(ConfigError, ImportError):
+    """An optional package a command needs is not installed: one line naming the ``pip install`` that fixes it (a
+    ConfigError, so the CLI exits 2 without a traceback; an ImportError, for callers that test for the package)."""
+
+
 class TrainingDiverged(Exception):
     """A run stopped because its optimiser updates were skipped (non-finite gradients) ``train.max_skipped_updates``
     times in a row, or more than half of them by the end: no ``final/`` is written. ``exit_code`` 3."""

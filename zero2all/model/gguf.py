@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zero2all.config import ConfigError, ModelConfig, OpsConfig
+from zero2all.config import ConfigError, MissingPackageError, ModelConfig, OpsConfig
 
 ARCH = "llama"
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -65,7 +65,7 @@ def _gguf():
     try:
         import gguf
     except ImportError:
-        raise ImportError("GGUF export and loading need the `gguf` package: pip install 'zero2all[gguf]' "
+        raise MissingPackageError("GGUF export and loading need the `gguf` package: pip install 'zero2all[gguf]' "
                           "(or pip install gguf)") from None
     return gguf
 
