@@ -7,12 +7,13 @@
 #
 # WHEELS_DIR: wheels for `transformers serve` that the GPU machine lacks (fastapi, openai, starlette, uvicorn,
 # pydantic, ...: `pip download` them for CPython 3.12 x86-64); LLAMA_CPP_TARBALL: a llama.cpp source archive (its
-# CMakeLists.txt, cmake, ggml, src, include, common, examples). ROWS (default all): a comma list of
+# CMakeLists.txt, cmake, ggml, src, include, common, tools, vendor, scripts). ROWS (default all): a comma list of
 #   B   build llama-server (CUDA, sm_90) in the background, into .serve-peers/llama-build (kept while the machine is)
+#   W   wait for that build to finish (a call of B,P,W builds and prepares; a call right after it measures O,H,L)
 #   P   the model files: benchmarks/serve_peers.py (tokenizer, random z2all-1.1b, HF and GGUF exports)
 #   O   ours: serve_load.py --ckpt (--max-batch $MAX_BATCH, default 256)
 #   H   transformers serve --continuous-batching (its defaults: sdpa_paged attention), driven over HTTP
-#   L   llama-server -ngl 99 -fa, $LLAMA_SLOTS slots of 256 tokens each (default 256), driven over HTTP
+#   L   llama-server -ngl 99 (flash attention: its default, auto), $LLAMA_SLOTS slots of 256 tokens each (default 256), driven over HTTP
 # Load: $CLIENTS (default 1,64,256) clients, $REQUESTS (default 2) streamed requests each, 128-token prompts,
 # 128 new tokens, greedy, ignore_eos where the server has it. Each row prints serve_load.py's table.
 set -u
@@ -43,8 +44,8 @@ BUILD_PID=
 if want B && [ ! -x "$CACHE/llama-build/bin/llama-server" ]; then
   ( t0=$SECONDS; rm -rf "$CACHE/llama.cpp"; tar xzf "$TARBALL" -C "$CACHE" &&
     cmake -S "$CACHE/llama.cpp" -B "$CACHE/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
-      -DLLAMA_BUILD_SERVER=ON > "$OUT/llama-cmake.txt" 2>&1 &&
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON > "$OUT/llama-cmake.txt" 2>&1 &&
     cmake --build "$CACHE/llama-build" --target llama-server -j 14 > "$OUT/llama-build.txt" 2>&1
     echo "llama-server build: rc $? ($((SECONDS - t0)) s)" ) &
   BUILD_PID=$!
@@ -57,7 +58,7 @@ if want O; then
   echo "ours: rc $?"; tail -8 "$OUT/ours.txt"
 fi
 if want H; then
-  transformers serve --force-model "$M/hf" --continuous-batching --port 8301 --host 127.0.0.1 \
+  transformers serve "$M/hf" --continuous-batching --port 8301 --host 127.0.0.1 \
     > "$OUT/hf-server.txt" 2>&1 &
   pid=$!
   if wait_up http://127.0.0.1:8301/v1/models $pid 240; then
@@ -69,10 +70,10 @@ if want H; then
   fi
   stop $pid
 fi
+[ -n "$BUILD_PID" ] && { want L || want W; } && wait "$BUILD_PID"
 if want L; then
-  [ -n "$BUILD_PID" ] && wait "$BUILD_PID"
   if [ -x "$CACHE/llama-build/bin/llama-server" ]; then
-    "$CACHE/llama-build/bin/llama-server" -m "$M/model-f16.gguf" -ngl 99 -fa -np "$LLAMA_SLOTS" \
+    "$CACHE/llama-build/bin/llama-server" -m "$M/model-f16.gguf" -ngl 99 -np "$LLAMA_SLOTS" \
       -c $((256 * LLAMA_SLOTS)) --host 127.0.0.1 --port 8302 > "$OUT/llama-server.txt" 2>&1 &
     pid=$!
     if wait_up http://127.0.0.1:8302/health $pid 240; then
