@@ -85,10 +85,9 @@ async def _one(host: str, port: int, body: bytes) -> dict:
             obj = json.loads(data)
             if "error" in obj:
                 return {"status": "stream"}
-            if obj.get("choices"):
-                if obj["choices"][0].get("text"):
-                    times.append(now)
-            elif obj.get("usage"):
+            if obj.get("choices") and obj["choices"][0].get("text"):
+                times.append(now)
+            if obj.get("usage"):    # its own chunk (OpenAI, ours) or on the last text chunk (llama-server)
                 usage = obj["usage"]
         return {"status": 200, "sent": t0, "times": times, "usage": usage}
     except (OSError, ValueError, IndexError):

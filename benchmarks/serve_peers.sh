@@ -77,6 +77,14 @@ if want L; then
       -c $((256 * LLAMA_SLOTS)) --host 127.0.0.1 --port 8302 > "$OUT/llama-server.txt" 2>&1 &
     pid=$!
     if wait_up http://127.0.0.1:8302/health $pid 240; then
+      python3 - > "$OUT/llama-raw.txt" 2>&1 <<'PY'
+import json, urllib.request
+body = {"model": "z2all", "prompt": "request 1: the model reads", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+req = urllib.request.Request("http://127.0.0.1:8302/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+print(urllib.request.urlopen(req, timeout=60).read().decode(errors="replace")[:6000])
+PY
       timeout 400 "${LOAD[@]}" --url http://127.0.0.1:8302 --model z2all --tokenizer "$M/tokenizer" \
         --json "$OUT/llama.json" > "$OUT/llama.txt" 2>&1
       echo "llama-server: rc $?"; tail -8 "$OUT/llama.txt"
