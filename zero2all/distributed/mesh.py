@@ -186,3 +186,24 @@ class MeshModel(nn.Module):
         if loss is not None and hasattr(loss, "to_local"):
             loss = loss.to_local()
         return logits, loss
+
+
+def refusals(req) -> list[str]:
+    """The mesh's declared rules (``plan.resolve`` gathers them): several processes for a data-parallel mode,
+    FSDP2 as the data parallelism of a mesh (tp / pp / cp / dp_replicate), and the one-process-only kernels."""
+    pc, out = req.parallel, []
+    if req.world_size == 1 and req.mode in ("ddp", "fsdp", "zero1"):
+        out.append(f"parallel.mode={req.mode!r} needs several processes: launch with torchrun "
+                   f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
+    if pc.uses_mesh() and pc.mode not in ("auto", "fsdp"):
+        out.append(f"parallel.mode={pc.mode!r} is plain data parallelism; with tp / pp / cp / dp_replicate the "
+                   f"data-parallel ranks use FSDP2 (dp_shard) and HSDP (dp_replicate): set parallel.mode = auto or "
+                   f"fsdp")
+    if pc.uses_mesh() and (pc.cpu_offload or pc.comm_hook != "none"):
+        out.append("parallel.cpu_offload / parallel.comm_hook are not available with tp / pp / cp / dp_replicate; "
+                   "set them off or use plain data parallelism")
+    model = req.model
+    if model is not None and model.ops.step_fusion != "off" and req.mode != "none":
+        out.append(f"model.ops.step_fusion={model.ops.step_fusion!r} needs training in one process without a "
+                   f"data-parallel wrapper (parallel mode {req.mode!r}); set it to 'off'")
+    return out

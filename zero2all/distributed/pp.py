@@ -739,3 +739,62 @@ class PipelineRun:
         for part in parts:
             merged.update(part or {})
         return merged
+
+
+def _reason(check, *args) -> list[str]:
+    """A raising check as a declared rule: its ConfigError's sentence, or nothing."""
+    try:
+        check(*args)
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
+def refusals(req) -> list[str]:
+    """Pipeline parallelism's declared rules (``plan.resolve``): a block for every stage, at least as many
+    pipeline microbatches as stages, dividing each micro-batch; untied embedding and head; no cp; the schedule's
+    and the CUDA graphs' own limits (:func:`check_pipeline_mesh`, :func:`check_pipeline_graphs`)."""
+    pc, model, p, out = req.parallel, req.model, req.parallel.pp, []
+    if pc.pp_stages_per_rank > 1 and pc.pp_schedule not in MULTI_STAGE_SCHEDULES:
+        out.append(f"parallel.pp_stages_per_rank={pc.pp_stages_per_rank} needs parallel.pp_schedule = "
+                   f"{' or '.join(MULTI_STAGE_SCHEDULES)} (got {pc.pp_schedule!r})")
+    if pc.pp_cuda_graphs is True and (p == 1 or pc.pp_schedule == "zero_bubble"):
+        out.append(f"parallel.pp_cuda_graphs needs parallel.pp > 1 and a schedule other than zero_bubble (got pp={p}, "
+                   f"pp_schedule={pc.pp_schedule!r}): the graphs replay whole block forwards and backwards, "
+                   f"zero_bubble splits a backward in two")
+    if p == 1:
+        if pc.pp_split:
+            out.append(f"parallel.pp_split={list(pc.pp_split)} needs parallel.pp > 1")
+        return out
+    if pc.cp > 1:
+        out.append(f"parallel.pp={p} with cp={pc.cp}: pipeline stages are not combined with context parallelism in "
+                   f"this version; use one of the two")
+    shape = req.shape or {d: req.size(d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    out += _reason(check_pipeline_mesh, pc, shape)
+    stages = p * pc.pp_stages_per_rank
+    if model is not None:
+        out += _reason(check_pipeline_model, model)
+        if model.n_layers < stages:
+            out.append(f"parallel: {stages} pipeline stages (pp={p} x pp_stages_per_rank={pc.pp_stages_per_rank}) "
+                       f"but model.n_layers={model.n_layers}; use fewer stages")
+        split = list(pc.pp_split)
+        if split and (len(split) != stages or min(split) < 1 or sum(split) != model.n_layers):
+            out.append(f"parallel.pp_split={split}: needs {stages} block counts (pp={p} x pp_stages_per_rank="
+                       f"{pc.pp_stages_per_rank}), each >= 1, summing to model.n_layers={model.n_layers} (got "
+                       f"{len(split)} summing to {sum(split)})")
+        if pc.pp_cuda_graphs is True and model.moe.enabled:
+            out.append("parallel.pp_cuda_graphs = true with a MoE model: mixture-of-experts blocks route a varying "
+                       "number of tokens per expert, which a graph replay cannot follow; set it to false or auto")
+        if pc.pp_cuda_graphs is True and req.device is not None:
+            out += _reason(check_pipeline_graphs, pc, shape, req.device, model.ops.linear_precision)
+    batch = req.train.micro_batch_size if req.train is not None else pc.pp_microbatches
+    micro = pc.pp_microbatches or batch
+    if batch and batch % micro:
+        out.append(f"parallel.pp_microbatches={micro} does not divide train.micro_batch_size={batch}")
+    if micro and micro < stages:
+        out.append(f"parallel.pp_microbatches={micro} is fewer than the {stages} pipeline stages (0 means "
+                   f"train.micro_batch_size={batch})")
+    if req.train is not None and req.train.z_loss and pc.tp > 1:
+        out.append("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel computes the "
+                   "cross-entropy only); set train.z_loss = 0")
+    return out
