@@ -1044,7 +1044,6 @@ def _estimate(p):
         from zero2all.config import ConfigError, load_config
 
         cfg = load_config(args.config, args.overrides)
-        ops = cfg.model.ops
         gpus = args.gpus
         for flag in ("gpus", "dp", "micro_batch", "seq", "grad_accum"):  # 0 is refused, not taken for "default"
             value = getattr(args, flag)

@@ -7,7 +7,7 @@ forward and backward), merging the partial softmaxes with their log-sum-exp.
 
 Load balance: under a causal mask the last tokens attend to the most keys. The sequence is cut into 2 * cp chunks
 and rank r takes chunks r and 2cp - 1 - r (head and tail), so every rank has the same attention work; hence the
-rule seq_len % (2 * cp) == 0 (``config.check_mesh``).
+rule seq_len % (2 * cp) == 0 (the plan, ``plan.resolve``).
 
 Positions: the model computes RoPE from explicit ``position_ids``, sharded with the tokens, so each token keeps
 its position in the full sequence. Document masks (packed documents with ``doc_ids``) are refused: the ring

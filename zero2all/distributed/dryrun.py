@@ -53,10 +53,9 @@ def rank_shape(cfg: Config, world: int, rank: int, plan=None) -> RankShape:
 
     import zero2all.distributed as zd
     from zero2all.distributed.env import DistEnv
+    from zero2all.distributed.plan import resolve
     from zero2all.model.z2all import Z2all
     from zero2all.train.muon import is_muon_param
-
-    from zero2all.distributed.plan import resolve
 
     plan = plan or resolve(cfg, world)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())

@@ -103,7 +103,7 @@ def plain_dims(env: DistEnv) -> ParallelDims:
 
 def build_mesh(pc: ParallelConfig, env: DistEnv) -> ParallelDims:
     """``init_device_mesh`` over the whole job with the five named dimensions, plus the flattened ones.
-    The shape was checked against the model and the batch before (``config.check_mesh``)."""
+    The shape was checked against the model and the batch before (the plan, ``plan.resolve``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = pc.mesh_shape(env.world_size)
@@ -117,12 +117,11 @@ def build_mesh(pc: ParallelConfig, env: DistEnv) -> ParallelDims:
 def data_parallel_rank(pc: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(dp_rank, dp_size) of global rank ``rank`` without building the mesh (the data iterators are made first):
     ``init_device_mesh`` lays ranks out row-major over (pp, dp_replicate, dp_shard, cp, tp), so the data-
-    parallel coordinate is ``(rank // (cp * tp)) % dp``. Plain DDP / FSDP / ZeRO-1: every rank is its own."""
-    if not pc.uses_mesh():
-        return rank, world_size
-    shape = pc.mesh_shape(world_size)
-    dp = shape["dp_replicate"] * shape["dp_shard"]
-    return (rank // (shape["cp"] * shape["tp"])) % dp, dp
+    parallel coordinate is ``(rank // (cp * tp)) % dp``. Plain DDP / FSDP / ZeRO-1: every rank is its own. The
+    plan's rule (``plan.Plan.dp_coords``), for callers holding a parallel section only."""
+    from zero2all.distributed.plan import Plan
+
+    return Plan(world_size, pc.resolved_mode(world_size), pc.mesh_shape(world_size), pc.ep, pc).dp_coords(rank)
 
 
 def _spec(t: torch.Tensor):

@@ -185,8 +185,12 @@ def resolve(cfg, world_size: int | None, device: torch.device | None = None,
     for name, rule in RULES:
         for reason in rule(req):
             raise PlanRefusal(reason, name)
-    world = world_size or 1
-    shape = req.shape or req.parallel.mesh_shape(world)
+    if req.shape is not None:
+        world, shape = world_size, req.shape
+    else:  # no launch known: the smallest world the configured sizes run on (dp_shard = -1: 1)
+        shape = {d: req.size(d) for d in DIMS}
+        world = max(shape["pp"] * shape["dp_replicate"] * shape["dp_shard"] * shape["cp"] * shape["tp"],
+                    req.parallel.ep)
     return Plan(world, req.parallel.resolved_mode(world), shape, req.parallel.ep, req.parallel)
 
 

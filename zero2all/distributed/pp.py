@@ -60,7 +60,7 @@ from zero2all.model import ops
 
 
 def check_pipeline_model(model_cfg: ModelConfig) -> None:
-    """What the mesh checks (``config.check_mesh``) cannot see: a tied embedding and LM head would be one
+    """A rule of :func:`refusals` (the plan's): a tied embedding and LM head would be one
     matrix on two ranks."""
     if model_cfg.tie_word_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_word_embeddings = true: the embedding (first stage) and "
@@ -191,7 +191,7 @@ def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0
 def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int,
                  costs: tuple[float, list[float], float] | None = None) -> list[list[int]]:
     """The blocks of each of the pp x pp_stages_per_rank stages: ``parallel.pp_split`` block counts when given
-    (checked by ``config.check_mesh``), else balanced by ``costs`` (embedding, each block, head), by default
+    (checked by the plan, :func:`refusals`), else balanced by ``costs`` (embedding, each block, head), by default
     :func:`unit_costs` (FLOPs; ``pp_balance.measured_unit_costs`` gives seconds)."""
     if pc.pp_split:
         bounds = [sum(pc.pp_split[:s]) for s in range(len(pc.pp_split) + 1)]
@@ -436,8 +436,6 @@ class PipelineRun:
                  param_dtype: torch.dtype = torch.float32):
         from torch.distributed.pipelining import PipelineStage
 
-        check_pipeline_model(model.cfg)
-        check_pipeline_mesh(pc, dims.shape)
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
