@@ -46,6 +46,7 @@ names, so a pipeline checkpoint is the one DCP format and resumes on one process
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -280,7 +281,7 @@ class StageModule(nn.Module):
             x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
         x = self._attach_moe_losses(x)
         if not self.last:
-            return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
+            return _boundary(x, self.boundary_dtypes[0]), _boundary(residual, self.boundary_dtypes[1])
         c = self.cfg
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
@@ -344,17 +345,45 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
     return ops.upcast(mean).reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
-def _marking_real_forwards(fn, module: StageModule):
-    """``fn`` (a stage's forward of one microbatch) with ``module.in_chunk`` set while it runs: any other call of
-    the stage module is the runtime's shape inference (on uninitialised tensors), which must not count in the MoE
-    blocks' load statistics."""
-    def forward_one_chunk(*args, **kwargs):
-        module.in_chunk = True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            module.in_chunk = False
-    return forward_one_chunk
+def _boundary(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stage output sent to the next stage, in ``dtype``. Never a view: the zero-bubble schedule detaches its
+    stage outputs in place after the input-gradient half of a backward, which torch refuses on a view (a MoE
+    block's output reshaped to (B, T, H) is one when no auxiliary loss is attached to it); a view is copied."""
+    t = t.to(dtype)
+    return t.clone() if t._is_view() else t
+
+
+@functools.cache
+def stage_class():
+    """torch's ``PipelineStage`` with what this run adds to its per-microbatch work, as methods of a subclass:
+    each forward / backward chunk timed while ``timer.measure`` (``PipelineRun.reset_measurement``), and
+    ``module.in_chunk`` set during a forward chunk, so that any other call of the stage module (the runtime's shape
+    inference, on uninitialised tensors) stays out of the MoE blocks' load statistics. Built on first use:
+    ``torch.distributed.pipelining`` is imported only by runs with stages."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class RunStage(PipelineStage):
+        def __init__(self, module: StageModule, stage_index: int, num_stages: int, device, group, timer: BusyTimer):
+            super().__init__(module, stage_index, num_stages, device, group=group)
+            self.stage_module, self.timer = module, timer
+
+        def _run(self, fn, *args, **kwargs):
+            return self.timer.wrap(fn)(*args, **kwargs) if self.timer.measure else fn(*args, **kwargs)
+
+        def forward_one_chunk(self, *args, **kwargs):
+            self.stage_module.in_chunk = True
+            try:
+                return self._run(super().forward_one_chunk, *args, **kwargs)
+            finally:
+                self.stage_module.in_chunk = False
+
+        def backward_one_chunk(self, *args, **kwargs):
+            return self._run(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            return self._run(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return RunStage
 
 
 class RankModel(nn.Module):
@@ -402,6 +431,7 @@ class BusyTimer:
     cuda: bool
     spans: list = field(default_factory=list)
     cpu_busy: float = 0.0
+    measure: bool = False   # time the stage computations (PipelineRun.reset_measurement turns it on)
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
@@ -434,8 +464,6 @@ class PipelineRun:
 
     def __init__(self, model: nn.Module, pc: ParallelConfig, env: DistEnv, dims,
                  param_dtype: torch.dtype = torch.float32):
-        from torch.distributed.pipelining import PipelineStage
-
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
@@ -460,7 +488,8 @@ class PipelineRun:
         self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
         if self.sharded:
             self._shard(param_dtype)
-        self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
+        self.timer = BusyTimer(env.device.type == "cuda")
+        self.stages = [stage_class()(m, s, n_stages, env.device, self.pp_group, self.timer)
                        for m, s in zip(self.modules, self.stage_ids)]
         self._cast_store = None   # pp_cuda_graphs: weight cast copies kept across updates, refreshed in place
         self._graphed_counts: set[int] = set()   # microbatch counts whose schedule has run once (graphs on)
@@ -470,14 +499,6 @@ class PipelineRun:
             self._enable_graphs()
         elif why_not and env.device.type == "cuda" and env.is_main:
             print(f"parallel.pp_cuda_graphs = auto: the stages run eagerly, since {why_not}", flush=True)
-        self.timer = BusyTimer(env.device.type == "cuda")
-        self.measure = False
-        for st, m in zip(self.stages, self.modules):
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                if hasattr(st, name):
-                    setattr(st, name, self._maybe_timed(getattr(st, name)))
-            if m.moe_blocks and hasattr(st, "forward_one_chunk"):
-                st.forward_one_chunk = _marking_real_forwards(st.forward_one_chunk, m)
         self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
         self.n_microbatches = 0
         self._multiplier = 1.0
@@ -523,10 +544,6 @@ class PipelineRun:
     def graphed_blocks(self) -> list:
         """This rank's ``pp_graphs.GraphedBlocks`` (one per stage; empty without ``pp_cuda_graphs``)."""
         return [m.graphed for m in self.modules if m.graphed is not None]
-
-    def _maybe_timed(self, fn):
-        timed = self.timer.wrap(fn)
-        return lambda *a, **k: timed(*a, **k) if self.measure else fn(*a, **k)
 
     def _shard(self, param_dtype: torch.dtype) -> None:
         """FSDP2 over the dp dimension: every block one unit, then each stage's root (embedding, norm, head)."""
@@ -583,7 +600,7 @@ class PipelineRun:
         for m in self.modules:
             m.aux_weight, m.aux_share, m.aux_reported = multiplier * share, share, []
         schedule = self._schedule_for(n_micro)
-        if self.measure:
+        if self.timer.measure:
             self._sync()
             t0 = time.perf_counter()
         if self._cast_store:   # CUDA graphs read these copies: the weights changed in the last optimizer step
@@ -598,7 +615,7 @@ class PipelineRun:
         for g in self.graphed_blocks():
             g.finish_step()
         self._graphed_counts.add(n_micro)
-        if self.measure:
+        if self.timer.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0
         total = self._reported_sum(tokens.device)
@@ -703,7 +720,7 @@ class PipelineRun:
     def reset_measurement(self) -> None:
         """Start measuring: every following :meth:`step` is timed (wall clock around the schedule step, busy time
         inside the stage computations) until :meth:`measured_bubble` is read."""
-        self.measure = True
+        self.timer.measure = True
         self.timer.reset()
         self.wall_s = 0.0
 

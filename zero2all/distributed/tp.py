@@ -94,6 +94,16 @@ class FusedRows:
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, self.inverse.to(t.device))
 
+    # the layout's side of a checkpoint (``checkpoint/state.py`` calls these on any layout object it is given, so
+    # the checkpoint code knows nothing of tensor parallelism)
+    def save_value(self, value):
+        """A sharded value (parameter or optimizer state) as the checkpoint stores it: the canonical layout."""
+        return to_canonical_dtensor(value, self) if hasattr(value, "device_mesh") else value
+
+    def load_value(self, value, like):
+        """A loaded checkpoint value back into this parameter's layout (``like``: the current value)."""
+        return to_rank_major_dtensor(value, self, like) if hasattr(value, "device_mesh") else value
+
 
 def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     """The fused parameters of ``model`` (plain names, as in the checkpoint) and their row pieces."""
