@@ -266,9 +266,11 @@ class StageModule(nn.Module):
         return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
 
     def _forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+        from zero2all.model.z2all import Z2all
+
         if self.first:
             (tokens,) = inputs
-            x, residual = self.embed_tokens(tokens), None
+            x, residual = Z2all.embed(self, tokens), None
         else:
             x, residual = inputs
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
@@ -282,9 +284,9 @@ class StageModule(nn.Module):
         x = self._attach_moe_losses(x)
         if not self.last:
             return _boundary(x, self.boundary_dtypes[0]), _boundary(residual, self.boundary_dtypes[1])
-        c = self.cfg
-        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
+        h = Z2all.final_norm(self, x, residual)   # the model's own seams (self has its cfg, norm and lm_head)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, self.cfg.ops.cross_entropy,
+                              self.every_chunk_valid)
 
 
     def _attach_moe_losses(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,10 +308,10 @@ class StageModule(nn.Module):
     def run_blocks(self, x, residual=None, rope=None, doc_ids=None):
         """The stage's blocks on ``(x, residual)`` (residual None before the first block of the model); ``rope``:
         the (cos, sin) tables, by default those of positions 0..T-1 (what the CUDA graphs capture)."""
+        from zero2all.model.z2all import Z2all
+
         cos, sin = rope if rope is not None else self._rope_tables(x.shape[1], x.device, None)
-        for layer in self.layers.values():
-            x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
-        return x, residual
+        return Z2all.blocks(self, x, residual, cos, sin, None, 0, doc_ids, None, layers=self.layers.values())
 
 
 def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
