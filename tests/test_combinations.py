@@ -118,3 +118,34 @@ def test_every_cell_that_runs_matches_one_process(tmp_path):
                                                           for m, _, cell in cells])
         for (model, name, _), run in zip(cells, got):
             assert_equivalent(run, want[model], f"{model} {name} on {world}")
+
+
+def test_a_refused_run_stops_before_any_process_group(tmp_path, monkeypatch, capsys):
+    """Under torchrun's environment (2 processes announced, no peer listening), a combination the plan refuses
+    exits with status 2 and the plan's one line, and no process group was created (nothing waited for a peer)."""
+    import torch.distributed as dist
+
+    from zero2all.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    cell = [*TINY, *MOE, "parallel.tp=2", f"train.out_dir='{tmp_path / 'run'}'", "parallel.timeout_s=5"]
+    assert main(["pretrain", "--config", "tiny", *cell]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = refusals(load_config("tiny", cell), 2)[0][1]
+    assert len(err) == 1 and want in err[0], err
+    assert not dist.is_initialized()
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_with_fsdp_is_refused_by_the_plan():
+    cfg = load_config("tiny", [*TINY, "parallel.mode='fsdp'"])
+    cfg.post.lora_rank = 8
+    with pytest.raises(PlanRefusal, match="post.lora_rank: LoRA runs use parallel.mode=ddp") as e:
+        resolve(cfg, 2)
+    assert e.value.rule == "fsdp"
+    cfg.parallel.mode = "ddp"
+    assert resolve(cfg, 2).mode == "ddp"
