@@ -81,6 +81,10 @@ def train(out: Path, *overrides: str, base: list[str] = TINY) -> Run:
 def _entry(rank: int, world: int, port: int, out: str, runs: list[list[str]], base: list[str]):
     from test_distributed import gloo_worker
 
+    from tests import cpu_ring_attention
+
+    cpu_ring_attention.register()   # context parallel on CPU: torch's ring around the CPU SDPA kernel
+
     def work(env):
         for i, overrides in enumerate(runs):
             train(Path(out) / f"run{i}", *overrides, base=base)

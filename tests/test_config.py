@@ -259,8 +259,9 @@ def test_fsdp_accum_no_sync_auto_is_on_under_expert_parallelism_only():
 
 def test_async_tp_is_refused_outside_compiled_dtensor_sequence_parallel():
     from zero2all.config import ConfigError, ParallelConfig
+    from zero2all.distributed.plan import resolve, sections
 
-    ParallelConfig(tp=2, tp_impl="dtensor", sequence_parallel=True, async_tp=True).validate()
+    resolve(sections(None, ParallelConfig(tp=2, tp_impl="dtensor", sequence_parallel=True, async_tp=True)), None)
     for bad in (dict(tp=1), dict(tp=2, tp_impl="local", sequence_parallel=True), dict(tp=2, tp_impl="dtensor")):
         with pytest.raises(ConfigError, match="async_tp .*needs parallel.tp > 1, tp_impl = 'dtensor'"):
-            ParallelConfig(async_tp=True, **bad).validate()
+            resolve(sections(None, ParallelConfig(async_tp=True, **bad)), None)

@@ -453,6 +453,7 @@ def test_collective_timeout_has_a_clear_message(tmp_path):
 
 def test_config_errors_name_the_field():
     from zero2all.config import load_config
+    from zero2all.distributed.plan import resolve, sections
 
     env = zd.DistEnv()
     with pytest.raises(ValueError, match="parallel.mode"):
@@ -462,7 +463,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="parallel.comm_hook"):
         ParallelConfig(comm_hook="fp8").validate()
     with pytest.raises(ValueError, match="parallel.cpu_offload"):
-        ParallelConfig(cpu_offload=True).validate(world_size=1)
+        resolve(sections(None, ParallelConfig(cpu_offload=True)), 1)
     with pytest.raises(ValueError, match="parallel.ac_every"):
         ParallelConfig(activation_checkpointing="selective", ac_every=0).validate()
     assert ParallelConfig().resolved_mode(1) == "none" and ParallelConfig().resolved_mode(2) == "ddp"

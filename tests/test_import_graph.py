@@ -106,3 +106,12 @@ def test_no_import_circle_crosses_folders():
     g = graph()
     crossing = [c for c in cycles(g) if len({folder(m, g) for m in c}) > 1]
     assert not crossing, crossing
+
+
+def test_checkpoints_know_no_parallelism_kind():
+    """The checkpoint code uses the process-group helpers (``distributed/env.py``) only: a parallel layout (tensor
+    parallelism's fused rows) reaches it as objects with ``save_value`` / ``load_value``, never by import."""
+    g = graph()
+    arrows = sorted(f"{m} -> {t}" for m, ts in g.items() if m.startswith("zero2all.checkpoint")
+                    for t in ts if t.startswith("zero2all.distributed") and t != "zero2all.distributed.env")
+    assert not arrows, arrows

@@ -183,14 +183,15 @@ def test_config_refuses_an_unknown_setting_and_data_parallel_runs(tmp_path):
     from test_trainer import tiny_cfg
 
     from zero2all.config import ConfigError
+    from zero2all.distributed.plan import resolve
 
     with pytest.raises(ConfigError, match="model.ops.step_fusion: 'on' is not one of off, grads, all"):
         tiny_cfg(tmp_path, "model.ops.step_fusion='on'").validate()
     with pytest.raises(ConfigError, match="step_fusion='grads' needs training in one process .*mode 'ddp'"):
-        tiny_cfg(tmp_path, "model.ops.step_fusion='grads'").validate(world_size=2)
+        resolve(tiny_cfg(tmp_path, "model.ops.step_fusion='grads'").validate(), 2)
     with pytest.raises(ConfigError, match="step_fusion='all' needs training in one process .*mode 'fsdp'"):
-        tiny_cfg(tmp_path, "model.ops.step_fusion='all'", "parallel.mode='fsdp'").validate()
-    tiny_cfg(tmp_path, "model.ops.step_fusion='all'").validate(world_size=1)
+        resolve(tiny_cfg(tmp_path, "model.ops.step_fusion='all'", "parallel.mode='fsdp'").validate(), None)
+    resolve(tiny_cfg(tmp_path, "model.ops.step_fusion='all'").validate(), 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

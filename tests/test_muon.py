@@ -108,9 +108,10 @@ def test_adamw_part_matches_torch_adamw():
 
 def test_muon_is_refused_with_zero1():
     from zero2all.config import ConfigError, load_config
+    from zero2all.distributed.plan import resolve
 
     with pytest.raises(ConfigError, match="muon.*zero1"):
-        load_config("tiny", ["train.optimizer='muon'", "parallel.mode='zero1'"]).validate(world_size=2)
+        resolve(load_config("tiny", ["train.optimizer='muon'", "parallel.mode='zero1'"]), 2)
     with pytest.raises(ConfigError, match="train.optimizer"):
         load_config("tiny", ["train.optimizer='sgd'"]).validate()
 

@@ -29,7 +29,7 @@ from tests import cpu_ring_attention
 from tests.test_distributed import free_port, gloo_worker
 from zero2all import checkpoint as ckpt
 from zero2all import distributed as zd
-from zero2all.config import ConfigError, ModelConfig, OpsConfig, ParallelConfig, TrainConfig, check_mesh, to_dict
+from zero2all.config import ConfigError, ModelConfig, OpsConfig, ParallelConfig, TrainConfig, to_dict
 from zero2all.distributed.tp import regions_of
 from zero2all.model.z2all import build_model
 from zero2all.train.optim import grad_norm_and_clip
@@ -228,25 +228,31 @@ def test_impossible_meshes_are_refused_with_the_numbers():
              (dict(pp=2, pp_microbatches=3), 2, "does not divide train.micro_batch_size=4"),
              (dict(pp=2, pp_microbatches=1), 2, "fewer than the 2 pipeline stages"),
              (dict(tp=2, dp_shard=3), 4, "= 6, but 4 processes run")]
+    from zero2all.distributed.plan import PlanRefusal, resolve, sections
+
+    def plan(pc, world):
+        parts = sections(m, pc)
+        parts.train = t
+        return resolve(parts, world)
+
     for fields, world, msg in cases:
-        with pytest.raises(ConfigError, match=msg):
-            pc = ParallelConfig(**fields)
-            pc.validate(world)
-            check_mesh(m, t, pc, world)
-    with pytest.raises(ConfigError, match="plain data parallelism"):
-        ParallelConfig(mode="ddp", tp=2).validate(2)
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        ParallelConfig(sequence_parallel=True).validate(1)
-    assert check_mesh(m, t, ParallelConfig(tp=2, cp=2), 8)["dp_shard"] == 2
+        with pytest.raises(PlanRefusal, match=msg):
+            plan(ParallelConfig(**fields), world)
+    with pytest.raises(PlanRefusal, match="plain data parallelism"):
+        plan(ParallelConfig(mode="ddp", tp=2), 2)
+    with pytest.raises(PlanRefusal, match="sequence_parallel"):
+        plan(ParallelConfig(sequence_parallel=True), 1)
+    assert plan(ParallelConfig(tp=2, cp=2), 8).shape["dp_shard"] == 2
     from zero2all.config import load_config
 
-    with pytest.raises(ConfigError, match="document_mask"):
-        load_config("tiny", ["parallel.cp=2", "data.document_mask=true"]).validate(2)
-    with pytest.raises(ConfigError, match="ops.attention='flex'"):
-        check_mesh(ModelConfig(**{**tiny_cfg().__dict__, "ops": OpsConfig(attention="flex")}), t,
-                   ParallelConfig(cp=2), 2)
-    assert zd.data_parallel_rank(ParallelConfig(tp=2, cp=2), 5, 8) == (1, 2)  # row-major: rank 5 = dp 1, cp 0, tp 1
-    assert zd.data_parallel_rank(ParallelConfig(), 5, 8) == (5, 8)
+    with pytest.raises(PlanRefusal, match="document_mask"):
+        resolve(load_config("tiny", ["parallel.cp=2", "data.document_mask=true"]), 2)
+    with pytest.raises(PlanRefusal, match="ops.attention='flex'"):
+        resolve(sections(ModelConfig(**{**tiny_cfg().__dict__, "ops": OpsConfig(attention="flex")}),
+                         ParallelConfig(cp=2)), 2)
+    assert plan(ParallelConfig(tp=2, cp=2), 8).dp_coords(5) == (1, 2)  # row-major: rank 5 = dp 1, cp 0, tp 1
+    assert plan(ParallelConfig(), 8).dp_coords(5) == (5, 8)
+    assert zd.data_parallel_rank(ParallelConfig(tp=2, cp=2), 5, 8) == (1, 2)
 
 
 def test_estimate_splits_the_mesh_dimensions():

@@ -47,9 +47,11 @@ def test_tp_graphs_refused_where_they_cannot_run():
                                compile_blocks=False)
     with pytest.raises(ConfigError, match="train.compile"):
         check_graphs_supported(cuda, pc, 2, compile_blocks=True)
+    from zero2all.distributed.plan import resolve, sections
+
     for fields in ({"tp": 1}, {"tp": 2, "tp_impl": "dtensor"}):
         with pytest.raises(ConfigError, match="parallel.tp_graphs"):
-            ParallelConfig(tp_graphs=True, **fields).validate(2)
+            resolve(sections(None, ParallelConfig(tp_graphs=True, **fields)), 2)
 
 
 def test_graphs_are_on_by_default_wherever_they_can_run():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from equivalence import RTOL, TINY, Run, assert_equivalent, launch, log_measured, rel, train
 
-from zero2all.config import ConfigError, ModelConfig, ParallelConfig, check_mesh, load_config
+from zero2all.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from zero2all.distributed.pp import split_layers, stage_layout, stage_rank, unit_costs
 
 STEPS, CKPT_AT = 6, 3
@@ -67,18 +67,27 @@ def test_layout_weighs_the_lm_head_and_places_stages_round_robin():
     assert [stage_rank(s, 2) for s in range(4)] == [0, 1, 0, 1]
 
 
+def check_mesh(cfg, pc, world):
+    """The plan's refusals for ``cfg`` with another parallel section."""
+    from dataclasses import replace
+
+    from zero2all.distributed.plan import resolve
+
+    return resolve(replace(cfg, parallel=pc), world)
+
+
 def test_explicit_split_overrides_the_flop_balance_and_is_checked():
     cfg = load_config("tiny", BASE + ["parallel.pp=2", "parallel.pp_split=[3, 1]", "train.micro_batch_size=4"])
     assert cfg.parallel.pp_split == [3, 1]
     assert stage_layout(cfg.model, cfg.parallel, 16) == [[0, 1, 2], [3]]
-    check_mesh(cfg.model, cfg.train, cfg.parallel, 2)
+    check_mesh(cfg, cfg.parallel, 2)
     interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1])
     assert stage_layout(cfg.model, interleaved, 16) == [[0], [1], [2], [3]]
     for split, what in (([2, 1], "summing to 3"), ([4, 0, 0], "got 3 summing to 4"), ([4, 0], "each >= 1")):
         with pytest.raises(ConfigError, match=rf"pp_split=\[{split[0]}.*{what}"):
-            check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_split=split), 2)
+            check_mesh(cfg, ParallelConfig(pp=2, pp_split=split), 2)
     with pytest.raises(ConfigError, match="needs parallel.pp > 1"):
-        check_mesh(cfg.model, cfg.train, ParallelConfig(pp_split=[4]), 1)
+        check_mesh(cfg, ParallelConfig(pp_split=[4]), 1)
 
 
 def test_measured_costs_time_every_piece_and_leave_no_gradients():
@@ -128,14 +137,14 @@ def test_last_stage_loss_is_the_token_sum_even_without_valid_tokens():
 def test_impossible_pipelines_are_refused_naming_the_numbers():
     cfg = load_config("tiny", BASE + ["parallel.pp=2", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match="pp_microbatches=2 is fewer than the 4 pipeline stages"):
-        check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b",
-                                                        pp_stages_per_rank=2, pp_microbatches=2), 2)
+        check_mesh(cfg, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b",
+                                    pp_stages_per_rank=2, pp_microbatches=2), 2)
     with pytest.raises(ConfigError, match="n_layers=4"):
-        check_mesh(cfg.model, cfg.train, ParallelConfig(pp=4, pp_schedule="zero_bubble", pp_stages_per_rank=2), 4)
+        check_mesh(cfg, ParallelConfig(pp=4, pp_schedule="zero_bubble", pp_stages_per_rank=2), 4)
     with pytest.raises(ConfigError, match="pp_microbatches=3 does not divide"):
-        check_mesh(cfg.model, cfg.train, ParallelConfig(pp=2, pp_microbatches=3), 2)
+        check_mesh(cfg, ParallelConfig(pp=2, pp_microbatches=3), 2)
     with pytest.raises(ConfigError, match="pp_stages_per_rank=2 needs"):
-        ParallelConfig(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b").validate(2)
+        check_mesh(cfg, ParallelConfig(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b"), 2)
     from zero2all.distributed.pp import check_pipeline_mesh
 
     with pytest.raises(ConfigError, match="zero_bubble.*dp_shard=2"):

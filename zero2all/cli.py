@@ -1044,7 +1044,6 @@ def _estimate(p):
         from zero2all.config import ConfigError, load_config
 
         cfg = load_config(args.config, args.overrides)
-        ops = cfg.model.ops
         gpus = args.gpus
         for flag in ("gpus", "dp", "micro_batch", "seq", "grad_accum"):  # 0 is refused, not taken for "default"
             value = getattr(args, flag)
@@ -1059,18 +1058,27 @@ def _estimate(p):
         def given(value, default):
             return default if value is None else value
 
-        layout = Layout(gpus=given(gpus, 1), gpu=args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
-                        tp=args.tp, pp=args.pp, cp=args.cp,
-                        micro_batch=given(args.micro_batch, cfg.train.micro_batch_size),
-                        seq_len=given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len),
-                        grad_accum_steps=given(args.grad_accum, cfg.train.grad_accum_steps),
-                        recompute=args.recompute, precision=args.precision,
-                        fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
-                        fused_cross_entropy=ops.cross_entropy != "torch",
-                        fused_linear=ops.fused_linear != "torch",
-                        pp_microbatches=cfg.parallel.pp_microbatches,
-                        pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
-                        residual_in_fp32=cfg.model.residual_in_fp32)
+        # the parallel settings go through the plan (distributed/plan.py), as a run's would: its Layout is the
+        # plan's, with what-if flags (ZeRO stage, precision, recompute, batch) on top
+        from zero2all.distributed.plan import resolve, sections
+
+        world = given(gpus, 1)
+        pc = cfg.parallel
+        pc.tp, pc.pp, pc.cp, pc.dp_replicate, pc.dp_shard = args.tp, args.pp, args.cp, 1, -1
+        pc.sequence_parallel = args.tp > 1 and (given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len)
+                                                // args.cp) % args.tp == 0
+        pc.ep = args.ep or pc.ep
+        cfg.data.seq_len = min(given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len), cfg.model.max_seq_len)
+        cfg.train.micro_batch_size = given(args.micro_batch, cfg.train.micro_batch_size)
+        if world % (args.tp * args.pp * args.cp):   # the Layout's own sentence (--flags, not config keys)
+            Layout(gpus=world, tp=args.tp, pp=args.pp, cp=args.cp).validate()
+        parts = sections(cfg.model, pc)   # the layout's rules; the batch's are a run's (the flags are what-ifs)
+        parts.data = cfg.data
+        plan = resolve(parts, world)
+        layout = plan.layout(cfg, args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
+                             seq_len=given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len),
+                             grad_accum_steps=given(args.grad_accum, cfg.train.grad_accum_steps),
+                             recompute=args.recompute, precision=args.precision, sequence_parallel=None)
         if layout.seq_len > cfg.model.max_seq_len:
             print(f"warning: --seq {layout.seq_len} is longer than the model's context (model.max_seq_len = "
                   f"{cfg.model.max_seq_len}); the estimate assumes model.max_seq_len={layout.seq_len}",

@@ -598,7 +598,9 @@ class ParallelConfig:
                 "tp": self.tp}
 
     def validate(self, world_size: int | None = None, prefix: str = "parallel") -> None:
-        """Check every field (naming it); with ``world_size``, also what that many processes can run."""
+        """Check every field on its own (naming it). What combines with what, and what ``world_size`` processes
+        can run, is decided by the plan (``zero2all.distributed.plan.resolve``), from every parallel module's
+        declared rules; ``world_size`` is accepted for the callers of earlier versions and not read here."""
         _check_finite(self, prefix)
         for name, choices in (("mode", PARALLEL_MODES), ("comm_hook", COMM_HOOKS),
                               ("activation_checkpointing", AC_MODES), ("ac_selective", AC_SELECTIVE)):
@@ -615,24 +617,6 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.timeout_s: must be positive, got {self.timeout_s}")
         if self.ep < 1:
             raise ConfigError(f"{prefix}.ep: must be >= 1, got {self.ep}")
-        if world_size is not None and world_size % self.ep:
-            raise ConfigError(f"{prefix}.ep={self.ep} does not divide the {world_size} processes")
-        if self.ep > 1 and self.uses_mesh():
-            raise ConfigError(f"{prefix}.ep={self.ep} with tp={self.tp}, pp={self.pp}, cp={self.cp}, dp_replicate="
-                              f"{self.dp_replicate}: expert parallelism composes with FSDP2 data parallelism only "
-                              f"(set tp, pp, cp and dp_replicate to 1)")
-        if self.ep > 1 and self.resolved_mode(world_size or self.ep) != "fsdp":
-            raise ConfigError(f"{prefix}.ep={self.ep} needs {prefix}.mode = fsdp (or auto): the non-expert "
-                              f"parameters are FSDP2-sharded over all ranks, the experts over the dp ranks")
-        mode = self.resolved_mode(world_size or 1)
-        if self.comm_hook != "none" and mode not in ("ddp", "zero1") and (world_size or self.mode != "auto"):
-            raise ConfigError(f"{prefix}.comm_hook={self.comm_hook!r} needs {prefix}.mode = ddp or zero1 (got "
-                              f"{mode!r}); FSDP reduces in its mixed-precision policy's reduce dtype instead")
-        if self.cpu_offload and mode != "fsdp" and (world_size or self.mode != "auto"):
-            raise ConfigError(f"{prefix}.cpu_offload needs {prefix}.mode = fsdp (got {mode!r})")
-        if world_size is not None and world_size == 1 and mode in ("ddp", "fsdp", "zero1"):
-            raise ConfigError(f"{prefix}.mode={mode!r} needs several processes: launch with torchrun "
-                              f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
         _check_choice(self, "pp_schedule", PP_SCHEDULES, prefix)
         _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
@@ -640,14 +624,6 @@ class ParallelConfig:
         for name in ("tp_graphs", "pp_cuda_graphs", "fsdp_accum_no_sync"):
             if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
                 raise ConfigError(f"{prefix}.{name}: expected true, false or \"auto\", got {getattr(self, name)!r}")
-        if self.tp_graphs is True and (self.tp == 1 or self.tp_impl != "local"):
-            raise ConfigError(f"{prefix}.tp_graphs captures the blocks of tp_impl = 'local': it needs {prefix}.tp "
-                              f"> 1 and tp_impl = 'local' (got tp={self.tp}, tp_impl={self.tp_impl!r})")
-        if self.async_tp and (self.tp == 1 or self.tp_impl != "dtensor" or not self.sequence_parallel):
-            raise ConfigError(f"{prefix}.async_tp overlaps the sequence-parallel collectives of DTensor linears: it "
-                              f"needs {prefix}.tp > 1, tp_impl = 'dtensor' and sequence_parallel = true (got tp="
-                              f"{self.tp}, tp_impl={self.tp_impl!r}, sequence_parallel={self.sequence_parallel}); "
-                              f"it also needs train.compile = true")
         _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:
@@ -658,91 +634,6 @@ class ParallelConfig:
         if self.pp_microbatches < 0:
             raise ConfigError(f"{prefix}.pp_microbatches: must be >= 0 (0 = train.micro_batch_size), "
                               f"got {self.pp_microbatches}")
-        if self.pp_cuda_graphs is True and (self.pp == 1 or self.pp_schedule == "zero_bubble"):
-            raise ConfigError(f"{prefix}.pp_cuda_graphs needs {prefix}.pp > 1 and a schedule other than zero_bubble "
-                              f"(got pp={self.pp}, pp_schedule={self.pp_schedule!r}): the graphs replay whole "
-                              f"block forwards and backwards, zero_bubble splits a backward in two")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError(f"{prefix}.sequence_parallel shards the sequence over the tp ranks: it needs "
-                              f"{prefix}.tp > 1")
-        if self.pp_stages_per_rank > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
-            raise ConfigError(f"{prefix}.pp_stages_per_rank={self.pp_stages_per_rank} needs {prefix}.pp_schedule "
-                              f"= {' or '.join(MULTI_STAGE_SCHEDULES)} (got {self.pp_schedule!r})")
-        if self.uses_mesh() and self.mode not in ("auto", "fsdp"):
-            raise ConfigError(f"{prefix}.mode={self.mode!r} is plain data parallelism; with tp / pp / cp / "
-                              f"dp_replicate the data-parallel ranks use FSDP2 (dp_shard) and HSDP (dp_replicate): "
-                              f"set {prefix}.mode = auto or fsdp")
-        if self.uses_mesh() and (self.cpu_offload or self.comm_hook != "none"):
-            raise ConfigError(f"{prefix}.cpu_offload / {prefix}.comm_hook are not available with tp / pp / cp / "
-                              f"dp_replicate")
-        if world_size is not None:
-            self.mesh_shape(world_size)
-
-
-def check_mesh(model: ModelConfig, train: TrainConfig | None, parallel: ParallelConfig, world_size: int,
-               seq_len: int | None = None, prefix: str = "parallel") -> dict[str, int]:
-    """Refuse a mesh the model, the batch or the number of processes cannot run, naming the numbers; return the
-    mesh shape. Runs before any process group is built (``parallelize`` calls it again with the real world size
-    and ``train = None``: the batch rules are then skipped).
-
-    - tp splits attention by heads (whole KV groups per rank) and the MLP by columns: n_heads, n_kv_heads,
-      intermediate_size and the (padded) vocabulary (vocab-parallel embedding and LM head) divisible by tp;
-    - pp needs a block for every stage: n_layers >= pp * pp_stages_per_rank, and at least as many pipeline
-      microbatches as stages (else 1F1B has no steady state); the microbatches split each micro-batch; MoE
-      models are refused (a stage's loss holds the cross-entropy only, and the router's load statistics would be
-      reduced over ranks that hold other layers);
-    - cp splits each sequence into 2 * cp chunks (load-balanced causal halves): seq_len divisible by 2 * cp;
-    - sequence parallel splits each rank's tokens over tp: seq_len / cp divisible by tp.
-    """
-    shape = parallel.mesh_shape(world_size)
-    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
-    seq_len = seq_len or model.max_seq_len
-    if tp > 1:
-        for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
-                            ("intermediate_size", model.intermediate_size)):
-            if value % tp:
-                raise ConfigError(f"{prefix}.tp={tp}: model.{name}={value} is not divisible by it (each tensor-"
-                                  f"parallel rank holds an equal share)")
-        if model.padded_vocab_size % tp:
-            raise ConfigError(f"{prefix}.tp={tp}: the vocabulary ({model.padded_vocab_size} rows) is not divisible "
-                              f"by it (embedding and LM head are split by rows); set model.pad_vocab_to_multiple_of")
-        if train is not None and train.z_loss:
-            raise ConfigError(f"{prefix}.tp={tp}: train.z_loss is not available with tensor parallelism (the "
-                              f"vocab-parallel loss computes the cross-entropy only)")
-        for name in ("attention_dropout", "dropout1", "dropout2"):
-            if getattr(model, name):
-                raise ConfigError(f"{prefix}.tp={tp}: model.{name}={getattr(model, name)} would drop different "
-                                  f"values of the replicated activations on each tp rank; set it to 0")
-        if parallel.sequence_parallel and (seq_len // cp) % tp:
-            raise ConfigError(f"{prefix}.sequence_parallel: {seq_len // cp} tokens per sequence and rank (seq_len="
-                              f"{seq_len} / cp={cp}) are not divisible by tp={tp}")
-    if pp > 1:
-        stages = pp * parallel.pp_stages_per_rank
-        if model.n_layers < stages:
-            raise ConfigError(f"{prefix}: {stages} pipeline stages (pp={pp} x pp_stages_per_rank="
-                              f"{parallel.pp_stages_per_rank}) but model.n_layers={model.n_layers}")
-        batch = train.micro_batch_size if train is not None else parallel.pp_microbatches
-        micro = parallel.pp_microbatches or batch
-        if batch and batch % micro:
-            raise ConfigError(f"{prefix}.pp_microbatches={micro} does not divide train.micro_batch_size="
-                              f"{batch}")
-        if micro and micro < stages:
-            raise ConfigError(f"{prefix}.pp_microbatches={micro} is fewer than the {stages} pipeline stages "
-                              f"(0 means train.micro_batch_size={batch})")
-        split = list(parallel.pp_split)
-        if split and (len(split) != stages or min(split) < 1 or sum(split) != model.n_layers):
-            raise ConfigError(f"{prefix}.pp_split={split}: needs {stages} block counts (pp={pp} x "
-                              f"pp_stages_per_rank={parallel.pp_stages_per_rank}), each >= 1, summing to "
-                              f"model.n_layers={model.n_layers} (got {len(split)} summing to {sum(split)})")
-    elif parallel.pp_split:
-        raise ConfigError(f"{prefix}.pp_split={list(parallel.pp_split)} needs {prefix}.pp > 1")
-    if cp > 1 and model.ops.attention != "sdpa":
-        raise ConfigError(f"{prefix}.cp={cp}: ring attention replaces torch's SDPA; model.ops.attention="
-                          f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")
-    if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"{prefix}.cp={cp}: seq_len={seq_len} is not divisible by 2 * cp = {2 * cp} (each "
-                          f"sequence is cut into 2 * cp chunks for load-balanced causal attention)")
-    return shape
 
 
 # train-section keys of earlier versions that now live in [parallel] (read with a warning)
@@ -868,34 +759,20 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
 
     def validate(self, world_size: int | None = None) -> "Config":
-        """Every section, then the rules across sections; ``world_size`` as in :meth:`ParallelConfig.validate`."""
+        """Every section, then the rules across sections that are not about parallelism (those are the plan's:
+        ``zero2all.distributed.plan.resolve(cfg, world_size)``); ``world_size`` is not read here."""
         self.model.validate("model")
         self.train.validate("train")
         self.data.validate("data")
         self.parallel.validate(world_size, "parallel")
         self.post.validate("post")
         self.rl.validate("rl")
-        if self.parallel.ep > 1 and self.model.moe.n_experts % self.parallel.ep:
-            raise ConfigError(f"parallel.ep={self.parallel.ep} does not divide model.moe.n_experts="
-                              f"{self.model.moe.n_experts} (every ep rank holds the same number of experts)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
-        if self.parallel.cp > 1 and self.data.document_mask:
-            raise ConfigError(f"parallel.cp={self.parallel.cp} with data.document_mask = true: ring attention "
-                              f"takes the causal mask only, not document masks; set one of them off")
         if self.train.precision == "fp64" and self.model.ops.linear_precision != "bf16":
             raise ConfigError(f"train.precision = 'fp64' with model.ops.linear_precision = "
                               f"{self.model.ops.linear_precision!r}: float64 runs every matmul in float64; set "
                               f"linear_precision = 'bf16' (the compute dtype) or pick fp32 / bf16")
-        mode = self.parallel.resolved_mode(world_size or 1)
-        if self.model.ops.step_fusion != "off" and mode != "none":
-            raise ConfigError(f"model.ops.step_fusion={self.model.ops.step_fusion!r} needs training in one process "
-                              f"without a data-parallel wrapper (parallel mode {mode!r}); set it to 'off'")
-        if self.train.optimizer == "muon" and mode == "zero1":
-            raise ConfigError("train.optimizer = 'muon' with parallel.mode = 'zero1': ZeRO-1's partitioned "
-                              "optimizer takes AdamW's arguments only; use parallel.mode = 'fsdp' or 'ddp'")
-        if world_size is not None:
-            check_mesh(self.model, self.train, self.parallel, world_size, self.data.seq_len or None)
         return self
 
     def to_dict(self) -> dict:

@@ -129,7 +129,9 @@ def _ops_for(row: str):
 
 
 def layout_forward(model, tokens, targets, layout: str):
-    """Our model's math with activations kept (batch, seq, hidden) or (seq, batch, hidden) throughout.
+    """Our model's math with activations kept (batch, seq, hidden) or (seq, batch, hidden) throughout: the
+    model's seams (``embed``, ``final_norm``) around a block body written out here, since the (seq, batch) layout
+    is what this row measures and the model's blocks take (batch, seq) only.
 
     The GEMMs see (B*T, hidden) either way; the layouts differ in how attention's inputs and outputs are strided
     (RoPE reads q/k through strides; SDPA takes (B, H, T, D) views) and in the one permute after attention.
@@ -141,7 +143,7 @@ def layout_forward(model, tokens, targets, layout: str):
     B, T = tokens.shape
     cos, sin = model.rope_tables(0, T, tokens.device)
     sbh = layout == "sbh"
-    x = model.embed_tokens(tokens.t() if sbh else tokens)                  # (T, B, C) or (B, T, C)
+    x = model.embed(tokens.t() if sbh else tokens)                         # (T, B, C) or (B, T, C)
     residual = None
     for block in model.layers:
         attn = block.self_attn
@@ -160,7 +162,7 @@ def layout_forward(model, tokens, targets, layout: str):
         h, residual = ops.add_rmsnorm(h, residual, block.post_attention_layernorm.weight, c.rms_norm_eps,
                                       c.residual_in_fp32, impl=c.ops.rmsnorm)
         x = block.mlp(h)
-    h, _ = ops.add_rmsnorm(x, residual, model.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
+    h = model.final_norm(x, residual)
     return fused_linear_cross_entropy(h, model.lm_head.weight, targets.t() if sbh else targets)
 
 

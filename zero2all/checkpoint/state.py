@@ -27,8 +27,9 @@ import torch.nn as nn
 
 
 class ModelState:
-    """``fused``: the tensor-parallel layouts of fused parameters (``distributed/tp.py``): they are stored in the
-    canonical layout [q | k | v], [gate | up] whatever the mesh, and converted back on load."""
+    """``fused``: layout objects by parameter name, each with ``save_value(v)`` / ``load_value(v, like)`` (tensor
+    parallelism's fused parameters: stored in the canonical layout [q | k | v], [gate | up] whatever the mesh, and
+    converted back on load). The checkpoint code calls them and knows no parallelism."""
 
     def __init__(self, model: nn.Module, fused: dict | None = None):
         self.model, self.fused = model, fused or {}
@@ -91,18 +92,14 @@ def _mixed_params(model: nn.Module):
 
 
 def _canonical(sd: dict[str, Any], fused: dict) -> dict[str, Any]:
-    """``sd`` with every fused tensor-parallel DTensor in the canonical row layout (others unchanged)."""
-    from zero2all.distributed.tp import to_canonical_dtensor
-
-    return {k: to_canonical_dtensor(v, fused[k]) if k in fused and hasattr(v, "device_mesh") else v
-            for k, v in sd.items()}
+    """``sd`` with every value that has a layout object in ``fused`` as that layout stores it (``save_value``: a
+    tensor-parallel fused parameter in the canonical row layout); others unchanged."""
+    return {k: fused[k].save_value(v) if k in fused else v for k, v in sd.items()}
 
 
 def _rank_major(sd: dict[str, Any], like: dict[str, Any], fused: dict) -> dict[str, Any]:
-    from zero2all.distributed.tp import to_rank_major_dtensor
-
-    return {k: to_rank_major_dtensor(v, fused[k], like[k]) if k in fused and hasattr(v, "device_mesh") else v
-            for k, v in sd.items()}
+    """The inverse of :func:`_canonical` (``load_value``), ``like`` the current values."""
+    return {k: fused[k].load_value(v, like[k]) if k in fused else v for k, v in sd.items()}
 
 
 class JsonState:

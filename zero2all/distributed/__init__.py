@@ -64,6 +64,7 @@ from zero2all.distributed.mesh import (
 from zero2all.distributed.zero1 import is_zero1, local_optimizer
 
 if TYPE_CHECKING:
+    from zero2all.distributed.plan import Plan
     from zero2all.distributed.pp import PipelineRun
 
 __all__ = ["DistEnv", "DistributedTimeoutError", "Parallelized", "all_gather_object", "all_reduce_mean",
@@ -222,18 +223,23 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: str = "auto",
-                compile_blocks: bool = False, seed: int = 0) -> Parallelized:
+                compile_blocks: bool = False, seed: int = 0, plan: "Plan | None" = None) -> Parallelized:
     """Apply activation checkpointing and the configured data-parallel mode to a plain model.
 
     The model must already be on ``env.device`` with its initial weights (every rank builds it from the same
     seed; DDP also broadcasts rank 0's weights). ``precision`` sets FSDP's compute dtype. ``compile_blocks``
     compiles each block with torch.compile before wrapping (the pattern that keeps FSDP's hooks outside the
     compiled regions). ``seed`` seeds PowerSGD's random projections.
+
+    ``plan`` (``plan.resolve``) is what to build; without it the plan is resolved here from the model's config and
+    ``pc`` (no batch: the batch rules were the caller's). Every refusal is the plan's, before any mesh is built.
     """
     from zero2all.config import ConfigError
+    from zero2all.distributed.plan import resolve, sections
 
-    pc.validate(env.world_size)
-    mode = pc.resolved_mode(env.world_size)
+    if plan is None:
+        plan = resolve(sections(getattr(model, "cfg", None), pc), env.world_size, env.device, compile_blocks)
+    mode = plan.mode
     if mode != "none" and not env.is_distributed:
         raise ConfigError(f"parallel.mode={mode!r} needs a process group: launch with torchrun "
                           f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
@@ -243,7 +249,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
         for block in transformer_blocks(model):
             block.compile()
     if mode == "mesh":
-        return _parallelize_mesh(model, pc, env, precision, compile_blocks)
+        return _parallelize_mesh(model, pc, env, precision, compile_blocks, plan)
     if mode in ("ddp", "zero1"):
         wrapped, hook = apply_ddp(model, pc, env, seed)
         return Parallelized(wrapped, model, mode, env, pc, hook)
@@ -261,12 +267,10 @@ def parallelize(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: s
 
 
 def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precision: str,
-                      compile_blocks: bool) -> Parallelized:
+                      compile_blocks: bool, plan: "Plan") -> Parallelized:
     """tp / cp / HSDP on one device mesh, applied in the order that composes: tensor parallel on the blocks,
-    activation checkpointing around them, compile per block, then FSDP2 over the data-parallel (x cp) ranks."""
-    from zero2all.config import ConfigError, check_mesh
-
-    check_mesh(model.cfg, None, pc, env.world_size)
+    activation checkpointing around them, compile per block, then FSDP2 over the data-parallel (x cp) ranks.
+    What combines was decided by the plan."""
     from zero2all.distributed.graphs import tp_graphs_wanted
 
     tp_graphs, why_not = tp_graphs_wanted(env.device, pc, env.world_size, compile_blocks)
@@ -275,9 +279,6 @@ def _parallelize_mesh(model: nn.Module, pc: ParallelConfig, env: DistEnv, precis
     dims = build_mesh(pc, env)
     if pc.async_tp:
         enable_async_tp(dims, compile_blocks, env)
-    if dims.enabled("pp") and dims.enabled("cp"):
-        raise ConfigError(f"parallel.pp={dims.size('pp')} with cp={dims.size('cp')}: pipeline stages are not "
-                          f"combined with context parallelism in this version")
     fused_rows = {}
     if dims.enabled("tp"):
         from zero2all.distributed.tp import apply_tp, describe_tp_ops
@@ -312,10 +313,8 @@ def enable_async_tp(dims, compile_blocks: bool, env: DistEnv) -> None:
     Inductor's switch is a torch-wide setting: it stays on for the rest of the process."""
     from zero2all.config import ConfigError
 
-    if not compile_blocks:
-        raise ConfigError("parallel.async_tp rewrites compiled graphs: set train.compile = true")
-    if env.device.type != "cuda":
-        raise ConfigError("parallel.async_tp needs CUDA devices (symmetric memory over NVLink)")
+    if not compile_blocks or env.device.type != "cuda":  # the plan refuses these (tp.refusals); a direct caller
+        raise ConfigError("parallel.async_tp needs train.compile = true and CUDA devices")
     import torch._inductor.config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

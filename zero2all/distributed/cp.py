@@ -7,7 +7,7 @@ forward and backward), merging the partial softmaxes with their log-sum-exp.
 
 Load balance: under a causal mask the last tokens attend to the most keys. The sequence is cut into 2 * cp chunks
 and rank r takes chunks r and 2cp - 1 - r (head and tail), so every rank has the same attention work; hence the
-rule seq_len % (2 * cp) == 0 (``config.check_mesh``).
+rule seq_len % (2 * cp) == 0 (the plan, ``plan.resolve``).
 
 Positions: the model computes RoPE from explicit ``position_ids``, sharded with the tokens, so each token keeps
 its position in the full sequence. Document masks (packed documents with ``doc_ids``) are refused: the ring
@@ -44,3 +44,22 @@ def context_parallel_batch(cp_mesh, model, batch: dict):
             yield
         finally:
             model.positions = None
+
+
+def refusals(req) -> list[str]:
+    """Context parallelism's declared rules (``plan.resolve``): ring attention replaces SDPA and takes the causal
+    mask only, and each sequence is cut into 2 * cp chunks."""
+    c, model, out = req.parallel.cp, req.model, []
+    if c == 1:
+        return out
+    if model is not None and model.ops.attention != "sdpa":
+        out.append(f"parallel.cp={c}: ring attention replaces torch's SDPA; model.ops.attention="
+                   f"{model.ops.attention!r} would attend within each rank's chunks only: set it to 'sdpa'")
+    seq_len = req.seq_len
+    if seq_len and seq_len % (2 * c):
+        out.append(f"parallel.cp={c}: seq_len={seq_len} is not divisible by 2 * cp = {2 * c} (each sequence is cut "
+                   f"into 2 * cp chunks for load-balanced causal attention)")
+    if req.data is not None and req.data.document_mask:
+        out.append(f"parallel.cp={c} with data.document_mask = true: ring attention takes the causal mask only, not "
+                   f"document masks; set one of them off")
+    return out

@@ -162,3 +162,13 @@ def apply_ddp(model: nn.Module, pc: ParallelConfig, env: DistEnv, seed: int = 0)
         hook.powersgd_state = state
         ddp.register_comm_hook(state, hook.powersgd_hook)
     return ddp, hook
+
+
+def refusals(req) -> list[str]:
+    """DDP's declared rules (``plan.resolve``): gradient compression hooks belong to DDP / ZeRO-1's all-reduce."""
+    pc = req.parallel
+    if pc.comm_hook != "none" and req.mode not in ("ddp", "zero1") and (req.world_size or pc.mode != "auto") \
+            and not pc.uses_mesh():
+        return [f"parallel.comm_hook={pc.comm_hook!r} needs parallel.mode = ddp or zero1 (got {req.mode!r}); FSDP "
+                f"reduces in its mixed-precision policy's reduce dtype instead"]
+    return []

@@ -40,45 +40,34 @@ class RankShape:
 
 
 def layout_of(cfg: Config, world: int, gpu: str):
-    """The ``z2all estimate`` layout of this run on ``world`` ranks."""
-    from zero2all.accounting import Layout
+    """The ``z2all estimate`` layout of this run on ``world`` ranks: the plan's (``plan.Plan.layout``)."""
+    from zero2all.distributed.plan import resolve
 
-    pc, ops = cfg.parallel, cfg.model.ops
-    mode = pc.resolved_mode(world)
-    shape = pc.mesh_shape(world)
-    zero = 3 if mode == "fsdp" or (pc.uses_mesh() and shape["dp_shard"] * shape["cp"] > 1) else \
-        1 if mode == "zero1" else 0
-    recompute = {"none": "none", "full": "full", "selective": "selective"}[pc.activation_checkpointing]
-    return Layout(gpus=world, gpu=gpu, zero=zero, tp=pc.tp, pp=pc.pp, cp=pc.cp,
-                  micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len or cfg.model.max_seq_len,
-                  grad_accum_steps=cfg.train.grad_accum_steps, recompute=recompute,
-                  sequence_parallel=pc.sequence_parallel if pc.tp > 1 else None,
-                  fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",
-                  fused_cross_entropy=ops.cross_entropy != "torch", fused_linear=ops.fused_linear != "torch",
-                  pp_microbatches=pc.pp_microbatches, pp_stages_per_rank=pc.pp_stages_per_rank,
-                  residual_in_fp32=cfg.model.residual_in_fp32)
+    return resolve(cfg, world).layout(cfg, gpu)
 
 
-def rank_shape(cfg: Config, world: int, rank: int) -> RankShape:
+def rank_shape(cfg: Config, world: int, rank: int, plan=None) -> RankShape:
     """Join the fake process group as ``rank`` of ``world``, parallelize a meta model, count what it holds."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zero2all.distributed as zd
     from zero2all.distributed.env import DistEnv
+    from zero2all.distributed.plan import resolve
     from zero2all.model.z2all import Z2all
     from zero2all.train.muon import is_muon_param
 
+    plan = plan or resolve(cfg, world)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         env = DistEnv(rank, world, rank, world, torch.device("cpu"), "fake", cfg.parallel.timeout_s)
         with torch.device("meta"):
             model = Z2all(cfg.model)
-        if cfg.parallel.resolved_mode(world) in ("ddp", "zero1", "none"):
+        if plan.mode in ("ddp", "zero1", "none"):
             plain, dims = model, None           # every rank holds the whole model (DDP checks real values)
         else:
             with contextlib.redirect_stdout(io.StringIO()):   # the run's own description of its layout
-                run = zd.parallelize(model, cfg.parallel, env, precision="bf16")
+                run = zd.parallelize(model, cfg.parallel, env, precision="bf16", plan=plan)
             plain, dims = run.plain, run.dims
         params = muon = 0
         for module_name, module in plain.named_modules():
@@ -109,8 +98,11 @@ def dry_run(cfg: Config, world: int, gpu: str = "h100", max_ranks: int = 1024) -
         raise ConfigError(f"--world {world}: must be >= 1")
     if world > max_ranks:
         raise ConfigError(f"--world {world}: at most {max_ranks} ranks are tried in one dry run")
-    cfg.validate(world_size=world)          # every refusal of the plan, with its reason
-    L = layout_of(cfg, world, gpu)
+    from zero2all.distributed.plan import resolve
+
+    cfg.validate()
+    plan = resolve(cfg, world)              # every refusal of the plan, with its reason
+    L = plan.layout(cfg, gpu)
     model_cfg = cfg.model
     if cfg.model.moe.enabled:               # the activations of a token's active path (accounting_moe)
         from zero2all.accounting_moe import active_dense_config
@@ -124,7 +116,7 @@ def dry_run(cfg: Config, world: int, gpu: str = "h100", max_ranks: int = 1024) -
     capacity = get_gpu(gpu).memory_bytes - RESERVE
     ranks = []
     for r in range(world):
-        s = rank_shape(cfg, world, r)
+        s = rank_shape(cfg, world, r, plan)
         states = s.params * (4 + 4) + (s.params - s.muon_params) * 8 + s.muon_params * 4
         peak = states + transient     # the first pipeline stage's activations: an upper bound for later stages
         ranks.append({"rank": r, "coords": s.coords, "params": s.params, "blocks": s.blocks,

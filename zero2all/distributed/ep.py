@@ -167,3 +167,27 @@ def apply_expert_parallel(model: nn.Module, pc: ParallelConfig, env: DistEnv, pa
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
     return model
+
+
+def refusals(req) -> list[str]:
+    """Expert parallelism's declared rules (``plan.resolve``): ep divides the processes and the experts, the
+    non-expert parameters are FSDP2-sharded over all ranks (mode fsdp), on a plain data-parallel layout."""
+    pc, e, out = req.parallel, req.parallel.ep, []
+    if e == 1:
+        return out
+    if req.world_size is not None and req.world_size % e:
+        out.append(f"parallel.ep={e} does not divide the {req.world_size} processes")
+    if pc.uses_mesh():
+        out.append(f"parallel.ep={e} with tp={pc.tp}, pp={pc.pp}, cp={pc.cp}, dp_replicate={pc.dp_replicate}: "
+                   f"expert parallelism composes with FSDP2 data parallelism only (set tp, pp, cp and dp_replicate "
+                   f"to 1)")
+    elif pc.resolved_mode(req.world_size or e) != "fsdp":
+        out.append(f"parallel.ep={e} needs parallel.mode = fsdp (or auto): the non-expert parameters are FSDP2-"
+                   f"sharded over all ranks, the experts over the dp ranks")
+    model = req.model
+    if model is not None and not model.moe.enabled:
+        out.append(f"parallel.ep={e}: the model has no MoE layers (model.moe.n_experts = 0); set parallel.ep = 1")
+    elif model is not None and model.moe.n_experts % e:
+        out.append(f"parallel.ep={e} does not divide model.moe.n_experts={model.moe.n_experts} (every ep rank holds "
+                   f"the same number of experts)")
+    return out

@@ -56,3 +56,15 @@ def gather_full_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Te
     with collective_timeout(env, "gathering the full model"):
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if env.is_main else None
+
+
+def refusals(req) -> list[str]:
+    """FSDP2's declared rules (``plan.resolve``): CPU offload is FSDP2's; LoRA adapters are not sharded."""
+    pc, out = req.parallel, []
+    if pc.cpu_offload and req.mode != "fsdp" and (req.world_size or pc.mode != "auto") and not pc.uses_mesh():
+        out.append(f"parallel.cpu_offload needs parallel.mode = fsdp (got {req.mode!r})")
+    post = req.post
+    if post is not None and getattr(post, "lora_rank", 0) and req.mode == "fsdp":
+        out.append("post.lora_rank: LoRA runs use parallel.mode=ddp (or none), not fsdp: the adapters are a small "
+                   "share of the memory")
+    return out

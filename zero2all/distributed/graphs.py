@@ -311,3 +311,23 @@ class _GraphedBlock(torch.autograd.Function):
             grad = next(it) if need else None
             out.append(grad.clone() if grad is not None and i >= 2 else grad)  # weights: see the module docstring
         return (None, out[0], out[1], None, None, *out[2:])
+
+
+def refusals(req) -> list[str]:
+    """``parallel.tp_graphs = true``'s declared rules (``plan.resolve``): tensor parallel blocks of tp_impl =
+    'local'; with the world size, device and compile setting known, :func:`check_graphs_supported`'s too."""
+    from zero2all.config import ConfigError
+
+    pc = req.parallel
+    if pc.tp_graphs is not True:
+        return []
+    if pc.tp == 1 or pc.tp_impl != "local":
+        return [f"parallel.tp_graphs captures the blocks of tp_impl = 'local': it needs parallel.tp > 1 and tp_impl "
+                f"= 'local' (got tp={pc.tp}, tp_impl={pc.tp_impl!r})"]
+    if req.device is None or req.world_size is None:
+        return []
+    try:
+        check_graphs_supported(req.device, pc, req.world_size, bool(req.compile_blocks))
+    except ConfigError as e:
+        return [str(e)]
+    return []

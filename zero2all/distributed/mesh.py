@@ -103,7 +103,7 @@ def plain_dims(env: DistEnv) -> ParallelDims:
 
 def build_mesh(pc: ParallelConfig, env: DistEnv) -> ParallelDims:
     """``init_device_mesh`` over the whole job with the five named dimensions, plus the flattened ones.
-    The shape was checked against the model and the batch before (``config.check_mesh``)."""
+    The shape was checked against the model and the batch before (the plan, ``plan.resolve``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = pc.mesh_shape(env.world_size)
@@ -117,12 +117,11 @@ def build_mesh(pc: ParallelConfig, env: DistEnv) -> ParallelDims:
 def data_parallel_rank(pc: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(dp_rank, dp_size) of global rank ``rank`` without building the mesh (the data iterators are made first):
     ``init_device_mesh`` lays ranks out row-major over (pp, dp_replicate, dp_shard, cp, tp), so the data-
-    parallel coordinate is ``(rank // (cp * tp)) % dp``. Plain DDP / FSDP / ZeRO-1: every rank is its own."""
-    if not pc.uses_mesh():
-        return rank, world_size
-    shape = pc.mesh_shape(world_size)
-    dp = shape["dp_replicate"] * shape["dp_shard"]
-    return (rank // (shape["cp"] * shape["tp"])) % dp, dp
+    parallel coordinate is ``(rank // (cp * tp)) % dp``. Plain DDP / FSDP / ZeRO-1: every rank is its own. The
+    plan's rule (``plan.Plan.dp_coords``), for callers holding a parallel section only."""
+    from zero2all.distributed.plan import Plan
+
+    return Plan(world_size, pc.resolved_mode(world_size), pc.mesh_shape(world_size), pc.ep, pc).dp_coords(rank)
 
 
 def _spec(t: torch.Tensor):
@@ -186,3 +185,24 @@ class MeshModel(nn.Module):
         if loss is not None and hasattr(loss, "to_local"):
             loss = loss.to_local()
         return logits, loss
+
+
+def refusals(req) -> list[str]:
+    """The mesh's declared rules (``plan.resolve`` gathers them): several processes for a data-parallel mode,
+    FSDP2 as the data parallelism of a mesh (tp / pp / cp / dp_replicate), and the one-process-only kernels."""
+    pc, out = req.parallel, []
+    if req.world_size == 1 and req.mode in ("ddp", "fsdp", "zero1"):
+        out.append(f"parallel.mode={req.mode!r} needs several processes: launch with torchrun "
+                   f"(e.g. torchrun --nproc_per_node=2 -m zero2all.cli pretrain ...)")
+    if pc.uses_mesh() and pc.mode not in ("auto", "fsdp"):
+        out.append(f"parallel.mode={pc.mode!r} is plain data parallelism; with tp / pp / cp / dp_replicate the "
+                   f"data-parallel ranks use FSDP2 (dp_shard) and HSDP (dp_replicate): set parallel.mode = auto or "
+                   f"fsdp")
+    if pc.uses_mesh() and (pc.cpu_offload or pc.comm_hook != "none"):
+        out.append("parallel.cpu_offload / parallel.comm_hook are not available with tp / pp / cp / dp_replicate; "
+                   "set them off or use plain data parallelism")
+    model = req.model
+    if model is not None and model.ops.step_fusion != "off" and req.mode != "none":
+        out.append(f"model.ops.step_fusion={model.ops.step_fusion!r} needs training in one process without a "
+                   f"data-parallel wrapper (parallel mode {req.mode!r}); set it to 'off'")
+    return out

@@ -46,6 +46,7 @@ names, so a pipeline checkpoint is the one DCP format and resumes on one process
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from zero2all.model import ops
 
 
 def check_pipeline_model(model_cfg: ModelConfig) -> None:
-    """What the mesh checks (``config.check_mesh``) cannot see: a tied embedding and LM head would be one
+    """A rule of :func:`refusals` (the plan's): a tied embedding and LM head would be one
     matrix on two ranks."""
     if model_cfg.tie_word_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_word_embeddings = true: the embedding (first stage) and "
@@ -191,7 +192,7 @@ def split_layers(block_costs: list[float], n_stages: int, first_extra: float = 0
 def stage_layout(cfg: ModelConfig, pc: ParallelConfig, seq_len: int,
                  costs: tuple[float, list[float], float] | None = None) -> list[list[int]]:
     """The blocks of each of the pp x pp_stages_per_rank stages: ``parallel.pp_split`` block counts when given
-    (checked by ``config.check_mesh``), else balanced by ``costs`` (embedding, each block, head), by default
+    (checked by the plan, :func:`refusals`), else balanced by ``costs`` (embedding, each block, head), by default
     :func:`unit_costs` (FLOPs; ``pp_balance.measured_unit_costs`` gives seconds)."""
     if pc.pp_split:
         bounds = [sum(pc.pp_split[:s]) for s in range(len(pc.pp_split) + 1)]
@@ -265,9 +266,11 @@ class StageModule(nn.Module):
         return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
 
     def _forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+        from zero2all.model.z2all import Z2all
+
         if self.first:
             (tokens,) = inputs
-            x, residual = self.embed_tokens(tokens), None
+            x, residual = Z2all.embed(self, tokens), None
         else:
             x, residual = inputs
         # the sequence length from the labels (every stage gets them): under sequence parallelism x holds only
@@ -280,10 +283,10 @@ class StageModule(nn.Module):
             x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
         x = self._attach_moe_losses(x)
         if not self.last:
-            return x.to(self.boundary_dtypes[0]), residual.to(self.boundary_dtypes[1])
-        c = self.cfg
-        h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
-        return token_loss_sum(h, self.lm_head, labels, self.z_loss, c.ops.cross_entropy, self.every_chunk_valid)
+            return _boundary(x, self.boundary_dtypes[0]), _boundary(residual, self.boundary_dtypes[1])
+        h = Z2all.final_norm(self, x, residual)   # the model's own seams (self has its cfg, norm and lm_head)
+        return token_loss_sum(h, self.lm_head, labels, self.z_loss, self.cfg.ops.cross_entropy,
+                              self.every_chunk_valid)
 
 
     def _attach_moe_losses(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,10 +308,10 @@ class StageModule(nn.Module):
     def run_blocks(self, x, residual=None, rope=None, doc_ids=None):
         """The stage's blocks on ``(x, residual)`` (residual None before the first block of the model); ``rope``:
         the (cos, sin) tables, by default those of positions 0..T-1 (what the CUDA graphs capture)."""
+        from zero2all.model.z2all import Z2all
+
         cos, sin = rope if rope is not None else self._rope_tables(x.shape[1], x.device, None)
-        for layer in self.layers.values():
-            x, residual = layer(x, residual, cos, sin, None, 0, doc_ids, None)
-        return x, residual
+        return Z2all.blocks(self, x, residual, cos, sin, None, 0, doc_ids, None, layers=self.layers.values())
 
 
 def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
@@ -344,17 +347,45 @@ def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_los
     return ops.upcast(mean).reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
-def _marking_real_forwards(fn, module: StageModule):
-    """``fn`` (a stage's forward of one microbatch) with ``module.in_chunk`` set while it runs: any other call of
-    the stage module is the runtime's shape inference (on uninitialised tensors), which must not count in the MoE
-    blocks' load statistics."""
-    def forward_one_chunk(*args, **kwargs):
-        module.in_chunk = True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            module.in_chunk = False
-    return forward_one_chunk
+def _boundary(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stage output sent to the next stage, in ``dtype``. Never a view: the zero-bubble schedule detaches its
+    stage outputs in place after the input-gradient half of a backward, which torch refuses on a view (a MoE
+    block's output reshaped to (B, T, H) is one when no auxiliary loss is attached to it); a view is copied."""
+    t = t.to(dtype)
+    return t.clone() if t._is_view() else t
+
+
+@functools.cache
+def stage_class():
+    """torch's ``PipelineStage`` with what this run adds to its per-microbatch work, as methods of a subclass:
+    each forward / backward chunk timed while ``timer.measure`` (``PipelineRun.reset_measurement``), and
+    ``module.in_chunk`` set during a forward chunk, so that any other call of the stage module (the runtime's shape
+    inference, on uninitialised tensors) stays out of the MoE blocks' load statistics. Built on first use:
+    ``torch.distributed.pipelining`` is imported only by runs with stages."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class RunStage(PipelineStage):
+        def __init__(self, module: StageModule, stage_index: int, num_stages: int, device, group, timer: BusyTimer):
+            super().__init__(module, stage_index, num_stages, device, group=group)
+            self.stage_module, self.timer = module, timer
+
+        def _run(self, fn, *args, **kwargs):
+            return self.timer.wrap(fn)(*args, **kwargs) if self.timer.measure else fn(*args, **kwargs)
+
+        def forward_one_chunk(self, *args, **kwargs):
+            self.stage_module.in_chunk = True
+            try:
+                return self._run(super().forward_one_chunk, *args, **kwargs)
+            finally:
+                self.stage_module.in_chunk = False
+
+        def backward_one_chunk(self, *args, **kwargs):
+            return self._run(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            return self._run(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return RunStage
 
 
 class RankModel(nn.Module):
@@ -402,6 +433,7 @@ class BusyTimer:
     cuda: bool
     spans: list = field(default_factory=list)
     cpu_busy: float = 0.0
+    measure: bool = False   # time the stage computations (PipelineRun.reset_measurement turns it on)
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
@@ -434,10 +466,6 @@ class PipelineRun:
 
     def __init__(self, model: nn.Module, pc: ParallelConfig, env: DistEnv, dims,
                  param_dtype: torch.dtype = torch.float32):
-        from torch.distributed.pipelining import PipelineStage
-
-        check_pipeline_model(model.cfg)
-        check_pipeline_mesh(pc, dims.shape)
         self.pc, self.env, self.dims = pc, env, dims
         self.pp_group = dims["pp"].get_group()
         self.pp_rank = dims.rank("pp")
@@ -462,7 +490,8 @@ class PipelineRun:
         self.sharded = dims.size("dp_shard_cp") > 1 or dims.enabled("dp_replicate")
         if self.sharded:
             self._shard(param_dtype)
-        self.stages = [PipelineStage(m, s, n_stages, env.device, group=self.pp_group)
+        self.timer = BusyTimer(env.device.type == "cuda")
+        self.stages = [stage_class()(m, s, n_stages, env.device, self.pp_group, self.timer)
                        for m, s in zip(self.modules, self.stage_ids)]
         self._cast_store = None   # pp_cuda_graphs: weight cast copies kept across updates, refreshed in place
         self._graphed_counts: set[int] = set()   # microbatch counts whose schedule has run once (graphs on)
@@ -472,14 +501,6 @@ class PipelineRun:
             self._enable_graphs()
         elif why_not and env.device.type == "cuda" and env.is_main:
             print(f"parallel.pp_cuda_graphs = auto: the stages run eagerly, since {why_not}", flush=True)
-        self.timer = BusyTimer(env.device.type == "cuda")
-        self.measure = False
-        for st, m in zip(self.stages, self.modules):
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                if hasattr(st, name):
-                    setattr(st, name, self._maybe_timed(getattr(st, name)))
-            if m.moe_blocks and hasattr(st, "forward_one_chunk"):
-                st.forward_one_chunk = _marking_real_forwards(st.forward_one_chunk, m)
         self._schedules: dict = {}  # by number of microbatches, built when the batch size is known
         self.n_microbatches = 0
         self._multiplier = 1.0
@@ -525,10 +546,6 @@ class PipelineRun:
     def graphed_blocks(self) -> list:
         """This rank's ``pp_graphs.GraphedBlocks`` (one per stage; empty without ``pp_cuda_graphs``)."""
         return [m.graphed for m in self.modules if m.graphed is not None]
-
-    def _maybe_timed(self, fn):
-        timed = self.timer.wrap(fn)
-        return lambda *a, **k: timed(*a, **k) if self.measure else fn(*a, **k)
 
     def _shard(self, param_dtype: torch.dtype) -> None:
         """FSDP2 over the dp dimension: every block one unit, then each stage's root (embedding, norm, head)."""
@@ -585,7 +602,7 @@ class PipelineRun:
         for m in self.modules:
             m.aux_weight, m.aux_share, m.aux_reported = multiplier * share, share, []
         schedule = self._schedule_for(n_micro)
-        if self.measure:
+        if self.timer.measure:
             self._sync()
             t0 = time.perf_counter()
         if self._cast_store:   # CUDA graphs read these copies: the weights changed in the last optimizer step
@@ -600,7 +617,7 @@ class PipelineRun:
         for g in self.graphed_blocks():
             g.finish_step()
         self._graphed_counts.add(n_micro)
-        if self.measure:
+        if self.timer.measure:
             self._sync()
             self.wall_s += time.perf_counter() - t0
         total = self._reported_sum(tokens.device)
@@ -705,7 +722,7 @@ class PipelineRun:
     def reset_measurement(self) -> None:
         """Start measuring: every following :meth:`step` is timed (wall clock around the schedule step, busy time
         inside the stage computations) until :meth:`measured_bubble` is read."""
-        self.measure = True
+        self.timer.measure = True
         self.timer.reset()
         self.wall_s = 0.0
 
@@ -739,3 +756,62 @@ class PipelineRun:
         for part in parts:
             merged.update(part or {})
         return merged
+
+
+def _reason(check, *args) -> list[str]:
+    """A raising check as a declared rule: its ConfigError's sentence, or nothing."""
+    try:
+        check(*args)
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
+def refusals(req) -> list[str]:
+    """Pipeline parallelism's declared rules (``plan.resolve``): a block for every stage, at least as many
+    pipeline microbatches as stages, dividing each micro-batch; untied embedding and head; no cp; the schedule's
+    and the CUDA graphs' own limits (:func:`check_pipeline_mesh`, :func:`check_pipeline_graphs`)."""
+    pc, model, p, out = req.parallel, req.model, req.parallel.pp, []
+    if pc.pp_stages_per_rank > 1 and pc.pp_schedule not in MULTI_STAGE_SCHEDULES:
+        out.append(f"parallel.pp_stages_per_rank={pc.pp_stages_per_rank} needs parallel.pp_schedule = "
+                   f"{' or '.join(MULTI_STAGE_SCHEDULES)} (got {pc.pp_schedule!r})")
+    if pc.pp_cuda_graphs is True and (p == 1 or pc.pp_schedule == "zero_bubble"):
+        out.append(f"parallel.pp_cuda_graphs needs parallel.pp > 1 and a schedule other than zero_bubble (got pp={p}, "
+                   f"pp_schedule={pc.pp_schedule!r}): the graphs replay whole block forwards and backwards, "
+                   f"zero_bubble splits a backward in two")
+    if p == 1:
+        if pc.pp_split:
+            out.append(f"parallel.pp_split={list(pc.pp_split)} needs parallel.pp > 1")
+        return out
+    if pc.cp > 1:
+        out.append(f"parallel.pp={p} with cp={pc.cp}: pipeline stages are not combined with context parallelism in "
+                   f"this version; use one of the two")
+    shape = req.shape or {d: req.size(d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    out += _reason(check_pipeline_mesh, pc, shape)
+    stages = p * pc.pp_stages_per_rank
+    if model is not None:
+        out += _reason(check_pipeline_model, model)
+        if model.n_layers < stages:
+            out.append(f"parallel: {stages} pipeline stages (pp={p} x pp_stages_per_rank={pc.pp_stages_per_rank}) "
+                       f"but model.n_layers={model.n_layers}; use fewer stages")
+        split = list(pc.pp_split)
+        if split and (len(split) != stages or min(split) < 1 or sum(split) != model.n_layers):
+            out.append(f"parallel.pp_split={split}: needs {stages} block counts (pp={p} x pp_stages_per_rank="
+                       f"{pc.pp_stages_per_rank}), each >= 1, summing to model.n_layers={model.n_layers} (got "
+                       f"{len(split)} summing to {sum(split)})")
+        if pc.pp_cuda_graphs is True and model.moe.enabled:
+            out.append("parallel.pp_cuda_graphs = true with a MoE model: mixture-of-experts blocks route a varying "
+                       "number of tokens per expert, which a graph replay cannot follow; set it to false or auto")
+        if pc.pp_cuda_graphs is True and req.device is not None:
+            out += _reason(check_pipeline_graphs, pc, shape, req.device, model.ops.linear_precision)
+    batch = req.train.micro_batch_size if req.train is not None else pc.pp_microbatches
+    micro = pc.pp_microbatches or batch
+    if batch and batch % micro:
+        out.append(f"parallel.pp_microbatches={micro} does not divide train.micro_batch_size={batch}")
+    if micro and micro < stages:
+        out.append(f"parallel.pp_microbatches={micro} is fewer than the {stages} pipeline stages (0 means "
+                   f"train.micro_batch_size={batch})")
+    if req.train is not None and req.train.z_loss and pc.tp > 1:
+        out.append("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel computes the "
+                   "cross-entropy only); set train.z_loss = 0")
+    return out

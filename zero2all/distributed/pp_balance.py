@@ -50,7 +50,6 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
     """Seconds per pipeline microbatch of one sequence, forward + backward, of (embedding, each block, final
     norm + LM head + loss): the same triple as ``pp.unit_costs``, timed (see the module docstring)."""
     from zero2all.distributed.pp import token_loss_sum
-    from zero2all.model import ops
     from zero2all.model.moe import statistics_kept
     from zero2all.model.z2all import Z2all
 
@@ -71,7 +70,7 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
 
     def embedding():
         with amp:
-            out = model.embed_tokens(tokens)
+            out = Z2all.embed(model, tokens)
         out.backward(torch.ones_like(out))
 
     def block_run(block):
@@ -83,8 +82,7 @@ def measured_unit_costs(model: nn.Module, seq_len: int, device: torch.device, co
 
     def head():
         with amp:
-            h, _ = ops.add_rmsnorm(x, residual, model.norm.weight, cfg.rms_norm_eps, cfg.residual_in_fp32,
-                                   impl=cfg.ops.rmsnorm)
+            h = Z2all.final_norm(model, x, residual)
             loss = token_loss_sum(h, model.lm_head, tokens, 0.0, cfg.ops.cross_entropy, every_chunk_valid=True)
         loss.backward()
 

@@ -94,6 +94,16 @@ class FusedRows:
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, self.inverse.to(t.device))
 
+    # the layout's side of a checkpoint (``checkpoint/state.py`` calls these on any layout object it is given, so
+    # the checkpoint code knows nothing of tensor parallelism)
+    def save_value(self, value):
+        """A sharded value (parameter or optimizer state) as the checkpoint stores it: the canonical layout."""
+        return to_canonical_dtensor(value, self) if hasattr(value, "device_mesh") else value
+
+    def load_value(self, value, like):
+        """A loaded checkpoint value back into this parameter's layout (``like``: the current value)."""
+        return to_rank_major_dtensor(value, self, like) if hasattr(value, "device_mesh") else value
+
 
 def fused_layouts(model: nn.Module, tp: int) -> dict[str, FusedRows]:
     """The fused parameters of ``model`` (plain names, as in the checkpoint) and their row pieces."""
@@ -444,3 +454,49 @@ def to_rank_major_dtensor(canonical, rows: FusedRows, like):
     full = rows.to_rank_major(canonical.full_tensor())
     return DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False) \
         .redistribute(mesh, like.placements)
+
+
+def refusals(req) -> list[str]:
+    """Tensor parallelism's declared rules (``plan.resolve``): attention split by whole KV groups, the MLP by
+    columns and the vocabulary by rows (each divisible by tp), dense blocks only (MoE experts go over ep), no
+    dropout (the replicated activations would drop different values on each rank), the vocab-parallel loss is the
+    cross-entropy alone, FP8 linears are not sharded; sequence parallel and async tp need tp."""
+    pc, model, t, out = req.parallel, req.model, req.parallel.tp, []
+    if pc.sequence_parallel and t == 1:
+        out.append("parallel.sequence_parallel shards the sequence over the tp ranks: it needs parallel.tp > 1")
+    if pc.async_tp and (t == 1 or pc.tp_impl != "dtensor" or not pc.sequence_parallel):
+        out.append(f"parallel.async_tp overlaps the sequence-parallel collectives of DTensor linears: it needs "
+                   f"parallel.tp > 1, tp_impl = 'dtensor' and sequence_parallel = true (got tp={t}, tp_impl="
+                   f"{pc.tp_impl!r}, sequence_parallel={pc.sequence_parallel}); it also needs train.compile = true")
+    elif pc.async_tp and req.compile_blocks is False:
+        out.append("parallel.async_tp rewrites compiled graphs: set train.compile = true")
+    elif pc.async_tp and req.device is not None and req.device.type != "cuda":
+        out.append("parallel.async_tp needs CUDA devices (symmetric memory over NVLink); set it to false")
+    if t == 1 or model is None:
+        return out
+    for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
+                        ("intermediate_size", model.intermediate_size)):
+        if value % t:
+            out.append(f"parallel.tp={t}: model.{name}={value} is not divisible by it (each tensor-parallel rank "
+                       f"holds an equal share); pick a tp that divides it")
+    if model.padded_vocab_size % t:
+        out.append(f"parallel.tp={t}: the vocabulary ({model.padded_vocab_size} rows) is not divisible by it "
+                   f"(embedding and LM head are split by rows); set model.pad_vocab_to_multiple_of")
+    if model.moe.enabled:
+        out.append(f"parallel.tp={t} with a mixture-of-experts model: MoE blocks are not split over tp ranks; use "
+                   f"parallel.ep for the experts (with tp = 1)")
+    if model.ops.linear_precision != "bf16":
+        out.append(f"parallel.tp={t} with model.ops.linear_precision = {model.ops.linear_precision!r}: FP8 linears "
+                   f"need plain, unsharded projections; use 'bf16'")
+    for name in ("attention_dropout", "dropout1", "dropout2"):
+        if getattr(model, name):
+            out.append(f"parallel.tp={t}: model.{name}={getattr(model, name)} would drop different values of the "
+                       f"replicated activations on each tp rank; set it to 0")
+    if req.train is not None and req.train.z_loss:
+        out.append(f"parallel.tp={t}: train.z_loss is not available with tensor parallelism (the vocab-parallel "
+                   f"loss computes the cross-entropy only); set it to 0")
+    seq_len, c = req.seq_len, req.size("cp")
+    if pc.sequence_parallel and seq_len and (seq_len // c) % t:
+        out.append(f"parallel.sequence_parallel: {seq_len // c} tokens per sequence and rank (seq_len={seq_len} / "
+                   f"cp={c}) are not divisible by tp={t}")
+    return out

@@ -38,3 +38,11 @@ def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's local partition, else the optimizer itself."""
     return optimizer.optim if is_zero1(optimizer) else optimizer
+
+
+def refusals(req) -> list[str]:
+    """ZeRO-1's declared rules (``plan.resolve``): its partitioned optimizer is AdamW."""
+    if req.mode == "zero1" and req.train is not None and req.train.optimizer == "muon":
+        return ["train.optimizer = 'muon' with parallel.mode = 'zero1': ZeRO-1's partitioned optimizer takes "
+                "AdamW's arguments only; use parallel.mode = 'fsdp' or 'ddp'"]
+    return []

@@ -362,10 +362,7 @@ class PostTrainer(Trainer):
 
     def __init__(self, cfg: Config, objective, *, init_dir: str | Path, **kwargs):
         self.init_dir = Path(init_dir)
-        super().__init__(cfg, objective, **kwargs)
-        if self.uses_lora and self.parallel == "fsdp":
-            raise ConfigError("post.lora_rank: LoRA runs use parallel.mode=ddp (or none), not fsdp: the adapters are "
-                              "a small share of the memory")
+        super().__init__(cfg, objective, **kwargs)   # LoRA with FSDP is refused by the plan (fsdp.refusals)
 
     @property
     def uses_lora(self) -> bool:
@@ -441,6 +438,9 @@ def _prepare(cfg: Config, stage: str):
     environment is handed to the trainer, which joins no group of its own; the precision is the trainer's rule
     (``resolve_precision``), needed here for DPO's reference log-probs before the trainer exists."""
     check_resume_compatible(cfg, stage)
+    from zero2all.distributed.plan import launched_world_size, resolve
+
+    resolve(cfg, launched_world_size())   # every parallel refusal, before the process group exists
     try:  # before the model loads: the trainer claims it again and locks it when it starts
         claim_run_dir(cfg.train.out_dir, stage)
     except OutputDirError as e:

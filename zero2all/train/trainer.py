@@ -48,6 +48,8 @@ from zero2all import distributed as zd
 from zero2all.checkpoint.compat import CheckpointMismatch, check_compatible
 from zero2all.config import Config, ConfigError, TrainingDiverged, TrainingInterrupted, to_dict
 from zero2all.data.synthetic import SyntheticDataset
+from zero2all.distributed.plan import launched_world_size
+from zero2all.distributed.plan import resolve as resolve_plan
 from zero2all.fileio import (
     LOCK_FILE,
     OUTPUT_MARKER,
@@ -324,12 +326,15 @@ class Trainer:
         self.cfg, self.tcfg = cfg, cfg.train
         # under torchrun: join the process group; rank, world size and this process's GPU come from the launcher
         # (``env``: a caller that already joined it, e.g. post-training, which loads its model first)
+        # the plan (distributed/plan.py): the mesh and every refusal, before the process group exists
+        self.cfg.validate()
+        self.plan = resolve_plan(cfg, env.world_size if env is not None else launched_world_size(world_size))
         self.dist = env or zd.init_distributed(cfg.train.device, timeout_s=cfg.parallel.timeout_s)
         if self.dist.is_distributed:
             rank, world_size = self.dist.rank, self.dist.world_size
         self.rank, self.world_size = rank, world_size
         # the data-parallel coordinate: pipeline (and tp / cp) ranks of one replica read the same sequences
-        self.dp_rank, self.dp_size = zd.data_parallel_rank(cfg.parallel, rank, world_size)
+        self.dp_rank, self.dp_size = self.plan.dp_coords(rank)
         self.is_main = rank == 0
         self.objective = objective or PretrainObjective(z_loss=cfg.train.z_loss)
         self._check_config()
@@ -364,9 +369,11 @@ class Trainer:
             self.trainable_line = apply_trainable(self.raw_model, self.tcfg.trainable, self.tcfg.init)
         # DDP / FSDP2 / ZeRO-1 and activation checkpointing are applied from outside (zero2all/distributed/). FSDP
         # shards raw_model in place (so the optimizer is built after wrapping) and compiles per block.
-        fsdp = cfg.parallel.resolved_mode(self.dist.world_size) in ("fsdp", "mesh")
+        fsdp = self.plan.mode in ("fsdp", "mesh")
         self.run = zd.parallelize(self.raw_model, cfg.parallel, self.dist, precision=self.precision,
-                                  compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed)
+                                  compile_blocks=self.tcfg.compile and fsdp, seed=self.tcfg.seed,
+                                  plan=resolve_plan(cfg, self.dist.world_size, self.dist.device,
+                                                    compile_blocks=self.tcfg.compile and fsdp))
         self.parallel = self.run.mode
         # the model's numerics context (kernels/numerics.py): its weight casts, FP8 histories, step-fusion marks
         self.model_numerics = numerics_of(self.raw_model)
@@ -405,8 +412,11 @@ class Trainer:
 
     # -- setup helpers ----------------------------------------------------------------------------------------
     def _check_config(self) -> None:
-        """Every section checks itself (``Config.validate``), against this run's number of processes."""
-        self.cfg.validate(world_size=self.dist.world_size)
+        """Every section checks itself (``Config.validate``) and the plan holds for this run's number of
+        processes (``plan.resolve``, already asked before the process group with the launcher's count)."""
+        self.cfg.validate()
+        if self.plan.world_size != self.dist.world_size:
+            self.plan = resolve_plan(self.cfg, self.dist.world_size)
 
     def _attach_tokenizer(self, tok) -> None:
         """The model must cover the tokenizer's ids; the special ids go into the model config (for export)."""
