@@ -59,11 +59,13 @@ def run_all(sched, jobs):
     return [list(sub.events()) for sub in subs]
 
 
-def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler):
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler, engine):
     """Ten sequences of different lengths and budgets through three rows of a 64-slot cache: rows join while
-    others run, the occupied span moves (right for a long prompt, left when the common padding grows), and every
-    sequence's greedy tokens equal those of its prompt generated alone."""
-    sched = make_scheduler(max_batch=3, cache_len=64, compact_min=4)
+    others run, the occupied span moves (column engine: right for a long prompt, left when the common padding
+    grows; the paged engine never moves anything), and every sequence's greedy tokens equal those of its prompt
+    generated alone."""
+    sched = make_scheduler(max_batch=3, cache_len=64, compact_min=4, engine=engine)
     lengths = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20]
     budgets = [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
     jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m))
@@ -73,8 +75,10 @@ def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler
         assert tokens_of(events) == [reference(model, prompt, params)]
         assert events[-1].finish_reason == "length" and len(events) == params.max_new_tokens
     stats = sched.stats()
-    assert stats["moves"] > 0 and stats["running"] == stats["waiting"] == 0
+    assert (stats["moves"] > 0) == (engine == "column") and stats["running"] == stats["waiting"] == 0
     assert stats["finished"] == {"length": len(jobs)}
+    if engine == "paged":
+        assert stats["kv_blocks_in_use"] == 0 and stats["prefix_cache_lookups"] == sum(lengths)
 
 
 def test_rows_keep_their_own_parameters_in_one_batch(model, make_scheduler):
@@ -289,7 +293,7 @@ def test_fused_step_with_rows_joining(make_scheduler):
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device=device, seed=0).eval()
     sched = Scheduler(Generator(m, ByteTokenizer(), fused=True, cuda_graph=False), max_batch=2, max_queue=8,
-                      cache_len=24, compact_min=2)
+                      cache_len=24, compact_min=2, engine="column")
     try:
         assert sched.session.fused is not None
         # the second prompt is longer than the slot the first one left: the first row moves right for it
@@ -333,12 +337,14 @@ def test_rows_stopping_early_with_and_without_a_step_in_flight(model, make_sched
     assert sched.stats()["running"] == 0
 
 
-def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler):
-    """Sequences that each fill the whole context, started at different times: with the default cache (twice the
-    context) each joins as soon as a row is free, so three of them share every step once all have joined."""
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler, engine):
+    """Sequences that each fill the whole context, started at different times: with the default cache (column:
+    twice the context; paged: a pool that holds every row at the full context) each joins as soon as a row is free,
+    so three of them share every step once all have joined."""
     ctx = model.cfg.max_seq_len
-    sched = make_scheduler(max_batch=3)
-    assert sched.cache_len == 2 * ctx and sched.context == ctx
+    sched = make_scheduler(max_batch=3, engine=engine)
+    assert sched.cache_len == (2 * ctx if engine == "column" else ctx) and sched.context == ctx
     jobs = [([(3 * i + j) % 250 for j in range(ctx // 2)], greedy(max_new_tokens=ctx // 2)) for i in range(3)]
     subs = [sched.submit([jobs[0][0]], jobs[0][1])]
     for prompt, params in jobs[1:]:  # each joins while the ones before it are running
@@ -366,7 +372,7 @@ def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused):
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device="cuda", seed=0).eval()
     sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=4, max_queue=32, cache_len=96,
-                      compact_min=4)
+                      compact_min=4, engine="column")
     try:
         assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == fused
         lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]

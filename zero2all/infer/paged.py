@@ -210,6 +210,13 @@ class PagedSession:
         return self._blocks_for(span) <= self.pool.total
 
     # -- rows ----------------------------------------------------------------------------------------------------
+    def reserve(self, row: int, span: int):
+        """Hold room for a sequence that will be prefilled into ``row`` (free) and may reach ``span`` tokens, so
+        that :meth:`can_admit` counts it before its blocks are taken."""
+        if self.rows[row] is not None:
+            raise ValueError(f"paged session: row {row} is busy")
+        self.rows[row] = _RowState([], [], [], span)
+
     def release(self, row: int):
         state, self.rows[row] = self.rows[row], None
         if state is not None:
@@ -251,12 +258,13 @@ class PagedSession:
         the column engine's argument and is ignored."""
         states = []
         for i, (row, prompt) in enumerate(zip(rows, prompts)):
-            if self.rows[row] is not None or not prompt or len(prompt) > self.max_len:
+            held = self.rows[row]
+            if (held is not None and held.tokens) or not prompt or len(prompt) > self.max_len:
                 raise ValueError(f"paged session: row {row} is busy or its prompt of {len(prompt)} tokens does not fit")
             prompt = [int(t) for t in prompt]
             # leave at least the last token to compute: its logits are the first new token's
             blocks, names = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
-            span = spans[i] if spans is not None else self.max_len
+            span = spans[i] if spans is not None else held.span if held is not None else self.max_len
             state = _RowState(list(prompt), blocks, names, max(span, len(prompt)))
             state.computed = len(blocks) * self.block_size
             self.pool.lookups += len(prompt)

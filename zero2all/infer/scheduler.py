@@ -214,6 +214,7 @@ class _Seq:
         self.row = -1
         self.pad = 0                  # its first cache slot
         self.drawn = 0                # tokens drawn so far (a stop token included)
+        self.cached = 0               # prompt tokens found in the prefix cache (paged engine)
 
     @property
     def end(self) -> int:
@@ -233,30 +234,63 @@ def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
     return 2 * cfg.max_seq_len if per_slot * 2 * cfg.max_seq_len <= budget else cfg.max_seq_len
 
 
+def kv_blocks_for_bytes(model, block_size: int, budget: int) -> int:
+    """How many blocks of ``block_size`` tokens (keys and values of every layer) fit in ``budget`` bytes, the null
+    block included."""
+    cfg, w = model.cfg, model.embed_tokens.weight
+    per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * w.element_size()
+    blocks = budget // per_block
+    if blocks < 2:
+        raise ValueError(f"kv_cache_gb: {budget / (1 << 30):g} GiB holds {blocks} blocks of {block_size} tokens "
+                         f"({per_block} bytes each); give more")
+    return int(blocks)
+
+
 class Scheduler:
     """Continuous batching over ``generator``'s model (see the module docstring); a background thread runs it.
 
-    ``max_batch`` rows, each ``cache_len`` slots (default: ``default_cache_len``); up to ``max_queue`` sequences
-    may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
-    ``pipelined`` (None: on CUDA): queue each decode step before the host reads the tokens drawn for it.
+    ``max_batch`` rows; up to ``max_queue`` sequences may wait for a row beyond those that a free row takes at
+    once, more are refused (:class:`QueueFull`). ``pipelined`` (None: on CUDA): queue each decode step before the
+    host reads the tokens drawn for it.
+
+    ``engine``: "paged" (the default: a pool of ``kv_blocks`` blocks of ``block_size`` tokens with prefix caching,
+    ``infer/paged.py``; a sequence joins when the pool holds its prompt and budget next to the running rows'; the
+    default pool holds every row at the full context) or "column" (the layout of the module docstring: rows of
+    ``cache_len`` slots, default ``default_cache_len``; with the fused decode step and CUDA graphs).
     """
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
-                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True):
+                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
+                 block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
+                 prefix_caching: bool = True):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if engine not in ("paged", "column"):
+            raise ValueError(f"scheduler: engine must be 'paged' or 'column', got {engine!r}")
         model = generator.model
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.cache_len = cache_len or default_cache_len(model, max_batch)
-        self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
+        self.paged = engine == "paged"
+        self.engine = engine
+        if self.paged:
+            from zero2all.infer.paged import PagedSession
+
+            self.cache_len = cache_len or model.cfg.max_seq_len
+            self.context = min(self.cache_len, model.cfg.max_seq_len)
+            if kv_blocks is None and kv_cache_gb is not None:
+                kv_blocks = kv_blocks_for_bytes(model, block_size, int(kv_cache_gb * (1 << 30)))
+            self.session = PagedSession(model, max_batch, self.context, n_blocks=kv_blocks, block_size=block_size,
+                                        prefix_caching=prefix_caching)
+        else:
+            self.cache_len = cache_len or default_cache_len(model, max_batch)
+            self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
+            self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
+                                         compile=generator.compile, window=generator.attention_window,
+                                         fused=generator.use_fused(max_batch))
         self.compact_min = compact_min
         self.vocab = model.cfg.padded_vocab_size
         self.device = generator.device
-        self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
-                                     compile=generator.compile, window=generator.attention_window,
-                                     fused=generator.use_fused(max_batch))
         self.default_stop_ids = frozenset(generator.default_stop_ids())
         self._cond = threading.Condition()
         self._waiting: deque[_Seq] = deque()
@@ -291,6 +325,9 @@ class Scheduler:
         check_prompts(prompts, params.max_new_tokens, self.context, self.vocab)
         if len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts in one request; at most {self.max_batch} (the batch rows)")
+        if self.paged and not all(self.session.fits_ever(len(p) + params.max_new_tokens) for p in prompts):
+            raise ValueError(f"a prompt with {params.max_new_tokens} new tokens needs more than the KV cache's "
+                             f"{self.session.pool.total} blocks of {self.session.block_size} tokens")
         stop_ids = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
         sub = Submission(self, len(prompts))
         seqs = []
@@ -321,8 +358,14 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cond:
-            return {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
-                    "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+            out = {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
+                   "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+            if self.paged:
+                pool = self.session.pool
+                out.update(kv_blocks_in_use=pool.in_use(), kv_blocks_total=pool.total,
+                           kv_block_size=pool.block_size, prefix_cache_lookups=pool.lookups,
+                           prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate())
+            return out
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing runs or waits; False if ``timeout`` passed first."""
@@ -426,9 +469,12 @@ class Scheduler:
             self._cond.notify_all()
 
     def _finish(self, seq: _Seq, ev: GenerationEvent):
+        ev.cached_tokens = seq.cached
         seq.emit(ev)
         self.finished[ev.finish_reason] += 1
         self._rows[seq.row] = None
+        if self.paged:
+            self.session.release(seq.row)
         self._changed = True
         self._cond.notify_all()
 
@@ -444,12 +490,16 @@ class Scheduler:
                     seq.emit(error)
                     self.finished["error"] += 1
                     self._rows[seq.row] = None
+            if self.paged:
+                self.session.reset()
             self._logits, self._changed = None, True
             self._cond.notify_all()
 
     def _placement(self, n: int, m: int) -> int | None:
         """(Lock held.) How far to move the occupied span so that a prompt of n tokens with m new tokens fits
         right-aligned at the column (0: it fits as is), or None when it cannot join now."""
+        if self.paged:
+            return 0 if self.session.can_admit(n + m) else None
         running = [s for s in self._rows if s is not None]
         if not running:
             return n - self._col  # an empty cache: start over
@@ -487,9 +537,11 @@ class Scheduler:
             seq.pad = self._col - len(seq.prompt)
             self._rows[seq.row] = seq
             self._changed = True
+            if self.paged:  # its blocks are taken now, so that the next sequence's room counts them
+                self.session.reserve(seq.row, len(seq.prompt) + seq.params.max_new_tokens)
             ops.append(("prefill", seq, self._col))
         running = [s for s in self._rows if s is not None]
-        if running:
+        if running and not self.paged:
             common = min(s.pad for s in running)
             if common >= max(self.compact_min, self._col // 4):  # slots that no row reads: drop them
                 ops.append(self._move(-common))
@@ -533,6 +585,9 @@ class Scheduler:
         S, B, dev = self.session, self.max_batch, self.device
         for group in self.prefill_groups(seqs):
             logits = S.prefill_rows([s.row for s in group], [s.prompt for s in group], end)
+            if self.paged:
+                for s in group:
+                    s.cached = S.cached_tokens.get(s.row, 0)
             if self._logits is None:
                 self._logits = torch.zeros(B, logits.size(-1), dtype=torch.float32, device=dev)
             if len(group) == 1:
@@ -591,6 +646,8 @@ class Scheduler:
             if on_cuda:
                 self._copied.synchronize()
             host = self._host.tolist() if on_cuda else tokens.tolist()
+            if launched and self.paged:
+                S.note_tokens(host)
         else:
             host = tokens.tolist()
         with self._cond:
@@ -600,6 +657,8 @@ class Scheduler:
             still = any(s is not None for s in self._rows)
         if not self.pipelined and still:  # nothing runs ahead: step only for the rows that go on
             self._logits, launched = S.decode(tokens, self._col), True
+            if self.paged:
+                S.note_tokens(host)
         self.steps += launched
         if launched:
             self._col += 1
