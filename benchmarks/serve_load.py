@@ -216,7 +216,8 @@ def start_server(args):
     app = InferenceApp(generator, name, max_tokens_limit=args.max_tokens, max_queue=args.max_queue,
                        max_batch=args.max_batch,
                        engine_options=dict(engine=args.engine, block_size=args.block_size,
-                                           kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching))
+                                           kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     setup = time.perf_counter() - t0
     httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -272,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
     ap.add_argument("--max-queue", type=int, default=None, help="waiting sequences (default: the most clients)")
     ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")

@@ -191,7 +191,7 @@ def test_prefill_rows_together_equal_each_prompt_alone(model, rows):
 def test_sequences_admitted_together_are_prefilled_together(model, make_scheduler, monkeypatch):
     """Sequences that join in the same iteration share one forward per group of similar prompt lengths (a long
     prompt is not padded to with short ones), and each still generates what its prompt generates alone."""
-    sched = make_scheduler(max_batch=6, cache_len=128)
+    sched = make_scheduler(max_batch=6, cache_len=128, engine="column")
     calls = []
     prefill_rows = sched.session.prefill_rows
 
@@ -419,3 +419,48 @@ def test_async_batches_match_the_threaded_events_and_leaving_early_cancels(make_
     sub, got = asyncio.run(consume(limit=3))
     assert sub.cancelled and len(got) >= 3
     assert sched.wait_idle(10) and sched.stats()["finished"].get(CANCELLED, 0) == 2
+
+
+def test_chunked_prefill_keeps_running_streams_going_and_gives_the_same_tokens(model, make_scheduler, monkeypatch):
+    """Paged engine, a budget of 8 tokens a step: a 70-token prompt is computed a chunk per step while a running
+    sequence draws a token at every one of those steps; each sequence's greedy tokens equal its prompt's alone
+    (one-shot prefill), and the prompt took about 70 / (8 - 1) prefill forwards."""
+    sched = make_scheduler(max_batch=3, max_num_batched_tokens=8)
+    order = []
+    advance = sched._advance
+
+    def logged(seq, tok):
+        order.append((seq.prompt[0], sched.steps))
+        return advance(seq, tok)
+
+    monkeypatch.setattr(sched, "_advance", logged)
+    short = ([1, 2, 3], greedy(max_new_tokens=30))
+    long = ([(9 * j + 4) % 250 for j in range(70)], greedy(max_new_tokens=4))
+    first = sched.submit([short[0]], short[1])
+    wait_until(lambda: len(order) >= 2)
+    with sched.paused():
+        second = sched.submit([long[0]], long[1])
+        mark = len(order)
+    assert tokens_of(list(first.events())) == [reference(model, *short)]
+    assert tokens_of(list(second.events())) == [reference(model, *long)]
+    start = next(i for i, (who, _) in enumerate(order) if who == long[0][0])
+    during = [step for who, step in order[mark:start] if who == short[0][0]]
+    # while the long prompt was being computed (>= 10 chunks of at most 7 tokens), the short one drew every step
+    assert sched.prefill_chunks >= 70 // 7 and len(during) >= 9
+    assert during == list(range(during[0], during[0] + len(during)))
+
+
+def test_a_shared_prefix_through_the_scheduler_is_computed_once(model, make_scheduler):
+    """Paged engine: three sequences with a 40-token common prefix, one after the other: the later ones take its
+    two full blocks from the cache (cached_tokens on their final event) and generate what they generate alone."""
+    sched = make_scheduler(max_batch=2)
+    system = [(5 * j + 1) % 250 for j in range(40)]
+    jobs = [(system + [7 + i, 9], greedy(max_new_tokens=5)) for i in range(3)]
+    cached = []
+    for prompt, params in jobs:
+        events = sched.generate([prompt], params)
+        assert tokens_of(events) == [reference(model, prompt, params)]
+        cached.append(events[-1].cached_tokens)
+    assert cached == [0, 32, 32]
+    stats = sched.stats()
+    assert stats["prefix_cache_hits"] == 64 and stats["kv_blocks_in_use"] == 0

@@ -851,6 +851,9 @@ def _serve(p):
                    help="paged engine: tokens per KV block (a power of two >= 16 for the GPU kernel)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="paged engine: GiB for the KV block pool (default: every batch row at the full context)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="paged engine: tokens one step computes (a decoding sequence's 1 each, the rest for prompts, "
+                        "so a long prompt is computed in chunks while running streams keep going)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -895,6 +898,8 @@ def _serve(p):
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
         if args.block_size < 1 or (args.engine == "paged" and args.block_size & (args.block_size - 1)):
             raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
+        if args.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
         if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
             raise ConfigError(f"--kv-cache-gb {args.kv_cache_gb}: must be a number of GiB > 0 (e.g. 8)")
         if not args.read_timeout > 0:
@@ -913,6 +918,7 @@ def _serve(p):
                          max_connections=args.max_connections,
                          engine_options=dict(engine=args.engine, block_size=args.block_size,
                                              kv_cache_gb=args.kv_cache_gb,
+                                             max_num_batched_tokens=args.max_num_batched_tokens,
                                              prefix_caching=not args.no_prefix_caching))
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)

@@ -137,6 +137,7 @@ class _RowState:
         self.names = names            # names of the first len(names) (full) blocks
         self.computed = 0             # tokens whose keys and values are in the cache
         self.span = span              # the most tokens this sequence may hold (prompt + budget)
+        self.ready = False            # its prompt is computed: it decodes
 
 
 class PagedKVCache:
@@ -249,47 +250,69 @@ class PagedSession:
                           for s in states], torch.int32, self.device)
 
     # -- prefill -------------------------------------------------------------------------------------------------
+    def start(self, row: int, prompt: Sequence[int], span: int | None = None) -> int:
+        """Start a sequence in ``row`` (free or reserved) with its prompt: take the cached blocks of its longest
+        cached prefix and allocate the rest; nothing is computed yet (:meth:`prefill_step`). Returns the number of
+        prompt tokens found in the cache."""
+        held = self.rows[row]
+        if (held is not None and held.tokens) or not prompt or len(prompt) > self.max_len:
+            raise ValueError(f"paged session: row {row} is busy or its prompt of {len(prompt)} tokens does not fit")
+        prompt = [int(t) for t in prompt]
+        # leave at least the last token to compute: its logits are the first new token's
+        blocks, names = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
+        span = span if span is not None else held.span if held is not None else self.max_len
+        state = _RowState(prompt, blocks, names, max(span, len(prompt)))
+        state.computed = len(blocks) * self.block_size
+        self.pool.lookups += len(prompt)
+        self.pool.hits += state.computed
+        self.cached_tokens[row] = state.computed
+        self.rows[row] = state
+        try:
+            self._grow(state, len(prompt))
+        except RuntimeError:
+            self.release(row)
+            raise
+        return state.computed
+
+    def remaining(self, row: int) -> int:
+        """Prompt tokens of the row still to compute."""
+        s = self.rows[row]
+        return len(s.tokens) - s.computed if s is not None and not s.ready else 0
+
+    @torch.inference_mode()
+    def prefill_step(self, rows: Sequence[int], limits: Sequence[int]) -> torch.Tensor:
+        """Compute the next up to ``limits[i]`` prompt tokens of each started row, in one forward; returns the
+        logits (len(rows), V), float32, of each row's last computed token: the first new token's for the rows
+        whose prompt is now complete (:meth:`remaining` 0; they decode from the next step on)."""
+        states = [self.rows[r] for r in rows]
+        logits = self._forward_new(states, [max(1, min(n, len(s.tokens) - s.computed))
+                                            for s, n in zip(states, limits)])
+        for s in states:
+            self._register_full(s)
+            s.ready = s.computed >= len(s.tokens)
+        return logits.float()
+
     @torch.inference_mode()
     def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], end: int | None = None,
                      spans: Sequence[int] | None = None) -> torch.Tensor:
-        """Start a sequence in each of ``rows`` (free) with its prompt: take the cached blocks of its longest cached
-        prefix, compute the rest (all rows in one forward per chunk, left-padded), return the next-token logits
-        (len(rows), V), float32. ``spans``: the most tokens each may hold (default: up to ``max_len``); ``end`` is
-        the column engine's argument and is ignored."""
-        states = []
+        """:meth:`start` a sequence in each of ``rows`` and compute its prompt (all rows in one forward per chunk,
+        left-padded); the next-token logits (len(rows), V), float32. ``spans``: the most tokens each may hold
+        (default: up to ``max_len``); ``end`` is the column engine's argument and is ignored."""
         for i, (row, prompt) in enumerate(zip(rows, prompts)):
-            held = self.rows[row]
-            if (held is not None and held.tokens) or not prompt or len(prompt) > self.max_len:
-                raise ValueError(f"paged session: row {row} is busy or its prompt of {len(prompt)} tokens does not fit")
-            prompt = [int(t) for t in prompt]
-            # leave at least the last token to compute: its logits are the first new token's
-            blocks, names = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
-            span = spans[i] if spans is not None else held.span if held is not None else self.max_len
-            state = _RowState(list(prompt), blocks, names, max(span, len(prompt)))
-            state.computed = len(blocks) * self.block_size
-            self.pool.lookups += len(prompt)
-            self.pool.hits += state.computed
-            self.cached_tokens[row] = state.computed
-            self._grow(state, len(prompt))
-            self.rows[row] = state
-            states.append(state)
-        todo = max(len(s.tokens) - s.computed for s in states)
-        chunk = prefill_chunk_len(len(states), self.model.cfg.padded_vocab_size)
-        logits = None
-        while todo > 0:
-            T = min(chunk, todo)
-            logits = self._forward_new(states, T)
-            todo -= T
-        for s in states:
-            self._register_full(s)
-        return logits.float()
+            self.start(row, prompt, spans[i] if spans is not None else None)
+        chunk = prefill_chunk_len(len(rows), self.model.cfg.padded_vocab_size)
+        logits = torch.empty(len(rows), self.model.cfg.padded_vocab_size, device=self.device)
+        while (left := [i for i, r in enumerate(rows) if self.remaining(r)]):
+            out = self.prefill_step([rows[i] for i in left], [chunk] * len(left))
+            logits[left] = out
+        return logits
 
-    def _forward_new(self, states: list[_RowState], T: int) -> torch.Tensor:
-        """The next up to T uncomputed tokens of each row in one forward (rows with fewer are left-padded: their
-        padding writes to the null block); logits of each row's last computed token."""
+    def _forward_new(self, states: list[_RowState], counts: Sequence[int]) -> torch.Tensor:
+        """The next ``counts[i]`` uncomputed tokens of each row in one forward (rows with fewer than the most are
+        left-padded: their padding writes to the null block); logits of each row's last computed token."""
         toks, pos, slots, lengths = [], [], [], []
-        for s in states:
-            n = min(T, len(s.tokens) - s.computed)
+        T = max(counts)
+        for s, n in zip(states, counts):
             pad = T - n
             first = s.computed
             toks.append([0] * pad + s.tokens[first:first + n])
@@ -316,7 +339,7 @@ class PagedSession:
         host = tokens.tolist() if self.device.type == "cpu" else None
         pos, slots, lengths = [], [], []
         for r, s in enumerate(self.rows):
-            if s is None:
+            if s is None or not s.ready:  # a free row, or one whose prompt is still being computed
                 pos.append(0)
                 slots.append(NULL_BLOCK * self.block_size)
                 lengths.append(0)
@@ -338,7 +361,7 @@ class PagedSession:
         out, _ = self.model(tokens[:, None], kv_cache=c, position_ids=c.q_pos)
         if host is not None:
             for s in self.rows:
-                if s is not None:
+                if s is not None and s.ready:
                     self._register_full(s)
         return out[:, -1].float()
 
@@ -346,7 +369,7 @@ class PagedSession:
         """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
         blocks filled by decoded tokens get their names for the prefix cache."""
         for r, s in enumerate(self.rows):
-            if s is not None and s.tokens and s.tokens[-1] == -1:
+            if s is not None and s.ready and s.tokens[-1] == -1:
                 s.tokens[-1] = int(host[r])
                 self._register_full(s)
 

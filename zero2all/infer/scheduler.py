@@ -215,6 +215,7 @@ class _Seq:
         self.pad = 0                  # its first cache slot
         self.drawn = 0                # tokens drawn so far (a stop token included)
         self.cached = 0               # prompt tokens found in the prefix cache (paged engine)
+        self.ready = False            # its prompt is computed: it draws a token every step
 
     @property
     def end(self) -> int:
@@ -262,9 +263,11 @@ class Scheduler:
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
                  compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
                  block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"scheduler: max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if engine not in ("paged", "column"):
             raise ValueError(f"scheduler: engine must be 'paged' or 'column', got {engine!r}")
         model = generator.model
@@ -289,6 +292,9 @@ class Scheduler:
                                          compile=generator.compile, window=generator.attention_window,
                                          fused=generator.use_fused(max_batch))
         self.compact_min = compact_min
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
+        self.prefill_chunks = 0       # paged: prefill forwards run (one per step that computes prompt tokens)
         self.vocab = model.cfg.padded_vocab_size
         self.device = generator.device
         self.default_stop_ids = frozenset(generator.default_stop_ids())
@@ -493,6 +499,7 @@ class Scheduler:
             if self.paged:
                 self.session.reset()
             self._logits, self._changed = None, True
+            self._prefilling = []
             self._cond.notify_all()
 
     def _placement(self, n: int, m: int) -> int | None:
@@ -551,7 +558,7 @@ class Scheduler:
         """The per-row tensors after rows joined, left or moved: padding, sampling parameters."""
         rows, dev = self._rows, self.device
         self.session.set_pad_lens([s.pad if s is not None else self._col for s in rows])  # free: see itself
-        sampled = [r for r, s in enumerate(rows) if s is not None and s.params.temperature > 0]
+        sampled = [r for r, s in enumerate(rows) if s is not None and s.ready and s.params.temperature > 0]
         self._sampled = None
         if sampled:
             p = [rows[r].params for r in sampled]
@@ -594,12 +601,49 @@ class Scheduler:
                 self._logits[group[0].row] = logits[0]
             else:
                 self._logits[to_device([s.row for s in group], torch.long, dev)] = logits
+        self._ready(seqs)
+
+    def _ready(self, seqs: list[_Seq]):
+        """Sequences whose prompt is computed (their first logits in place): they draw tokens from now on."""
+        B, dev = self.max_batch, self.device
         for seq in seqs:
+            seq.ready = True
+            self._changed = True
             if seq.params.repetition_penalty != 1.0:
                 if self._seen is None:
                     self._seen = torch.zeros(B, self._logits.size(-1), dtype=torch.bool, device=dev)
                 self._seen[seq.row] = False
                 self._seen[seq.row, to_device(seq.prompt, torch.long, dev)] = True
+
+    def _prefill_chunk(self):
+        """(Paged.) One forward of prompt tokens under the step's token budget: the budget less one token per
+        decoding row, given to the started prompts in arrival order; the prompts that complete join the decode."""
+        S = self.session
+        self._prefilling = [s for s in self._prefilling if self._rows[s.row] is s]  # cancelled ones are gone
+        decoding = sum(s is not None and s.ready for s in self._rows)
+        left = max(1, self.max_num_batched_tokens - decoding)
+        rows, takes = [], []
+        for seq in self._prefilling:
+            if left <= 0:
+                break
+            take = min(S.remaining(seq.row), left)
+            rows.append(seq.row)
+            takes.append(take)
+            left -= take
+        if not rows:
+            return
+        logits = S.prefill_step(rows, takes)
+        self.prefill_chunks += 1
+        done = [i for i, r in enumerate(rows) if S.remaining(r) == 0]
+        if not done:
+            return
+        if self._logits is None:
+            self._logits = torch.zeros(self.max_batch, logits.size(-1), dtype=torch.float32, device=self.device)
+        idx = [rows[i] for i in done]
+        self._logits[to_device(idx, torch.long, self.device)] = logits[to_device(done, torch.long, self.device)]
+        finished = [s for s in self._prefilling if s.row in idx]
+        self._prefilling = [s for s in self._prefilling if s.row not in idx]
+        self._ready(finished)
 
     def _step(self, ops: list[tuple]):
         S = self.session
@@ -613,12 +657,18 @@ class Scheduler:
                 S.move_columns(*op[1:])
                 continue
             _, seq, end = op
+            if self.paged:  # its cached prefix is taken now; its prompt is computed a chunk per step
+                seq.cached = S.start(seq.row, seq.prompt, len(seq.prompt) + seq.params.max_new_tokens)
+                self._prefilling.append(seq)
+                continue
             joining.append(seq)
         if joining:
             self._prefill(joining, end)
+        if self._prefilling:
+            self._prefill_chunk()
         if self._changed:
             self._rebuild()
-        running = [s for s in self._rows if s is not None]
+        running = [s for s in self._rows if s is not None and s.ready]
         if not running:
             return
 
