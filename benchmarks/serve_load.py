@@ -217,7 +217,8 @@ def start_server(args):
                        max_batch=args.max_batch,
                        engine_options=dict(engine=args.engine, block_size=args.block_size,
                                            kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching,
-                                           max_num_batched_tokens=args.max_num_batched_tokens))
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           speculative_ngram=args.speculative_ngram))
     setup = time.perf_counter() - t0
     httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -274,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
+    ap.add_argument("--speculative-ngram", type=int, default=0, help="paged engine: prompt-lookup draft tokens")
     ap.add_argument("--max-queue", type=int, default=None, help="waiting sequences (default: the most clients)")
     ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")

@@ -112,3 +112,13 @@ def test_can_admit_counts_the_running_rows_growth(model):
     assert s.can_admit(64) and not s.fits_ever(65)
     s.prefill_rows([0], [prompt(1, 10)], spans=[40])          # holds 1 block, may grow to 3
     assert s.can_admit(16) and not s.can_admit(17)
+
+
+def test_ngram_draft_takes_what_followed_the_latest_match():
+    from zero2all.infer.paged import ngram_draft
+
+    h = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert ngram_draft(h, 2) == [7, 8]              # the latest earlier "1 2 3" is followed by 7 8
+    assert ngram_draft(h, 10) == [7, 8, 5, 1, 2, 3]  # up to the end of the history
+    assert ngram_draft([4, 5, 6], 3) == [] and ngram_draft(h, 0) == []
+    assert ngram_draft([5, 6, 1, 6], 2) == [1, 6]    # falls back to the last token alone

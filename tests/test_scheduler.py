@@ -464,3 +464,41 @@ def test_a_shared_prefix_through_the_scheduler_is_computed_once(model, make_sche
     assert cached == [0, 32, 32]
     stats = sched.stats()
     assert stats["prefix_cache_hits"] == 64 and stats["kv_blocks_in_use"] == 0
+
+
+def test_prompt_lookup_speculative_decoding_gives_the_plain_greedy_tokens(model, make_scheduler):
+    """Paged engine with prompt-lookup drafts of up to 4 tokens: greedy sequences (with a stop token mid-way)
+    give exactly the tokens of plain greedy decoding, a seeded sampled sequence beside them its tokens without
+    speculation. On the random tiny model drafts are found but mostly rejected (the rollback path); on a copy whose
+    attention output is zeroed (a Markov chain over tokens: its greedy text cycles) most are accepted."""
+    markov = build_model(tiny_model_config(initializer_range=0.3), seed=0).eval()
+    with torch.no_grad():
+        for block in markov.layers:
+            block.self_attn.o_proj.weight.zero_()
+    for m in (model, markov):
+        gen = Generator(m, ByteTokenizer())
+        spec = Scheduler(gen, max_batch=4, speculative_ngram=4)
+        plain = Scheduler(gen, max_batch=4)
+        try:
+            loop = [40, 41, 42, 43, 44] * 3
+            free = gen.generate([loop], greedy(max_new_tokens=24))[0]
+            jobs = [(loop, greedy(max_new_tokens=24)),
+                    ([(3 * j) % 50 + 60 for j in range(30)], greedy(max_new_tokens=20)),
+                    ([1, 2, 3], SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=[free.token_ids[9]])),
+                    ([7, 8, 9, 7, 8, 9], SamplingParams(max_new_tokens=16, temperature=0.8, seed=3,
+                                                        stop_token_ids=[]))]
+            got, want = run_all(spec, jobs), run_all(plain, jobs)
+            for (prompt, params), g, w in zip(jobs, got, want):
+                assert tokens_of(g) == tokens_of(w)
+                assert "".join(e.text for e in g) == "".join(e.text for e in w)
+                assert g[-1].finish_reason == w[-1].finish_reason
+                if params.temperature == 0:
+                    assert tokens_of(g) == [gen.generate([prompt], params)[0].token_ids]
+            stats = spec.stats()
+            assert stats["spec_drafted"] > 0 and stats["kv_blocks_in_use"] == 0
+            if m is markov:
+                assert stats["spec_accepted"] > stats["spec_drafted"] // 2
+                assert stats["steps"] < plain.stats()["steps"]   # the sampled row (16 tokens) bounds it
+        finally:
+            spec.stop()
+            plain.stop()

@@ -854,6 +854,9 @@ def _serve(p):
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="paged engine: tokens one step computes (a decoding sequence's 1 each, the rest for prompts, "
                         "so a long prompt is computed in chunks while running streams keep going)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="paged engine: prompt-lookup speculative decoding for greedy requests, up to K draft tokens "
+                        "a step taken from earlier text (the same tokens as without; 0 = off)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -898,6 +901,8 @@ def _serve(p):
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
         if args.block_size < 1 or (args.engine == "paged" and args.block_size & (args.block_size - 1)):
             raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
+        if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine != "paged"):
+            raise ConfigError(f"--speculative-ngram {args.speculative_ngram}: must be >= 0, with --engine paged")
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
         if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
@@ -919,6 +924,7 @@ def _serve(p):
                          engine_options=dict(engine=args.engine, block_size=args.block_size,
                                              kv_cache_gb=args.kv_cache_gb,
                                              max_num_batched_tokens=args.max_num_batched_tokens,
+                                             speculative_ngram=args.speculative_ngram,
                                              prefix_caching=not args.no_prefix_caching))
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)

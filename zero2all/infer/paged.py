@@ -194,6 +194,7 @@ class PagedSession:
         self.cache = PagedKVCache(model, n_blocks, block_size, w.dtype, impl)
         self.rows: list[_RowState | None] = [None] * rows
         self.cached_tokens: dict[int, int] = {}                     # row -> prompt tokens found in the cache
+        self._verify_start: dict[int, int] = {}                     # row -> its length before a verify forward
 
     # -- room ----------------------------------------------------------------------------------------------------
     def _blocks_for(self, n: int) -> int:
@@ -307,9 +308,10 @@ class PagedSession:
             logits[left] = out
         return logits
 
-    def _forward_new(self, states: list[_RowState], counts: Sequence[int]) -> torch.Tensor:
+    def _forward_new(self, states: list[_RowState], counts: Sequence[int], keep: int = 1) -> torch.Tensor:
         """The next ``counts[i]`` uncomputed tokens of each row in one forward (rows with fewer than the most are
-        left-padded: their padding writes to the null block); logits of each row's last computed token."""
+        left-padded: their padding writes to the null block); logits of each row's last ``keep`` positions
+        (keep 1: (B, V); else (B, keep, V))."""
         toks, pos, slots, lengths = [], [], [], []
         T = max(counts)
         for s, n in zip(states, counts):
@@ -328,8 +330,8 @@ class PagedSession:
         c.q_pos = to_device(pos, torch.long, self.device)
         with sdpa_kernel(PREFILL_ATTENTION):
             out, _ = self.model(to_device(toks, torch.long, self.device), kv_cache=c, position_ids=c.q_pos,
-                                logits_to_keep=1)
-        return out[:, -1]
+                                logits_to_keep=keep)
+        return out[:, -1] if keep == 1 else out
 
     # -- decode --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -365,6 +367,54 @@ class PagedSession:
                     self._register_full(s)
         return out[:, -1].float()
 
+    # -- speculative decoding -----------------------------------------------------------------------------------
+    def room(self, row: int) -> int:
+        """Tokens the row may still feed before it reaches its span."""
+        s = self.rows[row]
+        return s.span - s.computed
+
+    def history(self, row: int) -> list[int]:
+        """The row's tokens so far (prompt, then every fed token)."""
+        return self.rows[row].tokens
+
+    @torch.inference_mode()
+    def verify(self, tokens: Sequence[int], drafts: dict[int, list[int]]) -> tuple[torch.Tensor, int]:
+        """Feed every decoding row's token (``tokens[row]``) followed by its draft tokens (``drafts``, may be
+        absent) in one forward. Returns (logits (B, T, V) float32, T): row r's i-th fed token's next-token logits
+        are at position T - n_r + i, n_r = 1 + len(its draft). Call :meth:`accept` for each row afterwards."""
+        states, counts, rows = [], [], []
+        for r, s in enumerate(self.rows):
+            if s is None or not s.ready:
+                continue
+            fed = [int(tokens[r])] + list(drafts.get(r, ()))
+            self._verify_start[r] = s.computed
+            self._grow(s, s.computed + len(fed))
+            s.tokens[s.computed:] = fed
+            states.append(s)
+            counts.append(len(fed))
+            rows.append(r)
+        T = max(counts)
+        out = self._forward_new(states, counts, keep=T).float()
+        full = torch.zeros(self.batch_size, T, out.size(-1), dtype=out.dtype, device=out.device)
+        full[to_device(rows, torch.long, self.device)] = out
+        return full, T
+
+    def finish_verify(self, accepted: dict[int, int]):
+        """:meth:`accept` every row fed by the last :meth:`verify` (rows not named accepted no draft token)."""
+        for row in list(self._verify_start):
+            if self.rows[row] is not None:
+                self.accept(row, accepted.get(row, 0))
+        self._verify_start.clear()
+
+    def accept(self, row: int, accepted: int):
+        """After :meth:`verify`: the row keeps its token and its first ``accepted`` draft tokens; the keys written
+        for the rejected ones are overwritten by the next tokens (the row keeps its blocks: they are within its
+        span)."""
+        s = self.rows[row]
+        s.computed = self._verify_start[row] + 1 + accepted
+        del s.tokens[s.computed:]
+        self._register_full(s)
+
     def note_tokens(self, host: Sequence[int]):
         """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
         blocks filled by decoded tokens get their names for the prefix cache."""
@@ -380,3 +430,17 @@ class PagedSession:
     def move_columns(self, lo, hi, shift):
         if shift and hi > lo:
             raise RuntimeError("paged session: nothing ever moves")
+
+
+def ngram_draft(history: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the last n tokens of ``history`` (n from
+    ``max_n`` down to ``min_n``) and propose the (up to) ``k`` tokens that followed it; [] when none is found."""
+    L = len(history)
+    if k < 1:
+        return []
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        tail = list(history[L - n:])
+        for start in range(L - n - 1, -1, -1):   # latest first; the match must end before the tail itself
+            if list(history[start:start + n]) == tail:
+                return list(history[start + n:start + n + k])
+    return []

@@ -263,13 +263,16 @@ class Scheduler:
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
                  compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
                  block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
-                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"scheduler: max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if engine not in ("paged", "column"):
             raise ValueError(f"scheduler: engine must be 'paged' or 'column', got {engine!r}")
+        if speculative_ngram < 0 or (speculative_ngram and engine != "paged"):
+            raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
+                             f"{speculative_ngram} with {engine!r}")
         model = generator.model
         self.generator = generator
         self.tokenizer = generator.tokenizer
@@ -295,6 +298,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
         self.prefill_chunks = 0       # paged: prefill forwards run (one per step that computes prompt tokens)
+        self.spec_k = speculative_ngram  # paged: draft tokens per greedy row and step (prompt lookup); 0 = off
+        self.spec_drafted = self.spec_accepted = 0
         self.vocab = model.cfg.padded_vocab_size
         self.device = generator.device
         self.default_stop_ids = frozenset(generator.default_stop_ids())
@@ -370,7 +375,8 @@ class Scheduler:
                 pool = self.session.pool
                 out.update(kv_blocks_in_use=pool.in_use(), kv_blocks_total=pool.total,
                            kv_block_size=pool.block_size, prefix_cache_lookups=pool.lookups,
-                           prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate())
+                           prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate(),
+                           spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted)
             return out
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -683,6 +689,8 @@ class Scheduler:
         if self._penalty is not None:
             self._seen.scatter_(1, tokens[:, None], True)
 
+        if self.spec_k and any(s.params.temperature == 0 and s.params.repetition_penalty == 1.0 for s in running):
+            return self._speculative_step(running, tokens)
         on_cuda = self.device.type == "cuda"
         launched = False
         if self.pipelined:
@@ -714,6 +722,63 @@ class Scheduler:
             self._col += 1
         else:
             self._logits = None
+
+    def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
+        """(Paged, greedy rows present.) Prompt-lookup speculative decoding: after the drawn tokens are handed out,
+        each greedy row still running proposes up to ``spec_k`` tokens that followed the latest earlier occurrence
+        of its last few tokens (``paged.ngram_draft``); one forward feeds every row its drawn token and its draft,
+        and a greedy row keeps the draft tokens that equal its own argmax at each position, up to the first that
+        does not, plus the logits after the last kept one (so it draws the next token from them as usual). The
+        tokens are exactly those of plain greedy decoding; a step yields 1 + (accepted) tokens for such a row.
+        Not pipelined: the drafts need the host to know the drawn tokens first."""
+        from zero2all.infer.paged import ngram_draft
+
+        S = self.session
+        host = tokens.tolist()
+        with self._cond:
+            for seq in running:
+                if not seq.sub.cancelled:
+                    self._advance(seq, host[seq.row])
+            live = [s for s in running if self._rows[s.row] is s]
+        if not live:
+            self._logits = None
+            return
+        drafts = {}
+        for seq in live:
+            p = seq.params
+            if p.temperature == 0 and p.repetition_penalty == 1.0:
+                k = min(self.spec_k, p.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
+                draft = ngram_draft(S.history(seq.row) + [host[seq.row]], k) if k > 0 else []
+                if draft:
+                    drafts[seq.row] = draft
+        if not drafts:
+            self._logits = S.decode(tokens, self._col)
+            S.note_tokens(host)
+            self.steps += 1
+            return
+        logits, T = S.verify(host, drafts)
+        nxt = logits[:, -1].clone()
+        accepted = {}
+        for row, draft in drafts.items():
+            n = 1 + len(draft)
+            predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
+            a = 0
+            while a < len(draft) and predicted[a] == draft[a]:
+                a += 1
+            accepted[row] = a
+            nxt[row] = logits[row, T - n + a]
+            self.spec_drafted += len(draft)
+            self.spec_accepted += a
+        S.finish_verify(accepted)
+        self._logits = nxt
+        self.steps += 1
+        with self._cond:
+            for row, a in accepted.items():
+                seq = self._rows[row]
+                for tok in drafts[row][:a]:
+                    if seq is None or self._rows[row] is not seq or seq.sub.cancelled:
+                        break
+                    self._advance(seq, tok)
 
     def _advance(self, seq: _Seq, tok: int):
         """(Lock held.) One drawn token of a running sequence: stop checks and its streamed text."""

@@ -442,6 +442,10 @@ class ServerMetrics:
                    s["prefix_cache_hits"])
             metric("z2all_prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / looked up",
                    f"{s['prefix_cache_hit_rate']:.4f}")
+            metric("z2all_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens proposed", s["spec_drafted"])
+            metric("z2all_spec_accepted_tokens_total", "counter", "draft tokens accepted", s["spec_accepted"])
+            rate = s["spec_accepted"] / s["spec_drafted"] if s["spec_drafted"] else 0.0
+            metric("z2all_spec_acceptance_rate", "gauge", "draft tokens accepted / proposed", f"{rate:.4f}")
         metric("z2all_queue_limit", "gauge", "sequences that may wait", app.max_queue)
         metric("z2all_decode_steps_total", "counter", "decode steps run", s["steps"])
         metric("z2all_prompt_tokens_total", "counter", "prompt tokens of accepted requests", self.prompt_tokens)
