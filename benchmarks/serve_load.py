@@ -269,7 +269,8 @@ def main(argv=None) -> int:
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--decode", default="auto", choices=["auto", "fused", "generic"],
                     help="the decode step: auto (fused on CUDA where supported), fused kernels, or the model's own")
-    ap.add_argument("--max-batch", type=int, default=None, help="batch rows (default: 16 on CUDA, 8 on CPU)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="batch rows (default: 256 on CUDA with the paged engine, 16 with --engine column, 8 on CPU)")
     ap.add_argument("--engine", default="paged", choices=["paged", "column"], help="the scheduler's engine")
     ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")

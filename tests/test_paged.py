@@ -122,3 +122,33 @@ def test_ngram_draft_takes_what_followed_the_latest_match():
     assert ngram_draft(h, 10) == [7, 8, 5, 1, 2, 3]  # up to the end of the history
     assert ngram_draft([4, 5, 6], 3) == [] and ngram_draft(h, 0) == []
     assert ngram_draft([5, 6, 1, 6], 2) == [1, 6]    # falls back to the last token alone
+
+
+def test_decode_runs_over_the_smallest_bucket_holding_the_rows(model):
+    s = PagedSession(model, rows=6, max_len=32, block_size=4)
+    assert s.buckets == [1, 2, 4, 6] and s.bucket_for(3) == 4 and s.bucket_for(5) == 6
+    want = [reference(model, p, 5) for p in (prompt(21, 6), prompt(22, 9))]
+    assert paged_greedy(s, [0, 2], [prompt(21, 6), prompt(22, 9)], 5) == want   # bucket 4 of 6 rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_paged_decode_equals_the_eager_step():
+    """On CUDA: the paged decode step captured per batch bucket and replayed gives the eager step's logits, with
+    rows joining (the bucket grows from 2 to 4 to 8 rows) and leaving."""
+    m = build_model(tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100),
+                    device="cuda", seed=0).eval()
+    graphed = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=True)
+    eager = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=False)
+    for rows, prompts in (([0, 1], [prompt(1, 5), prompt(2, 20)]), ([3], [prompt(3, 17)]), ([6], [prompt(4, 2)])):
+        for sess in (graphed, eager):
+            sess.prefill_rows(rows, prompts)
+        tokens = torch.arange(8, device="cuda") + 7
+        for _ in range(6):
+            a, b = graphed.decode(tokens), eager.decode(tokens)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            tokens = b.argmax(-1)
+    assert graphed.graphs and all(g is not None for g in graphed.graphs.values()) and not eager.graphs
+    graphed.release(1)
+    eager.release(1)
+    torch.testing.assert_close(graphed.decode(tokens), eager.decode(tokens), atol=1e-4, rtol=1e-4)

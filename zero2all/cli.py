@@ -843,7 +843,8 @@ def _serve(p):
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a batch row while all rows are busy; more get HTTP 429")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="sequences decoded together, one KV-cache row each (default: 16 on CUDA, 8 on CPU)")
+                   help="sequences decoded together (default: 256 on CUDA with the paged engine, 16 with --engine "
+                        "column, 8 on CPU)")
     p.add_argument("--engine", default="paged", choices=["paged", "column"],
                    help="paged: a pool of KV blocks with prefix caching (default); column: one cache row per "
                         "sequence, with the fused decode step and CUDA graphs")

@@ -27,6 +27,7 @@ PyTorch path on CPU). A prefill of new tokens on top of cached ones gathers the 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict, deque
 from typing import Sequence
 
@@ -38,6 +39,7 @@ from zero2all.kernels.paged_attention import paged_decode_attention
 from zero2all.model import ops
 
 NULL_BLOCK = 0
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode steps run (and are captured) at these row counts
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -131,7 +133,8 @@ class BlockPool:
 class _RowState:
     """A row's sequence in the paged session: its tokens so far, block table, and the names of its full blocks."""
 
-    def __init__(self, tokens: list[int], blocks: list[int], names: list[bytes], span: int):
+    def __init__(self, tokens: list[int], blocks: list[int], names: list[bytes], span: int, row: int):
+        self.row = row
         self.tokens = tokens          # every token fed or to be fed (prompt, then each decoded token)
         self.blocks = blocks
         self.names = names            # names of the first len(names) (full) blocks
@@ -182,7 +185,7 @@ class PagedSession:
     :meth:`release` (a row's blocks back to the pool)."""
 
     def __init__(self, model, rows: int, max_len: int, n_blocks: int | None = None, block_size: int = 16,
-                 prefix_caching: bool = True, impl: str = "auto"):
+                 prefix_caching: bool = True, impl: str = "auto", cuda_graph: bool = False):
         self.model = model
         w = model.embed_tokens.weight
         self.device = w.device
@@ -195,6 +198,20 @@ class PagedSession:
         self.rows: list[_RowState | None] = [None] * rows
         self.cached_tokens: dict[int, int] = {}                     # row -> prompt tokens found in the cache
         self._verify_start: dict[int, int] = {}                     # row -> its length before a verify forward
+        # the decode step's static inputs, for every row; a step reads the first `bucket` of them
+        dev, on_cuda = self.device, self.device.type == "cuda"
+        self._table_host = torch.zeros(rows, self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        self._tables_buf = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev)
+        self._tokens_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self._pos_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self._slots_buf = torch.zeros(rows, dtype=torch.long, device=dev)
+        self._lengths_buf = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._width = 1
+        self.buckets = [b for b in BATCH_BUCKETS if b < rows] + [rows]
+        self.cuda_graph = cuda_graph and on_cuda
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
+        self._graph_out: dict[int, torch.Tensor] = {}
+        self._graph_pool = None
 
     # -- room ----------------------------------------------------------------------------------------------------
     def _blocks_for(self, n: int) -> int:
@@ -217,7 +234,7 @@ class PagedSession:
         that :meth:`can_admit` counts it before its blocks are taken."""
         if self.rows[row] is not None:
             raise ValueError(f"paged session: row {row} is busy")
-        self.rows[row] = _RowState([], [], [], span)
+        self.rows[row] = _RowState([], [], [], span, row)
 
     def release(self, row: int):
         state, self.rows[row] = self.rows[row], None
@@ -240,7 +257,9 @@ class PagedSession:
 
     def _grow(self, state: _RowState, n: int):
         while len(state.blocks) < self._blocks_for(n):
-            state.blocks.append(self.pool.allocate())
+            block = self.pool.allocate()
+            self._table_host[state.row, len(state.blocks)] = block
+            state.blocks.append(block)
 
     def _slot(self, state: _RowState, pos: int) -> int:
         return state.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -262,7 +281,9 @@ class PagedSession:
         # leave at least the last token to compute: its logits are the first new token's
         blocks, names = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
         span = span if span is not None else held.span if held is not None else self.max_len
-        state = _RowState(prompt, blocks, names, max(span, len(prompt)))
+        state = _RowState(prompt, blocks, names, max(span, len(prompt)), row)
+        if blocks:
+            self._table_host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         state.computed = len(blocks) * self.block_size
         self.pool.lookups += len(prompt)
         self.pool.hits += state.computed
@@ -334,38 +355,94 @@ class PagedSession:
         return out[:, -1] if keep == 1 else out
 
     # -- decode --------------------------------------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int:
+        """The smallest batch bucket (1, 2, 4, ..., 256, then the row count) holding rows [0, n)."""
+        for b in self.buckets:
+            if n <= b:
+                return b
+        return self.batch_size
+
+    def _decode_step(self, bucket: int) -> torch.Tensor:
+        """The decode step over the first ``bucket`` rows, reading only the static buffers (so it can be captured
+        as a CUDA graph and replayed); logits (bucket, V)."""
+        c = self.cache
+        c.slots, c.lengths = self._slots_buf[:bucket], self._lengths_buf[:bucket]
+        c.tables, c.q_pos = self._tables_buf[:bucket, :self._width], self._pos_buf[:bucket]
+        out, _ = self.model(self._tokens_buf[:bucket], kv_cache=c, position_ids=c.q_pos)
+        return out[:, -1]
+
+    def _capture(self, bucket: int):
+        """Capture the decode step of ``bucket`` rows (the buffers hold a valid step: free rows only, which write
+        to the null block and read nothing). On failure: a warning, and that bucket runs eagerly from then on."""
+        saved = [t[:bucket].clone() for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf)]
+        for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf):
+            t[:bucket].zero_()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._decode_step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._graph_out[bucket] = self._decode_step(bucket)
+            self._graph_pool = graph.pool()
+            self.graphs[bucket] = graph
+        except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so
+            warnings.warn(f"paged decode: CUDA graph capture of {bucket} rows failed ({type(e).__name__}: {e}); "
+                          "running that bucket eagerly")
+            self.graphs[bucket] = None
+        for t, v in zip((self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf), saved):
+            t[:bucket].copy_(v)
+
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         """Feed tokens (B,) (one per batch row; free rows' are ignored); the next logits (B, V), float32. Each
-        occupied row's token goes at its next position; a row that reaches a block boundary gets a new block."""
+        occupied row's token goes at its next position; a row that reaches a block boundary gets a new block.
+
+        The step runs over the smallest batch bucket holding every occupied row (rows are handed out lowest
+        first), from static buffers; on CUDA each bucket's step is captured as a CUDA graph the first time it is
+        used (``cuda_graph``) and replayed after. On CPU the same step runs eagerly."""
         host = tokens.tolist() if self.device.type == "cpu" else None
-        pos, slots, lengths = [], [], []
-        for r, s in enumerate(self.rows):
-            if s is None or not s.ready:  # a free row, or one whose prompt is still being computed
-                pos.append(0)
-                slots.append(NULL_BLOCK * self.block_size)
-                lengths.append(0)
-                continue
+        occupied = [r for r, s in enumerate(self.rows) if s is not None and s.ready]
+        bucket = self.bucket_for(occupied[-1] + 1 if occupied else 1)
+        pos, slots, lengths = [0] * bucket, [NULL_BLOCK * self.block_size] * bucket, [0] * bucket
+        width = 1
+        for r in occupied:
+            s = self.rows[r]
             p = s.computed
             if p >= self.max_len:
                 raise ValueError(f"paged session: row {r} is past the length {self.max_len}")
             self._grow(s, p + 1)
             s.tokens.append(host[r] if host is not None else -1)  # on a GPU the token is filled in by note_tokens
             s.computed = p + 1
-            pos.append(p)
-            slots.append(self._slot(s, p))
-            lengths.append(p + 1)
-        c = self.cache
-        c.slots = to_device(slots, torch.long, self.device)
-        c.tables = self._tables(self.rows)
-        c.lengths = to_device(lengths, torch.int32, self.device)
-        c.q_pos = to_device(pos, torch.long, self.device)[:, None]
-        out, _ = self.model(tokens[:, None], kv_cache=c, position_ids=c.q_pos)
+            pos[r], slots[r], lengths[r] = p, self._slot(s, p), p + 1
+            width = max(width, len(s.blocks))
+        # the table's width: the longest row's on CPU (the PyTorch path reads every entry), all of it on CUDA
+        # (the kernel reads only each row's length, and a captured graph needs one shape)
+        self._width = self.max_blocks if self.device.type == "cuda" else width
+        self._tables_buf[:bucket].copy_(self._table_host[:bucket], non_blocking=True)
+        self._tokens_buf[:bucket, 0].copy_(tokens[:bucket])
+        for buf, values in ((self._slots_buf, slots), (self._lengths_buf, lengths)):
+            buf[:bucket].copy_(to_device(values, buf.dtype, self.device))
+        self._pos_buf[:bucket, 0].copy_(to_device(pos, torch.long, self.device))
+        if self.cuda_graph and bucket not in self.graphs:
+            self._capture(bucket)
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            logits = self._graph_out[bucket]
+        else:
+            logits = self._decode_step(bucket)
         if host is not None:
-            for s in self.rows:
-                if s is not None and s.ready:
-                    self._register_full(s)
-        return out[:, -1].float()
+            for r in occupied:
+                self._register_full(self.rows[r])
+        if bucket == self.batch_size:
+            return logits.float()
+        out = torch.zeros(self.batch_size, logits.size(-1), dtype=torch.float32, device=logits.device)
+        out[:bucket] = logits
+        return out
 
     # -- speculative decoding -----------------------------------------------------------------------------------
     def room(self, row: int) -> int:

@@ -286,8 +286,13 @@ class Scheduler:
             self.context = min(self.cache_len, model.cfg.max_seq_len)
             if kv_blocks is None and kv_cache_gb is not None:
                 kv_blocks = kv_blocks_for_bytes(model, block_size, int(kv_cache_gb * (1 << 30)))
+            elif kv_blocks is None and generator.device.type == "cuda":
+                # every row at the full context, when that takes at most half of the free GPU memory; else that half
+                full = max_batch * -(-self.context // block_size) + 1
+                half = torch.cuda.mem_get_info(generator.device)[0] // 2
+                kv_blocks = min(full, kv_blocks_for_bytes(model, block_size, half))
             self.session = PagedSession(model, max_batch, self.context, n_blocks=kv_blocks, block_size=block_size,
-                                        prefix_caching=prefix_caching)
+                                        prefix_caching=prefix_caching, cuda_graph=bool(generator.cuda_graph))
         else:
             self.cache_len = cache_len or default_cache_len(model, max_batch)
             self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span

@@ -123,7 +123,9 @@ class _Job:
 
 class InferenceApp:
     """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP layer only moves
-    bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU. ``max_queue``: sequences
+    bytes. ``max_batch`` None: on CUDA 256 rows with the paged engine, 16 with the column engine (the fused decode
+    step's most); 8 on CPU. ``engine_options``: the :class:`Scheduler`'s engine arguments (engine, block_size,
+    kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram). ``max_queue``: sequences
     that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
@@ -135,8 +137,9 @@ class InferenceApp:
             raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
         self.generator = generator
         self.model_name = model_name
-        if max_batch is None:
-            max_batch = 16 if generator.device.type == "cuda" else 8
+        if max_batch is None:  # CUDA: the paged engine's largest decode bucket; the column engine's fused step's most
+            paged = (engine_options or {}).get("engine", "paged") == "paged"
+            max_batch = (256 if paged else 16) if generator.device.type == "cuda" else 8
         self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len,
                                    **(engine_options or {}))
         self.context = self.scheduler.context
