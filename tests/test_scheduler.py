@@ -502,3 +502,31 @@ def test_prompt_lookup_speculative_decoding_gives_the_plain_greedy_tokens(model,
         finally:
             spec.stop()
             plain.stop()
+
+
+def test_a_small_kv_pool_makes_sequences_wait_and_cancelling_a_prefill_frees_its_blocks(model, make_scheduler):
+    """Paged engine with 6 blocks of 16 tokens: a sequence is admitted only when its prompt and budget fit next to
+    the running ones' (so three 40-token sequences run one or two at a time, each with its tokens alone); one that
+    can never fit is refused at once; a request cancelled while its prompt is computed in chunks gives its blocks
+    back."""
+    sched = make_scheduler(max_batch=3, kv_blocks=1 + 6, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.submit([[1] * 90], greedy(max_new_tokens=8))
+    per_step = {}
+    advance = sched._advance
+
+    def logged(seq, tok):
+        per_step.setdefault(sched.steps, set()).add(seq.prompt[0])
+        return advance(seq, tok)
+
+    sched._advance = logged
+    jobs = [([(11 * i + j) % 250 for j in range(30)], greedy(max_new_tokens=10)) for i in range(3)]
+    for (prompt, params), events in zip(jobs, run_all(sched, jobs)):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+    assert max(len(v) for v in per_step.values()) == 2   # 3 blocks each (40 tokens): two fit in 6 blocks
+    with sched.paused():
+        sub = sched.submit([[(3 * j) % 250 for j in range(60)]], greedy(max_new_tokens=4))
+    wait_until(lambda: sched.prefill_chunks > 0 and sched.stats()["kv_blocks_in_use"] > 0)
+    sub.cancel()
+    assert [e.finish_reason for e in sub.events()][-1] == CANCELLED
+    wait_until(lambda: sched.stats()["kv_blocks_in_use"] == 0 and sched.stats()["running"] == 0)
