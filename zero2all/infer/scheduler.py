@@ -1,10 +1,19 @@
 """Continuous batching: one thread owns the model and a fixed pool of KV-cache rows that requests come and go from.
 
-The pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by ``cache_len`` slots, in the
-session's usual layout: every row writes its next token at the same cache slot (the *column*), and a row's
-padding (the slots before its first token) is hidden by the attention mask, while its RoPE positions start at 0 as
-if it were alone. So the decode step is unchanged (the same CUDA graph, the fused kernels on CUDA); what is new is
-that rows change between steps::
+Two engines. The default, ``engine="paged"`` (``infer/paged.py``), keeps keys and values in a pool of fixed-size
+blocks with a block table per row: a sequence is admitted when the pool holds its prompt and budget next to the
+running rows' (nothing moves and nothing is preempted), the longest cached prefix of its prompt is taken from the
+prefix cache, and the rest of its prompt is computed a chunk per iteration under the token budget
+``max_num_batched_tokens`` (one token per decoding row, the rest for prompts in arrival order) while the other rows
+keep decoding; a row draws tokens once its prompt is complete. Greedy rows may draft tokens by prompt lookup
+(``speculative_ngram``, ``_speculative_step``). The rest of this docstring describes the column engine
+(``engine="column"``), whose per-row logic (sampling, stop checks, seeds, cancellation) both engines share.
+
+The column engine's pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by
+``cache_len`` slots, in the session's usual layout: every row writes its next token at the same cache slot (the
+*column*), and a row's padding (the slots before its first token) is hidden by the attention mask, while its RoPE
+positions start at 0 as if it were alone. So the decode step is unchanged (the same CUDA graph, the fused kernels on
+CUDA); what is new is that rows change between steps::
 
     column ->        0    1    2    3    4    5    6    7
     row 0 (old)      p    p    p    g    g    g    g  | next token at the column
