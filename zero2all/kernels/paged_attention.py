@@ -89,7 +89,10 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                 # (G_PAD, BLOCK_SIZE)
+            if UPCAST:  # float32 products in full precision (not TF32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # (G_PAD, BLOCK_SIZE)
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(t_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
