@@ -213,15 +213,24 @@ def start_server(args):
     generator = Generator(model, tok, fused=fused)
     t0 = time.perf_counter()
     app = InferenceApp(generator, name, max_tokens_limit=args.max_tokens, max_queue=args.max_queue,
-                       max_batch=args.max_batch)
+                       max_batch=args.max_batch,
+                       engine_options=dict(engine=args.engine, block_size=args.block_size,
+                                           kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching,
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           speculative_ngram=args.speculative_ngram))
     setup = time.perf_counter() - t0
     httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     host, port = httpd.server_address[:2]
     session = app.scheduler.session
-    print(f"server: {name} on {device} ({dtype}), {model.num_params():,} parameters; {app.max_batch} rows x "
-          f"{app.scheduler.cache_len} slots; decode step: {'fused' if session.fused else 'generic'}"
-          f"{', CUDA graphs' if session.graphs else ''} (set up in {setup:.1f} s)", flush=True)
+    if app.scheduler.paged:
+        engine = (f"paged engine, {session.pool.total} blocks of {session.block_size} tokens, prefix caching "
+                  f"{'on' if session.pool.prefix_caching else 'off'}")
+    else:
+        engine = (f"column engine, {app.scheduler.cache_len} slots a row; decode step: "
+                  f"{'fused' if session.fused else 'generic'}{', CUDA graphs' if session.graphs else ''}")
+    print(f"server: {name} on {device} ({dtype}), {model.num_params():,} parameters; {app.max_batch} rows; "
+          f"{engine} (set up in {setup:.1f} s)", flush=True)
     return httpd, app, f"http://{host}:{port}", tok
 
 
@@ -259,7 +268,14 @@ def main(argv=None) -> int:
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--decode", default="auto", choices=["auto", "fused", "generic"],
                     help="the decode step: auto (fused on CUDA where supported), fused kernels, or the model's own")
-    ap.add_argument("--max-batch", type=int, default=None, help="batch rows (default: 16 on CUDA, 8 on CPU)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="batch rows (default: 256 on CUDA with the paged engine, 16 with --engine column, 8 on CPU)")
+    ap.add_argument("--engine", default="paged", choices=["paged", "column"], help="the scheduler's engine")
+    ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
+    ap.add_argument("--speculative-ngram", type=int, default=0, help="paged engine: prompt-lookup draft tokens")
     ap.add_argument("--max-queue", type=int, default=None, help="waiting sequences (default: the most clients)")
     ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")

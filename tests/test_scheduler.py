@@ -59,11 +59,13 @@ def run_all(sched, jobs):
     return [list(sub.events()) for sub in subs]
 
 
-def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler):
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler, engine):
     """Ten sequences of different lengths and budgets through three rows of a 64-slot cache: rows join while
-    others run, the occupied span moves (right for a long prompt, left when the common padding grows), and every
-    sequence's greedy tokens equal those of its prompt generated alone."""
-    sched = make_scheduler(max_batch=3, cache_len=64, compact_min=4)
+    others run, the occupied span moves (column engine: right for a long prompt, left when the common padding
+    grows; the paged engine never moves anything), and every sequence's greedy tokens equal those of its prompt
+    generated alone."""
+    sched = make_scheduler(max_batch=3, cache_len=64, compact_min=4, engine=engine)
     lengths = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20]
     budgets = [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
     jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m))
@@ -73,8 +75,10 @@ def test_staggered_joins_and_moves_match_each_prompt_alone(model, make_scheduler
         assert tokens_of(events) == [reference(model, prompt, params)]
         assert events[-1].finish_reason == "length" and len(events) == params.max_new_tokens
     stats = sched.stats()
-    assert stats["moves"] > 0 and stats["running"] == stats["waiting"] == 0
+    assert (stats["moves"] > 0) == (engine == "column") and stats["running"] == stats["waiting"] == 0
     assert stats["finished"] == {"length": len(jobs)}
+    if engine == "paged":
+        assert stats["kv_blocks_in_use"] == 0 and stats["prefix_cache_lookups"] == sum(lengths)
 
 
 def test_rows_keep_their_own_parameters_in_one_batch(model, make_scheduler):
@@ -187,7 +191,7 @@ def test_prefill_rows_together_equal_each_prompt_alone(model, rows):
 def test_sequences_admitted_together_are_prefilled_together(model, make_scheduler, monkeypatch):
     """Sequences that join in the same iteration share one forward per group of similar prompt lengths (a long
     prompt is not padded to with short ones), and each still generates what its prompt generates alone."""
-    sched = make_scheduler(max_batch=6, cache_len=128)
+    sched = make_scheduler(max_batch=6, cache_len=128, engine="column")
     calls = []
     prefill_rows = sched.session.prefill_rows
 
@@ -289,7 +293,7 @@ def test_fused_step_with_rows_joining(make_scheduler):
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device=device, seed=0).eval()
     sched = Scheduler(Generator(m, ByteTokenizer(), fused=True, cuda_graph=False), max_batch=2, max_queue=8,
-                      cache_len=24, compact_min=2)
+                      cache_len=24, compact_min=2, engine="column")
     try:
         assert sched.session.fused is not None
         # the second prompt is longer than the slot the first one left: the first row moves right for it
@@ -333,12 +337,14 @@ def test_rows_stopping_early_with_and_without_a_step_in_flight(model, make_sched
     assert sched.stats()["running"] == 0
 
 
-def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler):
-    """Sequences that each fill the whole context, started at different times: with the default cache (twice the
-    context) each joins as soon as a row is free, so three of them share every step once all have joined."""
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_a_cache_of_twice_the_context_never_makes_a_sequence_wait(model, make_scheduler, engine):
+    """Sequences that each fill the whole context, started at different times: with the default cache (column:
+    twice the context; paged: a pool that holds every row at the full context) each joins as soon as a row is free,
+    so three of them share every step once all have joined."""
     ctx = model.cfg.max_seq_len
-    sched = make_scheduler(max_batch=3)
-    assert sched.cache_len == 2 * ctx and sched.context == ctx
+    sched = make_scheduler(max_batch=3, engine=engine)
+    assert sched.cache_len == (2 * ctx if engine == "column" else ctx) and sched.context == ctx
     jobs = [([(3 * i + j) % 250 for j in range(ctx // 2)], greedy(max_new_tokens=ctx // 2)) for i in range(3)]
     subs = [sched.submit([jobs[0][0]], jobs[0][1])]
     for prompt, params in jobs[1:]:  # each joins while the ones before it are running
@@ -366,7 +372,7 @@ def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused):
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device="cuda", seed=0).eval()
     sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=4, max_queue=32, cache_len=96,
-                      compact_min=4)
+                      compact_min=4, engine="column")
     try:
         assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == fused
         lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
@@ -413,3 +419,114 @@ def test_async_batches_match_the_threaded_events_and_leaving_early_cancels(make_
     sub, got = asyncio.run(consume(limit=3))
     assert sub.cancelled and len(got) >= 3
     assert sched.wait_idle(10) and sched.stats()["finished"].get(CANCELLED, 0) == 2
+
+
+def test_chunked_prefill_keeps_running_streams_going_and_gives_the_same_tokens(model, make_scheduler, monkeypatch):
+    """Paged engine, a budget of 8 tokens a step: a 70-token prompt is computed a chunk per step while a running
+    sequence draws a token at every one of those steps; each sequence's greedy tokens equal its prompt's alone
+    (one-shot prefill), and the prompt took about 70 / (8 - 1) prefill forwards."""
+    sched = make_scheduler(max_batch=3, max_num_batched_tokens=8)
+    order = []
+    advance = sched._advance
+
+    def logged(seq, tok):
+        order.append((seq.prompt[0], sched.steps))
+        return advance(seq, tok)
+
+    monkeypatch.setattr(sched, "_advance", logged)
+    short = ([1, 2, 3], greedy(max_new_tokens=30))
+    long = ([(9 * j + 4) % 250 for j in range(70)], greedy(max_new_tokens=4))
+    first = sched.submit([short[0]], short[1])
+    wait_until(lambda: len(order) >= 2)
+    with sched.paused():
+        second = sched.submit([long[0]], long[1])
+        mark = len(order)
+    assert tokens_of(list(first.events())) == [reference(model, *short)]
+    assert tokens_of(list(second.events())) == [reference(model, *long)]
+    start = next(i for i, (who, _) in enumerate(order) if who == long[0][0])
+    during = [step for who, step in order[mark:start] if who == short[0][0]]
+    # while the long prompt was being computed (>= 10 chunks of at most 7 tokens), the short one drew every step
+    assert sched.prefill_chunks >= 70 // 7 and len(during) >= 9
+    assert during == list(range(during[0], during[0] + len(during)))
+
+
+def test_a_shared_prefix_through_the_scheduler_is_computed_once(model, make_scheduler):
+    """Paged engine: three sequences with a 40-token common prefix, one after the other: the later ones take its
+    two full blocks from the cache (cached_tokens on their final event) and generate what they generate alone."""
+    sched = make_scheduler(max_batch=2)
+    system = [(5 * j + 1) % 250 for j in range(40)]
+    jobs = [(system + [7 + i, 9], greedy(max_new_tokens=5)) for i in range(3)]
+    cached = []
+    for prompt, params in jobs:
+        events = sched.generate([prompt], params)
+        assert tokens_of(events) == [reference(model, prompt, params)]
+        cached.append(events[-1].cached_tokens)
+    assert cached == [0, 32, 32]
+    stats = sched.stats()
+    assert stats["prefix_cache_hits"] == 64 and stats["kv_blocks_in_use"] == 0
+
+
+def test_prompt_lookup_speculative_decoding_gives_the_plain_greedy_tokens(model, make_scheduler):
+    """Paged engine with prompt-lookup drafts of up to 4 tokens: greedy sequences (with a stop token mid-way)
+    give exactly the tokens of plain greedy decoding, a seeded sampled sequence beside them its tokens without
+    speculation. On the random tiny model drafts are found but mostly rejected (the rollback path); on a copy whose
+    attention output is zeroed (a Markov chain over tokens: its greedy text cycles) most are accepted."""
+    markov = build_model(tiny_model_config(initializer_range=0.3), seed=0).eval()
+    with torch.no_grad():
+        for block in markov.layers:
+            block.self_attn.o_proj.weight.zero_()
+    for m in (model, markov):
+        gen = Generator(m, ByteTokenizer())
+        spec = Scheduler(gen, max_batch=4, speculative_ngram=4)
+        plain = Scheduler(gen, max_batch=4)
+        try:
+            loop = [40, 41, 42, 43, 44] * 3
+            free = gen.generate([loop], greedy(max_new_tokens=24))[0]
+            jobs = [(loop, greedy(max_new_tokens=24)),
+                    ([(3 * j) % 50 + 60 for j in range(30)], greedy(max_new_tokens=20)),
+                    ([1, 2, 3], SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=[free.token_ids[9]])),
+                    ([7, 8, 9, 7, 8, 9], SamplingParams(max_new_tokens=16, temperature=0.8, seed=3,
+                                                        stop_token_ids=[]))]
+            got, want = run_all(spec, jobs), run_all(plain, jobs)
+            for (prompt, params), g, w in zip(jobs, got, want):
+                assert tokens_of(g) == tokens_of(w)
+                assert "".join(e.text for e in g) == "".join(e.text for e in w)
+                assert g[-1].finish_reason == w[-1].finish_reason
+                if params.temperature == 0:
+                    assert tokens_of(g) == [gen.generate([prompt], params)[0].token_ids]
+            stats = spec.stats()
+            assert stats["spec_drafted"] > 0 and stats["kv_blocks_in_use"] == 0
+            if m is markov:
+                assert stats["spec_accepted"] > stats["spec_drafted"] // 2
+                assert stats["steps"] < plain.stats()["steps"]   # the sampled row (16 tokens) bounds it
+        finally:
+            spec.stop()
+            plain.stop()
+
+
+def test_a_small_kv_pool_makes_sequences_wait_and_cancelling_a_prefill_frees_its_blocks(model, make_scheduler):
+    """Paged engine with 6 blocks of 16 tokens: a sequence is admitted only when its prompt and budget fit next to
+    the running ones' (so three 40-token sequences run one or two at a time, each with its tokens alone); one that
+    can never fit is refused at once; a request cancelled while its prompt is computed in chunks gives its blocks
+    back."""
+    sched = make_scheduler(max_batch=3, kv_blocks=1 + 6, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.submit([[1] * 90], greedy(max_new_tokens=8))
+    per_step = {}
+    advance = sched._advance
+
+    def logged(seq, tok):
+        per_step.setdefault(sched.steps, set()).add(seq.prompt[0])
+        return advance(seq, tok)
+
+    sched._advance = logged
+    jobs = [([(11 * i + j) % 250 for j in range(30)], greedy(max_new_tokens=10)) for i in range(3)]
+    for (prompt, params), events in zip(jobs, run_all(sched, jobs)):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+    assert max(len(v) for v in per_step.values()) == 2   # 3 blocks each (40 tokens): two fit in 6 blocks
+    with sched.paused():
+        sub = sched.submit([[(3 * j) % 250 for j in range(60)]], greedy(max_new_tokens=4))
+    wait_until(lambda: sched.prefill_chunks > 0 and sched.stats()["kv_blocks_in_use"] > 0)
+    sub.cancel()
+    assert [e.finish_reason for e in sub.events()][-1] == CANCELLED
+    wait_until(lambda: sched.stats()["kv_blocks_in_use"] == 0 and sched.stats()["running"] == 0)

@@ -461,6 +461,7 @@ def test_null_means_absent(server, field):
         null = client.post(path, json={**head, "seed": 5, "temperature": 0, field: None})
         assert absent.status_code == 200 and null.status_code == 200, (field, null.text)
         a, b = absent.json(), null.json()
+        a["usage"].pop("prompt_tokens_details"), b["usage"].pop("prompt_tokens_details")  # the 2nd hits the cache
         assert a["usage"] == b["usage"] and a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
         assert a["usage"]["total_tokens"] <= 96
 
@@ -509,3 +510,29 @@ def test_empty_tools_and_a_text_response_format_are_accepted(server):
     r = client.post("/v1/chat/completions", json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
                                                   "max_tokens": 2, "tools": [], "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_metrics_show_the_pool(server):
+    """The paged engine's prefix cache: the second request with the same long prompt reports the prompt tokens
+    of its full cached blocks in usage.prompt_tokens_details.cached_tokens (OpenAI's field), with the same text;
+    /metrics shows the KV blocks and the prefix cache's hits."""
+    client, app = server
+    body = {"model": "tiny-chat", "prompt": "a shared preamble of some length, " * 2, "max_tokens": 4,
+            "temperature": 0}
+    n = app.scheduler.session.block_size
+    first = client.post("/v1/completions", json=body).json()
+    second = client.post("/v1/completions", json=body).json()
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // n * n > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                          "stream_options": {"include_usage": True}}) as r:
+        last = sse_events(r)[-1]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // n * n
+    metrics = client.get("/metrics").text
+    total = app.scheduler.session.pool.total
+    assert f"z2all_kv_blocks_total {total}" in metrics and "z2all_kv_blocks_in_use 0" in metrics
+    assert "z2all_spec_acceptance_rate 0.0000" in metrics   # speculation off
+    hits = [line for line in metrics.splitlines() if line.startswith("z2all_prefix_cache_hit_tokens_total")]
+    assert hits and int(hits[0].split()[1]) >= 2 * ((prompt_tokens - 1) // n * n)

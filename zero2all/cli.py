@@ -843,7 +843,23 @@ def _serve(p):
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a batch row while all rows are busy; more get HTTP 429")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="sequences decoded together, one KV-cache row each (default: 16 on CUDA, 8 on CPU)")
+                   help="sequences decoded together (default: 256 on CUDA with the paged engine, 16 with --engine "
+                        "column, 8 on CPU)")
+    p.add_argument("--engine", default="paged", choices=["paged", "column"],
+                   help="paged: a pool of KV blocks with prefix caching (default); column: one cache row per "
+                        "sequence, with the fused decode step and CUDA graphs")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="paged engine: tokens per KV block (a power of two >= 16 for the GPU kernel)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="paged engine: GiB for the KV block pool (default: every batch row at the full context)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="paged engine: tokens one step computes (a decoding sequence's 1 each, the rest for prompts, "
+                        "so a long prompt is computed in chunks while running streams keep going)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="paged engine: prompt-lookup speculative decoding for greedy requests, up to K draft tokens "
+                        "a step taken from earlier text (the same tokens as without; 0 = off)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds to let running and queued requests finish before cancelling "
                         "them (exit status 143 if any was cancelled; a second signal cancels at once)")
@@ -884,6 +900,14 @@ def _serve(p):
                                    ("--max-batch", args.max_batch, 1)):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
+        if args.block_size < 1 or (args.engine == "paged" and args.block_size & (args.block_size - 1)):
+            raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
+        if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine != "paged"):
+            raise ConfigError(f"--speculative-ngram {args.speculative_ngram}: must be >= 0, with --engine paged")
+        if args.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
+        if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
+            raise ConfigError(f"--kv-cache-gb {args.kv_cache_gb}: must be a number of GiB > 0 (e.g. 8)")
         if not args.read_timeout > 0:
             raise ConfigError(f"--read-timeout must be a number of seconds > 0 (e.g. 30), got {args.read_timeout:g}")
         if args.max_connections < 1:
@@ -897,7 +921,12 @@ def _serve(p):
                          drain_timeout=args.drain_timeout, compile=args.compile,
                          api_key=args.api_key or os.environ.get("Z2ALL_API_KEY") or None,
                          cors_origin=args.cors_origin, read_timeout=args.read_timeout,
-                         max_connections=args.max_connections)
+                         max_connections=args.max_connections,
+                         engine_options=dict(engine=args.engine, block_size=args.block_size,
+                                             kv_cache_gb=args.kv_cache_gb,
+                                             max_num_batched_tokens=args.max_num_batched_tokens,
+                                             speculative_ngram=args.speculative_ngram,
+                                             prefix_caching=not args.no_prefix_caching))
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)
             return e.exit_code

@@ -171,10 +171,15 @@ class ChatCompletionRequest(_Request):
 
 # -- responses (the shapes written; /openapi.json) ----------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 FinishReason = Literal["stop", "length", "cancelled"] | None

@@ -93,6 +93,7 @@ class GenerationEvent:
     text: str
     finish_reason: str | None = None  # "stop" (stop token or string) | "length"
     stop_token: bool = False          # token_id is the stop token that ended the row (not part of the output)
+    cached_tokens: int = 0            # on the final event: prompt tokens taken from the prefix cache
 
 
 @dataclass

@@ -1,10 +1,19 @@
 """Continuous batching: one thread owns the model and a fixed pool of KV-cache rows that requests come and go from.
 
-The pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by ``cache_len`` slots, in the
-session's usual layout: every row writes its next token at the same cache slot (the *column*), and a row's
-padding (the slots before its first token) is hidden by the attention mask, while its RoPE positions start at 0 as
-if it were alone. So the decode step is unchanged (the same CUDA graph, the fused kernels on CUDA); what is new is
-that rows change between steps::
+Two engines. The default, ``engine="paged"`` (``infer/paged.py``), keeps keys and values in a pool of fixed-size
+blocks with a block table per row: a sequence is admitted when the pool holds its prompt and budget next to the
+running rows' (nothing moves and nothing is preempted), the longest cached prefix of its prompt is taken from the
+prefix cache, and the rest of its prompt is computed a chunk per iteration under the token budget
+``max_num_batched_tokens`` (one token per decoding row, the rest for prompts in arrival order) while the other rows
+keep decoding; a row draws tokens once its prompt is complete. Greedy rows may draft tokens by prompt lookup
+(``speculative_ngram``, ``_speculative_step``). The rest of this docstring describes the column engine
+(``engine="column"``), whose per-row logic (sampling, stop checks, seeds, cancellation) both engines share.
+
+The column engine's pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by
+``cache_len`` slots, in the session's usual layout: every row writes its next token at the same cache slot (the
+*column*), and a row's padding (the slots before its first token) is hidden by the attention mask, while its RoPE
+positions start at 0 as if it were alone. So the decode step is unchanged (the same CUDA graph, the fused kernels on
+CUDA); what is new is that rows change between steps::
 
     column ->        0    1    2    3    4    5    6    7
     row 0 (old)      p    p    p    g    g    g    g  | next token at the column
@@ -214,6 +223,8 @@ class _Seq:
         self.row = -1
         self.pad = 0                  # its first cache slot
         self.drawn = 0                # tokens drawn so far (a stop token included)
+        self.cached = 0               # prompt tokens found in the prefix cache (paged engine)
+        self.ready = False            # its prompt is computed: it draws a token every step
 
     @property
     def end(self) -> int:
@@ -233,30 +244,78 @@ def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
     return 2 * cfg.max_seq_len if per_slot * 2 * cfg.max_seq_len <= budget else cfg.max_seq_len
 
 
+def kv_blocks_for_bytes(model, block_size: int, budget: int) -> int:
+    """How many blocks of ``block_size`` tokens (keys and values of every layer) fit in ``budget`` bytes, the null
+    block included."""
+    cfg, w = model.cfg, model.embed_tokens.weight
+    per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * w.element_size()
+    blocks = budget // per_block
+    if blocks < 2:
+        raise ValueError(f"kv_cache_gb: {budget / (1 << 30):g} GiB holds {blocks} blocks of {block_size} tokens "
+                         f"({per_block} bytes each); give more")
+    return int(blocks)
+
+
 class Scheduler:
     """Continuous batching over ``generator``'s model (see the module docstring); a background thread runs it.
 
-    ``max_batch`` rows, each ``cache_len`` slots (default: ``default_cache_len``); up to ``max_queue`` sequences
-    may wait for a row beyond those that a free row takes at once, more are refused (:class:`QueueFull`).
-    ``pipelined`` (None: on CUDA): queue each decode step before the host reads the tokens drawn for it.
+    ``max_batch`` rows; up to ``max_queue`` sequences may wait for a row beyond those that a free row takes at
+    once, more are refused (:class:`QueueFull`). ``pipelined`` (None: on CUDA): queue each decode step before the
+    host reads the tokens drawn for it.
+
+    ``engine``: "paged" (the default: a pool of ``kv_blocks`` blocks of ``block_size`` tokens with prefix caching,
+    ``infer/paged.py``; a sequence joins when the pool holds its prompt and budget next to the running rows'; the
+    default pool holds every row at the full context) or "column" (the layout of the module docstring: rows of
+    ``cache_len`` slots, default ``default_cache_len``; with the fused decode step and CUDA graphs).
     """
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
-                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True):
+                 compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
+                 block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"scheduler: max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if engine not in ("paged", "column"):
+            raise ValueError(f"scheduler: engine must be 'paged' or 'column', got {engine!r}")
+        if speculative_ngram < 0 or (speculative_ngram and engine != "paged"):
+            raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
+                             f"{speculative_ngram} with {engine!r}")
         model = generator.model
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.cache_len = cache_len or default_cache_len(model, max_batch)
-        self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
+        self.paged = engine == "paged"
+        self.engine = engine
+        if self.paged:
+            from zero2all.infer.paged import PagedSession
+
+            self.cache_len = cache_len or model.cfg.max_seq_len
+            self.context = min(self.cache_len, model.cfg.max_seq_len)
+            if kv_blocks is None and kv_cache_gb is not None:
+                kv_blocks = kv_blocks_for_bytes(model, block_size, int(kv_cache_gb * (1 << 30)))
+            elif kv_blocks is None and generator.device.type == "cuda":
+                # every row at the full context, when that takes at most half of the free GPU memory; else that half
+                full = max_batch * -(-self.context // block_size) + 1
+                half = torch.cuda.mem_get_info(generator.device)[0] // 2
+                kv_blocks = min(full, kv_blocks_for_bytes(model, block_size, half))
+            self.session = PagedSession(model, max_batch, self.context, n_blocks=kv_blocks, block_size=block_size,
+                                        prefix_caching=prefix_caching, cuda_graph=bool(generator.cuda_graph))
+        else:
+            self.cache_len = cache_len or default_cache_len(model, max_batch)
+            self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
+            self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
+                                         compile=generator.compile, window=generator.attention_window,
+                                         fused=generator.use_fused(max_batch))
         self.compact_min = compact_min
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
+        self.prefill_chunks = 0       # paged: prefill forwards run (one per step that computes prompt tokens)
+        self.spec_k = speculative_ngram  # paged: draft tokens per greedy row and step (prompt lookup); 0 = off
+        self.spec_drafted = self.spec_accepted = 0
         self.vocab = model.cfg.padded_vocab_size
         self.device = generator.device
-        self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
-                                     compile=generator.compile, window=generator.attention_window,
-                                     fused=generator.use_fused(max_batch))
         self.default_stop_ids = frozenset(generator.default_stop_ids())
         self._cond = threading.Condition()
         self._waiting: deque[_Seq] = deque()
@@ -291,6 +350,9 @@ class Scheduler:
         check_prompts(prompts, params.max_new_tokens, self.context, self.vocab)
         if len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts in one request; at most {self.max_batch} (the batch rows)")
+        if self.paged and not all(self.session.fits_ever(len(p) + params.max_new_tokens) for p in prompts):
+            raise ValueError(f"a prompt with {params.max_new_tokens} new tokens needs more than the KV cache's "
+                             f"{self.session.pool.total} blocks of {self.session.block_size} tokens")
         stop_ids = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
         sub = Submission(self, len(prompts))
         seqs = []
@@ -321,8 +383,15 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cond:
-            return {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
-                    "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+            out = {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
+                   "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+            if self.paged:
+                pool = self.session.pool
+                out.update(kv_blocks_in_use=pool.in_use(), kv_blocks_total=pool.total,
+                           kv_block_size=pool.block_size, prefix_cache_lookups=pool.lookups,
+                           prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate(),
+                           spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted)
+            return out
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing runs or waits; False if ``timeout`` passed first."""
@@ -426,9 +495,12 @@ class Scheduler:
             self._cond.notify_all()
 
     def _finish(self, seq: _Seq, ev: GenerationEvent):
+        ev.cached_tokens = seq.cached
         seq.emit(ev)
         self.finished[ev.finish_reason] += 1
         self._rows[seq.row] = None
+        if self.paged:
+            self.session.release(seq.row)
         self._changed = True
         self._cond.notify_all()
 
@@ -444,12 +516,17 @@ class Scheduler:
                     seq.emit(error)
                     self.finished["error"] += 1
                     self._rows[seq.row] = None
+            if self.paged:
+                self.session.reset()
             self._logits, self._changed = None, True
+            self._prefilling = []
             self._cond.notify_all()
 
     def _placement(self, n: int, m: int) -> int | None:
         """(Lock held.) How far to move the occupied span so that a prompt of n tokens with m new tokens fits
         right-aligned at the column (0: it fits as is), or None when it cannot join now."""
+        if self.paged:
+            return 0 if self.session.can_admit(n + m) else None
         running = [s for s in self._rows if s is not None]
         if not running:
             return n - self._col  # an empty cache: start over
@@ -487,9 +564,11 @@ class Scheduler:
             seq.pad = self._col - len(seq.prompt)
             self._rows[seq.row] = seq
             self._changed = True
+            if self.paged:  # its blocks are taken now, so that the next sequence's room counts them
+                self.session.reserve(seq.row, len(seq.prompt) + seq.params.max_new_tokens)
             ops.append(("prefill", seq, self._col))
         running = [s for s in self._rows if s is not None]
-        if running:
+        if running and not self.paged:
             common = min(s.pad for s in running)
             if common >= max(self.compact_min, self._col // 4):  # slots that no row reads: drop them
                 ops.append(self._move(-common))
@@ -499,7 +578,7 @@ class Scheduler:
         """The per-row tensors after rows joined, left or moved: padding, sampling parameters."""
         rows, dev = self._rows, self.device
         self.session.set_pad_lens([s.pad if s is not None else self._col for s in rows])  # free: see itself
-        sampled = [r for r, s in enumerate(rows) if s is not None and s.params.temperature > 0]
+        sampled = [r for r, s in enumerate(rows) if s is not None and s.ready and s.params.temperature > 0]
         self._sampled = None
         if sampled:
             p = [rows[r].params for r in sampled]
@@ -533,18 +612,58 @@ class Scheduler:
         S, B, dev = self.session, self.max_batch, self.device
         for group in self.prefill_groups(seqs):
             logits = S.prefill_rows([s.row for s in group], [s.prompt for s in group], end)
+            if self.paged:
+                for s in group:
+                    s.cached = S.cached_tokens.get(s.row, 0)
             if self._logits is None:
                 self._logits = torch.zeros(B, logits.size(-1), dtype=torch.float32, device=dev)
             if len(group) == 1:
                 self._logits[group[0].row] = logits[0]
             else:
                 self._logits[to_device([s.row for s in group], torch.long, dev)] = logits
+        self._ready(seqs)
+
+    def _ready(self, seqs: list[_Seq]):
+        """Sequences whose prompt is computed (their first logits in place): they draw tokens from now on."""
+        B, dev = self.max_batch, self.device
         for seq in seqs:
+            seq.ready = True
+            self._changed = True
             if seq.params.repetition_penalty != 1.0:
                 if self._seen is None:
                     self._seen = torch.zeros(B, self._logits.size(-1), dtype=torch.bool, device=dev)
                 self._seen[seq.row] = False
                 self._seen[seq.row, to_device(seq.prompt, torch.long, dev)] = True
+
+    def _prefill_chunk(self):
+        """(Paged.) One forward of prompt tokens under the step's token budget: the budget less one token per
+        decoding row, given to the started prompts in arrival order; the prompts that complete join the decode."""
+        S = self.session
+        self._prefilling = [s for s in self._prefilling if self._rows[s.row] is s]  # cancelled ones are gone
+        decoding = sum(s is not None and s.ready for s in self._rows)
+        left = max(1, self.max_num_batched_tokens - decoding)
+        rows, takes = [], []
+        for seq in self._prefilling:
+            if left <= 0:
+                break
+            take = min(S.remaining(seq.row), left)
+            rows.append(seq.row)
+            takes.append(take)
+            left -= take
+        if not rows:
+            return
+        logits = S.prefill_step(rows, takes)
+        self.prefill_chunks += 1
+        done = [i for i, r in enumerate(rows) if S.remaining(r) == 0]
+        if not done:
+            return
+        if self._logits is None:
+            self._logits = torch.zeros(self.max_batch, logits.size(-1), dtype=torch.float32, device=self.device)
+        idx = [rows[i] for i in done]
+        self._logits[to_device(idx, torch.long, self.device)] = logits[to_device(done, torch.long, self.device)]
+        finished = [s for s in self._prefilling if s.row in idx]
+        self._prefilling = [s for s in self._prefilling if s.row not in idx]
+        self._ready(finished)
 
     def _step(self, ops: list[tuple]):
         S = self.session
@@ -558,12 +677,18 @@ class Scheduler:
                 S.move_columns(*op[1:])
                 continue
             _, seq, end = op
+            if self.paged:  # its cached prefix is taken now; its prompt is computed a chunk per step
+                seq.cached = S.start(seq.row, seq.prompt, len(seq.prompt) + seq.params.max_new_tokens)
+                self._prefilling.append(seq)
+                continue
             joining.append(seq)
         if joining:
             self._prefill(joining, end)
+        if self._prefilling:
+            self._prefill_chunk()
         if self._changed:
             self._rebuild()
-        running = [s for s in self._rows if s is not None]
+        running = [s for s in self._rows if s is not None and s.ready]
         if not running:
             return
 
@@ -578,6 +703,8 @@ class Scheduler:
         if self._penalty is not None:
             self._seen.scatter_(1, tokens[:, None], True)
 
+        if self.spec_k and any(s.params.temperature == 0 and s.params.repetition_penalty == 1.0 for s in running):
+            return self._speculative_step(running, tokens)
         on_cuda = self.device.type == "cuda"
         launched = False
         if self.pipelined:
@@ -591,6 +718,8 @@ class Scheduler:
             if on_cuda:
                 self._copied.synchronize()
             host = self._host.tolist() if on_cuda else tokens.tolist()
+            if launched and self.paged:
+                S.note_tokens(host)
         else:
             host = tokens.tolist()
         with self._cond:
@@ -600,11 +729,70 @@ class Scheduler:
             still = any(s is not None for s in self._rows)
         if not self.pipelined and still:  # nothing runs ahead: step only for the rows that go on
             self._logits, launched = S.decode(tokens, self._col), True
+            if self.paged:
+                S.note_tokens(host)
         self.steps += launched
         if launched:
             self._col += 1
         else:
             self._logits = None
+
+    def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
+        """(Paged, greedy rows present.) Prompt-lookup speculative decoding: after the drawn tokens are handed out,
+        each greedy row still running proposes up to ``spec_k`` tokens that followed the latest earlier occurrence
+        of its last few tokens (``paged.ngram_draft``); one forward feeds every row its drawn token and its draft,
+        and a greedy row keeps the draft tokens that equal its own argmax at each position, up to the first that
+        does not, plus the logits after the last kept one (so it draws the next token from them as usual). The
+        tokens are exactly those of plain greedy decoding; a step yields 1 + (accepted) tokens for such a row.
+        Not pipelined: the drafts need the host to know the drawn tokens first."""
+        from zero2all.infer.paged import ngram_draft
+
+        S = self.session
+        host = tokens.tolist()
+        with self._cond:
+            for seq in running:
+                if not seq.sub.cancelled:
+                    self._advance(seq, host[seq.row])
+            live = [s for s in running if self._rows[s.row] is s]
+        if not live:
+            self._logits = None
+            return
+        drafts = {}
+        for seq in live:
+            p = seq.params
+            if p.temperature == 0 and p.repetition_penalty == 1.0:
+                k = min(self.spec_k, p.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
+                draft = ngram_draft(S.history(seq.row) + [host[seq.row]], k) if k > 0 else []
+                if draft:
+                    drafts[seq.row] = draft
+        if not drafts:
+            self._logits = S.decode(tokens, self._col)
+            S.note_tokens(host)
+            self.steps += 1
+            return
+        logits, T = S.verify(host, drafts)
+        nxt = logits[:, -1].clone()
+        accepted = {}
+        for row, draft in drafts.items():
+            n = 1 + len(draft)
+            predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
+            a = 0
+            while a < len(draft) and predicted[a] == draft[a]:
+                a += 1
+            accepted[row] = a
+            nxt[row] = logits[row, T - n + a]
+            self.spec_drafted += len(draft)
+            self.spec_accepted += a
+        S.finish_verify(accepted)
+        self._logits = nxt
+        self.steps += 1
+        with self._cond:
+            for row, a in accepted.items():
+                seq = self._rows[row]
+                for tok in drafts[row][:a]:
+                    if seq is None or self._rows[row] is not seq or seq.sub.cancelled:
+                        break
+                    self._advance(seq, tok)
 
     def _advance(self, seq: _Seq, tok: int):
         """(Lock held.) One drawn token of a running sequence: stop checks and its streamed text."""

@@ -123,21 +123,25 @@ class _Job:
 
 class InferenceApp:
     """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP layer only moves
-    bytes. ``max_batch`` None: 16 rows on CUDA (the fused decode step's most), 8 on CPU. ``max_queue``: sequences
+    bytes. ``max_batch`` None: on CUDA 256 rows with the paged engine, 16 with the column engine (the fused decode
+    step's most); 8 on CPU. ``engine_options``: the :class:`Scheduler`'s engine arguments (engine, block_size,
+    kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram). ``max_queue``: sequences
     that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
                  default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
-                 document_start: bool = True, cache_len: int | None = None):
+                 document_start: bool = True, cache_len: int | None = None, engine_options: dict | None = None):
         if generator.tokenizer is None:
             raise ValueError("the server needs a tokenizer")
         if max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
         self.generator = generator
         self.model_name = model_name
-        if max_batch is None:
-            max_batch = 16 if generator.device.type == "cuda" else 8
-        self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len)
+        if max_batch is None:  # CUDA: the paged engine's largest decode bucket; the column engine's fused step's most
+            paged = (engine_options or {}).get("engine", "paged") == "paged"
+            max_batch = (256 if paged else 16) if generator.device.type == "cuda" else 8
+        self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len,
+                                   **(engine_options or {}))
         self.context = self.scheduler.context
         # the limit is what was asked for, even above the context: a request that does not fit is then told so
         # (400 "context_length_exceeded"), instead of the limit being lowered behind the operator's back
@@ -283,6 +287,7 @@ class InferenceApp:
         """The whole answer of a request that does not stream."""
         n = len(job.prompts)
         texts, reasons, drawn = [""] * n, ["length"] * n, [0] * n
+        cached = 0
         async with aclosing(self.events(job)) as batches:
             async for batch in batches:
                 for ev in batch:
@@ -290,9 +295,9 @@ class InferenceApp:
                     texts[ev.index] += ev.text
                     if ev.finish_reason:
                         reasons[ev.index] = ev.finish_reason
+                        cached += ev.cached_tokens
         created = int(time.time())
-        usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(drawn)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage = _usage(job, sum(drawn), cached)
         if job.chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
                         "logprobs": None, "finish_reason": reasons[0]}]
@@ -306,7 +311,7 @@ class InferenceApp:
     async def chunks(self, job: _Job):
         """The chunks of a streamed response, in lists: each list is what is ready at once, written together."""
         created = int(time.time())
-        drawn = 0
+        drawn = cached = 0
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         rid, model = job.rid, self.model_name
 
@@ -325,6 +330,7 @@ class InferenceApp:
                 out = []
                 for ev in events:
                     drawn += ev.token_id >= 0
+                    cached += ev.cached_tokens if ev.finish_reason else 0
                     if ev.text or ev.finish_reason:
                         if job.chat and ev.text and ev.finish_reason:
                             out.append(chunk(ev.index, ev.text, None))
@@ -334,8 +340,7 @@ class InferenceApp:
                 if out:
                     yield out
         if job.include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
-            usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": drawn}
-            usage["total_tokens"] = usage["prompt_tokens"] + drawn
+            usage = _usage(job, drawn, cached)
             yield [{"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}]
 
     def models(self) -> dict:
@@ -349,6 +354,14 @@ class InferenceApp:
         stats = self.scheduler.stats()
         return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
                      "cancelled": stats["finished"].get("cancelled", 0)}
+
+
+def _usage(job: _Job, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held."""
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------
@@ -421,6 +434,21 @@ class ServerMetrics:
         metric("z2all_batch_rows", "gauge", "batch rows (KV-cache rows) in all", app.max_batch)
         metric("z2all_kv_cache_slots", "gauge", "cache slots per row", app.scheduler.cache_len)
         metric("z2all_kv_cache_column", "gauge", "the cache slot the next decode step writes", s["column"])
+        if "kv_blocks_total" in s:  # the paged engine
+            metric("z2all_kv_blocks_in_use", "gauge", "KV-cache blocks held by running sequences",
+                   s["kv_blocks_in_use"])
+            metric("z2all_kv_blocks_total", "gauge", f"KV-cache blocks of {s['kv_block_size']} tokens in the pool",
+                   s["kv_blocks_total"])
+            metric("z2all_prefix_cache_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache",
+                   s["prefix_cache_lookups"])
+            metric("z2all_prefix_cache_hit_tokens_total", "counter", "prompt tokens found in the prefix cache",
+                   s["prefix_cache_hits"])
+            metric("z2all_prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / looked up",
+                   f"{s['prefix_cache_hit_rate']:.4f}")
+            metric("z2all_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens proposed", s["spec_drafted"])
+            metric("z2all_spec_accepted_tokens_total", "counter", "draft tokens accepted", s["spec_accepted"])
+            rate = s["spec_accepted"] / s["spec_drafted"] if s["spec_drafted"] else 0.0
+            metric("z2all_spec_acceptance_rate", "gauge", "draft tokens accepted / proposed", f"{rate:.4f}")
         metric("z2all_queue_limit", "gauge", "sequences that may wait", app.max_queue)
         metric("z2all_decode_steps_total", "counter", "decode steps run", s["steps"])
         metric("z2all_prompt_tokens_total", "counter", "prompt tokens of accepted requests", self.prompt_tokens)
@@ -1090,8 +1118,8 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
                   max_tokens_limit: int = 1024, max_queue: int = 64, max_batch: int | None = None,
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
                   cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None,
-                  read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS
-                  ) -> tuple[HTTPServer, InferenceApp]:
+                  read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
+                  engine_options: dict | None = None) -> tuple[HTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
     ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key``, ``cors_origin``: see
@@ -1102,7 +1130,8 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
     name = model_name or Path(ckpt).resolve().name
     generator = Generator(model, tok, cuda_graph=cuda_graph, compile=compile)
     return bind(InferenceApp(generator, name, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
-                             max_batch=max_batch, cache_len=cache_len), host, port, quiet, api_key, cors_origin,
+                             max_batch=max_batch, cache_len=cache_len, engine_options=engine_options), host, port,
+                quiet, api_key, cors_origin,
                 read_timeout, max_connections)
 
 

@@ -85,6 +85,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
+        if kv_cache is not None and hasattr(kv_cache, "attend"):  # a paged cache attends over its block tables
+            return kv_cache.attend(self.layer_idx, q, k, v).transpose(1, 2).reshape(B, T, self.q_size)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, start_pos, k, v)         # (B, Hkv, start_pos + T, D)
             k, v = k.to(q.dtype), v.to(q.dtype)

@@ -1,0 +1,154 @@
+"""The paged KV cache (zero2all/infer/paged.py): block pool, prefix caching with LRU eviction, and the paged
+session's greedy tokens against the contiguous-cache Generator on the tiny model."""
+
+import pytest
+import torch
+from standin_tokenizer import tiny_model_config
+
+from zero2all.infer.generate import Generator, SamplingParams
+from zero2all.infer.paged import BlockPool, PagedSession
+from zero2all.model.z2all import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a large init std gives peaked logits, so greedy choices are not decided by rounding
+    return build_model(tiny_model_config(initializer_range=0.3), seed=0).eval()
+
+
+def prompt(seed, n, vocab=200):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference(model, p, n_new):
+    params = SamplingParams(max_new_tokens=n_new, temperature=0, stop_token_ids=[])
+    return Generator(model).generate([p], params)[0].token_ids
+
+
+def paged_greedy(session, rows, prompts, n_new):
+    """Prefill each prompt into its row (all together), then greedy decode n_new - 1 steps for all rows."""
+    logits = session.prefill_rows(rows, prompts)
+    B = session.batch_size
+    out = {r: [] for r in rows}
+    tokens = torch.zeros(B, dtype=torch.long)
+    tokens[rows] = logits.argmax(-1)
+    for step in range(n_new):
+        for r in rows:
+            out[r].append(int(tokens[r]))
+        if step + 1 < n_new:
+            tokens = session.decode(tokens).argmax(-1)
+    return [out[r] for r in rows]
+
+
+def test_block_pool_reference_counts_and_lru_eviction():
+    pool = BlockPool(n_blocks=4, block_size=2)          # blocks 1, 2, 3 (0 is the null block)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, b"A")
+    pool.register(b, b"B")
+    pool.take(a)                                         # a second sequence shares a
+    pool.release(a)
+    assert pool.refs[a] == 1 and pool.available() == 1   # still held once: not evictable
+    pool.release(a)
+    pool.release(b)
+    assert list(pool.evictable) == [a, b] and pool.available() == 3 and pool.in_use() == 0
+    c = pool.allocate()                                  # the free block first
+    assert c not in (a, b) and pool.evictions == 0
+    d = pool.allocate()                                  # then the least recently released cached block
+    assert d == a and pool.evictions == 1 and b"A" not in pool.by_hash and pool.by_hash[b"B"] == b
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        pool.allocate(), pool.allocate()
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_paged_greedy_matches_the_contiguous_generator(model, block_size):
+    prompts = [prompt(1, 21), prompt(2, 5), prompt(3, 37)]   # lengths not multiples of the block
+    want = [reference(model, p, 12) for p in prompts]
+    s = PagedSession(model, rows=4, max_len=64, block_size=block_size)
+    got = paged_greedy(s, [0, 2, 3], prompts, 12)            # row 1 stays free
+    assert got == want
+    for r in (0, 2, 3):
+        s.release(r)
+    assert s.pool.in_use() == 0
+
+
+def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(model):
+    system = prompt(7, 40)
+    p1, p2 = system + prompt(8, 9), system + prompt(9, 3)
+    s = PagedSession(model, rows=2, max_len=80, block_size=16)
+    first = paged_greedy(s, [0], [p1], 8)[0]
+    assert s.cached_tokens[0] == 0
+    shared = list(s.rows[0].blocks[:2])
+    s.release(0)
+    second = paged_greedy(s, [1], [p2], 8)[0]
+    assert s.cached_tokens[1] == 32                          # the system prompt's two full blocks
+    assert s.rows[1].blocks[:2] == shared
+    assert s.pool.hits == 32 and s.pool.lookups == len(p1) + len(p2)
+    assert first == reference(model, p1, 8) and second == reference(model, p2, 8)
+    # and without prefix caching: the same tokens, nothing reused
+    plain = PagedSession(model, rows=2, max_len=80, block_size=16, prefix_caching=False)
+    assert paged_greedy(plain, [1], [p2], 8)[0] == second and plain.cached_tokens[1] == 0
+
+
+def test_shared_blocks_while_both_run_and_eviction_under_pressure(model):
+    system = prompt(11, 32)
+    s = PagedSession(model, rows=2, max_len=48, n_blocks=1 + 6, block_size=16)
+    a = paged_greedy(s, [0], [system + [5]], 2)[0]
+    b = paged_greedy(s, [1], [system + [6]], 2)[0]
+    assert s.cached_tokens[1] == 32 and s.rows[0].blocks[:2] == s.rows[1].blocks[:2]
+    assert s.pool.refs[s.rows[0].blocks[0]] == 2 and s.pool.in_use() == 4
+    s.release(0)
+    s.release(1)
+    assert s.pool.in_use() == 0 and len(s.pool.evictable) == 2   # the shared prefix stays cached
+    # other prompts fill the pool: 4 free blocks, then both cached blocks are evicted (least recently used first)
+    paged_greedy(s, [0, 1], [prompt(12, 40), prompt(13, 40)], 1)
+    assert s.pool.evictions == 2 and s.pool.available() == 0
+    s.reset()
+    assert paged_greedy(s, [0], [system + [5]], 2)[0] == a and s.cached_tokens[0] == 0   # computed again
+    assert b == reference(model, system + [6], 2)
+
+
+def test_can_admit_counts_the_running_rows_growth(model):
+    s = PagedSession(model, rows=2, max_len=64, n_blocks=1 + 4, block_size=16)
+    assert s.can_admit(64) and not s.fits_ever(65)
+    s.prefill_rows([0], [prompt(1, 10)], spans=[40])          # holds 1 block, may grow to 3
+    assert s.can_admit(16) and not s.can_admit(17)
+
+
+def test_ngram_draft_takes_what_followed_the_latest_match():
+    from zero2all.infer.paged import ngram_draft
+
+    h = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert ngram_draft(h, 2) == [7, 8]              # the latest earlier "1 2 3" is followed by 7 8
+    assert ngram_draft(h, 10) == [7, 8, 5, 1, 2, 3]  # up to the end of the history
+    assert ngram_draft([4, 5, 6], 3) == [] and ngram_draft(h, 0) == []
+    assert ngram_draft([5, 6, 1, 6], 2) == [1, 6]    # falls back to the last token alone
+
+
+def test_decode_runs_over_the_smallest_bucket_holding_the_rows(model):
+    s = PagedSession(model, rows=6, max_len=32, block_size=4)
+    assert s.buckets == [1, 2, 4, 6] and s.bucket_for(3) == 4 and s.bucket_for(5) == 6
+    want = [reference(model, p, 5) for p in (prompt(21, 6), prompt(22, 9))]
+    assert paged_greedy(s, [0, 2], [prompt(21, 6), prompt(22, 9)], 5) == want   # bucket 4 of 6 rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_paged_decode_equals_the_eager_step():
+    """On CUDA: the paged decode step captured per batch bucket and replayed gives the eager step's logits, with
+    rows joining (the bucket grows from 2 to 4 to 8 rows) and leaving."""
+    m = build_model(tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100),
+                    device="cuda", seed=0).eval()
+    graphed = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=True)
+    eager = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=False)
+    for rows, prompts in (([0, 1], [prompt(1, 5), prompt(2, 20)]), ([3], [prompt(3, 17)]), ([6], [prompt(4, 2)])):
+        for sess in (graphed, eager):
+            sess.prefill_rows(rows, prompts)
+        tokens = torch.arange(8, device="cuda") + 7
+        for _ in range(6):
+            a, b = graphed.decode(tokens), eager.decode(tokens)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            tokens = b.argmax(-1)
+    assert graphed.graphs and all(g is not None for g in graphed.graphs.values()) and not eager.graphs
+    graphed.release(1)
+    eager.release(1)
+    torch.testing.assert_close(graphed.decode(tokens), eager.decode(tokens), atol=1e-4, rtol=1e-4)

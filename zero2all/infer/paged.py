@@ -1,0 +1,523 @@
+"""A paged KV cache with automatic prefix caching, and the decode session of the scheduler's paged engine.
+
+The cache is a pool of fixed-size blocks of ``block_size`` tokens (16 by default): per layer, keys and values of
+shape (n_blocks, block_size, n_kv_heads, head_dim). Each running sequence owns a *block table*, the list of the
+blocks that hold its tokens in order (token t lives at slot t % block_size of block table[t // block_size]), so
+sequences of any length share one pool, a sequence grows one block at a time, and nothing ever moves. Block 0 is
+never handed out: it is the *null block*, where the tokens of free batch rows and of padding write their keys
+and values (nobody reads them), so that every step has the same shapes.
+
+Prefix caching: when a block is full its contents are determined by the tokens it holds and by everything before
+them, so it is named by a chained hash, ``hash(parent block's hash, its block_size tokens)``. Full blocks are
+entered in a table hash -> block. A new sequence looks up its prompt's full blocks in order and takes every block
+of its longest cached prefix (incrementing its reference count) instead of computing it; only the rest of the
+prompt is prefilled (at least its last token, whose logits give the first new token). A block whose reference
+count drops to 0 stays in the table as *evictable*, in least-recently-released order; a new block comes from the
+free list first, then from the least recently used evictable block, whose table entry is then dropped. So a
+shared system prompt is computed once and kept while the memory allows.
+
+Room: a sequence is admitted only when the pool can hold its whole span (prompt plus its budget of new tokens)
+next to what the running sequences may still grow to (``PagedSession.can_admit``): no sequence ever needs to be
+preempted. The check counts a prefix hit as needing its blocks, so it is conservative by the hits.
+
+The decode step reads the cache through the block tables (``kernels/paged_attention.py``: Triton on CUDA, the
+PyTorch path on CPU). A prefill of new tokens on top of cached ones gathers the row's blocks and runs masked SDPA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections import OrderedDict, deque
+from typing import Sequence
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from zero2all.infer.generate import PREFILL_ATTENTION, prefill_chunk_len, to_device
+from zero2all.kernels.paged_attention import paged_decode_attention
+from zero2all.model import ops
+
+NULL_BLOCK = 0
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode steps run (and are captured) at these row counts
+
+
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The name of a full block: a digest of its parent block's name and its tokens (128 bits: no collisions in
+    practice, unlike Python's 64-bit ``hash``)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    return h.digest()
+
+
+class BlockPool:
+    """Block ids 1 .. n_blocks - 1 (0 is the null block), reference counts, and the prefix cache's table."""
+
+    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True):
+        if n_blocks < 2 or block_size < 1:
+            raise ValueError(f"paged cache: needs at least 2 blocks of at least 1 token, got {n_blocks} x {block_size}")
+        self.n_blocks, self.block_size, self.prefix_caching = n_blocks, block_size, prefix_caching
+        self.free: deque[int] = deque(range(1, n_blocks))
+        self.refs = [0] * n_blocks
+        self.hash_of: dict[int, bytes] = {}          # cached block -> its name
+        self.by_hash: dict[bytes, int] = {}          # name -> cached block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, oldest first
+        self.lookups = 0                              # prompt tokens looked up in the prefix cache
+        self.hits = 0                                 # of which found cached
+        self.evictions = 0
+
+    @property
+    def total(self) -> int:
+        return self.n_blocks - 1
+
+    def available(self) -> int:
+        """Blocks that an allocation can take: free ones and unreferenced cached ones."""
+        return len(self.free) + len(self.evictable)
+
+    def in_use(self) -> int:
+        return self.total - self.available()
+
+    def allocate(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)   # least recently released
+            del self.by_hash[self.hash_of.pop(block)]
+            self.evictions += 1
+        else:
+            raise RuntimeError("paged cache: out of blocks")
+        self.refs[block] = 1
+        return block
+
+    def take(self, block: int):
+        """One more reference to a cached block (a prefix hit)."""
+        if self.refs[block] == 0:
+            del self.evictable[block]
+        self.refs[block] += 1
+
+    def release(self, block: int):
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.evictable[block] = None
+            else:
+                self.free.append(block)
+
+    def register(self, block: int, name: bytes):
+        """A full block's name; a block with the same contents already cached keeps its entry."""
+        if self.prefix_caching and name not in self.by_hash and block not in self.hash_of:
+            self.by_hash[name] = block
+            self.hash_of[block] = name
+
+    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest prefix of ``tokens``, at most ``limit`` blocks, each with one more
+        reference; and their names."""
+        blocks, names, parent = [], [], None
+        if self.prefix_caching:
+            bs = self.block_size
+            for i in range(min(limit, len(tokens) // bs)):
+                name = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+                block = self.by_hash.get(name)
+                if block is None:
+                    break
+                self.take(block)
+                blocks.append(block)
+                names.append(name)
+                parent = name
+        return blocks, names
+
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class _RowState:
+    """A row's sequence in the paged session: its tokens so far, block table, and the names of its full blocks."""
+
+    def __init__(self, tokens: list[int], blocks: list[int], names: list[bytes], span: int, row: int):
+        self.row = row
+        self.tokens = tokens          # every token fed or to be fed (prompt, then each decoded token)
+        self.blocks = blocks
+        self.names = names            # names of the first len(names) (full) blocks
+        self.computed = 0             # tokens whose keys and values are in the cache
+        self.span = span              # the most tokens this sequence may hold (prompt + budget)
+        self.ready = False            # its prompt is computed: it decodes
+
+
+class PagedKVCache:
+    """The layers' block pools plus the current forward's addressing, set by the session before each forward.
+
+    The model's attention calls :meth:`attend` (any cache with that method is used this way): it writes the new
+    keys and values at ``slots`` (flat indices block * block_size + offset, one per new token, row-major) and
+    attends over each row's first ``lengths[b]`` tokens through ``tables``; a new token at position p sees the
+    tokens at positions <= p (``q_pos``)."""
+
+    def __init__(self, model, n_blocks: int, block_size: int, dtype: torch.dtype, impl: str = "auto"):
+        cfg = model.cfg
+        device = model.embed_tokens.weight.device
+        shape = (n_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.block_size, self.impl = block_size, impl
+        self.slots = self.tables = self.lengths = self.q_pos = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = q.shape
+        Hkv = k.size(1)
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(-1, Hkv, D).index_copy_(0, self.slots, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kc.dtype))
+        vc.view(-1, Hkv, D).index_copy_(0, self.slots, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vc.dtype))
+        if T == 1:
+            return paged_decode_attention(q[:, :, 0], kc, vc, self.tables, self.lengths, impl=self.impl)[:, :, None]
+        nb = self.tables.size(1)
+        S = nb * self.block_size
+        keys = kc[self.tables].reshape(B, S, Hkv, D).transpose(1, 2).to(q.dtype)          # (B, Hkv, S, D)
+        values = vc[self.tables].reshape(B, S, Hkv, D).transpose(1, 2).to(q.dtype)
+        j = torch.arange(S, device=q.device)[None, None, :]
+        mask = (j <= self.q_pos[:, :, None]) & (j < self.lengths[:, None, None])          # (B, T, S)
+        return ops.attention(q, keys, values, mask=mask[:, None])
+
+
+class PagedSession:
+    """The scheduler's device side for the paged engine: ``rows`` batch rows over one block pool.
+
+    The interface the scheduler uses: :meth:`can_admit`, :meth:`prefill_rows` (a joining sequence's prompt; returns
+    its first logits and records its prefix hit), :meth:`decode` (one token for every occupied row),
+    :meth:`release` (a row's blocks back to the pool)."""
+
+    def __init__(self, model, rows: int, max_len: int, n_blocks: int | None = None, block_size: int = 16,
+                 prefix_caching: bool = True, impl: str = "auto", cuda_graph: bool = False):
+        self.model = model
+        w = model.embed_tokens.weight
+        self.device = w.device
+        self.batch_size, self.max_len, self.block_size = rows, max_len, block_size
+        self.max_blocks = -(-max_len // block_size)                 # a row's block table length
+        if n_blocks is None:                                        # every row at full length, plus the null block
+            n_blocks = rows * self.max_blocks + 1
+        self.pool = BlockPool(n_blocks, block_size, prefix_caching)
+        self.cache = PagedKVCache(model, n_blocks, block_size, w.dtype, impl)
+        self.rows: list[_RowState | None] = [None] * rows
+        self.cached_tokens: dict[int, int] = {}                     # row -> prompt tokens found in the cache
+        self._verify_start: dict[int, int] = {}                     # row -> its length before a verify forward
+        # the decode step's static inputs, for every row; a step reads the first `bucket` of them
+        dev, on_cuda = self.device, self.device.type == "cuda"
+        self._table_host = torch.zeros(rows, self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        self._tables_buf = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev)
+        self._tokens_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self._pos_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self._slots_buf = torch.zeros(rows, dtype=torch.long, device=dev)
+        self._lengths_buf = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._width = 1
+        self.buckets = [b for b in BATCH_BUCKETS if b < rows] + [rows]
+        self.cuda_graph = cuda_graph and on_cuda
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
+        self._graph_out: dict[int, torch.Tensor] = {}
+        self._graph_pool = None
+
+    # -- room ----------------------------------------------------------------------------------------------------
+    def _blocks_for(self, n: int) -> int:
+        return -(-n // self.block_size)
+
+    def reserved(self) -> int:
+        """Blocks the running rows may still allocate before they reach their span."""
+        return sum(self._blocks_for(r.span) - len(r.blocks) for r in self.rows if r is not None)
+
+    def can_admit(self, span: int) -> bool:
+        """Whether a sequence that may hold ``span`` tokens fits next to the running ones' growth."""
+        return self._blocks_for(span) <= self.pool.available() - self.reserved()
+
+    def fits_ever(self, span: int) -> bool:
+        return self._blocks_for(span) <= self.pool.total
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+    def reserve(self, row: int, span: int):
+        """Hold room for a sequence that will be prefilled into ``row`` (free) and may reach ``span`` tokens, so
+        that :meth:`can_admit` counts it before its blocks are taken."""
+        if self.rows[row] is not None:
+            raise ValueError(f"paged session: row {row} is busy")
+        self.rows[row] = _RowState([], [], [], span, row)
+
+    def release(self, row: int):
+        state, self.rows[row] = self.rows[row], None
+        if state is not None:
+            for b in state.blocks:
+                self.pool.release(b)
+
+    def reset(self):
+        for r in range(self.batch_size):
+            self.release(r)
+
+    def _register_full(self, state: _RowState):
+        """Name the row's newly full blocks (whose tokens are all computed) in the prefix cache."""
+        bs = self.block_size
+        while len(state.names) < state.computed // bs:
+            i = len(state.names)
+            name = block_hash(state.names[-1] if state.names else None, state.tokens[i * bs:(i + 1) * bs])
+            self.pool.register(state.blocks[i], name)
+            state.names.append(name)
+
+    def _grow(self, state: _RowState, n: int):
+        while len(state.blocks) < self._blocks_for(n):
+            block = self.pool.allocate()
+            self._table_host[state.row, len(state.blocks)] = block
+            state.blocks.append(block)
+
+    def _slot(self, state: _RowState, pos: int) -> int:
+        return state.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _tables(self, states: Sequence[_RowState | None], width: int | None = None) -> torch.Tensor:
+        width = width or max((len(s.blocks) for s in states if s is not None), default=1) or 1
+        return to_device([(s.blocks if s is not None else []) + [NULL_BLOCK] * (width - (len(s.blocks) if s else 0))
+                          for s in states], torch.int32, self.device)
+
+    # -- prefill -------------------------------------------------------------------------------------------------
+    def start(self, row: int, prompt: Sequence[int], span: int | None = None) -> int:
+        """Start a sequence in ``row`` (free or reserved) with its prompt: take the cached blocks of its longest
+        cached prefix and allocate the rest; nothing is computed yet (:meth:`prefill_step`). Returns the number of
+        prompt tokens found in the cache."""
+        held = self.rows[row]
+        if (held is not None and held.tokens) or not prompt or len(prompt) > self.max_len:
+            raise ValueError(f"paged session: row {row} is busy or its prompt of {len(prompt)} tokens does not fit")
+        prompt = [int(t) for t in prompt]
+        # leave at least the last token to compute: its logits are the first new token's
+        blocks, names = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
+        span = span if span is not None else held.span if held is not None else self.max_len
+        state = _RowState(prompt, blocks, names, max(span, len(prompt)), row)
+        if blocks:
+            self._table_host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        state.computed = len(blocks) * self.block_size
+        self.pool.lookups += len(prompt)
+        self.pool.hits += state.computed
+        self.cached_tokens[row] = state.computed
+        self.rows[row] = state
+        try:
+            self._grow(state, len(prompt))
+        except RuntimeError:
+            self.release(row)
+            raise
+        return state.computed
+
+    def remaining(self, row: int) -> int:
+        """Prompt tokens of the row still to compute."""
+        s = self.rows[row]
+        return len(s.tokens) - s.computed if s is not None and not s.ready else 0
+
+    @torch.inference_mode()
+    def prefill_step(self, rows: Sequence[int], limits: Sequence[int]) -> torch.Tensor:
+        """Compute the next up to ``limits[i]`` prompt tokens of each started row, in one forward; returns the
+        logits (len(rows), V), float32, of each row's last computed token: the first new token's for the rows
+        whose prompt is now complete (:meth:`remaining` 0; they decode from the next step on)."""
+        states = [self.rows[r] for r in rows]
+        logits = self._forward_new(states, [max(1, min(n, len(s.tokens) - s.computed))
+                                            for s, n in zip(states, limits)])
+        for s in states:
+            self._register_full(s)
+            s.ready = s.computed >= len(s.tokens)
+        return logits.float()
+
+    @torch.inference_mode()
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], end: int | None = None,
+                     spans: Sequence[int] | None = None) -> torch.Tensor:
+        """:meth:`start` a sequence in each of ``rows`` and compute its prompt (all rows in one forward per chunk,
+        left-padded); the next-token logits (len(rows), V), float32. ``spans``: the most tokens each may hold
+        (default: up to ``max_len``); ``end`` is the column engine's argument and is ignored."""
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            self.start(row, prompt, spans[i] if spans is not None else None)
+        chunk = prefill_chunk_len(len(rows), self.model.cfg.padded_vocab_size)
+        logits = torch.empty(len(rows), self.model.cfg.padded_vocab_size, device=self.device)
+        while (left := [i for i, r in enumerate(rows) if self.remaining(r)]):
+            out = self.prefill_step([rows[i] for i in left], [chunk] * len(left))
+            logits[left] = out
+        return logits
+
+    def _forward_new(self, states: list[_RowState], counts: Sequence[int], keep: int = 1) -> torch.Tensor:
+        """The next ``counts[i]`` uncomputed tokens of each row in one forward (rows with fewer than the most are
+        left-padded: their padding writes to the null block); logits of each row's last ``keep`` positions
+        (keep 1: (B, V); else (B, keep, V))."""
+        toks, pos, slots, lengths = [], [], [], []
+        T = max(counts)
+        for s, n in zip(states, counts):
+            pad = T - n
+            first = s.computed
+            toks.append([0] * pad + s.tokens[first:first + n])
+            # padding queries take the first new token's position (they see real keys only: no empty softmax row)
+            pos.append([first] * pad + list(range(first, first + n)))
+            slots.extend([NULL_BLOCK * self.block_size] * pad + [self._slot(s, p) for p in range(first, first + n)])
+            s.computed += n
+            lengths.append(s.computed)
+        c = self.cache
+        c.slots = to_device(slots, torch.long, self.device)
+        c.tables = self._tables(states)
+        c.lengths = to_device(lengths, torch.int32, self.device)
+        c.q_pos = to_device(pos, torch.long, self.device)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            out, _ = self.model(to_device(toks, torch.long, self.device), kv_cache=c, position_ids=c.q_pos,
+                                logits_to_keep=keep)
+        return out[:, -1] if keep == 1 else out
+
+    # -- decode --------------------------------------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int:
+        """The smallest batch bucket (1, 2, 4, ..., 256, then the row count) holding rows [0, n)."""
+        for b in self.buckets:
+            if n <= b:
+                return b
+        return self.batch_size
+
+    def _decode_step(self, bucket: int) -> torch.Tensor:
+        """The decode step over the first ``bucket`` rows, reading only the static buffers (so it can be captured
+        as a CUDA graph and replayed); logits (bucket, V)."""
+        c = self.cache
+        c.slots, c.lengths = self._slots_buf[:bucket], self._lengths_buf[:bucket]
+        c.tables, c.q_pos = self._tables_buf[:bucket, :self._width], self._pos_buf[:bucket]
+        out, _ = self.model(self._tokens_buf[:bucket], kv_cache=c, position_ids=c.q_pos)
+        return out[:, -1]
+
+    def _capture(self, bucket: int):
+        """Capture the decode step of ``bucket`` rows (the buffers hold a valid step: free rows only, which write
+        to the null block and read nothing). On failure: a warning, and that bucket runs eagerly from then on."""
+        saved = [t[:bucket].clone() for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf)]
+        for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf):
+            t[:bucket].zero_()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._decode_step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._graph_out[bucket] = self._decode_step(bucket)
+            self._graph_pool = graph.pool()
+            self.graphs[bucket] = graph
+        except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so
+            warnings.warn(f"paged decode: CUDA graph capture of {bucket} rows failed ({type(e).__name__}: {e}); "
+                          "running that bucket eagerly")
+            self.graphs[bucket] = None
+        for t, v in zip((self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf), saved):
+            t[:bucket].copy_(v)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        """Feed tokens (B,) (one per batch row; free rows' are ignored); the next logits (B, V), float32. Each
+        occupied row's token goes at its next position; a row that reaches a block boundary gets a new block.
+
+        The step runs over the smallest batch bucket holding every occupied row (rows are handed out lowest
+        first), from static buffers; on CUDA each bucket's step is captured as a CUDA graph the first time it is
+        used (``cuda_graph``) and replayed after. On CPU the same step runs eagerly."""
+        host = tokens.tolist() if self.device.type == "cpu" else None
+        occupied = [r for r, s in enumerate(self.rows) if s is not None and s.ready]
+        bucket = self.bucket_for(occupied[-1] + 1 if occupied else 1)
+        pos, slots, lengths = [0] * bucket, [NULL_BLOCK * self.block_size] * bucket, [0] * bucket
+        width = 1
+        for r in occupied:
+            s = self.rows[r]
+            p = s.computed
+            if p >= self.max_len:
+                raise ValueError(f"paged session: row {r} is past the length {self.max_len}")
+            self._grow(s, p + 1)
+            s.tokens.append(host[r] if host is not None else -1)  # on a GPU the token is filled in by note_tokens
+            s.computed = p + 1
+            pos[r], slots[r], lengths[r] = p, self._slot(s, p), p + 1
+            width = max(width, len(s.blocks))
+        # the table's width: the longest row's on CPU (the PyTorch path reads every entry), all of it on CUDA
+        # (the kernel reads only each row's length, and a captured graph needs one shape)
+        self._width = self.max_blocks if self.device.type == "cuda" else width
+        self._tables_buf[:bucket].copy_(self._table_host[:bucket], non_blocking=True)
+        self._tokens_buf[:bucket, 0].copy_(tokens[:bucket])
+        for buf, values in ((self._slots_buf, slots), (self._lengths_buf, lengths)):
+            buf[:bucket].copy_(to_device(values, buf.dtype, self.device))
+        self._pos_buf[:bucket, 0].copy_(to_device(pos, torch.long, self.device))
+        if self.cuda_graph and bucket not in self.graphs:
+            self._capture(bucket)
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            logits = self._graph_out[bucket]
+        else:
+            logits = self._decode_step(bucket)
+        if host is not None:
+            for r in occupied:
+                self._register_full(self.rows[r])
+        if bucket == self.batch_size:
+            return logits.float()
+        out = torch.zeros(self.batch_size, logits.size(-1), dtype=torch.float32, device=logits.device)
+        out[:bucket] = logits
+        return out
+
+    # -- speculative decoding -----------------------------------------------------------------------------------
+    def room(self, row: int) -> int:
+        """Tokens the row may still feed before it reaches its span."""
+        s = self.rows[row]
+        return s.span - s.computed
+
+    def history(self, row: int) -> list[int]:
+        """The row's tokens so far (prompt, then every fed token)."""
+        return self.rows[row].tokens
+
+    @torch.inference_mode()
+    def verify(self, tokens: Sequence[int], drafts: dict[int, list[int]]) -> tuple[torch.Tensor, int]:
+        """Feed every decoding row's token (``tokens[row]``) followed by its draft tokens (``drafts``, may be
+        absent) in one forward. Returns (logits (B, T, V) float32, T): row r's i-th fed token's next-token logits
+        are at position T - n_r + i, n_r = 1 + len(its draft). Call :meth:`accept` for each row afterwards."""
+        states, counts, rows = [], [], []
+        for r, s in enumerate(self.rows):
+            if s is None or not s.ready:
+                continue
+            fed = [int(tokens[r])] + list(drafts.get(r, ()))
+            self._verify_start[r] = s.computed
+            self._grow(s, s.computed + len(fed))
+            s.tokens[s.computed:] = fed
+            states.append(s)
+            counts.append(len(fed))
+            rows.append(r)
+        T = max(counts)
+        out = self._forward_new(states, counts, keep=T).float()
+        full = torch.zeros(self.batch_size, T, out.size(-1), dtype=out.dtype, device=out.device)
+        full[to_device(rows, torch.long, self.device)] = out
+        return full, T
+
+    def finish_verify(self, accepted: dict[int, int]):
+        """:meth:`accept` every row fed by the last :meth:`verify` (rows not named accepted no draft token)."""
+        for row in list(self._verify_start):
+            if self.rows[row] is not None:
+                self.accept(row, accepted.get(row, 0))
+        self._verify_start.clear()
+
+    def accept(self, row: int, accepted: int):
+        """After :meth:`verify`: the row keeps its token and its first ``accepted`` draft tokens; the keys written
+        for the rejected ones are overwritten by the next tokens (the row keeps its blocks: they are within its
+        span)."""
+        s = self.rows[row]
+        s.computed = self._verify_start[row] + 1 + accepted
+        del s.tokens[s.computed:]
+        self._register_full(s)
+
+    def note_tokens(self, host: Sequence[int]):
+        """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
+        blocks filled by decoded tokens get their names for the prefix cache."""
+        for r, s in enumerate(self.rows):
+            if s is not None and s.ready and s.tokens[-1] == -1:
+                s.tokens[-1] = int(host[r])
+                self._register_full(s)
+
+    # the column engine's calls, with nothing to do here
+    def set_pad_lens(self, pad):
+        pass
+
+    def move_columns(self, lo, hi, shift):
+        if shift and hi > lo:
+            raise RuntimeError("paged session: nothing ever moves")
+
+
+def ngram_draft(history: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the last n tokens of ``history`` (n from
+    ``max_n`` down to ``min_n``) and propose the (up to) ``k`` tokens that followed it; [] when none is found."""
+    L = len(history)
+    if k < 1:
+        return []
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        tail = list(history[L - n:])
+        for start in range(L - n - 1, -1, -1):   # latest first; the match must end before the tail itself
+            if list(history[start:start + n]) == tail:
+                return list(history[start + n:start + n + k])
+    return []

@@ -1,0 +1,144 @@
+"""Decode attention over a paged KV cache: one query token per row, keys and values read through a block table.
+
+The cache of one layer is a pool of fixed-size blocks, ``k_cache`` and ``v_cache`` of shape
+(n_blocks, block_size, n_kv_heads, head_dim); a row's tokens live in the blocks its block table names, in order::
+
+    token t of row b  ->  k_cache[block_tables[b, t // block_size], t % block_size]
+
+so rows of any length share one pool, a row grows a block at a time, and rows with a common prefix can point at
+the same blocks. For each row b and query head h (grouped-query attention: key/value head h // (H / Hkv))::
+
+    out[b, h] = softmax(q[b, h] . K[b, :len_b, h']^T * scale) @ V[b, :len_b, h']
+
+The Triton kernel runs one program per (row, key/value head): it loads the row's G = H / Hkv query heads as one
+tile and walks the row's blocks once (each block of keys and values is read once for all G heads, which is what
+grouped-query attention saves), keeping a running maximum and sum (the online softmax of FlashAttention) in
+float32. A row of length 0 (a free batch slot) gets zeros. The plain PyTorch function ``paged_decode_attention_torch``
+computes the same thing by gathering each row's blocks; it is the CPU path and the kernel's reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch path still works
+    triton = tl = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, lengths: torch.Tensor,
+                                 scale: float | None = None) -> torch.Tensor:
+    """q (B, H, D); k_cache, v_cache (n_blocks, block_size, Hkv, D); block_tables (B, max_blocks) ints; lengths
+    (B,) ints, each <= max_blocks * block_size. Returns (B, H, D) in q's dtype (computed in float32, or float64
+    for float64 inputs); rows of length 0 give zeros."""
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    nb = block_tables.size(1)
+    k = k_cache[block_tables.long()].reshape(B, nb * bs, Hkv, D).to(work)                  # (B, T, Hkv, D)
+    v = v_cache[block_tables.long()].reshape(B, nb * bs, Hkv, D).to(work)
+    qg = q.to(work).view(B, Hkv, G, D)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * (scale if scale is not None else 1.0 / math.sqrt(D))
+    visible = torch.arange(nb * bs, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                                   # empty rows: zeros
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, len_ptr, scale,
+                             stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_ob, stride_oh,
+                             stride_tb, G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             G_PAD: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr):
+        b = tl.program_id(0)
+        hkv = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BLOCK_SIZE)
+        g_ok = g < G
+        d_ok = d < D
+        heads = hkv * G + g
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)                          # (G_PAD, D_PAD)
+        if UPCAST:
+            q = q.to(tl.float32)
+        length = tl.load(len_ptr + b)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        s = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        n_blocks = tl.cdiv(length, BLOCK_SIZE)
+        for i in range(0, n_blocks):
+            block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
+            pos = i * BLOCK_SIZE + t
+            t_ok = pos < length
+            off = block * stride_kn + t[:, None] * stride_kt + hkv * stride_kh + d[None, :]
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)                              # (BLOCK_SIZE, D_PAD)
+            v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if UPCAST:  # float32 products in full precision (not TF32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # (G_PAD, BLOCK_SIZE)
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(t_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            s = s * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        out = acc / tl.where(s > 0, s, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, lengths: torch.Tensor,
+                                  scale: float | None = None) -> torch.Tensor:
+    """The Triton kernel: the arguments and result of :func:`paged_decode_attention_torch`. Needs the cache's
+    last dimension contiguous, the same strides for keys and values, and a block size that is a power of two
+    >= 16 (the kernel's tile is one block)."""
+    B, H, D = q.shape
+    n, bs, Hkv, Dk = k_cache.shape
+    if Dk != D or H % Hkv or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"paged attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"paged attention: the block size must be a power of two >= 16, got {bs}")
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    out = torch.empty_like(q)
+    G = H // Hkv
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32)
+    upcast = _INTERPRET or q.dtype == torch.float32
+    _paged_decode_kernel[(B, Hkv)](
+        q, k_cache, v_cache, out, tables, lens, scale if scale is not None else 1.0 / math.sqrt(D),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), tables.stride(0),
+        G=G, D=D, BLOCK_SIZE=bs, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=max(16, triton.next_power_of_2(D)),
+        UPCAST=upcast)
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale=None, impl: str = "auto"):
+    """``impl``: "triton", "torch", or "auto" (the kernel on CUDA, the PyTorch path elsewhere and for float64)."""
+    use = impl == "triton" or (impl == "auto" and q.is_cuda and triton is not None and q.dtype != torch.float64)
+    if use:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lengths, scale)
