@@ -269,8 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", default="auto", choices=["auto", "fused", "generic"],
                     help="the decode step: auto (fused on CUDA where supported), fused kernels, or the model's own")
     ap.add_argument("--max-batch", type=int, default=None,
-                    help="batch rows (default: 256 on CUDA with the paged engine, 16 with --engine column, 8 on CPU)")
-    ap.add_argument("--engine", default="paged", choices=["paged", "column"], help="the scheduler's engine")
+                    help="batch rows (default: z2all serve's, server.default_rows)")
+    ap.add_argument("--engine", default="auto", choices=["auto", "paged", "column"],
+                    help="the scheduler's engine (auto: z2all serve's default)")
     ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")

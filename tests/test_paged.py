@@ -152,3 +152,15 @@ def test_cuda_graphed_paged_decode_equals_the_eager_step():
     graphed.release(1)
     eager.release(1)
     torch.testing.assert_close(graphed.decode(tokens), eager.decode(tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_engine_and_default_rows_follow_the_device():
+    """``auto`` is the column engine on CUDA (measured the faster there) and the paged one on CPU; default rows: 8 on
+    CPU, on CUDA 256 for the paged engine (bucketed steps) and 16 for the column one (every step computes all rows)."""
+    pytest.importorskip("starlette")
+    from zero2all.infer.server import default_rows, resolve_engine
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_engine("auto", cuda) == "column" and resolve_engine("auto", cpu) == "paged"
+    assert resolve_engine("paged", cuda) == "paged" and resolve_engine("column", cpu) == "column"
+    assert [default_rows(e, d) for e in ("paged", "column") for d in (cpu, cuda)] == [8, 256, 8, 16]

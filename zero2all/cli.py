@@ -843,11 +843,12 @@ def _serve(p):
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a batch row while all rows are busy; more get HTTP 429")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="sequences decoded together (default: 256 on CUDA with the paged engine, 16 with --engine "
-                        "column, 8 on CPU)")
-    p.add_argument("--engine", default="paged", choices=["paged", "column"],
-                   help="paged: a pool of KV blocks with prefix caching (default); column: one cache row per "
-                        "sequence, with the fused decode step and CUDA graphs")
+                   help="sequences decoded together (default: 8 on CPU; on CUDA 256 with the paged engine, 16 with "
+                        "the column engine, whose every step computes all its rows: give it 256 for many clients)")
+    p.add_argument("--engine", default="auto", choices=["auto", "paged", "column"],
+                   help="paged: a pool of KV blocks with prefix caching and chunked prefill; column: one cache row "
+                        "per sequence, with the fused decode step and CUDA graphs; auto (default): column on CUDA "
+                        "(the faster there, as measured), paged elsewhere")
     p.add_argument("--block-size", type=int, default=16,
                    help="paged engine: tokens per KV block (a power of two >= 16 for the GPU kernel)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
@@ -900,10 +901,12 @@ def _serve(p):
                                    ("--max-batch", args.max_batch, 1)):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: must be at least {least}")
-        if args.block_size < 1 or (args.engine == "paged" and args.block_size & (args.block_size - 1)):
+        if args.block_size < 1 or (args.engine != "column" and args.block_size & (args.block_size - 1)):
             raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
-        if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine != "paged"):
+        if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine == "column"):
             raise ConfigError(f"--speculative-ngram {args.speculative_ngram}: must be >= 0, with --engine paged")
+        if args.speculative_ngram and args.engine == "auto":
+            args.engine = "paged"           # asking for a paged engine's feature picks that engine
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
         if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):

@@ -88,6 +88,7 @@ from importlib import resources
 from pathlib import Path
 
 import h11
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -121,12 +122,33 @@ class _Job:
     arrived: float
 
 
+def resolve_engine(engine: str, device: torch.device) -> str:
+    """``auto``: the column engine on CUDA, where it is the faster one as measured (z2all-1.1b on one H100,
+    256 clients: 17,132 tokens/s against the paged engine's 4,075; BENCHMARKS.md, "Serving: the paged engine"),
+    the paged one elsewhere (prefix caching and chunked prefill, where a prefill costs most)."""
+    if engine == "auto":
+        return "column" if device.type == "cuda" else "paged"
+    return engine
+
+
+def default_rows(engine: str, device: torch.device) -> int:
+    """Batch rows when none are asked for: 8 on CPU; on CUDA 256 with the paged engine (its memory is per token
+    held, and its step is padded only to the smallest bucket holding the running rows) and 16 with the column engine,
+    whose step always computes every row: its fused one-row kernels go up to 16 rows, and at 256 rows one client
+    decodes at 239 tokens/s against 540-613 at 16 in earlier calls (256 rows pay off from dozens of clients:
+    ``--max-batch 256``;
+    BENCHMARKS.md, "Serving: the paged engine")."""
+    if device.type != "cuda":
+        return 8
+    return 256 if engine == "paged" else 16
+
+
 class InferenceApp:
     """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP layer only moves
-    bytes. ``max_batch`` None: on CUDA 256 rows with the paged engine, 16 with the column engine (the fused decode
-    step's most); 8 on CPU. ``engine_options``: the :class:`Scheduler`'s engine arguments (engine, block_size,
-    kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram). ``max_queue``: sequences
-    that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
+    bytes. ``max_batch`` None: :func:`default_rows`. ``engine_options``: the :class:`Scheduler`'s engine arguments
+    (engine: ``auto`` by default, :func:`resolve_engine`; block_size, kv_blocks, kv_cache_gb, prefix_caching,
+    max_num_batched_tokens, speculative_ngram). ``max_queue``: sequences that may wait for a row (a waiting request
+    costs its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
                  default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
@@ -137,11 +159,12 @@ class InferenceApp:
             raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
         self.generator = generator
         self.model_name = model_name
-        if max_batch is None:  # CUDA: the paged engine's largest decode bucket; the column engine's fused step's most
-            paged = (engine_options or {}).get("engine", "paged") == "paged"
-            max_batch = (256 if paged else 16) if generator.device.type == "cuda" else 8
+        engine_options = dict(engine_options or {})
+        engine_options["engine"] = resolve_engine(engine_options.get("engine", "auto"), generator.device)
+        if max_batch is None:
+            max_batch = default_rows(engine_options["engine"], generator.device)
         self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len,
-                                   **(engine_options or {}))
+                                   **engine_options)
         self.context = self.scheduler.context
         # the limit is what was asked for, even above the context: a request that does not fit is then told so
         # (400 "context_length_exceeded"), instead of the limit being lowered behind the operator's back
