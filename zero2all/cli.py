@@ -374,6 +374,14 @@ def _prepare(p):
 
     return _data_errors("prepare", run)
 
+def _decontam_args(p):
+    p.add_argument("--decontaminate", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
+                   help="evaluation sets (jsonl / json / parquet / txt files, folders, globs, or lm-eval:TASK): "
+                        "remove training documents sharing a word n-gram (decontam.ngram, 13) with any of them")
+    p.add_argument("--decontam-report-only", action="store_true",
+                   help="with --decontaminate: count and show the matching documents in the report, keep them")
+
+
 @command("clean", "clean corpora: normalise, drop exact and near duplicates, apply quality rules, mask PII",
          "  z2all clean --input stdlib --out runs/clean\n"
          "  z2all clean --input web=data/web --input zh=data/zh.jsonl.zst --out clean --workers 8 "
@@ -391,6 +399,7 @@ def _clean(p):
     p.add_argument("--dry-run", action="store_true",
                    help="run on the first clean.dry_run_docs records and print the decisions; write nothing")
     p.add_argument("--max-docs", type=int, default=None, help="stop after this many input records")
+    _decontam_args(p)
     _reader_args(p)
     _overrides(p)
 
@@ -417,7 +426,9 @@ def _clean(p):
         cfg = load_clean_config(args.config, overrides)
         if args.workers is not None:
             cfg.workers = args.workers
-            cfg.validate()
+        cfg.decontam.sets += args.decontaminate or []
+        cfg.decontam.report_only |= args.decontam_report_only
+        cfg.validate()
         report = clean(inputs, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
                        strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs)
         if args.dry_run:
