@@ -127,3 +127,74 @@ def test_index_digest_and_resume_fingerprint(tmp_path, sets):
     b = build_index([sets["qa"]])
     assert a.digest == b.digest
     assert build_index([sets["qa"]], n=12).digest != a.digest
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from zero2all.tokenizer import train_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    path, _ = _corpus(d)
+    train_tokenizer([path], 384, d / "tok", log=lambda *a: None)
+    return d / "tok"
+
+
+def test_prepare_decontaminates_raw_text(tmp_path, sets, tok_dir):
+    from zero2all.data.pretokenize import prepare
+
+    path, docs = _corpus(tmp_path)
+    meta = prepare([path], tok_dir, tmp_path / "data", workers=1, valid_fraction=0.0, log=lambda *a: None,
+                   decontaminate=[sets["qa"], sets["story"]])
+    assert meta["splits"]["train"]["docs"] == len(docs) - 4
+    dc = meta["decontamination"]
+    assert [s["docs"] for s in dc["sets"]] == [3, 2] and dc["documents_matched"] == 5 and dc["mode"] == "remove"
+    assert [(r["name"], r["mode"], r["by"]) for r in meta["decontaminated_against"]] == \
+        [("qa", "remove", "prepare"), ("story", "remove", "prepare")]
+    kept = prepare([path], tok_dir, tmp_path / "kept", workers=1, valid_fraction=0.0, log=lambda *a: None,
+                   decontaminate=[sets["qa"]], decontam_report_only=True)
+    assert kept["splits"]["train"]["docs"] == len(docs) and kept["decontamination"]["sets"][0]["docs"] == 3
+
+
+def test_prepare_records_the_clean_inputs_sets_and_eval_warns(tmp_path, sets, tok_dir, capsys):
+    from zero2all.data.pretokenize import prepare
+
+    path, _ = _corpus(tmp_path)
+    cfg = CleanConfig(workers=1)
+    cfg.decontam.sets = [sets["qa"]]
+    clean([path], tmp_path / "clean", cfg, verbose=False)
+    meta = prepare([str(tmp_path / "clean")], tok_dir, tmp_path / "data", workers=1, log=lambda *a: None)
+    assert [r["name"] for r in meta["decontaminated_against"]] == ["qa"]
+    assert meta["decontaminated_against"][0]["by"].endswith("report.json")
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"data": {"path": str(tmp_path / "data")}}))
+
+    from zero2all.corpus.decontam import contamination_warning
+
+    assert contamination_warning(run / "final", [sets["qa"]]) is None
+    line = contamination_warning(run / "final", [sets["qa"], f"s={sets['story']}"], ["hellaswag"])
+    assert line.startswith("warning: hellaswag, s=") and "hellaswag" in line and "(sets removed from it: qa)" in line
+    assert sets["qa"] not in line
+    assert contamination_warning(tmp_path, [sets["story"]]) is None  # no known training data: nothing to say
+    # the command prints it (one line) before evaluating; this folder holds no model, so the evaluation fails
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(run / "final"), "--data", sets["story"]]) != 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"warning: {sets['story']} not decontaminated") and len(err) == 2
+
+
+def test_lm_eval_task_documents_offline(monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'zero2all[eval]')")
+    from pathlib import Path
+
+    fixtures = Path(__file__).parent / "fixtures" / "harness"
+    monkeypatch.chdir(fixtures)  # the task YAML's data_files are relative to the working directory
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    index = build_index([f"lm-eval:z2all_tiny_mc@{fixtures}"], n=5)
+    assert index.sets[0]["task"] == "z2all_tiny_mc"
+    assert index.sets[0]["texts"] == len((fixtures / "tiny_mc.jsonl").read_text().splitlines())
+    # question + rendered choices: "... predicts the" then the choice "next token"
+    assert index.match("We know THE MODEL reads text, and predicts the next token.") == \
+        {"z2all_tiny_mc": "the model reads text, and"}
+    assert index.match("the model writes text and predicts") == {}

@@ -323,6 +323,14 @@ def _extend_tokenizer(p):
     return _data_errors("extend-tokenizer", run)
 
 
+def _decontam_args(p):
+    p.add_argument("--decontaminate", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
+                   help="evaluation sets (jsonl / json / parquet / txt files, folders, globs, or lm-eval:TASK): "
+                        "remove training documents sharing a word n-gram (decontam.ngram, 13) with any of them")
+    p.add_argument("--decontam-report-only", action="store_true",
+                   help="with --decontaminate: count and show the matching documents in the report, keep them")
+
+
 @command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
          "  z2all prepare --input stdlib --tokenizer runs/tok --out runs/data\n"
          "  z2all prepare --input zh=data/zh --input code=data/code.jsonl.zst --source zh=0.4 --source code=2 \\\n"
@@ -353,6 +361,8 @@ def _prepare(p):
     p.add_argument("--shard-chunks", type=int, default=256, help="work units per shard (and per resume step)")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in --out first")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--decontam-ngram", type=int, default=13, help="with --decontaminate: words per n-gram (13)")
+    _decontam_args(p)
     _reader_args(p)
 
     def run(args):
@@ -370,17 +380,10 @@ def _prepare(p):
                 chunk_bytes=int(args.chunk_mb * (1 << 20)), shard_chunks=args.shard_chunks, seq_len=args.seq_len,
                 overwrite=args.overwrite, progress=False if args.no_progress else None,
                 command="z2all " + " ".join(sys.argv[1:]), temperature=args.temperature, target_mb=args.target_mb,
-                max_epochs=args.max_epochs, seed=args.seed)
+                max_epochs=args.max_epochs, seed=args.seed, decontaminate=args.decontaminate,
+                decontam_ngram=args.decontam_ngram, decontam_report_only=args.decontam_report_only)
 
     return _data_errors("prepare", run)
-
-def _decontam_args(p):
-    p.add_argument("--decontaminate", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
-                   help="evaluation sets (jsonl / json / parquet / txt files, folders, globs, or lm-eval:TASK): "
-                        "remove training documents sharing a word n-gram (decontam.ngram, 13) with any of them")
-    p.add_argument("--decontam-report-only", action="store_true",
-                   help="with --decontaminate: count and show the matching documents in the report, keep them")
-
 
 @command("clean", "clean corpora: normalise, drop exact and near duplicates, apply quality rules, mask PII",
          "  z2all clean --input stdlib --out runs/clean\n"
@@ -965,6 +968,12 @@ def _eval(p):
             from zero2all.fileio import claim_output_file
 
             claim_output_file(args.json, args.overwrite, inputs=[args.ckpt, *(args.data or [])], option="--json")
+        from zero2all.corpus.decontam import contamination_warning
+
+        warning = contamination_warning(args.ckpt, args.data or [],
+                                        [t for item in args.tasks or [] for t in item.split(",") if t])
+        if warning:
+            print(warning, file=sys.stderr)
         if args.tasks is not None:
             return _eval_tasks(args)
         from zero2all.eval.perplexity import evaluate_files, write_json

@@ -16,8 +16,9 @@ short answer such as "the answer is yes").
 
 Evaluation sets (``--decontaminate``): ``NAME=PATH`` or ``PATH`` (named after the file or folder stem), where PATH
 is a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.txt`` file (optionally ``.gz`` / ``.zst``), a folder of them (one
-set) or a glob; or ``lm-eval:TASK`` for an lm-evaluation-harness task whose documents the harness can load
-(offline only if its data set is cached or the task reads local files). A json record's text is all its string
+set) or a glob; or ``lm-eval:TASK`` (``lm-eval:TASK@DIR`` for a task YAML in DIR) for an lm-evaluation-harness task
+whose documents the harness can load: offline only if its data set is in the local cache or the task reads local
+files (the harness's own tasks download from the Hugging Face hub otherwise). A json record's text is all its string
 values joined with newlines (question, choices and answer alike), so n-grams spanning fields count too.
 
 The index (:class:`DecontamIndex`) is one sorted array of unique n-gram hashes with a 64-bit mask per hash of the
@@ -38,8 +39,8 @@ import numpy as np
 
 from zero2all.config import ConfigError
 
-__all__ = ["DecontamIndex", "EvalSet", "build_index", "eval_set_record", "ngram_hashes", "normalize_for_ngrams",
-           "parse_eval_sets", "read_eval_texts"]
+__all__ = ["DecontamIndex", "EvalSet", "build_index", "contamination_warning", "eval_set_record", "ngram_hashes",
+           "normalize_for_ngrams", "parse_eval_sets", "read_eval_texts", "training_data_of"]
 
 _U64 = np.uint64
 _B = 0x9E3779B97F4A7C15
@@ -165,6 +166,7 @@ class EvalSet:
     name: str
     files: list[str] = field(default_factory=list)
     task: str | None = None
+    include: str | None = None      # a folder of task YAML files (local tasks)
 
 
 def _set_name(path: str) -> str:
@@ -191,10 +193,12 @@ def parse_eval_sets(specs: Iterable[str]) -> list[EvalSet]:
     for spec in specs:
         spec = str(spec)
         if spec.startswith(LM_EVAL_PREFIX):
-            task = spec[len(LM_EVAL_PREFIX):]
+            task, _, include = spec[len(LM_EVAL_PREFIX):].partition("@")
             if not task:
-                raise ConfigError(f"--decontaminate {spec}: expected lm-eval:TASK")
-            sets.append(EvalSet(task, task=task))
+                raise ConfigError(f"--decontaminate {spec}: expected lm-eval:TASK or lm-eval:TASK@DIR")
+            if include and not os.path.isdir(include):
+                raise ConfigError(f"--decontaminate {spec}: {include} is not a folder of task YAML files")
+            sets.append(EvalSet(task, task=task, include=include or None))
             continue
         name, sep, path = spec.partition("=")
         if not (sep and name and "/" not in name and not os.path.exists(spec)):
@@ -263,17 +267,21 @@ def _read_file(path: str) -> Iterator[str]:
         raise ConfigError(f"--decontaminate {path}: cannot read ({e.strerror or e})") from None
 
 
-def _task_texts(task: str) -> Iterator[str]:
-    """The documents of an lm-evaluation-harness task: every split the task evaluates on, each document's
-    rendered prompt and target (``doc_to_text`` / ``doc_to_target``) and its raw string fields."""
+def _task_texts(task: str, include: str | None = None) -> Iterator[str]:
+    """The documents of an lm-evaluation-harness task (its test split, else its validation split): each document's
+    raw string fields, rendered prompt, choices and target (``doc_to_text`` / ``doc_to_choice`` /
+    ``doc_to_target``). ``include``: a folder of local task YAML files."""
     try:
         from lm_eval.tasks import TaskManager, get_task_dict
     except ImportError:
         raise ConfigError(f"--decontaminate lm-eval:{task}: lm-evaluation-harness is not installed "
                           "(pip install 'zero2all[eval]'), or give the task's files instead") from None
-    include = os.environ.get("Z2ALL_LM_EVAL_INCLUDE")
     try:
-        tasks = get_task_dict([task], TaskManager(include_path=include.split(os.pathsep) if include else None))
+        manager = TaskManager(include_path=[include], include_defaults=False) if include else None
+        if manager is None or task not in manager.all_tasks:
+            manager = TaskManager(include_path=[include] if include else None)
+        # lm-eval >= 0.4.10: TaskManager.load (flat dict of leaf tasks); earlier ones: get_task_dict (nested)
+        tasks = manager.load([task])["tasks"] if hasattr(manager, "load") else get_task_dict([task], manager)
     except Exception as e:  # the harness raises many kinds (unknown task, no network, missing data set)
         raise ConfigError(f"--decontaminate lm-eval:{task}: the harness could not load it offline "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -281,7 +289,7 @@ def _task_texts(task: str) -> Iterator[str]:
         docs = obj.test_docs() if obj.has_test_docs() else obj.validation_docs() if obj.has_validation_docs() else []
         for doc in docs or []:
             parts = [_record_text(dict(doc))]
-            for fn in ("doc_to_text", "doc_to_target"):
+            for fn in ("doc_to_text", "doc_to_choice", "doc_to_target"):
                 try:
                     v = getattr(obj, fn)(doc)
                 except Exception:
@@ -300,7 +308,7 @@ def _leaf_tasks(d) -> Iterator:
 
 def read_eval_texts(s: EvalSet) -> Iterator[str]:
     if s.task is not None:
-        yield from _task_texts(s.task)
+        yield from _task_texts(s.task, s.include)
         return
     for f in s.files:
         yield from _read_file(f)
@@ -328,8 +336,10 @@ def eval_set_record(s: EvalSet) -> dict:
 class DecontamIndex:
     """Sorted unique n-gram hashes of the evaluation sets, each with a bit mask of the sets holding it."""
 
-    def __init__(self, keys: np.ndarray, owners: np.ndarray, names: list[str], n: int, sets: list[dict]):
+    def __init__(self, keys: np.ndarray, owners: np.ndarray, names: list[str], n: int, sets: list[dict],
+                 report_only: bool = False):
         self.keys, self.owners, self.names, self.n, self.sets = keys, owners, list(names), int(n), sets
+        self.report_only = report_only  # what the user of the index does with a match (kept with it for workers)
 
     def match(self, text: str, normalized: bool = False) -> dict[str, str]:
         """{set name: the first shared n-gram as normalised text} for every set the text shares an n-gram with."""
@@ -420,3 +430,56 @@ def build_index(specs: Iterable[str], n: int = 13, log=None) -> DecontamIndex:
     owners = np.zeros(int(first.sum()), dtype=_U64)
     np.bitwise_or.at(owners, group, bits)
     return DecontamIndex(keys[first], owners, [s.name for s in sets], n, records)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# what `z2all eval` checks
+
+
+def training_data_of(ckpt: str | os.PathLike) -> Path | None:
+    """The ``z2all prepare`` folder a checkpoint was trained on, from the run config (``config.json``: the
+    checkpoint's own, else its run folder's) ``data.path``; None when unknown (an HF model, synthetic data)."""
+    for folder in (Path(ckpt), Path(ckpt).parent):
+        try:
+            cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        data = cfg.get("data") if isinstance(cfg, dict) else None
+        if isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]:
+            return Path(data["path"])
+    return None
+
+
+def contamination_warning(ckpt: str | os.PathLike, data: Iterable[str] = (), tasks: Iterable[str] = ()) -> str | None:
+    """One line naming the evaluated sets that the checkpoint's known training data was not decontaminated
+    against, or None. A file set counts as decontaminated when each of its files' sha256 is among the files of a
+    set recorded with mode ``remove`` in the data's ``meta.json`` (``decontaminated_against``); a harness task
+    when its name is."""
+    data_dir = training_data_of(ckpt)
+    if data_dir is None:
+        return None
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    against = [r for r in meta.get("decontaminated_against", []) if r.get("mode") == "remove"]
+    digests = {f.get("sha256") for r in against for f in r.get("files", [])}
+    task_names = {r.get("task") for r in against if r.get("task")}
+    missing = [t for t in tasks if t not in task_names]
+    for spec in data:
+        name, sep, path = str(spec).partition("=")
+        if not (sep and name and "/" not in name and not os.path.exists(str(spec))):
+            path = str(spec)
+        try:
+            from zero2all.corpus.readers import expand_paths
+
+            files = expand_paths(path)
+        except FileNotFoundError:
+            continue  # the evaluation itself reports it
+        if any(_sha256(f) not in digests for f in files):
+            missing.append(str(spec))
+    if not missing:
+        return None
+    known = ", ".join(sorted({r["name"] for r in against})) or "none"
+    return (f"warning: {', '.join(missing)} not decontaminated against the training data {data_dir} (sets removed "
+            f"from it: {known}); z2all clean / prepare --decontaminate removes overlapping documents")
