@@ -323,6 +323,12 @@ def _extend_tokenizer(p):
     return _data_errors("extend-tokenizer", run)
 
 
+def _ray_arg(p):
+    p.add_argument("--ray", action="store_true", default=None,
+                   help="run the work units on Ray (pip install 'zero2all[ray]'): the cluster at RAY_ADDRESS, else a "
+                        "local one; also on when RAY_ADDRESS is set. Same output as without")
+
+
 def _decontam_args(p):
     p.add_argument("--decontaminate", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
                    help="evaluation sets (jsonl / json / parquet / txt files, folders, globs, or lm-eval:TASK): "
@@ -363,6 +369,7 @@ def _prepare(p):
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--decontam-ngram", type=int, default=13, help="with --decontaminate: words per n-gram (13)")
     _decontam_args(p)
+    _ray_arg(p)
     _reader_args(p)
 
     def run(args):
@@ -381,7 +388,7 @@ def _prepare(p):
                 overwrite=args.overwrite, progress=False if args.no_progress else None,
                 command="z2all " + " ".join(sys.argv[1:]), temperature=args.temperature, target_mb=args.target_mb,
                 max_epochs=args.max_epochs, seed=args.seed, decontaminate=args.decontaminate,
-                decontam_ngram=args.decontam_ngram, decontam_report_only=args.decontam_report_only)
+                decontam_ngram=args.decontam_ngram, decontam_report_only=args.decontam_report_only, ray=args.ray)
 
     return _data_errors("prepare", run)
 
@@ -403,6 +410,7 @@ def _clean(p):
                    help="run on the first clean.dry_run_docs records and print the decisions; write nothing")
     p.add_argument("--max-docs", type=int, default=None, help="stop after this many input records")
     _decontam_args(p)
+    _ray_arg(p)
     _reader_args(p)
     _overrides(p)
 
@@ -433,7 +441,7 @@ def _clean(p):
         cfg.decontam.report_only |= args.decontam_report_only
         cfg.validate()
         report = clean(inputs, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
-                       strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs)
+                       strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs, ray=args.ray)
         if args.dry_run:
             print(render_markdown(report), end="")
         else:

@@ -714,7 +714,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
             temperature: float | None = None, target_mb: float | None = None, max_epochs: float | None = None,
             seed: int = 0, size_sample_mb: float = 256.0, piece_chars: int = MAX_PIECE_CHARS,
             decontaminate: list[str] | None = None, decontam_ngram: int = 13, decontam_report_only: bool = False,
-            _stop_after_groups: int | None = None) -> dict:
+            ray: bool | None = None, _stop_after_groups: int | None = None) -> dict:
     """Tokenize ``inputs`` with the tokenizer in ``tokenizer_dir`` into shards in ``out_dir`` (see the module
     docstring). ``workers``: processes (default: all cores; 1 = in this process). ``weights``: {source name:
     mixture weight}; ``temperature`` / ``target_mb`` / ``max_epochs`` / ``seed``: source sampling (see the module
@@ -722,12 +722,18 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     at least one window. ``piece_chars``: documents longer than this are tokenized in pieces (bounded memory; see
     ``zero2all.corpus.pieces``). ``decontaminate``: evaluation sets (:mod:`zero2all.corpus.decontam`); documents
     sharing a ``decontam_ngram``-word n-gram with one are dropped (counted only with ``decontam_report_only``).
-    Returns meta.json's dict.
+    ``ray``: tokenize on Ray actors (:mod:`zero2all.corpus.on_ray`; None: when ``RAY_ADDRESS`` is set), the same
+    shards byte for byte. Returns meta.json's dict.
     ``_stop_after_groups`` simulates an interruption (tests)."""
     from zero2all.tokenizer import load_tokenizer
 
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
+    from zero2all.corpus.on_ray import connect, ray_requested, ray_workers
+
+    use_ray = ray_requested(ray)
+    if use_ray:
+        connect()  # a missing extra or an unreachable cluster is said before anything else
     t0 = time.time()
     tok = load_tokenizer(tokenizer_dir)
     if tok.eos_id is None:
@@ -742,7 +748,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         raise ValueError(f"size_sample_mb: must be > 0, got {size_sample_mb}")
     mix = {"temperature": temperature, "target_mb": target_mb, "max_epochs": max_epochs, "seed": seed,
            "explicit": sorted(explicit), "size_sample_mb": size_sample_mb}
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = ray_workers(connect(), workers) if use_ray else max(1, workers or os.cpu_count() or 1)
     fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
     if temperature is not None or target_mb is not None or max_epochs is not None or seed:
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
@@ -764,17 +770,18 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     with locked_output_dir(out, on_takeover=log):  # one run per folder: a second one is refused
         return _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers,
                                valid_fraction, txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite,
-                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars, dindex)
+                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars, dindex,
+                               use_ray)
 
 
 def _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                     txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                    _stop_after_groups, mix, explicit, piece_chars, dindex=None) -> dict:
+                    _stop_after_groups, mix, explicit, piece_chars, dindex=None, use_ray=False) -> dict:
     before = _snapshot(out)
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                              txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
-                             t0, _stop_after_groups, mix, explicit, piece_chars, dindex)
+                             t0, _stop_after_groups, mix, explicit, piece_chars, dindex, use_ray)
     except Exception as e:
         # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
@@ -798,7 +805,7 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
 
 def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
                   strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS, dindex=None) -> dict:
+                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS, dindex=None, use_ray=False) -> dict:
     complete = _check_existing(out, fingerprint, stamp, overwrite, log)
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
@@ -844,7 +851,9 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
         bar.update(r.text_bytes, len(r.train) + len(r.valid))
 
     try:
-        if workers == 1:
+        if use_ray:
+            _run_ray(workers, init_args, todo(), consume)
+        elif workers == 1:
             _init_worker(*init_args[:-3], tok=tok, piece_chars=piece_chars, decontam=dindex)
             for args in todo():
                 consume(tokenize_chunk(*args))
@@ -940,6 +949,32 @@ def _nothing_useful(groups: dict, specs: list[SourceSpec], stats: ReadStats, val
                 f"split (--valid-fraction {valid_fraction:g}) and the rest were sampled away by the --source weights"
                 f" ({', '.join(weights) or 'none below 1'})")
     return f"the train split holds no text: its {train_docs:,} documents are empty"
+
+
+class _RayTokenizer:
+    """A Ray actor: one worker's tokenizer, loaded once, then ``tokenize_chunk`` per work unit."""
+
+    def __init__(self, init_args: tuple):
+        _init_worker(*init_args)
+
+    def tokenize(self, args):
+        return tokenize_chunk(*args)
+
+
+def _run_ray(workers: int, init_args: tuple, tasks, consume) -> None:
+    """As :func:`_run_pool`, on Ray actors (restarted, and their calls retried, if a worker dies)."""
+    from zero2all.corpus.on_ray import RETRIES, connect, ordered_map
+
+    ray = connect()
+    actor = ray.remote(_RayTokenizer).options(max_restarts=RETRIES, max_task_retries=RETRIES)
+    ref = ray.put(init_args)  # the tokenizer folder and the decontamination index: stored once
+    actors = [actor.remote(ref) for _ in range(workers)]
+    try:
+        ordered_map(lambda args, n: actors[n % workers].tokenize.remote(args), tasks, 2 * workers,
+                    lambda _args, result: consume(result), ray.get)
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:

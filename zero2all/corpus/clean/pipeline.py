@@ -167,11 +167,31 @@ def _chunks(records, cfg: CleanConfig):
 
 
 def _stage1(inputs, work: Path, cfg: CleanConfig, sources: list[str], read_kwargs: dict, stats: ReadStats,
-            workers: int, max_docs: int | None, on_chunk_done: Callable | None) -> int:
+            workers: int, max_docs: int | None, on_chunk_done: Callable | None, use_ray: bool = False) -> int:
     records = iter_records(inputs, stats=stats, **read_kwargs)
     if max_docs is not None:
         records = (r for r, _ in zip(records, range(max_docs)))
     n_chunks = 0
+    if use_ray:  # the same units and the same clean_chunk, as Ray tasks (retried if a worker dies or one raises)
+        from zero2all.corpus.on_ray import RETRIES, connect, ordered_map, ray_workers
+
+        ray = connect()
+        task = ray.remote(clean_chunk).options(max_retries=RETRIES, retry_exceptions=True)
+
+        def todo():
+            nonlocal n_chunks
+            for index, batch in _chunks(records, cfg):
+                n_chunks = index + 1
+                if not (work / f"chunk-{index:06d}.json").exists():
+                    yield index, batch
+
+        def done(item, _result):
+            if on_chunk_done:
+                on_chunk_done(item[0])
+
+        ordered_map(lambda item, _: task.remote(item[0], item[1], str(work), cfg, sources), todo(),
+                    2 * ray_workers(ray, cfg.workers), done, ray.get)
+        return n_chunks
     if workers <= 1:
         for index, batch in _chunks(records, cfg):
             n_chunks = index + 1
@@ -263,11 +283,12 @@ def _fingerprint(inputs, cfg: CleanConfig, read_kwargs: dict, max_docs, decontam
 def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | None = None,
           text_field: str | None = None, txt_mode: str = "file", strict: bool = False, dry_run: bool = False,
           max_docs: int | None = None, on_chunk_done: Callable[[int], None] | None = None,
-          verbose: bool = True) -> dict:
+          verbose: bool = True, ray: bool | None = None) -> dict:
     """Clean ``inputs`` (paths, globs, ``NAME=PATH`` or ``stdlib``) into ``out``; returns the report dict.
 
     ``dry_run``: the first ``cfg.dry_run_docs`` records only, in a temporary directory; nothing is written to
-    ``out``. ``on_chunk_done(index)`` is called after each work unit of stage 1 (progress, tests)."""
+    ``out``. ``on_chunk_done(index)`` is called after each work unit of stage 1 (progress, tests). ``ray``: run
+    the work units on Ray (:mod:`zero2all.corpus.on_ray`; None: when ``RAY_ADDRESS`` is set), same output."""
     cfg = (cfg or CleanConfig()).validate()
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     if not inputs:
@@ -280,7 +301,10 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
     if not dry_run:
         check_out_outside_inputs(inputs, out)
     read_kwargs = {"text_field": text_field, "txt_mode": txt_mode, "strict": strict}
-    workers = cfg.workers or os.cpu_count() or 1
+    from zero2all.corpus.on_ray import connect, ray_requested, ray_workers
+
+    use_ray = ray_requested(ray)
+    workers = ray_workers(connect(), cfg.workers) if use_ray else cfg.workers or os.cpu_count() or 1
     lsh = lsh_parameters(cfg)
     if verbose:
         print(f"near dedup: threshold {lsh['threshold']}, {lsh['num_perm']} permutations -> {lsh['bands']} bands x "
@@ -301,7 +325,7 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
         # one run per folder: a second `clean` on the same --out is refused at once (a dry run writes a temporary)
         with contextlib.nullcontext() if dry_run else locked_output_dir(out_dir):
             return _run(inputs, out_dir, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose,
-                        dry_run, dindex)
+                        dry_run, dindex, use_ray)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -317,7 +341,7 @@ def _is_legacy_output(path: Path) -> bool:
 
 
 def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose, dry_run,
-         dindex=None):
+         dindex=None, use_ray=False):
     t0 = time.time()
     work = out_dir / ".work"
     work.mkdir(parents=True, exist_ok=True)
@@ -335,7 +359,7 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
     if dindex is not None:
         dindex.save(work / DECONTAM_INDEX)  # the workers load it from here, once each
     stats = ReadStats()
-    n_chunks = _stage1(inputs, work, cfg, sources, read_kwargs, stats, workers, max_docs, on_chunk_done)
+    n_chunks = _stage1(inputs, work, cfg, sources, read_kwargs, stats, workers, max_docs, on_chunk_done, use_ray)
     t1 = time.time()
     removed, dup_of, src_idx, nbytes, counts, dstats = _stage2(work, n_chunks, cfg, lsh)
     t2 = time.time()
@@ -347,6 +371,8 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
     report["seconds"] = {"stage1_filter_hash": round(t1 - t0, 2), "stage2_dedup": round(t2 - t1, 2),
                          "total": round(time.time() - t0, 2)}
     report["workers"] = workers
+    if use_ray:
+        report["engine"] = "ray"
     sizes = {name: s["bytes_out"] for name, s in report["sources"].items()}
     report["sampling"] = {str(t): {k: round(v, 4) for k, v in temperature_weights(sizes, t).items()}
                           for t in cfg.temperatures} if len(sizes) > 1 else {}
