@@ -3,8 +3,12 @@
 Ray is an optional extra (``pip install 'zero2all[ray]'``), imported only here and only when asked for. Nothing of
 the pipeline is rewritten for it: the driver cuts the same work units as the local path and Ray runs the same pure
 functions on them (``clean_chunk`` as Ray tasks; ``tokenize_chunk`` on Ray actors that load the tokenizer once),
-so the outputs are those of the local path, byte for byte. Results are consumed in work-unit order with a bounded
-number in flight (two per worker), so the driver's memory does not grow with the corpus.
+and, for ``clean``'s near-duplicate stage, one Ray task per LSH band (:func:`band_candidates` and
+:func:`verify_pairs` of :mod:`zero2all.corpus.clean.minhash` over the memory-mapped signatures) whose pairs the
+driver merges in band order exactly as the local loop does (union-find, ~8 bytes per document), so the outputs are
+those of the local path, byte for byte, with the same duplicate clusters and counts. Results are consumed in
+work-unit order with a bounded number in flight (two per worker), so the driver's memory does not grow with the
+corpus (besides ``clean``'s per-document arrays of stage 2, ~60 bytes per document).
 
 Fault tolerance is Ray's: a task whose worker dies, or that raises, is retried (``max_retries``; exceptions too),
 and an actor that dies is restarted. A killed driver loses nothing finished: every work unit's output is written

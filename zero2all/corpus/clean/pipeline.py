@@ -36,7 +36,15 @@ import numpy as np
 from zero2all.config import ConfigError
 from zero2all.corpus.clean.config import CleanConfig
 from zero2all.corpus.clean.filters import filter_document
-from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters, s_curve, verify_bar
+from zero2all.corpus.clean.minhash import (
+    MinHasher,
+    band_candidates,
+    choose_bands,
+    find_clusters,
+    s_curve,
+    verify_bar,
+    verify_pairs,
+)
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
 from zero2all.corpus.decontam import build_index, load_index_cached
@@ -224,7 +232,30 @@ def _stage1(inputs, work: Path, cfg: CleanConfig, sources: list[str], read_kwarg
 # ---------------------------------------------------------------------------------------------------- stage 2
 
 
-def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
+def _band_task(sig_path: str, idx: np.ndarray, band: int, rows: int, bar: float | None):
+    """One LSH band on a Ray worker: its candidate pairs over the memory-mapped signatures, each verified."""
+    sigs = np.load(sig_path, mmap_mode="r")
+    a, b = band_candidates(sigs, idx, band, rows)
+    return a, b, verify_pairs(sigs, a, b, bar)
+
+
+def _ray_bands(sig_path: Path, alive: np.ndarray, bands: int, rows: int, bar: float | None, workers: int):
+    """The bands' (a, b, ok) from Ray tasks, in band order, at most two per worker in flight."""
+    from zero2all.corpus.on_ray import RETRIES, connect
+
+    ray = connect()
+    task = ray.remote(_band_task).options(max_retries=RETRIES, retry_exceptions=True)
+    idx = ray.put(np.flatnonzero(alive))
+    pending: deque = deque()
+    for band in range(bands):
+        pending.append(task.remote(str(sig_path), idx, band, rows, bar))
+        if len(pending) >= 2 * workers:
+            yield ray.get(pending.popleft())
+    while pending:
+        yield ray.get(pending.popleft())
+
+
+def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict, use_ray: bool = False, workers: int = 1):
     hashes, has_sig, srcs, nbytes, counts = [], [], [], [], []
     for i in range(n_chunks):
         with np.load(work / f"chunk-{i:06d}.npz") as z:
@@ -258,7 +289,9 @@ def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
         sigs.flush()
         alive = (removed == 0) & np.concatenate(has_sig)
         bar = lsh["verify_bar"]
-        parent, st = find_clusters(sigs, alive, lsh["bands"], lsh["rows"], bar)
+        # on Ray each band's keys, sort and verification run on a worker; the union stays here (same clusters)
+        bands = _ray_bands(sig_path, alive, lsh["bands"], lsh["rows"], bar, workers) if use_ray else None
+        parent, st = find_clusters(sigs, alive, lsh["bands"], lsh["rows"], bar, band_results=bands)
         del sigs
         sig_path.unlink()
         stats.update(st)
@@ -361,7 +394,7 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
     stats = ReadStats()
     n_chunks = _stage1(inputs, work, cfg, sources, read_kwargs, stats, workers, max_docs, on_chunk_done, use_ray)
     t1 = time.time()
-    removed, dup_of, src_idx, nbytes, counts, dstats = _stage2(work, n_chunks, cfg, lsh)
+    removed, dup_of, src_idx, nbytes, counts, dstats = _stage2(work, n_chunks, cfg, lsh, use_ray, workers)
     t2 = time.time()
     report = _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, sources, cfg, lsh, stats,
                        dindex)
