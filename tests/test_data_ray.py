@@ -153,3 +153,18 @@ def test_missing_extra_is_one_line(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # RAY_ADDRESS alone asks for Ray too
     assert main(["prepare", "--input", corpus, "--tokenizer", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
     assert "zero2all[ray]" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
+def test_tokenizer_sample_on_ray_equals_local(cluster, corpus, tmp_path):
+    from zero2all.tokenizer import train_tokenizer
+
+    lines = open(corpus).read().splitlines(keepends=True)
+    files = []
+    for i in range(3):  # three shards, one Ray task each
+        files.append(tmp_path / f"part{i}.jsonl")
+        files[-1].write_text("".join(lines[i::3]))
+    budget = sum(len(json.loads(x)["text"].encode()) for x in lines) // 4
+    local = train_tokenizer([str(f) for f in files], 384, None, sample_bytes=budget, log=lambda *a: None, ray=False)
+    on_ray = train_tokenizer([str(f) for f in files], 384, None, sample_bytes=budget, log=lambda *a: None, ray=True)
+    assert on_ray.hash == local.hash and on_ray.meta["training"]["fed_bytes"] <= budget
+    assert on_ray.meta["training"]["read"]["records"] == len(lines)

@@ -280,17 +280,33 @@ def _train_tokenizer(p):
                    help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
     p.add_argument("--seed", type=int, default=0, help="document sampling seed (when the cap applies)")
     p.add_argument("--min-frequency", type=int, default=2, help="hf backend: least count of a merged pair")
+    p.add_argument("--sample-bytes", default=None, metavar="N[K|M|G]",
+                   help="train on a bounded sample: the documents of least seeded priority (a hash of the text) that "
+                        "fit N bytes, drawn in one pass (e.g. 500M); the same sample for a seed however the corpus "
+                        "is sharded")
+    _ray_arg(p)
     _reader_args(p)
 
     def run(args):
         from zero2all.tokenizer.train import train_tokenizer
+
+        sample = None
+        if args.sample_bytes is not None:
+            text = args.sample_bytes.strip().upper().removesuffix("B")
+            scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:], 1)
+            try:
+                sample = float(text[:-1] if scale != 1 else text) * scale
+            except ValueError:
+                sample = -1
+            if not sample > 0:
+                raise ValueError(f"--sample-bytes {args.sample_bytes}: expected a positive size, e.g. 500M or 2G")
 
         if not args.max_memory_gb >= 0:
             raise ValueError(f"--max-memory-gb: {args.max_memory_gb} must be >= 0 (0 = no cap)")
         tok = train_tokenizer(args.input or ["stdlib"], args.vocab_size, args.out, backend=args.backend,
                               text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
                               max_memory_gb=args.max_memory_gb or None, seed=args.seed,
-                              min_frequency=args.min_frequency)
+                              min_frequency=args.min_frequency, sample_bytes=sample, ray=args.ray)
         print(f"{tok!r}; load with zero2all.load_tokenizer('{args.out}') or "
               f"transformers.AutoTokenizer.from_pretrained('{args.out}')")
 
