@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="/tmp/raybench")
     ap.add_argument("--skip", nargs="*", default=[], help="variants to leave out, e.g. prepare")
+    ap.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,11 @@ def main():
         print(f"generated {corpus}: {n:,} documents, {corpus.stat().st_size / 1e6:.1f} MB")
     mb = corpus.stat().st_size / 1e6
 
-    import ray
+    try:
+        import ray
+    except ImportError:
+        ray = None
+        print("ray is not installed: local rows only")
 
     from zero2all.corpus.clean import CleanConfig, clean
     from zero2all.data.pretokenize import prepare
@@ -95,8 +100,8 @@ def main():
         if command in args.skip:
             continue
         ref = None
-        for engine in ("local", "ray"):
-            for workers in (1, 2):
+        for engine in ("local", "ray") if ray is not None else ("local",):
+            for workers in args.workers:
                 if engine == "ray":
                     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
                 times, cpu = [], []
