@@ -153,6 +153,8 @@ def test_missing_extra_is_one_line(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # RAY_ADDRESS alone asks for Ray too
     assert main(["prepare", "--input", corpus, "--tokenizer", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
     assert "zero2all[ray]" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    # --no-ray: here, whatever RAY_ADDRESS says
+    assert main(["clean", "--input", corpus, "--out", str(tmp_path / "here"), "--workers", "1", "--no-ray"]) == 0
 
 
 def test_tokenizer_sample_on_ray_equals_local(cluster, corpus, tmp_path):

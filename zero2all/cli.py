@@ -340,9 +340,9 @@ def _extend_tokenizer(p):
 
 
 def _ray_arg(p):
-    p.add_argument("--ray", action="store_true", default=None,
+    p.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                    help="run the work units on Ray (pip install 'zero2all[ray]'): the cluster at RAY_ADDRESS, else a "
-                        "local one; also on when RAY_ADDRESS is set. Same output as without")
+                        "local one; on by default when RAY_ADDRESS is set (--no-ray: here). Same output either way")
 
 
 def _decontam_args(p):
