@@ -170,3 +170,22 @@ def test_tokenizer_sample_on_ray_equals_local(cluster, corpus, tmp_path):
     on_ray = train_tokenizer([str(f) for f in files], 384, None, sample_bytes=budget, log=lambda *a: None, ray=True)
     assert on_ray.hash == local.hash and on_ray.meta["training"]["fed_bytes"] <= budget
     assert on_ray.meta["training"]["read"]["records"] == len(lines)
+
+
+def test_prepare_sft_on_ray_equals_local(cluster, tmp_path):
+    from pathlib import Path
+
+    from zero2all.data.sft_shards import prepare_sft
+    from zero2all.tokenizer import train_tokenizer
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "sft" / "train.jsonl"
+    text = tmp_path / "text.jsonl"  # the tokenizer learns from the raw lines
+    text.write_text("".join(json.dumps({"text": line}) + "\n" for line in data.read_text().splitlines()))
+    train_tokenizer([str(text)], 384, tmp_path / "tok", log=lambda *a: None)
+    kw = dict(valid_fraction=0.2, chunk_records=8, log=lambda *a: None, command="x")
+    ref = prepare_sft([data], tmp_path / "tok", tmp_path / "local", ray=False, **kw)
+    got = prepare_sft([data], tmp_path / "tok", tmp_path / "ray", workers=2, ray=True, **kw)
+    assert got["splits"] == ref["splits"] and got["splits"]["train"]["samples"] > 0
+    for f in sorted((tmp_path / "local").iterdir()):
+        if f.name != "meta.json":
+            assert (tmp_path / "ray" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -524,13 +524,14 @@ def _prepare_chat_data(p, kind: str, records: str):
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a previous output of this command in --out (never a folder of other files)")
+    _ray_arg(p)
 
     def run(args):
         from zero2all.data.sft_shards import prepare_sft
 
         prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                     on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
-                    command="z2all " + " ".join(sys.argv[1:]), kind=kind)
+                    command="z2all " + " ".join(sys.argv[1:]), kind=kind, ray=args.ray)
 
     return _data_errors(f"prepare-{kind}", run)
 
