@@ -280,17 +280,33 @@ def _train_tokenizer(p):
                    help="memory cap: larger corpora are sampled to fit (0 = feed everything)")
     p.add_argument("--seed", type=int, default=0, help="document sampling seed (when the cap applies)")
     p.add_argument("--min-frequency", type=int, default=2, help="hf backend: least count of a merged pair")
+    p.add_argument("--sample-bytes", default=None, metavar="N[K|M|G]",
+                   help="train on a bounded sample: the documents of least seeded priority (a hash of the text) that "
+                        "fit N bytes, drawn in one pass (e.g. 500M); the same sample for a seed however the corpus "
+                        "is sharded")
+    _ray_arg(p)
     _reader_args(p)
 
     def run(args):
         from zero2all.tokenizer.train import train_tokenizer
+
+        sample = None
+        if args.sample_bytes is not None:
+            text = args.sample_bytes.strip().upper().removesuffix("B")
+            scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:], 1)
+            try:
+                sample = float(text[:-1] if scale != 1 else text) * scale
+            except ValueError:
+                sample = -1
+            if not sample > 0:
+                raise ValueError(f"--sample-bytes {args.sample_bytes}: expected a positive size, e.g. 500M or 2G")
 
         if not args.max_memory_gb >= 0:
             raise ValueError(f"--max-memory-gb: {args.max_memory_gb} must be >= 0 (0 = no cap)")
         tok = train_tokenizer(args.input or ["stdlib"], args.vocab_size, args.out, backend=args.backend,
                               text_field=args.text_field, txt_mode=args.txt_mode, strict=args.strict,
                               max_memory_gb=args.max_memory_gb or None, seed=args.seed,
-                              min_frequency=args.min_frequency)
+                              min_frequency=args.min_frequency, sample_bytes=sample, ray=args.ray)
         print(f"{tok!r}; load with zero2all.load_tokenizer('{args.out}') or "
               f"transformers.AutoTokenizer.from_pretrained('{args.out}')")
 
@@ -323,6 +339,20 @@ def _extend_tokenizer(p):
     return _data_errors("extend-tokenizer", run)
 
 
+def _ray_arg(p):
+    p.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the work units on Ray (pip install 'zero2all[ray]'): the cluster at RAY_ADDRESS, else a "
+                        "local one; on by default when RAY_ADDRESS is set (--no-ray: here). Same output either way")
+
+
+def _decontam_args(p):
+    p.add_argument("--decontaminate", nargs="+", action="extend", default=None, metavar="[NAME=]PATH",
+                   help="evaluation sets (jsonl / json / parquet / txt files, folders, globs, or lm-eval:TASK): "
+                        "remove training documents sharing a word n-gram (decontam.ngram, 13) with any of them")
+    p.add_argument("--decontam-report-only", action="store_true",
+                   help="with --decontaminate: count and show the matching documents in the report, keep them")
+
+
 @command("prepare", "tokenize corpora in parallel into memmap shards (+ index, meta.json, train/valid split)",
          "  z2all prepare --input stdlib --tokenizer runs/tok --out runs/data\n"
          "  z2all prepare --input zh=data/zh --input code=data/code.jsonl.zst --source zh=0.4 --source code=2 \\\n"
@@ -353,6 +383,9 @@ def _prepare(p):
     p.add_argument("--shard-chunks", type=int, default=256, help="work units per shard (and per resume step)")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in --out first")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--decontam-ngram", type=int, default=13, help="with --decontaminate: words per n-gram (13)")
+    _decontam_args(p)
+    _ray_arg(p)
     _reader_args(p)
 
     def run(args):
@@ -370,7 +403,8 @@ def _prepare(p):
                 chunk_bytes=int(args.chunk_mb * (1 << 20)), shard_chunks=args.shard_chunks, seq_len=args.seq_len,
                 overwrite=args.overwrite, progress=False if args.no_progress else None,
                 command="z2all " + " ".join(sys.argv[1:]), temperature=args.temperature, target_mb=args.target_mb,
-                max_epochs=args.max_epochs, seed=args.seed)
+                max_epochs=args.max_epochs, seed=args.seed, decontaminate=args.decontaminate,
+                decontam_ngram=args.decontam_ngram, decontam_report_only=args.decontam_report_only, ray=args.ray)
 
     return _data_errors("prepare", run)
 
@@ -391,6 +425,8 @@ def _clean(p):
     p.add_argument("--dry-run", action="store_true",
                    help="run on the first clean.dry_run_docs records and print the decisions; write nothing")
     p.add_argument("--max-docs", type=int, default=None, help="stop after this many input records")
+    _decontam_args(p)
+    _ray_arg(p)
     _reader_args(p)
     _overrides(p)
 
@@ -417,9 +453,11 @@ def _clean(p):
         cfg = load_clean_config(args.config, overrides)
         if args.workers is not None:
             cfg.workers = args.workers
-            cfg.validate()
+        cfg.decontam.sets += args.decontaminate or []
+        cfg.decontam.report_only |= args.decontam_report_only
+        cfg.validate()
         report = clean(inputs, args.out, cfg, text_field=args.text_field, txt_mode=args.txt_mode,
-                       strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs)
+                       strict=args.strict, dry_run=args.dry_run, max_docs=args.max_docs, ray=args.ray)
         if args.dry_run:
             print(render_markdown(report), end="")
         else:
@@ -486,13 +524,14 @@ def _prepare_chat_data(p, kind: str, records: str):
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a previous output of this command in --out (never a folder of other files)")
+    _ray_arg(p)
 
     def run(args):
         from zero2all.data.sft_shards import prepare_sft
 
         prepare_sft(args.input, args.tokenizer, args.out, valid_fraction=args.valid_fraction,
                     on_error="skip" if args.skip_bad else "raise", workers=args.workers, overwrite=args.overwrite,
-                    command="z2all " + " ".join(sys.argv[1:]), kind=kind)
+                    command="z2all " + " ".join(sys.argv[1:]), kind=kind, ray=args.ray)
 
     return _data_errors(f"prepare-{kind}", run)
 
@@ -986,6 +1025,12 @@ def _eval(p):
             from zero2all.fileio import claim_output_file
 
             claim_output_file(args.json, args.overwrite, inputs=[args.ckpt, *(args.data or [])], option="--json")
+        from zero2all.corpus.decontam import contamination_warning
+
+        warning = contamination_warning(args.ckpt, args.data or [],
+                                        [t for item in args.tasks or [] for t in item.split(",") if t])
+        if warning:
+            print(warning, file=sys.stderr)
         if args.tasks is not None:
             return _eval_tasks(args)
         from zero2all.eval.perplexity import evaluate_files, write_json

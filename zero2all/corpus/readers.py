@@ -97,6 +97,15 @@ class ReadStats:
         return {"records": self.records, "files": self.files, "bytes": self.bytes, "bad": dict(self.bad),
                 "examples": list(self.examples)}
 
+    def merge_dict(self, other: dict) -> None:
+        """Add the counts of another reader's :meth:`to_dict` (a file read elsewhere, e.g. by a Ray task)."""
+        self.records += other["records"]
+        self.files += other["files"]
+        self.bytes += other["bytes"]
+        for kind, n in other["bad"].items():
+            self.bad[kind] = self.bad.get(kind, 0) + n
+        self.examples += other["examples"][:max(self.max_examples - len(self.examples), 0)]
+
 
 @dataclass
 class SourceSpec:

@@ -59,6 +59,7 @@ renamed (``zero2all.fileio``); the temporaries a killed run leaves are deleted o
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import math
@@ -214,14 +215,14 @@ _NSTATS = 7  # per-source counters, see ChunkResult.per_source
 
 
 def _init_worker(tokenizer_dir: str, names: list[str], weights: list[float], valid_fraction: float, seed: int = 0,
-                 tok=None, piece_chars: int = MAX_PIECE_CHARS) -> None:
+                 tok=None, piece_chars: int = MAX_PIECE_CHARS, decontam=None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if tok is None:
         from zero2all.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tok=tok, names=names, weights=weights, valid_fraction=valid_fraction, seed=seed,
-                   dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id, piece_chars=piece_chars)
+                   dtype=shard_dtype(tok.vocab_size), eos=tok.eos_id, piece_chars=piece_chars, decontam=decontam)
 
 
 def _encode_document(tok, text: str, dtype: np.dtype, piece_chars: int) -> np.ndarray:
@@ -242,6 +243,7 @@ class ChunkResult:
     per_source: dict           # name -> [docs, docs_train, docs_valid, tokens_train, tokens_valid, bytes,
     #                                     docs not held out (train candidates)]
     text_bytes: int
+    contaminated: dict = dataclasses.field(default_factory=dict)  # set -> {"docs", "examples"} (decontamination)
 
 
 def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkResult:
@@ -251,7 +253,10 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
     plan = []  # (text position, copies, is_valid)
     per_source = collections.defaultdict(lambda: [0] * _NSTATS)
     text_bytes = 0
+    dindex, contaminated = w.get("decontam"), {}
     for i, (text, s) in enumerate(zip(texts, sources)):
+        if dindex is not None and _contaminated(dindex, text, names[s], contaminated):
+            continue
         u_split, u_sample = _unit_hashes(names[s], text, w.get("seed", 0))
         is_valid = u_split < vf
         n = copies_of(weights[s], u_sample)
@@ -289,7 +294,31 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
         return np.concatenate(arrs) if arrs else np.empty(0, dtype=dtype)
 
     return ChunkResult(index, cat(parts[False][0]), np.asarray(parts[False][1], dtype=np.int64),
-                       cat(parts[True][0]), np.asarray(parts[True][1], dtype=np.int64), dict(per_source), text_bytes)
+                       cat(parts[True][0]), np.asarray(parts[True][1], dtype=np.int64), dict(per_source), text_bytes,
+                       contaminated)
+
+
+_DECONTAM_EXAMPLES = 3
+
+
+def _contaminated(dindex, text: str, source: str, acc: dict) -> bool:
+    """Count ``text`` against each evaluation set it shares an n-gram with; True if it is to be dropped (the
+    index's ``report_only`` attribute keeps it)."""
+    hits = dindex.match(text)
+    for name, ngram in hits.items():
+        c = acc.setdefault(name, {"docs": 0, "examples": []})
+        c["docs"] += 1
+        if len(c["examples"]) < _DECONTAM_EXAMPLES:
+            c["examples"].append({"data_src": source, "text": text[:160], "ngram": ngram})
+    return bool(hits) and not dindex.report_only
+
+
+def merge_contaminated(acc: dict, part: dict) -> dict:
+    for name, c in part.items():
+        t = acc.setdefault(name, {"docs": 0, "examples": []})
+        t["docs"] += c["docs"]
+        t["examples"] += c["examples"][:max(_DECONTAM_EXAMPLES - len(t["examples"]), 0)]
+    return acc
 
 
 def _tokenize_chunk_args(args):
@@ -595,6 +624,7 @@ class _GroupWriter:
         self.lens = {"train": [], "valid": []}
         self.max_id = {"train": -1, "valid": -1}  # recorded per shard: checked against a model's vocabulary
         self.per_source: dict = collections.defaultdict(lambda: [0] * _NSTATS)
+        self.contaminated: dict = {}
         self.chunks = 0
 
     def add(self, r: ChunkResult) -> None:
@@ -607,10 +637,13 @@ class _GroupWriter:
             acc = self.per_source[name]
             for i, x in enumerate(v):
                 acc[i] += x
+        merge_contaminated(self.contaminated, r.contaminated)
         self.chunks += 1
 
     def finish(self, run_key: str) -> dict:
         info = {"group": self.g, "chunks": self.chunks, "per_source": dict(self.per_source)}
+        if self.contaminated:
+            info["contaminated"] = self.contaminated
         for split in ("train", "valid"):
             lens = np.concatenate(self.lens[split]) if self.lens[split] else np.empty(0, np.int64)
             offsets = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -680,18 +713,27 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
             overwrite: bool = False, progress: bool | None = None, command: str | None = None, log=print,
             temperature: float | None = None, target_mb: float | None = None, max_epochs: float | None = None,
             seed: int = 0, size_sample_mb: float = 256.0, piece_chars: int = MAX_PIECE_CHARS,
-            _stop_after_groups: int | None = None) -> dict:
+            decontaminate: list[str] | None = None, decontam_ngram: int = 13, decontam_report_only: bool = False,
+            ray: bool | None = None, _stop_after_groups: int | None = None) -> dict:
     """Tokenize ``inputs`` with the tokenizer in ``tokenizer_dir`` into shards in ``out_dir`` (see the module
     docstring). ``workers``: processes (default: all cores; 1 = in this process). ``weights``: {source name:
     mixture weight}; ``temperature`` / ``target_mb`` / ``max_epochs`` / ``seed``: source sampling (see the module
     docstring; ``size_sample_mb`` bounds the size pass per source). ``seq_len`` (optional) checks each split has
     at least one window. ``piece_chars``: documents longer than this are tokenized in pieces (bounded memory; see
-    ``zero2all.corpus.pieces``). Returns meta.json's dict.
+    ``zero2all.corpus.pieces``). ``decontaminate``: evaluation sets (:mod:`zero2all.corpus.decontam`); documents
+    sharing a ``decontam_ngram``-word n-gram with one are dropped (counted only with ``decontam_report_only``).
+    ``ray``: tokenize on Ray actors (:mod:`zero2all.corpus.on_ray`; None: when ``RAY_ADDRESS`` is set), the same
+    shards byte for byte. Returns meta.json's dict.
     ``_stop_after_groups`` simulates an interruption (tests)."""
     from zero2all.tokenizer import load_tokenizer
 
     if not 0.0 <= valid_fraction < 1.0:
         raise ValueError(f"valid_fraction: must be in [0, 1), got {valid_fraction}")
+    from zero2all.corpus.on_ray import connect, ray_requested, ray_workers
+
+    use_ray = ray_requested(ray)
+    if use_ray:
+        connect()  # a missing extra or an unreachable cluster is said before anything else
     t0 = time.time()
     tok = load_tokenizer(tokenizer_dir)
     if tok.eos_id is None:
@@ -706,13 +748,20 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
         raise ValueError(f"size_sample_mb: must be > 0, got {size_sample_mb}")
     mix = {"temperature": temperature, "target_mb": target_mb, "max_epochs": max_epochs, "seed": seed,
            "explicit": sorted(explicit), "size_sample_mb": size_sample_mb}
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = ray_workers(connect(), workers) if use_ray else max(1, workers or os.cpu_count() or 1)
     fingerprint = _fingerprint(specs, tok.hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype)
     if temperature is not None or target_mb is not None or max_epochs is not None or seed:
         fingerprint["mixture"] = mix  # absent otherwise: outputs made before these options stay valid
     if piece_chars != MAX_PIECE_CHARS:
         fingerprint["piece_chars"] = piece_chars
     stamp = _input_stamp(specs)  # a missing input fails here, before anything is written
+    dindex = None
+    if decontaminate:
+        from zero2all.corpus.decontam import build_index
+
+        dindex = build_index(decontaminate, decontam_ngram, log=log)  # before anything is written
+        dindex.report_only = decontam_report_only
+        fingerprint["decontam"] = {"index": dindex.digest, "report_only": decontam_report_only}
     check_out_outside_inputs(specs, out_dir)
     out = Path(out_dir)
     # new, empty or a `prepare` output (to resume, or replace with --overwrite); a folder of other files: refused
@@ -721,17 +770,18 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     with locked_output_dir(out, on_takeover=log):  # one run per folder: a second one is refused
         return _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers,
                                valid_fraction, txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite,
-                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars)
+                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars, dindex,
+                               use_ray)
 
 
 def _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                     txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                    _stop_after_groups, mix, explicit, piece_chars) -> dict:
+                    _stop_after_groups, mix, explicit, piece_chars, dindex=None, use_ray=False) -> dict:
     before = _snapshot(out)
     try:
         return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
                              txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
-                             t0, _stop_after_groups, mix, explicit, piece_chars)
+                             t0, _stop_after_groups, mix, explicit, piece_chars, dindex, use_ray)
     except Exception as e:
         # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
@@ -755,7 +805,7 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
 
 def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
                   strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS) -> dict:
+                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS, dindex=None, use_ray=False) -> dict:
     complete = _check_existing(out, fingerprint, stamp, overwrite, log)
     if complete is not None:
         log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
@@ -775,7 +825,7 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
     stats = ReadStats()
     names = [s.name for s in specs]
     init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction, mix["seed"], None,
-                 piece_chars)
+                 piece_chars, dindex)
     bar = _Progress(progress if progress is not None else sys.stderr.isatty())
     groups: dict[int, dict] = dict(done)
     writer: _GroupWriter | None = None
@@ -801,8 +851,10 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
         bar.update(r.text_bytes, len(r.train) + len(r.valid))
 
     try:
-        if workers == 1:
-            _init_worker(*init_args[:-2], tok=tok, piece_chars=piece_chars)
+        if use_ray:
+            _run_ray(workers, init_args, todo(), consume)
+        elif workers == 1:
+            _init_worker(*init_args[:-3], tok=tok, piece_chars=piece_chars, decontam=dindex)
             for args in todo():
                 consume(tokenize_chunk(*args))
         else:
@@ -823,7 +875,7 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
         raise NoDocumentsError(f"{nothing}; nothing written to {out}")
     seconds = time.time() - t0
     meta = _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds,
-                       command, seq_len, tokenized_chunks, bar, mixture)
+                       command, seq_len, tokenized_chunks, bar, mixture, _decontamination(groups, specs, dindex))
     (out / STATE_FILE).unlink(missing_ok=True)
     if stats.bad:
         log(stats.report())
@@ -899,6 +951,32 @@ def _nothing_useful(groups: dict, specs: list[SourceSpec], stats: ReadStats, val
     return f"the train split holds no text: its {train_docs:,} documents are empty"
 
 
+class _RayTokenizer:
+    """A Ray actor: one worker's tokenizer, loaded once, then ``tokenize_chunk`` per work unit."""
+
+    def __init__(self, init_args: tuple):
+        _init_worker(*init_args)
+
+    def tokenize(self, args):
+        return tokenize_chunk(*args)
+
+
+def _run_ray(workers: int, init_args: tuple, tasks, consume) -> None:
+    """As :func:`_run_pool`, on Ray actors (restarted, and their calls retried, if a worker dies)."""
+    from zero2all.corpus.on_ray import RETRIES, connect, ordered_map
+
+    ray = connect()
+    actor = ray.remote(_RayTokenizer).options(max_restarts=RETRIES, max_task_retries=RETRIES)
+    ref = ray.put(init_args)  # the tokenizer folder and the decontamination index: stored once
+    actors = [actor.remote(ref) for _ in range(workers)]
+    try:
+        ordered_map(lambda args, n: actors[n % workers].tokenize.remote(args), tasks, 2 * workers,
+                    lambda _args, result: consume(result), ray.get)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
     """Tokenize chunks on ``workers`` processes, at most 2 per worker in flight (bounded memory), results consumed
     in chunk order."""
@@ -918,8 +996,46 @@ def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
             consume(pending.popleft().get())
 
 
+def _decontamination(groups: dict, specs: list[SourceSpec], dindex) -> dict:
+    """meta.json's decontamination entries: ``decontamination`` (this run's sets with the documents matched, when
+    ``--decontaminate`` was given) and ``decontaminated_against``, the list ``z2all eval`` reads: every evaluation
+    set (name, files with sha256, or task) the train data was checked against, here or by the ``z2all clean``
+    whose output is an input (its ``report.json``), each with its ``mode`` (``remove`` or ``report``)."""
+    out: dict = {}
+    against = []
+    if dindex is not None:
+        contaminated: dict = {}
+        for g in sorted(groups):
+            merge_contaminated(contaminated, groups[g].get("contaminated", {}))
+        mode = "report" if dindex.report_only else "remove"
+        sets = [{**rec, **contaminated.get(rec["name"], {"docs": 0, "examples": []})} for rec in dindex.sets]
+        out["decontamination"] = {"ngram": dindex.n, "mode": mode,
+                                  "documents_matched": sum(c["docs"] for c in contaminated.values()), "sets": sets}
+        against += [{k: v for k, v in rec.items() if k in ("name", "files", "task")} | {"ngram": dindex.n,
+                    "mode": mode, "by": "prepare"} for rec in dindex.sets]
+    seen = set()
+    for spec in specs:
+        for p in spec.paths:
+            if str(p) == "stdlib":
+                continue
+            folder = Path(p) if os.path.isdir(p) else Path(p).parent
+            report = folder / "report.json"
+            if report in seen or not report.is_file():
+                continue
+            seen.add(report)
+            try:
+                dc = json.loads(report.read_text(encoding="utf-8")).get("decontamination")
+            except (OSError, ValueError, AttributeError):
+                continue
+            for rec in (dc or {}).get("sets", []):
+                against.append({k: v for k, v in rec.items() if k in ("name", "files", "task")}
+                               | {"ngram": dc.get("ngram"), "mode": dc.get("mode"), "by": str(report.resolve())})
+    out["decontaminated_against"] = against
+    return out
+
+
 def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds, command,
-                seq_len, tokenized_chunks, bar, mixture) -> dict:
+                seq_len, tokenized_chunks, bar, mixture, decontamination=None) -> dict:
     splits = {}
     for split in ("train", "valid"):
         shards = [groups[g][split] for g in sorted(groups)]
@@ -964,6 +1080,7 @@ def _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, vali
         "throughput": {"seconds": round(seconds, 3), "tokenized_chunks": tokenized_chunks,
                        "mb_per_s": round(bar.bytes / 1e6 / max(seconds, 1e-9), 2),
                        "tokens_per_s": round(bar.tokens / max(seconds, 1e-9), 1)},
+        **(decontamination or {}),
     }
     with atomic_write(out / META_FILE) as f:
         json.dump(meta, f, indent=2, ensure_ascii=False)

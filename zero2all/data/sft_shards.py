@@ -111,6 +111,40 @@ def _render_chunk(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
+class _RayRenderer:
+    """A Ray actor: one worker's tokenizer, loaded once, then ``_render_chunk`` per chunk."""
+
+    def __init__(self, tokenizer_dir: str, kind: str):
+        _init_worker(tokenizer_dir, kind)
+
+    def render(self, items):
+        return _render_chunk(items)
+
+
+def _render_on_ray(workers: int, tokenizer_dir: str, kind: str, chunks):
+    """The rendered chunks in order, from ``workers`` Ray actors (default: the cluster's CPUs), two per actor in
+    flight."""
+    from collections import deque
+
+    from zero2all.corpus.on_ray import RETRIES, connect, ray_workers
+
+    ray = connect()
+    n = ray_workers(ray, workers if workers > 1 else None)
+    actor = ray.remote(_RayRenderer).options(max_restarts=RETRIES, max_task_retries=RETRIES)
+    actors = [actor.remote(tokenizer_dir, kind) for _ in range(n)]
+    pending: deque = deque()
+    try:
+        for i, items in enumerate(chunks):
+            pending.append(actors[i % n].render.remote(items))
+            if len(pending) >= 2 * n:
+                yield ray.get(pending.popleft())
+        while pending:
+            yield ray.get(pending.popleft())
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 def _chunks(paths, size: int):
     buf = []
     for path in paths:
@@ -149,11 +183,19 @@ class _SplitWriter:
 
 def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path, *,
                 valid_fraction: float = 0.0, on_error: str = "raise", workers: int = 1, overwrite: bool = False,
-                chunk_records: int = 256, command: str = "", log=print, kind: str = "sft") -> dict:
+                chunk_records: int = 256, command: str = "", log=print, kind: str = "sft",
+                ray: bool | None = None) -> dict:
     """Render every record of ``inputs`` (jsonl / jsonl.gz / json files) and write the directory described in the
     module docstring; returns its meta. ``workers`` > 1 renders chunks of records in parallel (same output).
-    ``kind``: "sft" (instruction / conversation records) or "dpo" (preference pairs, two samples each)."""
+    ``kind``: "sft" (instruction / conversation records) or "dpo" (preference pairs, two samples each).
+    ``ray``: render the chunks on Ray actors (:mod:`zero2all.corpus.on_ray`; None: when ``RAY_ADDRESS`` is set),
+    the same output; a killed run starts over (the output folder is replaced as a whole, never half-written)."""
+    from zero2all.corpus.on_ray import connect, ray_requested
     from zero2all.tokenizer import load_tokenizer
+
+    use_ray = ray_requested(ray)
+    if use_ray:
+        connect()  # a missing extra or an unreachable cluster is said first
 
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
@@ -179,7 +221,9 @@ def prepare_sft(inputs: Sequence[str | Path], tokenizer_dir: str | Path, out_dir
     # a failure or a kill leaves the previous directory (if any) as it was
     with atomic_dir(out, kind=f"prepare-{kind}") as tmp:
         writers = {s: _SplitWriter(tmp, s, dtype) for s in SPLITS}
-        if workers > 1:
+        if use_ray:
+            pool, results = None, _render_on_ray(workers, str(tokenizer_dir), kind, _chunks(paths, chunk_records))
+        elif workers > 1:
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")

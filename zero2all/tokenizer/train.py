@@ -156,6 +156,124 @@ class _SampledTexts:
             yield batch
 
 
+def _priority(seed: int, text: str) -> float:
+    """A document's seeded sampling priority in [0, 1): a hash of its content, so the sample does not depend on the
+    order the documents are read in (nor on how the corpus is cut into shards)."""
+    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little") / 2**64
+
+
+class ByteReservoir:
+    """The documents of least priority that fit ``budget`` bytes: add documents in any order, in any number of
+    reservoirs, merge them, and the result is the same set, the longest run of the documents sorted by priority
+    whose UTF-8 bytes total at most ``budget``. (A document evicted once can never come back: documents of lower
+    priority only add bytes in front of it.) Holds at most ``budget`` bytes of text plus the one being added."""
+
+    def __init__(self, budget: float, seed: int = 0):
+        import heapq
+
+        self._heapq, self.budget, self.seed = heapq, budget, seed
+        self.heap: list = []   # (-priority, n bytes, text): the largest priority on top
+        self.bytes = 0
+        self.seen_docs = self.seen_bytes = 0
+        self.full = False       # something was evicted (or refused): the sample is not the whole input
+
+    def add(self, text: str, priority: float | None = None) -> None:
+        n = len(text.encode("utf-8", "surrogatepass"))
+        self.seen_docs += 1
+        self.seen_bytes += n
+        self._push(self._priority(text) if priority is None else priority, n, text)
+
+    def _priority(self, text: str) -> float:
+        return _priority(self.seed, text)
+
+    def _push(self, p: float, n: int, text: str) -> None:
+        if self.full and self.heap and p >= -self.heap[0][0]:
+            return  # above everything kept once the budget is reached: it would be evicted at once
+        self._heapq.heappush(self.heap, (-p, n, text))
+        self.bytes += n
+        while self.bytes > self.budget and self.heap:
+            _, m, _ = self._heapq.heappop(self.heap)
+            self.bytes -= m
+            self.full = True
+
+    def merge(self, other: "ByteReservoir") -> None:
+        self.seen_docs += other.seen_docs
+        self.seen_bytes += other.seen_bytes
+        self.full |= other.full
+        for negp, n, text in other.heap:
+            self._push(-negp, n, text)
+
+    def texts(self) -> list[str]:
+        """The sample, in priority order (the same order whatever order the corpus was read in)."""
+        return [t for _, _, t in sorted(self.heap, key=lambda e: (-e[0], e[2]))]
+
+
+def reservoir_of_file(path: str, budget: float, seed: int, kw: dict) -> tuple[ByteReservoir, dict]:
+    """One input file's reservoir and its read counts (a Ray task per file under ``--ray``)."""
+    stats = ReadStats()
+    r = ByteReservoir(budget, seed)
+    for rec in iter_records(path, stats=stats, **kw):
+        r.add(rec["content"])
+    return r, stats.to_dict()
+
+
+class _ReservoirTexts(_SampledTexts):
+    """``--sample-bytes``: a bounded, seeded sample (:class:`ByteReservoir`) drawn in one pass over every input
+    file (on Ray, one task per file, the reservoirs merged as they come back)."""
+
+    def __init__(self, inputs, text_field, txt_mode, strict, budget: float, seed: int, log, ray: bool = False):
+        self.inputs, self.kw = inputs, dict(text_field=text_field, txt_mode=txt_mode, strict=strict)
+        self.budget, self.seed, self.log = budget, seed, log
+        self.stats = ReadStats()
+        reservoir = ByteReservoir(budget, seed)
+        if ray:
+            self._draw_on_ray(reservoir)
+        else:
+            for rec in iter_records(self.inputs, stats=self.stats, **self.kw):
+                reservoir.add(rec["content"])
+        self.corpus_bytes = reservoir.seen_bytes
+        self.sample = reservoir.texts()
+        self.rate = round(reservoir.bytes / max(reservoir.seen_bytes, 1), 6)
+        log(f"corpus: {reservoir.seen_bytes / 1e6:,.1f} MB of text in {reservoir.seen_docs:,} documents; sample "
+            f"{reservoir.bytes / 1e6:,.1f} MB in {len(self.sample):,} documents (--sample-bytes "
+            f"{budget / 1e6:,.1f} MB, seed {seed})")
+        self.fed_bytes = 0
+        self.fed_docs = 0
+
+    def _draw_on_ray(self, reservoir: ByteReservoir) -> None:
+        from collections import deque
+
+        from zero2all.corpus.on_ray import RETRIES, connect, ray_workers
+        from zero2all.corpus.readers import expand_paths
+
+        ray = connect()
+        task = ray.remote(reservoir_of_file).options(max_retries=RETRIES, retry_exceptions=True)
+        in_flight = 2 * ray_workers(ray, None)
+        pending: deque = deque()
+
+        def take():
+            part, counts = ray.get(pending.popleft())
+            reservoir.merge(part)
+            self.stats.merge_dict(counts)
+
+        for spec in self.inputs:
+            paths = spec.paths if isinstance(spec, SourceSpec) else [spec]
+            for p in paths:
+                for f in expand_paths(str(p)):
+                    pending.append(task.remote(f, self.budget, self.seed, self.kw))
+                    if len(pending) >= in_flight:
+                        take()
+        while pending:
+            take()
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self.sample:
+            self.fed_bytes += len(text.encode("utf-8", "surrogatepass"))
+            self.fed_docs += 1
+            yield text
+
+
 def _normalise_inputs(inputs) -> list:
     if isinstance(inputs, (str, os.PathLike, SourceSpec)):
         inputs = [inputs]
@@ -165,13 +283,16 @@ def _normalise_inputs(inputs) -> list:
 def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", *, text_field: str | None = None,
                     txt_mode: str = "file", strict: bool = False, max_memory_gb: float | None = DEFAULT_MAX_MEMORY_GB,
                     seed: int = 0, min_frequency: int = 2, n_reserved: int = N_RESERVED,
-                    log=print) -> Tokenizer:
+                    log=print, sample_bytes: float | None = None, ray: bool | None = None) -> Tokenizer:
     """Train a tokenizer on ``inputs`` (paths, globs, ``"stdlib"``, ``NAME=PATH`` specs) and save it to
     ``out_dir`` (when given; checked writable before training). ``vocab_size`` includes the special tokens and is
     rounded up to a multiple of 64 (logged when that changes it); it must be at least 256 bytes + the specials + 64.
     A corpus that supports fewer merges gives a smaller vocabulary (the learned tokens padded with reserved ones to
     a multiple of 64) and a ``warning:`` line saying so. ``max_memory_gb`` caps the trainer's memory (None or 0: no
-    cap, everything is fed). Returns the Tokenizer; its ``meta["training"]`` holds time, peak RSS, bytes fed and
+    cap, everything is fed). ``sample_bytes``: train on a bounded sample instead (:class:`ByteReservoir`: at most
+    this many bytes of text, the same documents for a seed however the corpus is read or sharded; the memory cap
+    still bounds it); ``ray``: draw it on Ray, one task per file. Returns the Tokenizer; its ``meta["training"]``
+    holds time, peak RSS, bytes fed and
     the bad-input report."""
     if backend not in ("hf", "spm"):
         raise ValueError(f"backend: {backend!r} is not one of hf, spm")
@@ -191,21 +312,31 @@ def train_tokenizer(inputs, vocab_size: int, out_dir=None, backend: str = "hf", 
     created = check_writable(out_dir) if out_dir is not None else []
     try:
         return _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict,
-                      max_memory_gb, seed, min_frequency, n_reserved, log)
+                      max_memory_gb, seed, min_frequency, n_reserved, log, sample_bytes, ray)
     except BaseException:
         remove_empty_dirs(created)
         raise
 
 
 def _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, txt_mode, strict, max_memory_gb,
-           seed, min_frequency, n_reserved, log) -> Tokenizer:
+           seed, min_frequency, n_reserved, log, sample_bytes=None, ray=None) -> Tokenizer:
     base = len(specials) + 256 + (1 if backend == "spm" else 0)
     if target != vocab_size:
         log(f"vocab_size {vocab_size} rounded up to {target} (a multiple of {VOCAB_MULTIPLE}: the model's "
             f"embedding rows)")
     t0 = time.time()
-    texts = _SampledTexts(_normalise_inputs(inputs), text_field, txt_mode, strict,
-                          text_budget_bytes(max_memory_gb, backend), seed, log)
+    from zero2all.corpus.on_ray import ray_requested
+
+    if sample_bytes is not None or ray_requested(ray):
+        budget = min(sample_bytes or float("inf"), text_budget_bytes(max_memory_gb, backend))
+        if budget == float("inf"):
+            raise ValueError("--ray: give --sample-bytes (or a --max-memory-gb cap): the sample drawn across the "
+                             "cluster needs a bound")
+        texts = _ReservoirTexts(_normalise_inputs(inputs), text_field, txt_mode, strict, budget, seed, log,
+                                ray=ray_requested(ray))
+    else:
+        texts = _SampledTexts(_normalise_inputs(inputs), text_field, txt_mode, strict,
+                              text_budget_bytes(max_memory_gb, backend), seed, log)
     if backend == "hf":
         tokenizer_json, extra_meta, extra_files = _train_bytelevel_bpe(texts, target, specials, min_frequency)
     else:
@@ -225,7 +356,8 @@ def _train(inputs, vocab_size, out_dir, backend, target, specials, text_field, t
                        for x in _normalise_inputs(inputs)],
             "vocab_size_requested": vocab_size, "vocab_size_target": target, "reserved_padding": n_pad,
             "max_memory_gb": max_memory_gb, "corpus_bytes": texts.corpus_bytes, "sampling_rate": texts.rate,
-            "fed_bytes": texts.fed_bytes, "fed_docs": texts.fed_docs, "seconds": round(seconds, 2),
+            "sample_bytes": sample_bytes, "fed_bytes": texts.fed_bytes, "fed_docs": texts.fed_docs,
+            "seconds": round(seconds, 2),
             "peak_rss_mb": round(peak_rss_mb(), 1), "seed": seed, "read": texts.stats.to_dict()},
     }
     tok = Tokenizer(tokenizer_json, meta=meta, extra_files=extra_files)

@@ -30,8 +30,8 @@ else:  # pragma: no cover - python 3.10
 
 from zero2all.config import ConfigError, deep_merge, from_dict, parse_override, to_dict
 
-__all__ = ["C4Config", "CleanConfig", "CodeConfig", "DedupConfig", "GopherConfig", "NormalizeConfig", "PiiConfig",
-           "RepetitionConfig", "ZhConfig", "load_clean_config"]
+__all__ = ["C4Config", "CleanConfig", "CodeConfig", "DecontamConfig", "DedupConfig", "GopherConfig", "NormalizeConfig",
+           "PiiConfig", "RepetitionConfig", "ZhConfig", "load_clean_config"]
 
 
 @dataclass
@@ -129,6 +129,15 @@ class PiiConfig:
     phone: bool = True
 
 
+@dataclass
+class DecontamConfig:
+    """Benchmark decontamination (:mod:`zero2all.corpus.decontam`): documents sharing a word n-gram with a set."""
+
+    sets: list[str] = field(default_factory=list)  # --decontaminate values: [NAME=]PATH or lm-eval:TASK
+    ngram: int = 13                 # words per n-gram (Brown et al. 2020, GPT-3, App. C)
+    report_only: bool = False       # count and show matching documents, keep them
+
+
 _FORMS = ("NFC", "NFKC", "none")
 
 
@@ -149,6 +158,7 @@ class CleanConfig:
     zh: ZhConfig = field(default_factory=ZhConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
     pii: PiiConfig = field(default_factory=PiiConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
 
     def validate(self, prefix: str = "clean") -> "CleanConfig":
         for section in (self,) + tuple(getattr(self, f.name) for f in dataclasses.fields(self)
@@ -199,6 +209,10 @@ class CleanConfig:
                 v = getattr(getattr(self, sec), key)
                 if not 0.0 <= v <= 1.0:
                     raise ConfigError(f"{prefix}.{sec}.{key}: must be in [0, 1], got {v}")
+        if self.decontam.ngram < 1:
+            raise ConfigError(f"{prefix}.decontam.ngram: must be >= 1, got {self.decontam.ngram}")
+        if not all(isinstance(x, str) and x for x in self.decontam.sets):
+            raise ConfigError(f"{prefix}.decontam.sets: expected a list of paths, got {self.decontam.sets}")
         r = self.repetition
         for key, n in (("max_top_ngram_fractions", 3), ("max_dup_ngram_fractions", 6)):
             v = getattr(r, key)

@@ -37,7 +37,8 @@ import math
 
 import numpy as np
 
-__all__ = ["MinHasher", "band_keys", "choose_bands", "find_clusters", "s_curve", "verify_bar"]
+__all__ = ["MinHasher", "band_candidates", "band_keys", "choose_bands", "find_clusters", "merge_band", "s_curve",
+           "verify_bar", "verify_pairs"]
 
 _U64 = np.uint64
 _B = 0x9E3779B97F4A7C15          # odd polynomial base (mod 2^64)
@@ -210,47 +211,75 @@ def _union(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))
 
 
+def band_candidates(sigs: np.ndarray, idx: np.ndarray, band: int, rows: int, block: int = 1 << 20
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """LSH candidates of one band among the rows ``idx`` of ``sigs``: pairs (first document of a bucket, another
+    document of it), both as row indices, ``a < b``."""
+    keys = np.concatenate([band_keys(np.asarray(sigs[idx[i:i + block]]), band, rows)
+                           for i in range(0, len(idx), block)])
+    order = np.argsort(keys, kind="stable")  # ties keep input order: the run's first is its smallest index
+    sk = keys[order]
+    del keys
+    same = np.flatnonzero(sk[1:] == sk[:-1]) + 1
+    if not len(same):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    run_start = np.maximum.accumulate(np.where(np.concatenate([[True], sk[1:] != sk[:-1]]), np.arange(len(sk)), 0))
+    return idx[order[run_start[same]]], idx[order[same]]
+
+
+def verify_pairs(sigs: np.ndarray, a: np.ndarray, b: np.ndarray, bar: float | None) -> np.ndarray:
+    """Which pairs' signature agreement is at least ``bar`` (all of them when ``bar`` is None)."""
+    ok = np.ones(len(a), dtype=bool)
+    if bar is not None:
+        for i in range(0, len(a), 65536):
+            sa, sb = np.asarray(sigs[a[i:i + 65536]]), np.asarray(sigs[b[i:i + 65536]])
+            ok[i:i + 65536] = (sa == sb).mean(axis=1) >= bar
+    return ok
+
+
+def merge_band(parent: np.ndarray, a: np.ndarray, b: np.ndarray, ok, stats: dict, sigs=None, bar=None) -> None:
+    """Union one band's candidate pairs into ``parent``: pairs already in one cluster are skipped (not counted),
+    the others are verified (``ok`` given, or computed here from ``sigs`` and ``bar``) and merged."""
+    if not len(a):
+        return
+    ra, rb = _roots(parent, a), _roots(parent, b)
+    new = ra != rb
+    a, b = a[new], b[new]
+    stats["candidate_pairs"] += len(a)
+    keep = ok[new] if ok is not None else verify_pairs(sigs, a, b, bar)
+    a, b = a[keep], b[keep]
+    stats["verified_pairs"] += len(a)
+    _union(parent, a, b)
+
+
+def _compress(parent: np.ndarray) -> np.ndarray:
+    """Full path compression: every document points at its cluster's first document."""
+    while True:
+        pp = parent[parent]
+        if np.array_equal(pp, parent):
+            return parent
+        parent = pp
+
+
 def find_clusters(sigs: np.ndarray, alive: np.ndarray, bands: int, rows: int, bar: float | None,
-                  block: int = 1 << 20) -> tuple[np.ndarray, dict]:
+                  block: int = 1 << 20, band_results=None) -> tuple[np.ndarray, dict]:
     """Union-find parents (``parent[i] == i`` for a kept document) over the rows of ``sigs`` where ``alive``.
 
     ``sigs``: (N, num_perm) uint32, memory-mapped or not. ``bar``: least signature agreement of a verified pair
-    (None: every LSH candidate counts). Returns (parent, stats)."""
+    (None: every LSH candidate counts). ``band_results``: an iterator of ``(a, b, ok)`` per band in band order,
+    computed elsewhere (Ray tasks running :func:`band_candidates` and :func:`verify_pairs`); merged here exactly as
+    the bands computed in this process, so the clusters and the counts are the same. Returns (parent, stats)."""
     n = len(sigs)
     parent = np.arange(n, dtype=np.int64)
     idx = np.flatnonzero(alive)
     stats = {"candidate_pairs": 0, "verified_pairs": 0}
     if len(idx) < 2:
         return parent, stats
+    if band_results is not None:
+        for a, b, ok in band_results:
+            merge_band(parent, a, b, ok, stats)
+        return _compress(parent), stats
     for band in range(bands):
-        keys = np.concatenate([band_keys(np.asarray(sigs[idx[i:i + block]]), band, rows)
-                               for i in range(0, len(idx), block)])
-        order = np.argsort(keys, kind="stable")  # ties keep input order: the run's first is its smallest index
-        sk = keys[order]
-        del keys
-        same = np.flatnonzero(sk[1:] == sk[:-1]) + 1
-        if not len(same):
-            continue
-        run_start = np.maximum.accumulate(np.where(np.concatenate([[True], sk[1:] != sk[:-1]]),
-                                                   np.arange(len(sk)), 0))
-        a, b = idx[order[run_start[same]]], idx[order[same]]
-        del order, sk, run_start
-        ra, rb = _roots(parent, a), _roots(parent, b)
-        new = ra != rb
-        a, b = a[new], b[new]
-        stats["candidate_pairs"] += len(a)
-        if bar is not None and len(a):
-            ok = np.empty(len(a), dtype=bool)
-            for i in range(0, len(a), 65536):
-                sa, sb = np.asarray(sigs[a[i:i + 65536]]), np.asarray(sigs[b[i:i + 65536]])
-                ok[i:i + 65536] = (sa == sb).mean(axis=1) >= bar
-            a, b = a[ok], b[ok]
-        stats["verified_pairs"] += len(a)
-        _union(parent, a, b)
-    # full path compression: every document points at its cluster's first document
-    while True:
-        pp = parent[parent]
-        if np.array_equal(pp, parent):
-            break
-        parent = pp
-    return parent, stats
+        a, b = band_candidates(sigs, idx, band, rows, block)
+        merge_band(parent, a, b, None, stats, sigs, bar)
+    return _compress(parent), stats

@@ -36,9 +36,18 @@ import numpy as np
 from zero2all.config import ConfigError
 from zero2all.corpus.clean.config import CleanConfig
 from zero2all.corpus.clean.filters import filter_document
-from zero2all.corpus.clean.minhash import MinHasher, choose_bands, find_clusters, s_curve, verify_bar
+from zero2all.corpus.clean.minhash import (
+    MinHasher,
+    band_candidates,
+    choose_bands,
+    find_clusters,
+    s_curve,
+    verify_bar,
+    verify_pairs,
+)
 from zero2all.corpus.clean.normalize import detect_language, normalize_text
 from zero2all.corpus.clean.pii import mask_pii
+from zero2all.corpus.decontam import build_index, load_index_cached
 from zero2all.corpus.mixture import temperature_weights
 from zero2all.corpus.readers import ReadStats, SourceSpec, check_out_outside_inputs, iter_records
 from zero2all.fileio import (
@@ -54,6 +63,7 @@ from zero2all.fileio import (
 __all__ = ["clean", "clean_chunk", "lsh_parameters"]
 
 _SNIPPET = 160
+DECONTAM_INDEX = "decontam.npz"
 
 
 def lsh_parameters(cfg: CleanConfig) -> dict:
@@ -87,6 +97,8 @@ def _example(rec: dict, text: str) -> dict:
 def clean_chunk(index: int, records: list[dict], work: str, cfg: CleanConfig, sources: list[str]) -> dict:
     """Stage 1 for one work unit; writes its files into ``work`` and returns its counts."""
     hasher = _hasher(cfg) if cfg.dedup.near else None
+    dindex = load_index_cached(Path(work) / DECONTAM_INDEX) if cfg.decontam.sets else None
+    contaminated: dict = {}  # set name -> {"docs": n, "examples": [...]}
     per_src: dict = {}
     examples: dict = {}
     kept, hashes, sigs, has_sig, src_idx = [], [], [], [], []
@@ -109,6 +121,18 @@ def clean_chunk(index: int, records: list[dict], work: str, cfg: CleanConfig, so
             if len(ex) < cfg.examples:
                 ex.append(_example(rec, norm))
             continue
+        hits = dindex.match(out) if dindex is not None else {}
+        for name, ngram in hits.items():
+            c = contaminated.setdefault(name, {"docs": 0, "examples": []})
+            c["docs"] += 1
+            if len(c["examples"]) < cfg.examples:
+                c["examples"].append({**_example(rec, out), "ngram": ngram})
+        if hits:
+            # report-only: counted under "flagged" (the document stays); else removed like any rule's match
+            counts = s.setdefault("flagged", {}) if cfg.decontam.report_only else s["removed"]
+            counts["contaminated"] = counts.get("contaminated", 0) + 1
+            if not cfg.decontam.report_only:
+                continue
         if cfg.pii.enabled:
             out, counts = mask_pii(out, cfg.pii.email, cfg.pii.ip, cfg.pii.phone)
             for k, v in counts.items():
@@ -131,7 +155,8 @@ def clean_chunk(index: int, records: list[dict], work: str, cfg: CleanConfig, so
                  sig=np.array(sigs, dtype=np.uint32).reshape(len(kept), cfg.dedup.num_perm),
                  src=np.array(src_idx, dtype=np.int32),
                  nbytes=np.array([len(r["content"].encode("utf-8", "surrogatepass")) for r in kept], dtype=np.int64))
-    done = {"index": index, "docs": len(records), "kept": len(kept), "sources": per_src, "examples": examples}
+    done = {"index": index, "docs": len(records), "kept": len(kept), "sources": per_src, "examples": examples,
+            "contaminated": contaminated}
     save_json(done, f"{base}.json")
     return done
 
@@ -150,11 +175,31 @@ def _chunks(records, cfg: CleanConfig):
 
 
 def _stage1(inputs, work: Path, cfg: CleanConfig, sources: list[str], read_kwargs: dict, stats: ReadStats,
-            workers: int, max_docs: int | None, on_chunk_done: Callable | None) -> int:
+            workers: int, max_docs: int | None, on_chunk_done: Callable | None, use_ray: bool = False) -> int:
     records = iter_records(inputs, stats=stats, **read_kwargs)
     if max_docs is not None:
         records = (r for r, _ in zip(records, range(max_docs)))
     n_chunks = 0
+    if use_ray:  # the same units and the same clean_chunk, as Ray tasks (retried if a worker dies or one raises)
+        from zero2all.corpus.on_ray import RETRIES, connect, ordered_map, ray_workers
+
+        ray = connect()
+        task = ray.remote(clean_chunk).options(max_retries=RETRIES, retry_exceptions=True)
+
+        def todo():
+            nonlocal n_chunks
+            for index, batch in _chunks(records, cfg):
+                n_chunks = index + 1
+                if not (work / f"chunk-{index:06d}.json").exists():
+                    yield index, batch
+
+        def done(item, _result):
+            if on_chunk_done:
+                on_chunk_done(item[0])
+
+        ordered_map(lambda item, _: task.remote(item[0], item[1], str(work), cfg, sources), todo(),
+                    2 * ray_workers(ray, cfg.workers), done, ray.get)
+        return n_chunks
     if workers <= 1:
         for index, batch in _chunks(records, cfg):
             n_chunks = index + 1
@@ -187,7 +232,30 @@ def _stage1(inputs, work: Path, cfg: CleanConfig, sources: list[str], read_kwarg
 # ---------------------------------------------------------------------------------------------------- stage 2
 
 
-def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
+def _band_task(sig_path: str, idx: np.ndarray, band: int, rows: int, bar: float | None):
+    """One LSH band on a Ray worker: its candidate pairs over the memory-mapped signatures, each verified."""
+    sigs = np.load(sig_path, mmap_mode="r")
+    a, b = band_candidates(sigs, idx, band, rows)
+    return a, b, verify_pairs(sigs, a, b, bar)
+
+
+def _ray_bands(sig_path: Path, alive: np.ndarray, bands: int, rows: int, bar: float | None, workers: int):
+    """The bands' (a, b, ok) from Ray tasks, in band order, at most two per worker in flight."""
+    from zero2all.corpus.on_ray import RETRIES, connect
+
+    ray = connect()
+    task = ray.remote(_band_task).options(max_retries=RETRIES, retry_exceptions=True)
+    idx = ray.put(np.flatnonzero(alive))
+    pending: deque = deque()
+    for band in range(bands):
+        pending.append(task.remote(str(sig_path), idx, band, rows, bar))
+        if len(pending) >= 2 * workers:
+            yield ray.get(pending.popleft())
+    while pending:
+        yield ray.get(pending.popleft())
+
+
+def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict, use_ray: bool = False, workers: int = 1):
     hashes, has_sig, srcs, nbytes, counts = [], [], [], [], []
     for i in range(n_chunks):
         with np.load(work / f"chunk-{i:06d}.npz") as z:
@@ -221,7 +289,9 @@ def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
         sigs.flush()
         alive = (removed == 0) & np.concatenate(has_sig)
         bar = lsh["verify_bar"]
-        parent, st = find_clusters(sigs, alive, lsh["bands"], lsh["rows"], bar)
+        # on Ray each band's keys, sort and verification run on a worker; the union stays here (same clusters)
+        bands = _ray_bands(sig_path, alive, lsh["bands"], lsh["rows"], bar, workers) if use_ray else None
+        parent, st = find_clusters(sigs, alive, lsh["bands"], lsh["rows"], bar, band_results=bands)
         del sigs
         sig_path.unlink()
         stats.update(st)
@@ -236,21 +306,22 @@ def _stage2(work: Path, n_chunks: int, cfg: CleanConfig, lsh: dict):
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def _fingerprint(inputs, cfg: CleanConfig, read_kwargs: dict, max_docs) -> str:
+def _fingerprint(inputs, cfg: CleanConfig, read_kwargs: dict, max_docs, decontam_digest: str | None = None) -> str:
     settings = {k: v for k, v in cfg.to_dict().items() if k not in ("workers", "examples", "dry_run_docs")}
     blob = json.dumps({"inputs": list(map(str, inputs)), "cfg": settings, "read": read_kwargs,
-                       "max_docs": max_docs}, sort_keys=True)
+                       "max_docs": max_docs, "decontam": decontam_digest}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | None = None,
           text_field: str | None = None, txt_mode: str = "file", strict: bool = False, dry_run: bool = False,
           max_docs: int | None = None, on_chunk_done: Callable[[int], None] | None = None,
-          verbose: bool = True) -> dict:
+          verbose: bool = True, ray: bool | None = None) -> dict:
     """Clean ``inputs`` (paths, globs, ``NAME=PATH`` or ``stdlib``) into ``out``; returns the report dict.
 
     ``dry_run``: the first ``cfg.dry_run_docs`` records only, in a temporary directory; nothing is written to
-    ``out``. ``on_chunk_done(index)`` is called after each work unit of stage 1 (progress, tests)."""
+    ``out``. ``on_chunk_done(index)`` is called after each work unit of stage 1 (progress, tests). ``ray``: run
+    the work units on Ray (:mod:`zero2all.corpus.on_ray`; None: when ``RAY_ADDRESS`` is set), same output."""
     cfg = (cfg or CleanConfig()).validate()
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     if not inputs:
@@ -263,12 +334,18 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
     if not dry_run:
         check_out_outside_inputs(inputs, out)
     read_kwargs = {"text_field": text_field, "txt_mode": txt_mode, "strict": strict}
-    workers = cfg.workers or os.cpu_count() or 1
+    from zero2all.corpus.on_ray import connect, ray_requested, ray_workers
+
+    use_ray = ray_requested(ray)
+    workers = ray_workers(connect(), cfg.workers) if use_ray else cfg.workers or os.cpu_count() or 1
     lsh = lsh_parameters(cfg)
     if verbose:
         print(f"near dedup: threshold {lsh['threshold']}, {lsh['num_perm']} permutations -> {lsh['bands']} bands x "
               f"{lsh['rows']} rows; S-curve 1-(1-s^r)^b = {lsh['curve_at_threshold']:.4f} at s={lsh['threshold']}, "
               f"{lsh['curve_at_0.5']:.4f} at s=0.5; verify bar {lsh['verify_bar']}")
+    # the evaluation sets are read before the output folder is touched: a bad --decontaminate changes nothing
+    dindex = build_index(cfg.decontam.sets, cfg.decontam.ngram, log=print if verbose else None) \
+        if cfg.decontam.sets else None
     tmp = None
     if dry_run:
         tmp = tempfile.TemporaryDirectory(prefix="z2all-clean-dry-")
@@ -281,7 +358,7 @@ def clean(inputs: list[str] | str, out: str | os.PathLike, cfg: CleanConfig | No
         # one run per folder: a second `clean` on the same --out is refused at once (a dry run writes a temporary)
         with contextlib.nullcontext() if dry_run else locked_output_dir(out_dir):
             return _run(inputs, out_dir, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose,
-                        dry_run)
+                        dry_run, dindex, use_ray)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -296,11 +373,12 @@ def _is_legacy_output(path: Path) -> bool:
     return bool(names) and all(_OUTPUT_NAME.match(n) for n in names)
 
 
-def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose, dry_run):
+def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_docs, on_chunk_done, verbose, dry_run,
+         dindex=None, use_ray=False):
     t0 = time.time()
     work = out_dir / ".work"
     work.mkdir(parents=True, exist_ok=True)
-    fp = _fingerprint(inputs, cfg, read_kwargs, max_docs)
+    fp = _fingerprint(inputs, cfg, read_kwargs, max_docs, dindex.digest if dindex is not None else None)
     marker = work / "run.json"
     if marker.exists():
         old = json.loads(marker.read_text())
@@ -311,18 +389,23 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
             done = len(list(work.glob("chunk-*.json")))
             print(f"resuming: {done} work unit{'s' if done != 1 else ''} already done in {work}")
     save_json({"fingerprint": fp, "inputs": list(map(str, inputs))}, marker)
+    if dindex is not None:
+        dindex.save(work / DECONTAM_INDEX)  # the workers load it from here, once each
     stats = ReadStats()
-    n_chunks = _stage1(inputs, work, cfg, sources, read_kwargs, stats, workers, max_docs, on_chunk_done)
+    n_chunks = _stage1(inputs, work, cfg, sources, read_kwargs, stats, workers, max_docs, on_chunk_done, use_ray)
     t1 = time.time()
-    removed, dup_of, src_idx, nbytes, counts, dstats = _stage2(work, n_chunks, cfg, lsh)
+    removed, dup_of, src_idx, nbytes, counts, dstats = _stage2(work, n_chunks, cfg, lsh, use_ray, workers)
     t2 = time.time()
-    report = _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, sources, cfg, lsh, stats)
+    report = _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, sources, cfg, lsh, stats,
+                       dindex)
     shards = _write_shards(work, out_dir, n_chunks, removed, counts, cfg, report, write=not dry_run)
     if not dry_run:
         report["shards"] = shards
     report["seconds"] = {"stage1_filter_hash": round(t1 - t0, 2), "stage2_dedup": round(t2 - t1, 2),
                          "total": round(time.time() - t0, 2)}
     report["workers"] = workers
+    if use_ray:
+        report["engine"] = "ray"
     sizes = {name: s["bytes_out"] for name, s in report["sources"].items()}
     report["sampling"] = {str(t): {k: round(v, 4) for k, v in temperature_weights(sizes, t).items()}
                           for t in cfg.temperatures} if len(sizes) > 1 else {}
@@ -342,20 +425,27 @@ def _run(inputs, out_dir: Path, cfg, sources, read_kwargs, workers, lsh, max_doc
     return report
 
 
-def _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, sources, cfg, lsh, stats) -> dict:
+def _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, sources, cfg, lsh, stats,
+              dindex=None) -> dict:
     per_src: dict = {}
     examples: dict = {}
+    contaminated: dict = {}
     for i in range(n_chunks):
         c = json.loads((work / f"chunk-{i:06d}.json").read_text())
         for name, s in c["sources"].items():
             t = per_src.setdefault(name, {"docs_in": 0, "bytes_in": 0, "docs_out": 0, "bytes_out": 0, "removed": {},
-                                          "pii": {}, "c4_lines_dropped": 0, "duplicate_clusters": 0, "langs": {}})
+                                          "flagged": {}, "pii": {}, "c4_lines_dropped": 0, "duplicate_clusters": 0,
+                                          "langs": {}})
             t["docs_in"] += s["docs_in"]
             t["bytes_in"] += s["bytes_in"]
             t["c4_lines_dropped"] += s["c4_lines_dropped"]
-            for key in ("removed", "pii", "langs"):
-                for k, v in s[key].items():
+            for key in ("removed", "flagged", "pii", "langs"):
+                for k, v in s.get(key, {}).items():
                     t[key][k] = t[key].get(k, 0) + v
+        for name, hit in c.get("contaminated", {}).items():
+            tot = contaminated.setdefault(name, {"docs": 0, "examples": []})
+            tot["docs"] += hit["docs"]
+            tot["examples"] += hit["examples"][:max(cfg.examples - len(tot["examples"]), 0)]
         for rule, exs in c["examples"].items():
             room = cfg.examples - len(examples.setdefault(rule, []))
             examples[rule] += exs[:max(room, 0)]
@@ -377,9 +467,25 @@ def _assemble(work, n_chunks, removed, dup_of, src_idx, nbytes, counts, dstats, 
     for t in per_src.values():
         for k, v in t["removed"].items():
             removed_totals[k] = removed_totals.get(k, 0) + v
-    return {"totals": totals, "removed": removed_totals, "sources": per_src, "examples": examples,
-            "dedup": {**lsh, **dstats}, "read": stats.to_dict(), "config": cfg.to_dict(),
-            "_dup_examples": _dup_example_indices(removed, dup_of, cfg.examples)}
+    report = {"totals": totals, "removed": removed_totals, "sources": per_src, "examples": examples,
+              "dedup": {**lsh, **dstats}, "read": stats.to_dict(), "config": cfg.to_dict(),
+              "_dup_examples": _dup_example_indices(removed, dup_of, cfg.examples)}
+    if dindex is not None:
+        matched = sum(t["removed"].get("contaminated", 0) + t["flagged"].get("contaminated", 0)
+                      for t in per_src.values())
+        report["decontamination"] = decontamination_record(dindex, cfg.decontam.report_only, contaminated, matched)
+    return report
+
+
+def decontamination_record(dindex, report_only: bool, contaminated: dict, matched: int) -> dict:
+    """The ``decontamination`` section of a report (and of ``z2all prepare``'s ``meta.json``): the n-gram length,
+    the mode, and per evaluation set its files (path, sha256) or task, its n-gram count and the training documents
+    that shared an n-gram with it (``docs``, with examples). ``z2all eval`` reads the sets' names and digests."""
+    sets = []
+    for rec in dindex.sets:
+        hit = contaminated.get(rec["name"], {"docs": 0, "examples": []})
+        sets.append({**rec, "docs": hit["docs"], "examples": hit["examples"]})
+    return {"ngram": dindex.n, "mode": "report" if report_only else "remove", "documents": matched, "sets": sets}
 
 
 def _dup_example_indices(removed, dup_of, k) -> dict:

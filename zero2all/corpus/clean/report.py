@@ -47,6 +47,18 @@ def render_markdown(report: dict) -> str:
         for r in rules:
             lines.append(f"| {r} | " + " | ".join(f"{report['sources'][n]['removed'].get(r, 0):,}" for n in names)
                          + f" | {report['removed'][r]:,} |")
+    dc = report.get("decontamination")
+    if dc:
+        verb = "removed" if dc["mode"] == "remove" else "flagged and kept (report only)"
+        lines += ["", f"Decontamination: {dc['documents']:,} documents sharing a {dc['ngram']}-word n-gram with an "
+                      f"evaluation set, {verb}:", "", "| evaluation set | texts | n-grams | documents |",
+                  "|---|---:|---:|---:|"]
+        for st in dc["sets"]:
+            lines.append(f"| {st['name']} | {st['texts']:,} | {st['ngrams']:,} | {st['docs']:,} |")
+        for st in dc["sets"]:
+            for e in st["examples"]:
+                snippet = e["text"].replace("\n", " ")[:120].replace("|", "\\|")
+                lines.append(f"- {st['name']}: `{e['id']}` [{e['data_src']}] shares \"{e['ngram']}\": {snippet}")
     if report.get("sampling"):
         lines += ["", "Temperature sampling over the cleaned sources (weights for `z2all prepare`, same total size):",
                   ""]
