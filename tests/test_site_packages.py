@@ -87,3 +87,59 @@ def test_byte_cap(tmp_path):
     assert c.manifest["bytes"]["valid"] <= int(cap * 0.3)
     assert c.manifest["dropped"]["over_cap_bytes"] == total - got
     assert c.files == build_site_packages_corpus([tmp_path], valid_fraction=0.3, seed=1, max_bytes=cap).files
+
+
+def test_cli_corpus_then_prepare_keeps_the_package_split(tmp_path, capsys):
+    """`z2all corpus` writes train/valid jsonl; `prepare` pins every record to its package's split (with a valid
+    fraction that would otherwise hold out documents of train packages too)."""
+    from zero2all.cli import main
+    from zero2all.data.pretokenize import prepare, read_meta
+    from zero2all.tokenizer import train_tokenizer
+
+    _tree(tmp_path / "sp")
+    out = tmp_path / "corpus"
+    assert main(["corpus", "--site-packages", str(tmp_path / "sp"), "--out", str(out),
+                 "--valid-package", "pkg03", "--valid-package", "single"]) == 0
+    assert "valid 2 packages, 4 files" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["packages"]["valid"] == ["pkg03", "single"]
+    valid_recs = [json.loads(x) for x in (out / "valid.jsonl").read_text().splitlines()]
+    assert {r["package"] for r in valid_recs} == {"pkg03", "single"} and {r["split"] for r in valid_recs} == {"valid"}
+    tok = tmp_path / "tok"
+    train_tokenizer([str(out)], 336, tok, log=lambda *a: None)
+    meta = prepare([str(out)], tok, tmp_path / "data", workers=1, valid_fraction=0.5, log=lambda *a: None)
+    assert meta["splits"]["valid"]["docs"] == len(valid_recs) == 4
+    assert meta["splits"]["train"]["docs"] == manifest["files"]["train"]
+    assert read_meta(tmp_path / "data")["splits"]["valid"]["docs"] == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-mb", "0"], "--max-mb: 0.0 must be > 0"),
+    (["--valid-fraction", "1.5"], "--valid-fraction: 1.5 must be in [0, 1)"),
+    (["--valid-package", "nosuch"], "valid packages nosuch: not installed"),
+])
+def test_cli_corpus_bad_input(tmp_path, capsys, argv, message):
+    from zero2all.cli import main
+
+    _tree(tmp_path / "sp")
+    out = tmp_path / "corpus"
+    assert main(["corpus", "--site-packages", str(tmp_path / "sp"), "--out", str(out)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not out.exists()
+    assert main(["corpus", "--site-packages", str(tmp_path / "nodir"), "--out", str(out)]) == 2
+    assert "--site-packages" in capsys.readouterr().err
+
+
+def test_source_name_reads_both_splits(tmp_path, monkeypatch):
+    """`--input site-packages` (and :train / :valid) wherever `stdlib` is accepted: here on the fake tree."""
+    from zero2all.corpus import readers
+
+    _tree(tmp_path)
+    monkeypatch.setattr(readers, "_site_packages_corpus",
+                        lambda: build_site_packages_corpus([tmp_path], valid_packages=["pkg01"]))
+    both = list(readers.iter_records("site-packages"))
+    valid = list(readers.iter_records("site-packages:valid"))
+    assert {r["others"]["split"] for r in valid} == {"valid"} and [r["id"] for r in valid] == [
+        "pkg01/__init__.py", "pkg01/core.py", "pkg01/sub/util.py"]
+    assert len(both) == len(list(readers.iter_records("site-packages:train"))) + 3
+    assert both[0]["data_src"] == "site-packages" and len(readers.expand_paths("site-packages")) == len(both)

@@ -374,6 +374,63 @@ def _prepare(p):
 
     return _data_errors("prepare", run)
 
+@command("corpus", "build the site-packages corpus: installed packages' sources, split train / valid by package",
+         "  z2all corpus --out runs/sitepkg --max-mb 300\n"
+         "  z2all corpus --out runs/sitepkg --valid-package numpy --valid-package requests --seed 1\n"
+         "  z2all prepare --input runs/sitepkg --tokenizer runs/tok --out runs/data   # keeps the package split")
+def _corpus(p):
+    p.add_argument("--name", default="site-packages", choices=["site-packages"], help="the corpus to build")
+    p.add_argument("--out", required=True,
+                   help="output directory: train.jsonl, valid.jsonl and manifest.json (new, empty or an earlier "
+                        "corpus output, replaced atomically)")
+    p.add_argument("--site-packages", nargs="+", action="extend", default=None, metavar="DIR",
+                   help="site-packages directories to read (default: the running Python's)")
+    p.add_argument("--valid-fraction", type=float, default=0.05, help="share of packages held out (by name hash)")
+    p.add_argument("--valid-package", action="append", default=None, metavar="NAME",
+                   help="hold out exactly these packages instead (repeat the option)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the package split and of the order the cap takes")
+    p.add_argument("--max-mb", type=float, default=None, help="cap on the corpus text, in MB (1e6 bytes)")
+
+    def run(args):
+        import time
+
+        from zero2all.corpus.readers import write_jsonl
+        from zero2all.corpus.site_packages import build_site_packages_corpus
+        from zero2all.fileio import atomic_dir, claim_output_dir, save_json
+
+        if args.max_mb is not None and not args.max_mb > 0:
+            raise ValueError(f"--max-mb: {args.max_mb} must be > 0")
+        if not 0.0 <= args.valid_fraction < 1.0:
+            raise ValueError(f"--valid-fraction: {args.valid_fraction} must be in [0, 1)")
+        for d in args.site_packages or []:
+            if not os.path.isdir(d):
+                raise ValueError(f"--site-packages {d}: no such directory; name a site-packages folder")
+        claim_output_dir(args.out, "corpus", inputs=args.site_packages or [])
+        t0 = time.perf_counter()
+        corpus = build_site_packages_corpus(args.site_packages, valid_fraction=args.valid_fraction, seed=args.seed,
+                                            max_bytes=None if args.max_mb is None else int(args.max_mb * 1e6),
+                                            valid_packages=args.valid_package)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+        def flat(split):
+            for rec in corpus.records(split):
+                yield {"id": rec["id"], "title": rec["title"], "category": "code", "content": rec["content"],
+                       **rec["others"]}
+
+        with atomic_dir(args.out, kind="corpus") as tmp:
+            for split in ("train", "valid"):
+                write_jsonl(flat(split), Path(tmp) / f"{split}.jsonl")
+            save_json(corpus.manifest, Path(tmp) / "manifest.json")
+        m = corpus.manifest
+        print(f"site-packages corpus -> {args.out}: train {len(m['packages']['train'])} packages, "
+              f"{m['files']['train']:,} files, {m['bytes']['train'] / 1e6:.1f} MB; valid "
+              f"{len(m['packages']['valid'])} packages, {m['files']['valid']:,} files, "
+              f"{m['bytes']['valid'] / 1e6:.1f} MB; {m['dropped']['duplicate']:,} duplicate files dropped "
+              f"({m['dropped']['duplicate_bytes'] / 1e6:.1f} MB); {time.perf_counter() - t0:.1f} s")
+
+    return _data_errors("corpus", run)
+
+
 @command("clean", "clean corpora: normalise, drop exact and near duplicates, apply quality rules, mask PII",
          "  z2all clean --input stdlib --out runs/clean\n"
          "  z2all clean --input web=data/web --input zh=data/zh.jsonl.zst --out clean --workers 8 "
@@ -1212,7 +1269,7 @@ def _wrapped_os_error(exc: BaseException, args=None) -> OSError | None:
 
 # commands whose --out is a directory written whole and put in place by a rename (zero2all.fileio.atomic_dir)
 _WHOLE_DIRECTORY_OUTPUTS = {"export-hf", "import-hf", "resize-vocab", "train-tokenizer", "extend-tokenizer",
-                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint"}
+                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint", "corpus"}
 
 
 def _check_directory_out(args) -> None:

@@ -18,7 +18,9 @@ How it is built (all deterministic for a given set of installed files and settin
   the validation packages.
 * **Deduplication across packages.** Vendored copies (``pip/_vendor/requests`` beside ``requests``) would put the same
   text in both splits. Files are keyed by a hash of their text without import lines and whitespace (vendoring
-  rewrites imports); train packages are read first, so a copy is kept once, in train, and dropped from validation.
+  rewrites imports; a file of imports only, a re-export stub, is dropped); train packages are read first, so a
+  copy is kept once, in train, and dropped from validation. Near-copies (a vendored file edited beyond its imports)
+  are not caught.
 * **Byte cap.** ``max_bytes`` bounds the total: each split gets its share (validation ``valid_fraction`` of it, or
   its natural share when packages are listed); packages are taken in a seeded order, files in path order, and a
   file that would overflow its split's budget is skipped.
@@ -147,9 +149,11 @@ def split_packages(names: Iterable[str], valid_fraction: float = 0.05, seed: int
     return chosen
 
 
-def _dedup_key(raw: bytes) -> bytes:
-    """Text without import lines and whitespace: a vendored copy whose imports were rewritten keys the same."""
-    return hashlib.blake2b(_SPACE.sub(b"", _IMPORT_LINE.sub(b"", raw)), digest_size=16).digest()
+def _dedup_key(raw: bytes) -> bytes | None:
+    """Text without import lines and whitespace: a vendored copy whose imports were rewritten keys the same. None
+    for a file of imports only (a re-export stub), which is dropped rather than taken for a copy of another."""
+    core = _SPACE.sub(b"", _IMPORT_LINE.sub(b"", raw))
+    return hashlib.blake2b(core, digest_size=16).digest() if core else None
 
 
 @dataclass
@@ -184,7 +188,8 @@ def build_site_packages_corpus(roots: Iterable[str | os.PathLike] | None = None,
     valid = split_packages([p.name for p in packages], valid_fraction, seed, valid_packages)
     seen: dict[bytes, str] = {}
     kept: dict[str, list] = {"train": [], "valid": []}
-    dropped = {"duplicate": 0, "duplicate_bytes": 0, "not_utf8": 0, "empty": 0, "over_cap": 0, "over_cap_bytes": 0}
+    dropped = {"duplicate": 0, "duplicate_bytes": 0, "not_utf8": 0, "empty": 0, "imports_only": 0, "over_cap": 0,
+               "over_cap_bytes": 0}
     examples = []
     by_split: dict[str, list] = {"train": [], "valid": []}
     for pkg in sorted(packages, key=lambda p: (p.name in valid, p.name)):  # train first: copies stay in train
@@ -202,6 +207,9 @@ def build_site_packages_corpus(roots: Iterable[str | os.PathLike] | None = None,
                 dropped["not_utf8"] += 1
                 continue
             key = _dedup_key(raw)
+            if key is None:
+                dropped["imports_only"] += 1
+                continue
             if key in seen:
                 dropped["duplicate"] += 1
                 dropped["duplicate_bytes"] += len(raw)
