@@ -43,3 +43,68 @@ def test_one_ratio_fits_the_reduced_law():
     assert law.predict(2e7, 4e8) == pytest.approx(truth, rel=0.01)
     with pytest.raises(ValueError, match="at least 3 points"):
         fit_loss_law(n[:2], d[:2], loss[:2])
+
+
+TINY = ["--config", "tiny", "--depths", "1,2,3,4,5", "--aspect", "8", "--head-dim", "8", "--ratio", "0.002",
+        "--resamples", "5", "--device", "cpu", "model.vocab_size=64", "model.max_seq_len=16",
+        "train.micro_batch_size=2", "train.eval_batches=1", "train.log_every=0"]
+
+
+def test_cli_ladder_end_to_end_resume_and_check(tmp_path, capsys):
+    """Five tiny rungs on synthetic tokens: ladder.json with every rung, the fit and the prediction; a second run
+    trains nothing again (the rungs' metrics untouched) and --check adds the predicted run with its error."""
+    import json
+
+    from zero2all.cli import main
+
+    out = tmp_path / "ladder"
+    assert main(["ladder", "--out", str(out)] + TINY) == 0
+    text = capsys.readouterr().out
+    report = json.loads((out / "ladder.json").read_text())
+    assert [r["depth"] for r in report["rungs"]] == [1, 2, 3, 4, 5]
+    assert all(r["val_loss"] > 0 and r["steps"] >= 1 for r in report["rungs"])
+    params = [r["params"] for r in report["rungs"]]
+    assert params == sorted(params) and report["fit"]["reduced"]
+    pred = report["prediction"]
+    assert pred["params"] >= 4 * params[-1] and pred["loss"] > 0 and pred["time"]["seconds"] > 0
+    assert "ladder: fit over 5 rungs" in text and "ladder: prediction for depth" in text
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("rungs/*/metrics.jsonl")}
+    assert len(stamps) == 5
+    assert main(["ladder", "--out", str(out), "--check"] + TINY) == 0
+    text = capsys.readouterr().out
+    assert text.count("not retrained") == 5 and "updates)" not in text.split("ladder: check run")[0]
+    assert {p: p.stat().st_mtime_ns for p in out.glob("rungs/*/metrics.jsonl")} == stamps
+    report = json.loads((out / "ladder.json").read_text())
+    check = report["check"]
+    assert check["val_loss"] > 0 and check["relative_error"] == pytest.approx(
+        (pred["loss"] - check["val_loss"]) / check["val_loss"])
+    assert "ladder: check: measured val loss" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--depths", "1,2,3"], "--depths: a ladder needs at least 5 sizes"),
+    (["--depths", "1,x"], "--depths '1,x': expected comma-separated integers"),
+    (["--ratio", "-1"], "--ratio: -1.0 must be > 0"),
+    (["--aspect", "6"], "is not a multiple of --head-dim 8"),
+    (["--gpu", "nosuch"], "--gpu 'nosuch': unknown GPU"),
+    (["--predict-depth", "3"], "--predict-depth 3: must be larger than the largest rung (5)"),
+])
+def test_cli_ladder_bad_input(tmp_path, capsys, argv, message):
+    from zero2all.cli import main
+
+    out = tmp_path / "ladder"
+    assert main(["ladder", "--out", str(out)] + TINY + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not out.exists()
+
+
+def test_cli_ladder_refuses_a_foreign_folder(tmp_path, capsys):
+    from zero2all.cli import main
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    assert main(["ladder", "--out", str(out)] + TINY) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds other files (notes.txt)" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

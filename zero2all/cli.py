@@ -527,6 +527,66 @@ def _pretrain(p):
     return run
 
 
+@command("ladder", "a scaling ladder: >= 5 sizes at compute-optimal tokens, fit L(N, D), predict a larger run",
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder\n"
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder --depths 2,3,4,5,6 --ratio 10 --ratio 40 "
+         "--check\n"
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder --flops 1e15 --predict-depth 12")
+def _ladder(p):
+    p.add_argument("--config", default="tiny", help="base preset or .toml: vocabulary, context, training settings")
+    p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path)")
+    p.add_argument("--out", required=True, help="ladder folder: rungs/, ladder.json, ladder.png (resumable)")
+    p.add_argument("--depths", default="2,3,4,5,6", help="the rungs' depths, comma-separated (at least 5)")
+    p.add_argument("--aspect", type=int, default=64, help="hidden_dim = aspect x depth")
+    p.add_argument("--head-dim", type=int, default=64, help="attention head size (n_heads = hidden / head_dim)")
+    p.add_argument("--ratio", type=float, action="append", default=None,
+                   help="tokens per parameter (default 20; repeat for several ratios, which identifies L(N, D))")
+    p.add_argument("--flops", type=float, default=None, help="a FLOP budget per rung instead: D = C / (6 N)")
+    p.add_argument("--predict-depth", type=int, default=None,
+                   help="the larger run to predict (default: the smallest depth with >= 4x the largest rung's N)")
+    p.add_argument("--predict-tokens", type=float, default=None, help="its tokens (default: ratio x its N)")
+    p.add_argument("--check", action="store_true", help="then train the predicted run and report the error")
+    p.add_argument("--gpu", default="h100", help="GPU of the time prediction (a name of `z2all estimate --gpu`)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="MFU of the time prediction (default: the largest rung's measured MFU, else 0.4)")
+    p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the fit's uncertainty")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.accounting import get_gpu
+        from zero2all.config import ConfigError, build_config
+        from zero2all.train.ladder import run_ladder
+
+        try:
+            depths = [int(x) for x in args.depths.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--depths {args.depths!r}: expected comma-separated integers, e.g. 2,3,4,5,6") from None
+        if any(d < 1 for d in depths):
+            raise ConfigError(f"--depths {args.depths!r}: each depth must be >= 1")
+        ratios = args.ratio or [20.0]
+        for name, value in (("--ratio", min(ratios)), ("--flops", args.flops), ("--aspect", args.aspect),
+                            ("--head-dim", args.head_dim), ("--predict-tokens", args.predict_tokens),
+                            ("--predict-depth", args.predict_depth), ("--resamples", args.resamples)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}: {value} must be > 0")
+        if args.flops and args.ratio:
+            raise ConfigError("--flops and --ratio: give one (a FLOP budget per rung, or tokens per parameter)")
+        if args.mfu is not None and not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu {args.mfu}: must be in (0, 1]")
+        get_gpu(args.gpu)
+        values, sources = _given(args, {"--data": "data.path", "--device": "train.device"})
+        cfg = build_config(args.config, args.overrides, values, sources=sources)
+        if args.predict_depth is not None and args.predict_depth <= max(depths):
+            raise ConfigError(f"--predict-depth {args.predict_depth}: must be larger than the largest rung "
+                              f"({max(depths)})")
+        run_ladder(cfg, args.out, depths=depths, aspect=args.aspect, head_dim=args.head_dim, ratios=ratios,
+                   flops=args.flops, predict_depth=args.predict_depth, predict_tokens=args.predict_tokens,
+                   check=args.check, gpu=args.gpu, mfu=args.mfu, resamples=args.resamples)
+
+    return _data_errors("ladder", run)
+
+
 # the options of `z2all pretrain` that set a config key
 PRETRAIN_FLAGS = {"--data": "data.path", "--out": "train.out_dir", "--resume": "train.resume",
                   "--device": "train.device"}

@@ -124,17 +124,19 @@ def _starts(reduced: bool, logl_min: float):
         [np.array([2.0, 8.0, 0.5, 0.15, e0[0]]), np.array([8.0, 2.0, 0.15, 0.5, e0[0]])]
 
 
-def fit_loss_law(n, d, loss, delta: float = HUBER_DELTA, starts=None) -> LossLaw:
+def fit_loss_law(n, d, loss, delta: float = HUBER_DELTA, starts=None, reduced: bool | None = None) -> LossLaw:
     """Fit ``L = E + A/N^alpha + B/D^beta`` to points (``n`` parameters, ``d`` tokens, ``loss``); the reduced law
-    when every point has the same D / N (see the module docstring). ``starts``: initial points to use instead of
-    the grid (the bootstrap starts from the full fit)."""
+    when ``reduced`` or (None) when every point has nearly the same D / N (within 10 %: rounding tokens to whole
+    updates moves it a little; see the module docstring). ``starts``: initial points to use instead of the grid
+    (the bootstrap starts from the full fit)."""
     n, d, loss = (np.asarray(x, dtype=np.float64) for x in (n, d, loss))
     if not (len(n) == len(d) == len(loss)) or len(n) < 3:
         raise ValueError(f"a scaling fit needs at least 3 points (parameters, tokens, loss), got {len(n)}")
     if (n <= 0).any() or (d <= 0).any() or (loss <= 0).any() or not np.isfinite(loss).all():
         raise ValueError("a scaling fit needs positive parameters, tokens and finite positive losses")
     ratio = np.log(d / n)
-    reduced = bool(np.ptp(ratio) < 1e-6)
+    if reduced is None:
+        reduced = bool(np.ptp(ratio) < 0.1)
     logn, logd, logl = np.log(n), np.log(d), np.log(loss)
 
     def fun(theta):
@@ -159,12 +161,13 @@ def _theta(law: LossLaw) -> np.ndarray:
     return np.array([math.log(law.A), math.log(law.B), law.alpha, law.beta, math.log(law.E)])
 
 
-def bootstrap_fit(n, d, loss, resamples: int = 200, seed: int = 0, predict_at=()) -> tuple[LossLaw, dict]:
+def bootstrap_fit(n, d, loss, resamples: int = 200, seed: int = 0, predict_at=(),
+                  reduced: bool | None = None) -> tuple[LossLaw, dict]:
     """The fit on all points, with ``spread`` filled from ``resamples`` bootstrap fits (points drawn with
     replacement; a resample with fewer than 3 distinct points is drawn again). Returns (law, predictions):
     ``predictions[i]`` = {"loss", "std", "p05", "p95"} for each (N, D) in ``predict_at``."""
     n, d, loss = (np.asarray(x, dtype=np.float64) for x in (n, d, loss))
-    law = fit_loss_law(n, d, loss)
+    law = fit_loss_law(n, d, loss, reduced=reduced)
     rng = np.random.default_rng(seed)
     samples, preds = [], []
     start = _theta(law)
@@ -174,7 +177,7 @@ def bootstrap_fit(n, d, loss, resamples: int = 200, seed: int = 0, predict_at=()
             if len(set(idx.tolist())) >= 3:
                 break
         try:
-            b = fit_loss_law(n[idx], d[idx], loss[idx], starts=[start])
+            b = fit_loss_law(n[idx], d[idx], loss[idx], starts=[start], reduced=law.reduced)
         except ValueError:
             continue
         if b.reduced != law.reduced:
