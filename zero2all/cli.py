@@ -408,6 +408,63 @@ def _prepare(p):
 
     return _data_errors("prepare", run)
 
+@command("corpus", "build the site-packages corpus: installed packages' sources, split train / valid by package",
+         "  z2all corpus --out runs/sitepkg --max-mb 300\n"
+         "  z2all corpus --out runs/sitepkg --valid-package numpy --valid-package requests --seed 1\n"
+         "  z2all prepare --input runs/sitepkg --tokenizer runs/tok --out runs/data   # keeps the package split")
+def _corpus(p):
+    p.add_argument("--name", default="site-packages", choices=["site-packages"], help="the corpus to build")
+    p.add_argument("--out", required=True,
+                   help="output directory: train.jsonl, valid.jsonl and manifest.json (new, empty or an earlier "
+                        "corpus output, replaced atomically)")
+    p.add_argument("--site-packages", nargs="+", action="extend", default=None, metavar="DIR",
+                   help="site-packages directories to read (default: the running Python's)")
+    p.add_argument("--valid-fraction", type=float, default=0.05, help="share of packages held out (by name hash)")
+    p.add_argument("--valid-package", action="append", default=None, metavar="NAME",
+                   help="hold out exactly these packages instead (repeat the option)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the package split and of the order the cap takes")
+    p.add_argument("--max-mb", type=float, default=None, help="cap on the corpus text, in MB (1e6 bytes)")
+
+    def run(args):
+        import time
+
+        from zero2all.corpus.readers import write_jsonl
+        from zero2all.corpus.site_packages import build_site_packages_corpus
+        from zero2all.fileio import atomic_dir, claim_output_dir, save_json
+
+        if args.max_mb is not None and not args.max_mb > 0:
+            raise ValueError(f"--max-mb: {args.max_mb} must be > 0")
+        if not 0.0 <= args.valid_fraction < 1.0:
+            raise ValueError(f"--valid-fraction: {args.valid_fraction} must be in [0, 1)")
+        for d in args.site_packages or []:
+            if not os.path.isdir(d):
+                raise ValueError(f"--site-packages {d}: no such directory; name a site-packages folder")
+        claim_output_dir(args.out, "corpus", inputs=args.site_packages or [])
+        t0 = time.perf_counter()
+        corpus = build_site_packages_corpus(args.site_packages, valid_fraction=args.valid_fraction, seed=args.seed,
+                                            max_bytes=None if args.max_mb is None else int(args.max_mb * 1e6),
+                                            valid_packages=args.valid_package)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+        def flat(split):
+            for rec in corpus.records(split):
+                yield {"id": rec["id"], "title": rec["title"], "category": "code", "content": rec["content"],
+                       **rec["others"]}
+
+        with atomic_dir(args.out, kind="corpus") as tmp:
+            for split in ("train", "valid"):
+                write_jsonl(flat(split), Path(tmp) / f"{split}.jsonl")
+            save_json(corpus.manifest, Path(tmp) / "manifest.json")
+        m = corpus.manifest
+        print(f"site-packages corpus -> {args.out}: train {len(m['packages']['train'])} packages, "
+              f"{m['files']['train']:,} files, {m['bytes']['train'] / 1e6:.1f} MB; valid "
+              f"{len(m['packages']['valid'])} packages, {m['files']['valid']:,} files, "
+              f"{m['bytes']['valid'] / 1e6:.1f} MB; {m['dropped']['duplicate']:,} duplicate files dropped "
+              f"({m['dropped']['duplicate_bytes'] / 1e6:.1f} MB); {time.perf_counter() - t0:.1f} s")
+
+    return _data_errors("corpus", run)
+
+
 @command("clean", "clean corpora: normalise, drop exact and near duplicates, apply quality rules, mask PII",
          "  z2all clean --input stdlib --out runs/clean\n"
          "  z2all clean --input web=data/web --input zh=data/zh.jsonl.zst --out clean --workers 8 "
@@ -506,6 +563,66 @@ def _pretrain(p):
         pretrain(cfg, show_progress=not args.no_progress)
 
     return run
+
+
+@command("ladder", "a scaling ladder: >= 5 sizes at compute-optimal tokens, fit L(N, D), predict a larger run",
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder\n"
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder --depths 2,3,4,5,6 --ratio 10 --ratio 40 "
+         "--check\n"
+         "  z2all ladder --config tiny --data runs/data --out runs/ladder --flops 1e15 --predict-depth 12")
+def _ladder(p):
+    p.add_argument("--config", default="tiny", help="base preset or .toml: vocabulary, context, training settings")
+    p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path)")
+    p.add_argument("--out", required=True, help="ladder folder: rungs/, ladder.json, ladder.png (resumable)")
+    p.add_argument("--depths", default="2,3,4,5,6", help="the rungs' depths, comma-separated (at least 5)")
+    p.add_argument("--aspect", type=int, default=64, help="hidden_dim = aspect x depth")
+    p.add_argument("--head-dim", type=int, default=64, help="attention head size (n_heads = hidden / head_dim)")
+    p.add_argument("--ratio", type=float, action="append", default=None,
+                   help="tokens per parameter (default 20; repeat for several ratios, which identifies L(N, D))")
+    p.add_argument("--flops", type=float, default=None, help="a FLOP budget per rung instead: D = C / (6 N)")
+    p.add_argument("--predict-depth", type=int, default=None,
+                   help="the larger run to predict (default: the smallest depth with >= 4x the largest rung's N)")
+    p.add_argument("--predict-tokens", type=float, default=None, help="its tokens (default: ratio x its N)")
+    p.add_argument("--check", action="store_true", help="then train the predicted run and report the error")
+    p.add_argument("--gpu", default="h100", help="GPU of the time prediction (a name of `z2all estimate --gpu`)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="MFU of the time prediction (default: the largest rung's measured MFU, else 0.4)")
+    p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the fit's uncertainty")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
+    _overrides(p)
+
+    def run(args):
+        from zero2all.accounting import get_gpu
+        from zero2all.config import ConfigError, build_config
+        from zero2all.train.ladder import run_ladder
+
+        try:
+            depths = [int(x) for x in args.depths.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--depths {args.depths!r}: expected comma-separated integers, e.g. 2,3,4,5,6") from None
+        if any(d < 1 for d in depths):
+            raise ConfigError(f"--depths {args.depths!r}: each depth must be >= 1")
+        ratios = args.ratio or [20.0]
+        for name, value in (("--ratio", min(ratios)), ("--flops", args.flops), ("--aspect", args.aspect),
+                            ("--head-dim", args.head_dim), ("--predict-tokens", args.predict_tokens),
+                            ("--predict-depth", args.predict_depth), ("--resamples", args.resamples)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}: {value} must be > 0")
+        if args.flops and args.ratio:
+            raise ConfigError("--flops and --ratio: give one (a FLOP budget per rung, or tokens per parameter)")
+        if args.mfu is not None and not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu {args.mfu}: must be in (0, 1]")
+        get_gpu(args.gpu)
+        values, sources = _given(args, {"--data": "data.path", "--device": "train.device"})
+        cfg = build_config(args.config, args.overrides, values, sources=sources)
+        if args.predict_depth is not None and args.predict_depth <= max(depths):
+            raise ConfigError(f"--predict-depth {args.predict_depth}: must be larger than the largest rung "
+                              f"({max(depths)})")
+        run_ladder(cfg, args.out, depths=depths, aspect=args.aspect, head_dim=args.head_dim, ratios=ratios,
+                   flops=args.flops, predict_depth=args.predict_depth, predict_tokens=args.predict_tokens,
+                   check=args.check, gpu=args.gpu, mfu=args.mfu, resamples=args.resamples)
+
+    return _data_errors("ladder", run)
 
 
 # the options of `z2all pretrain` that set a config key
@@ -1297,7 +1414,7 @@ def _wrapped_os_error(exc: BaseException, args=None) -> OSError | None:
 
 # commands whose --out is a directory written whole and put in place by a rename (zero2all.fileio.atomic_dir)
 _WHOLE_DIRECTORY_OUTPUTS = {"export-hf", "import-hf", "resize-vocab", "train-tokenizer", "extend-tokenizer",
-                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint"}
+                            "prepare-sft", "prepare-dpo", "export-reward-hf", "convert-checkpoint", "corpus"}
 
 
 def _check_directory_out(args) -> None:

@@ -9,7 +9,11 @@
 
 each optionally compressed as ``.gz`` or ``.zst``. A source is a file, a directory (recursed, files sorted), a
 glob (``data/**/*.jsonl.zst``) or the name ``stdlib``: the running Python's standard library ``.py`` files
-(without tests or site-packages), the embedded offline corpus (~12 MB of code).
+(without tests or site-packages), the embedded offline corpus (~12 MB of code). The name ``site-packages`` is the
+second embedded corpus, the installed packages' sources split by package (:mod:`zero2all.corpus.site_packages`,
+default settings; ``z2all corpus`` builds one with a byte cap, another seed or listed validation packages):
+``site-packages`` gives both splits, each record's ``others["split"]`` saying which (``z2all prepare`` keeps it),
+``site-packages:train`` / ``site-packages:valid`` one of them.
 
 Every record has the same schema (the original project's)::
 
@@ -46,7 +50,7 @@ from zero2all.fileio import atomic_write
 __all__ = ["BAD_KINDS", "COMPRESSIONS", "DEFAULT_TEXT_FIELDS", "FORMATS", "RECORD_FIELDS", "BadInputError",
            "ReadStats", "SourceSpec", "check_out_outside_inputs", "default_source_name", "expand_paths",
            "input_bytes", "iter_records", "iter_texts", "open_binary", "stdlib_files",
-           "tool_metadata_files", "write_jsonl"]
+           "SITE_PACKAGES_SOURCES", "tool_metadata_files", "write_jsonl"]
 
 RECORD_FIELDS = ("gid", "id", "data_src", "category", "title", "content", "desc", "others")
 DEFAULT_TEXT_FIELDS = ("content", "text")
@@ -132,9 +136,14 @@ class SourceSpec:
         return cls(name=name, paths=paths, text_field=text_field)
 
 
+SITE_PACKAGES_SOURCES = ("site-packages", "site-packages:train", "site-packages:valid")
+
+
 def default_source_name(path: str) -> str:
     if path == "stdlib":
         return "stdlib"
+    if path in SITE_PACKAGES_SOURCES:
+        return path.replace(":", "-")
     if any(ch in path for ch in "*?["):  # a glob: name it after its directory ("data/zh/*.jsonl" -> "zh")
         fixed = [part for part in Path(path).parts]
         cut = next(i for i, part in enumerate(fixed) if any(ch in part for ch in "*?["))
@@ -176,6 +185,10 @@ def expand_paths(path_or_glob: str) -> list[str]:
     """A file, a directory (recursed) or a glob -> sorted data files. Raises FileNotFoundError if none."""
     if path_or_glob == "stdlib":
         return [str(p) for p in stdlib_files()]
+    if path_or_glob in SITE_PACKAGES_SOURCES:
+        corpus = _site_packages_corpus()
+        splits = [path_or_glob.split(":")[1]] if ":" in path_or_glob else ["train", "valid"]
+        return [f[2] for s in splits for f in corpus.files[s]]
     if os.path.isdir(path_or_glob):
         files = []
         for dirpath, dirnames, filenames in os.walk(path_or_glob):
@@ -195,7 +208,8 @@ def expand_paths(path_or_glob: str) -> list[str]:
         return files
     if os.path.isfile(path_or_glob):
         return [path_or_glob]
-    raise FileNotFoundError(f"{path_or_glob}: no such file, directory or glob (or the source name 'stdlib')")
+    raise FileNotFoundError(f"{path_or_glob}: no such file, directory or glob (or the source names 'stdlib', "
+                            f"'site-packages')")
 
 
 # The metadata files of this project's own output folders, recognised by the files that mark each kind of output:
@@ -210,7 +224,8 @@ def tool_metadata_files(filenames: Iterable[str]) -> set[str]:
     """The names among ``filenames`` (one folder's files) that are metadata of a zero2all output in that folder:
     ``report.json`` beside ``clean-NNNNN.jsonl`` shards, ``meta.json`` / ``_state.json`` / ``shard_NNNNN.json``
     of token shards, tokenizer files beside ``z2all_tokenizer.json``, a checkpoint's or run's ``config.json`` /
-    ``z2all.json`` / ``metrics.jsonl``. Files of the same names in other folders are data like any other."""
+    ``z2all.json`` / ``metrics.jsonl``, a corpus's ``manifest.json`` beside its ``train.jsonl`` / ``valid.jsonl``.
+    Files of the same names in other folders are data like any other."""
     names = set(filenames)
     own: set[str] = set()
     if any(_CLEAN_SHARD.match(n) for n in names) or {"report.json", "report.md"} <= names:
@@ -221,6 +236,8 @@ def tool_metadata_files(filenames: Iterable[str]) -> set[str]:
         own |= names & _TOKENIZER_FILES
     if "z2all.json" in names or "metrics.jsonl" in names:
         own |= names & (_RUN_FILES | {"report.json"})
+    if {"train.jsonl", "valid.jsonl", "manifest.json"} <= names:  # a `z2all corpus` output
+        own.add("manifest.json")
     return own
 
 
@@ -232,7 +249,7 @@ def check_out_outside_inputs(inputs: Iterable[str], out: str | os.PathLike, opti
     for text in inputs:
         spec = text if isinstance(text, SourceSpec) else SourceSpec.parse(str(text))
         for path in spec.paths:
-            if path == "stdlib" or not os.path.isdir(path):
+            if path == "stdlib" or path in SITE_PACKAGES_SOURCES or not os.path.isdir(path):
                 continue
             root = os.path.realpath(path)
             if out_abs == root or out_abs.startswith(root.rstrip(os.sep) + os.sep):
@@ -497,6 +514,13 @@ def iter_records(source: str | SourceSpec | list, text_field: str | None = None,
         r = _Reader(stats, strict, spec.text_field or text_field, data_src or spec.name, txt_mode)
         r.gid = gid
         for path in spec.paths:
+            if path in SITE_PACKAGES_SOURCES:
+                corpus = _site_packages_corpus()
+                for rec in corpus.records(path.split(":")[1] if ":" in path else None):
+                    stats.files += 1
+                    yield r.make(rec["content"], where=f"{rec['id']}:1", id=rec["id"], category="code",
+                                 title=rec["title"], others=rec["others"])
+                continue
             is_stdlib = path == "stdlib"
             for f in expand_paths(path):
                 stats.files += 1
@@ -510,6 +534,12 @@ def iter_records(source: str | SourceSpec | list, text_field: str | None = None,
                     except (OSError, EOFError) as e:  # truncated .gz / .zst, unreadable file
                         r.bad("unreadable", f"{f}:0", f"{type(e).__name__}: {e}")
         gid = r.gid
+
+
+def _site_packages_corpus():
+    from zero2all.corpus.site_packages import build_site_packages_corpus
+
+    return build_site_packages_corpus()
 
 
 def _read_stdlib_file(path: str, r: _Reader) -> Iterator[dict]:

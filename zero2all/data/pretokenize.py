@@ -18,6 +18,8 @@ for any number of workers. A shard group is ``shard_chunks`` consecutive chunks:
 
 **Train/valid split** by document: ``u = blake2b(source name, text)`` mapped to [0, 1); the document is held out
 when ``u < valid_fraction``. Identical documents fall on the same side, and the split does not depend on order.
+A record whose ``split`` field is ``"train"`` or ``"valid"`` (the site-packages corpus, split by package) is pinned
+to that side instead: ``valid_fraction`` then applies only to records without one.
 
 **Mixture weights** (``--source NAME=WEIGHT``): the weight is the expected number of copies of each of the
 source's documents in the train split, realised by sampling: ``floor(w)`` copies plus one more with probability
@@ -246,8 +248,9 @@ class ChunkResult:
     contaminated: dict = dataclasses.field(default_factory=dict)  # set -> {"docs", "examples"} (decontamination)
 
 
-def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkResult:
-    """Tokenize one chunk: split / sample each document, encode the kept ones, lay out the token arrays."""
+def tokenize_chunk(index: int, texts: list[str], sources: list[int], pins: list | None = None) -> ChunkResult:
+    """Tokenize one chunk: split / sample each document, encode the kept ones, lay out the token arrays.
+    ``pins[i]``: True / False puts document i in valid / train whatever its hash; None lets the hash decide."""
     w = _WORKER
     tok, names, weights, vf, dtype, eos = w["tok"], w["names"], w["weights"], w["valid_fraction"], w["dtype"], w["eos"]
     plan = []  # (text position, copies, is_valid)
@@ -258,7 +261,8 @@ def tokenize_chunk(index: int, texts: list[str], sources: list[int]) -> ChunkRes
         if dindex is not None and _contaminated(dindex, text, names[s], contaminated):
             continue
         u_split, u_sample = _unit_hashes(names[s], text, w.get("seed", 0))
-        is_valid = u_split < vf
+        pin = pins[i] if pins is not None else None
+        is_valid = u_split < vf if pin is None else pin
         n = copies_of(weights[s], u_sample)
         if is_valid:
             n = min(n, 1)
@@ -435,19 +439,22 @@ def plan_mixture(sizes: dict[str, float], explicit: dict[str, float], temperatur
 
 
 def _chunks(specs: list[SourceSpec], chunk_bytes: int, stats: ReadStats, txt_mode: str, strict: bool):
-    """(chunk index, texts, source indices), cut every ~chunk_bytes of text: the same cut for any worker count."""
-    texts, srcs, size, index = [], [], 0, 0
+    """(chunk index, texts, source indices, split pins or None), cut every ~chunk_bytes of text: the same cut for
+    any worker count. A pin is True / False for a record whose ``split`` field says valid / train."""
+    texts, srcs, pins, size, index = [], [], [], 0, 0
     for s_index, spec in enumerate(specs):
         for rec in iter_records(spec, txt_mode=txt_mode, strict=strict, stats=stats):
             text = rec["content"]
             texts.append(text)
             srcs.append(s_index)
+            split = rec["others"].get("split") if isinstance(rec.get("others"), dict) else None
+            pins.append({"valid": True, "train": False}.get(split) if isinstance(split, str) else None)
             size += len(text)
             if size >= chunk_bytes:
-                yield index, texts, srcs
-                texts, srcs, size, index = [], [], 0, index + 1
+                yield index, texts, srcs, (pins if any(p is not None for p in pins) else None)
+                texts, srcs, pins, size, index = [], [], [], 0, index + 1
     if texts:
-        yield index, texts, srcs
+        yield index, texts, srcs, (pins if any(p is not None for p in pins) else None)
 
 
 def _fingerprint(specs, tokenizer_hash, valid_fraction, chunk_bytes, shard_chunks, txt_mode, dtype) -> dict:
@@ -832,9 +839,9 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
     tokenized_chunks = 0
 
     def todo():
-        for index, texts, srcs in _chunks(specs, chunk_bytes, stats, txt_mode, strict):
+        for index, texts, srcs, pins in _chunks(specs, chunk_bytes, stats, txt_mode, strict):
             if index // shard_chunks not in done:
-                yield index, texts, srcs
+                yield index, texts, srcs, pins
 
     def consume(r: ChunkResult):
         nonlocal writer, tokenized_chunks
