@@ -189,3 +189,18 @@ def test_prepare_sft_on_ray_equals_local(cluster, tmp_path):
     for f in sorted((tmp_path / "local").iterdir()):
         if f.name != "meta.json":
             assert (tmp_path / "ray" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_local_pools_stop_forking_once_ray_is_loaded(monkeypatch):
+    """Ray's gRPC threads outlive ray.shutdown(); a child forked while one holds a lock waits on it forever (a later
+    local `prepare` in the same process hung so). Local pools fork only while Ray is not loaded, else spawn."""
+    import multiprocessing as mp
+    import sys
+
+    from zero2all.corpus.on_ray import local_pool_context
+
+    monkeypatch.setitem(sys.modules, "ray", object())
+    assert local_pool_context().get_start_method() == "spawn"
+    monkeypatch.delitem(sys.modules, "ray")
+    want = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    assert local_pool_context().get_start_method() == want

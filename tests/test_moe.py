@@ -189,10 +189,13 @@ def test_config_validation_names_the_field():
         cfg(balance_iters=4).validate()
     with pytest.raises(ConfigError, match="model.moe.balance_iters: must be >= 0"):
         cfg(router="sigmoid", balance_iters=-1).validate()
+    # combinations are the plan's to refuse (before any process group): zero2all/distributed/plan.py
+    from zero2all.distributed.plan import resolve
+
     with pytest.raises(ConfigError, match="parallel.ep=4 does not divide model.moe.n_experts=6"):
-        load_config("tiny-moe", ["model.moe.n_experts=6", "parallel.ep=4"])
+        resolve(load_config("tiny-moe", ["model.moe.n_experts=6", "parallel.ep=4"]), 4)
     with pytest.raises(ConfigError, match="parallel.ep=2 needs parallel.mode = fsdp"):
-        load_config("tiny-moe", ["parallel.ep=2", "parallel.mode='ddp'"])
+        resolve(load_config("tiny-moe", ["parallel.ep=2", "parallel.mode='ddp'"]), 2)
     assert load_config("tiny-moe").model.moe.enabled and not load_config("tiny").model.moe.enabled
 
 

@@ -25,6 +25,18 @@ from typing import Any, Callable, Iterable
 
 from zero2all.config import ConfigError
 
+
+def local_pool_context():
+    """The start method of the local (non-Ray) worker pools: fork, which is cheap and works from any ``__main__``
+    (spawn re-imports it), except once Ray is loaded in this process: its gRPC threads stay alive even after
+    ``ray.shutdown()`` and may hold a lock at the moment of a fork, which the child then inherits locked and waits on
+    forever; spawn then."""
+    import multiprocessing as mp
+    import sys
+
+    fork = "fork" in mp.get_all_start_methods() and "ray" not in sys.modules
+    return mp.get_context("fork" if fork else "spawn")
+
 __all__ = ["RETRIES", "connect", "ordered_map", "ray_requested", "ray_workers"]
 
 RETRIES = 3

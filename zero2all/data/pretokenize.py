@@ -987,13 +987,12 @@ def _run_ray(workers: int, init_args: tuple, tasks, consume) -> None:
 def _run_pool(workers: int, init_args: tuple, tasks, consume) -> None:
     """Tokenize chunks on ``workers`` processes, at most 2 per worker in flight (bounded memory), results consumed
     in chunk order."""
-    import multiprocessing as mp
-
-    # fork: cheap, and works from any __main__ (spawn re-imports it). The workers never use the Rust thread pool
+    # fork (local_pool_context says when not): the workers never use the Rust thread pool
     # (TOKENIZERS_PARALLELISM=false), which is what makes forking a process that used `tokenizers` safe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    from zero2all.corpus.on_ray import local_pool_context
+
+    with local_pool_context().Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
         pending = collections.deque()
         for args in tasks:
             pending.append(pool.apply_async(_tokenize_chunk_args, (args,)))

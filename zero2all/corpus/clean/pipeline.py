@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import re
 import shutil
@@ -208,8 +207,9 @@ def _stage1(inputs, work: Path, cfg: CleanConfig, sources: list[str], read_kwarg
                 if on_chunk_done:
                     on_chunk_done(index)
         return n_chunks
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    from zero2all.corpus.on_ray import local_pool_context
+
+    with ProcessPoolExecutor(workers, mp_context=local_pool_context()) as pool:
         pending: deque = deque()
         for index, batch in _chunks(records, cfg):
             n_chunks = index + 1
