@@ -38,6 +38,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from zero2all.config import ConfigError
+from zero2all.corpus.clean.minhash import mix64
 
 __all__ = ["DecontamIndex", "EvalSet", "build_index", "contamination_warning", "eval_set_record", "ngram_hashes",
            "normalize_for_ngrams", "parse_eval_sets", "read_eval_texts", "training_data_of"]
@@ -45,7 +46,6 @@ __all__ = ["DecontamIndex", "EvalSet", "build_index", "contamination_warning", "
 _U64 = np.uint64
 _B = 0x9E3779B97F4A7C15
 _B_INV = pow(_B, -1, 1 << 64)
-_MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
 _SEGMENT = 1 << 20
 MAX_SETS = 64
 LM_EVAL_PREFIX = "lm-eval:"
@@ -64,14 +64,6 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
             cjk[lo:hi + 1] = True
         _TABLES["t"] = (word | cjk, cjk)
     return _TABLES["t"]
-
-
-def _mix(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> _U64(30))
-    h = h * _MIX1
-    h = h ^ (h >> _U64(27))
-    h = h * _MIX2
-    return h ^ (h >> _U64(31))
 
 
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -126,14 +118,14 @@ def _words(norm: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s, e = starts[at_word:stop] - base, ends[at_word:stop] - base
         with np.errstate(over="ignore"):
             prefix = np.concatenate([[_U64(0)], np.cumsum(seg.astype(_U64) * pw[:len(seg)], dtype=_U64)])
-            hashes[at_word:stop] = _mix((prefix[e] - prefix[s]) * inv[s] + (e - s).astype(_U64))
+            hashes[at_word:stop] = mix64((prefix[e] - prefix[s]) * inv[s] + (e - s).astype(_U64))
         at_word = stop
     return hashes, starts, ends
 
 
 def _ngram_mul(n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return _mix(np.arange(1, n + 1, dtype=_U64) * _U64(0xD6E8FEB86659FD93)) | _U64(1)
+        return mix64(np.arange(1, n + 1, dtype=_U64) * _U64(0xD6E8FEB86659FD93)) | _U64(1)
 
 
 def ngram_hashes(text: str, n: int = 13, normalized: bool = False, spans: bool = False):
@@ -151,7 +143,7 @@ def ngram_hashes(text: str, n: int = 13, normalized: bool = False, spans: bool =
             acc = units[:k] * mul[0]
             for j in range(1, n):
                 acc = acc + units[j:j + k] * mul[j]
-            out = _mix(acc)
+            out = mix64(acc)
     return (out, norm, starts, ends) if spans else out
 
 

@@ -32,7 +32,7 @@ import re
 import numpy as np
 
 from zero2all.corpus.clean.config import CleanConfig
-from zero2all.corpus.clean.minhash import _mix
+from zero2all.corpus.clean.minhash import mix64
 from zero2all.corpus.clean.normalize import cjk_count
 
 __all__ = ["RULES", "STOP_WORDS", "c4_filter", "code_filter", "filter_document", "gopher_quality",
@@ -139,7 +139,7 @@ def _ngram_repetition(words: list[str], cfg) -> str | None:
     ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in words), dtype=np.uint64, count=m)
     if len(vocab) == m:
         return None  # no word repeats, so no n-gram does
-    ids = _mix(ids + np.uint64(0x632BE59BD9B4E019))
+    ids = mix64(ids + np.uint64(0x632BE59BD9B4E019))
     lens = np.fromiter(map(len, words), dtype=np.int64, count=m)
     total = int(lens.sum())
     if not total:

@@ -81,7 +81,8 @@ def verify_bar(threshold: float, num_perm: int) -> float:
     return threshold - 2.0 * math.sqrt(threshold * (1.0 - threshold) / num_perm)
 
 
-def _mix(h: np.ndarray) -> np.ndarray:
+def mix64(h: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, element-wise on uint64 (wrapping)."""
     h = h ^ (h >> _U64(30))
     h = h * _MIX1
     h = h ^ (h >> _U64(27))
@@ -117,7 +118,7 @@ def _word_hashes(cp: np.ndarray, word: np.ndarray) -> np.ndarray:
     pw, inv = _POWERS.get(len(cp) + 1)
     with np.errstate(over="ignore"):
         prefix = np.concatenate([[_U64(0)], np.cumsum(cp.astype(_U64) * pw[:len(cp)], dtype=_U64)])
-        return _mix((prefix[ends] - prefix[starts]) * inv[starts] + (ends - starts).astype(_U64))
+        return mix64((prefix[ends] - prefix[starts]) * inv[starts] + (ends - starts).astype(_U64))
 
 
 class MinHasher:
@@ -139,7 +140,7 @@ class MinHasher:
         small = np.minimum(cp, 0xFFFF)
         with np.errstate(over="ignore"):
             if mode == "char":
-                units = _mix(cp[~_SPACE[small]].astype(_U64) + _U64(0x632BE59BD9B4E019))
+                units = mix64(cp[~_SPACE[small]].astype(_U64) + _U64(0x632BE59BD9B4E019))
                 n = self.char_ngram
             else:
                 word = ~_SEP[small]
@@ -164,7 +165,7 @@ class MinHasher:
             sh = units[:k] * _NGRAM_MUL[0]
             for j in range(1, n):
                 sh = sh + units[j:j + k] * _NGRAM_MUL[j % 64]
-            return _mix(sh) >> _U64(32)
+            return mix64(sh) >> _U64(32)
 
     def signature(self, text: str, mode: str = "word") -> np.ndarray | None:
         x = self.shingles(text, mode)
@@ -187,7 +188,7 @@ def band_keys(sigs: np.ndarray, band: int, rows: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         key = np.full(len(cols), _U64(band + 1) * _MIX1, dtype=_U64)
         for j in range(rows):
-            key = _mix(key ^ cols[:, j])
+            key = mix64(key ^ cols[:, j])
     return key
 
 
