@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from zero2all.config import ConfigError
-from zero2all.corpus.clean.minhash import mix64
+from zero2all.corpus.hashing import mix64
 
 __all__ = ["DecontamIndex", "EvalSet", "build_index", "contamination_warning", "eval_set_record", "ngram_hashes",
            "normalize_for_ngrams", "parse_eval_sets", "read_eval_texts", "training_data_of"]

@@ -32,8 +32,8 @@ import re
 import numpy as np
 
 from zero2all.corpus.clean.config import CleanConfig
-from zero2all.corpus.clean.minhash import mix64
 from zero2all.corpus.clean.normalize import cjk_count
+from zero2all.corpus.hashing import mix64
 
 __all__ = ["RULES", "STOP_WORDS", "c4_filter", "code_filter", "filter_document", "gopher_quality",
            "gopher_repetition", "zh_filter"]

@@ -37,13 +37,15 @@ import math
 
 import numpy as np
 
+from zero2all.corpus.hashing import MIX1 as _MIX1
+from zero2all.corpus.hashing import mix64
+
 __all__ = ["MinHasher", "band_candidates", "band_keys", "choose_bands", "find_clusters", "merge_band", "s_curve",
            "verify_bar", "verify_pairs"]
 
 _U64 = np.uint64
 _B = 0x9E3779B97F4A7C15          # odd polynomial base (mod 2^64)
 _B_INV = pow(_B, -1, 1 << 64)
-_MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
 _NGRAM_MUL = [_U64((0xD6E8FEB86659FD93 * (2 * k + 1)) & 0xFFFFFFFFFFFFFFFF) for k in range(64)]
 
 # ASCII characters that separate words (everything but letters and digits); non-ASCII spaces too
@@ -79,15 +81,6 @@ def choose_bands(threshold: float, num_perm: int, min_recall: float = 0.95) -> t
 
 def verify_bar(threshold: float, num_perm: int) -> float:
     return threshold - 2.0 * math.sqrt(threshold * (1.0 - threshold) / num_perm)
-
-
-def mix64(h: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, element-wise on uint64 (wrapping)."""
-    h = h ^ (h >> _U64(30))
-    h = h * _MIX1
-    h = h ^ (h >> _U64(27))
-    h = h * _MIX2
-    return h ^ (h >> _U64(31))
 
 
 class _Powers:
