@@ -32,6 +32,10 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes in decoded text (specials: empty), for constrained decoding."""
+        return [bytes([i]) for i in range(256)] + [b""] * len(self.SPECIALS)
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = False) -> list[int]:
         ids: list[int] = []
         for m in messages:

@@ -138,7 +138,7 @@ def test_omitted_max_tokens_fits_the_context(server):
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "no JSON mode"),
+                              "response_format": {"type": "xml"}}, 400, "'type' is one of"),
 ])
 def test_request_errors(server, path, payload, status, needle):
     client, _ = server

@@ -57,7 +57,9 @@ class _Request(BaseModel):
     top_logprobs: Any = Field(None, description="not supported")
     tools: list | None = Field(None, description="not supported (an empty list is accepted)")
     functions: list | None = Field(None, description="not supported (an empty list is accepted)")
-    response_format: dict | None = Field(None, description='only {"type": "text"}')
+    response_format: dict | None = Field(None, description='{"type": "text"} (the default), {"type": "json_object"} '
+                                         '(any JSON object) or {"type": "json_schema", "json_schema": {"name", '
+                                         '"schema", "strict"}}: the output is constrained to the format')
     seed: int | None = Field(None, description="a 64-bit integer: the same request gives the same text")
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2, **FINITE)
@@ -101,9 +103,7 @@ class _Request(BaseModel):
     @field_validator("response_format", mode="before")
     @classmethod
     def _response_format(cls, v):
-        if v != {"type": "text"}:
-            raise ValueError(f"'response_format' {show(v)} is not supported by this server: only "
-                             "{\"type\": \"text\"} (no JSON mode)")
+        check_response_format(v)
         return v
 
     @field_validator("seed", mode="before")
@@ -112,6 +112,30 @@ class _Request(BaseModel):
         if not isinstance(v, int) or isinstance(v, bool) or not -(1 << 63) <= v < (1 << 64):
             raise ValueError(f"'seed' must be a 64-bit integer, got {show(v)}")
         return v
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def check_response_format(v) -> None:
+    """OpenAI's ``response_format`` shapes (ValueError otherwise); whether a schema compiles is seen later."""
+    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMATS:
+        raise ValueError(f"'response_format' must be an object whose 'type' is one of {list(RESPONSE_FORMATS)}, "
+                         f"got {show(v)}")
+    if v["type"] != "json_schema":
+        return
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("'response_format' of type json_schema needs 'json_schema': {\"name\", \"schema\", "
+                         f"\"strict\"}}, got {show(spec)}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise ValueError(f"'response_format.json_schema.name' must be a string of 1-64 characters, got {show(name)}")
+    if not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise ValueError(f"'response_format.json_schema.schema' must be a JSON schema (an object), got "
+                         f"{show(spec.get('schema'))}")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ValueError(f"'response_format.json_schema.strict' must be true or false, got {show(spec['strict'])}")
 
 
 class StreamOptions(BaseModel):

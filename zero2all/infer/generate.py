@@ -62,6 +62,7 @@ class SamplingParams:
     stop: Sequence[str] = ()          # stop strings (not included in the output)
     stop_token_ids: Sequence[int] | None = None  # None = the tokenizer's eos and <|im_end|>
     seed: int | None = None           # None = drawn from torch's global generator
+    grammar: object = None            # a compiled grammar (infer/structured.py): the scheduler constrains each row
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -651,6 +652,9 @@ class Generator:
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.grammar is not None:  # not silently ignored: a caller would trust the output's format
+            raise ValueError("a grammar (structured output) is applied by the scheduler (z2all serve), not by "
+                             "Generator.stream")
         ids = [self.encode(p) for p in prompts]
         if not ids:
             return

@@ -81,6 +81,7 @@ from zero2all.infer.generate import (
     sample_rows,
     to_device,
 )
+from zero2all.infer.structured import apply_masks
 
 CANCELLED = "cancelled"  # the finish_reason of a sequence stopped before it ended (disconnect, shutdown)
 
@@ -225,6 +226,8 @@ class _Seq:
         self.drawn = 0                # tokens drawn so far (a stop token included)
         self.cached = 0               # prompt tokens found in the prefix cache (paged engine)
         self.ready = False            # its prompt is computed: it draws a token every step
+        # structured output: its grammar's matcher (infer/structured.py), None for a free row
+        self.constraint = params.grammar.start() if params.grammar is not None else None
 
     @property
     def end(self) -> int:
@@ -325,6 +328,7 @@ class Scheduler:
         self._changed = True          # rows joined, left or moved: the per-row tensors are rebuilt
         self._seen: torch.Tensor | None = None    # (B, V) bool, for repetition penalties
         self._penalty = self._sampled = None
+        self._constrained: tuple | None = None   # (rows, constraints) of the running rows with a grammar
         self._accepting, self._paused, self._stopping = True, False, False
         self.steps = 0                # decode steps run
         self.moves = 0                # times the occupied span was moved
@@ -586,6 +590,9 @@ class Scheduler:
                              to_device([x.temperature for x in p], torch.float32, dev),
                              to_device([min(x.top_k, self.vocab) for x in p], torch.long, dev),
                              to_device([x.top_p for x in p], torch.float32, dev))
+        constrained = [(r, s.constraint) for r, s in enumerate(rows)
+                       if s is not None and s.ready and s.constraint is not None]
+        self._constrained = tuple(zip(*constrained)) if constrained else None
         penalties = [s.params.repetition_penalty if s is not None else 1.0 for s in rows]
         self._penalty = None
         if any(p != 1.0 for p in penalties):
@@ -695,6 +702,8 @@ class Scheduler:
         logits = self._logits
         if self._penalty is not None:
             logits = apply_repetition_penalty(logits, self._seen, self._penalty)
+        if self._constrained is not None:  # structured output: what the grammar forbids is -inf (greedy or not)
+            apply_masks(logits, *self._constrained)
         tokens = argmax_rows(logits)                                                  # (B,): greedy rows
         if self._sampled is not None:
             rows, idx, temperature, top_k, top_p = self._sampled
@@ -760,7 +769,7 @@ class Scheduler:
         drafts = {}
         for seq in live:
             p = seq.params
-            if p.temperature == 0 and p.repetition_penalty == 1.0:
+            if p.temperature == 0 and p.repetition_penalty == 1.0 and seq.constraint is None:
                 k = min(self.spec_k, p.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
                 draft = ngram_draft(S.history(seq.row) + [host[seq.row]], k) if k > 0 else []
                 if draft:
@@ -797,6 +806,9 @@ class Scheduler:
     def _advance(self, seq: _Seq, tok: int):
         """(Lock held.) One drawn token of a running sequence: stop checks and its streamed text."""
         seq.drawn += 1
+        if seq.constraint is not None and seq.constraint.accept(tok) and seq.constraint.done:
+            # the grammar is complete and this is its stop token (also when ignore_eos left no stop ids)
+            return self._finish(seq, GenerationEvent(seq.index, tok, seq.text.finish(), "stop", stop_token=True))
         if tok in seq.stop_ids:
             return self._finish(seq, GenerationEvent(seq.index, tok, seq.text.finish(), "stop", stop_token=True))
         piece, hit_stop = seq.text.add(tok)

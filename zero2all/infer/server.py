@@ -102,6 +102,7 @@ from zero2all.infer import api
 from zero2all.infer.api import RequestError, show
 from zero2all.infer.generate import Generator, SamplingParams
 from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown, Submission
+from zero2all.infer.structured import GrammarError, Grammars, GrammarUnavailable
 
 MAX_BODY_BYTES = 1 << 20
 MAX_HEAD_BYTES = 64 << 10  # request line and headers together
@@ -175,6 +176,8 @@ class InferenceApp:
         self.document_start = document_start
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        # structured output: the grammar compiler of this vocabulary, made at the first request that needs it
+        self.grammars = Grammars(generator.tokenizer, self.scheduler.vocab, self.scheduler.default_stop_ids)
         self._inflight = 0
         self._inflight_cond = threading.Condition()
 
@@ -231,6 +234,25 @@ class InferenceApp:
             stop=tuple(req.stop or ()), seed=req.seed,
             stop_token_ids=[] if req.ignore_eos else None)
 
+    def compile(self, make, param: str):
+        """A grammar from ``make(self.grammars)``; a missing package or an unusable schema is a 400 on ``param``."""
+        try:
+            return make(self.grammars)
+        except GrammarUnavailable as e:
+            raise RequestError(400, str(e), param, "structured_output_unavailable") from None
+        except GrammarError as e:
+            raise RequestError(400, f"'{param}': this schema cannot be used for constrained decoding: {e}", param,
+                               "invalid_schema") from None
+
+    def response_grammar(self, fmt: dict | None):
+        """The grammar of a ``response_format`` (already checked for shape by ``api``); None for text."""
+        if fmt is None or fmt["type"] == "text":
+            return None
+        if fmt["type"] == "json_object":
+            return self.compile(lambda g: g.json_object(), "response_format")
+        schema = fmt["json_schema"].get("schema", {})
+        return self.compile(lambda g: g.json_schema(schema), "response_format")
+
     def completion_prompts(self, req: api.CompletionRequest) -> list[list[int]]:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) > self.max_batch:
@@ -263,6 +285,7 @@ class InferenceApp:
         self.check_model(body)
         req = api.parse(api.ChatCompletionRequest if chat else api.CompletionRequest, body)
         params = self.sampling(req, chat)
+        params.grammar = self.response_grammar(req.response_format)
         prompts = [self.chat_prompt(req)] if chat else self.completion_prompts(req)
         asked = req.max_tokens is not None or (chat and req.max_completion_tokens is not None)
         if req.fit_context or not asked:

@@ -118,6 +118,18 @@ def guard_hf_chat_template(directory: str | os.PathLike) -> bool:
     return True
 
 
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (the table ``tokenizers``' ByteLevel uses): printable bytes stand for themselves,
+    the others for the code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
 def reserved_token(i: int) -> str:
     return f"<|reserved_{i}|>"
 
@@ -196,6 +208,34 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """ids -> text. Lossless: ``decode(encode(x)) == x`` for any string ``x``."""
         return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as they appear in decoded text (``b""`` for special and unused ids), for constrained
+        decoding (``infer/structured.py``). Byte-level pipelines map each piece's characters back through GPT-2's
+        byte table; SentencePiece-backed ones read ``<0xAB>`` as the byte AB and ``\u2581`` as a space. Other
+        decoders: each id decoded alone (``b""`` where that gives a partial character)."""
+        decoder = json.loads(self._json).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        specials = set(self.special_ids.values())
+        n = self._full.get_vocab_size(with_added_tokens=True)
+        out = []
+        if "ByteLevel" in kinds:
+            table = {c: b for b, c in _byte_to_unicode().items()}
+        for i in range(n):
+            piece = self._full.id_to_token(i)
+            if piece is None or i in specials:
+                out.append(b"")
+            elif "ByteLevel" in kinds:
+                out.append(bytes(table[c] for c in piece) if all(c in table for c in piece) else b"")
+            elif "ByteFallback" in kinds:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    out.append(bytes([int(piece[3:5], 16)]))
+                else:
+                    out.append(piece.replace("\u2581", " ").replace(SPM_ESCAPE, "\u2581").encode("utf-8"))
+            else:
+                text = self._full.decode([i])
+                out.append(b"" if "\ufffd" in text else text.encode("utf-8"))
+        return out
 
     def id_to_token(self, i: int) -> str | None:
         return self._full.id_to_token(int(i))
