@@ -295,3 +295,51 @@ def test_sft_and_dpo_datasets_iterate_resumably(tmp_path):
     g = write_dpo_file(tmp_path / "dpo.jsonl", 5)
     b = next(DPODataset.from_files(g, TOK, seq_len=40).iterator(2, seed=0))
     assert b["chosen_ids"].shape == b["rejected_ids"].shape == (2, 40)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TOOL_CONV = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+             {"role": "assistant", "content": "21 degrees."}]
+
+
+def test_tool_turns_render_and_only_assistant_turns_learn(tmp_path):
+    """A conversation with tools: the tools in the system turn, the tool-call turn learned as assistant output
+    (its blocks and <|im_end|>), the tool's result not; the same with a trained tokenizer."""
+    from zero2all.data.tools import parse_tool_calls
+    from zero2all.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(__file__).read())
+    real = train_tokenizer([str(corpus)], vocab_size=400, out_dir=tmp_path / "tok")
+    for tok in (TOK, real):
+        s = render_sft_record(tok, {"conversations": TOOL_CONV, "tools": TOOLS})
+        text = tok.decode(s.input_ids)
+        assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "get_weather"' in text
+        assert "<|im_start|>tool\n{\"temp\": 21}<|im_end|>" in text
+        runs, cur = [], []
+        for y in s.labels:
+            if y != IGNORE_INDEX:
+                cur.append(y)
+            elif cur:
+                runs, cur = runs + [cur], []
+        learned = [tok.decode(r) for r in runs]
+        call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        assert learned == [call + "<|im_end|>", "21 degrees.<|im_end|>"]
+        assert parse_tool_calls(call) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("conv, message", [
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "bad name"}}]}],
+     r"conversations\[1\]\.tool_calls\[0\]"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], "not valid JSON"),
+    ([{"role": "assistant", "tool_calls": {"function": {}}}], "must be a list"),
+])
+def test_bad_tool_records_name_the_place(conv, message):
+    with pytest.raises(ChatDataError, match=message):
+        render_sft_record(TOK, {"conversations": [{"role": "user", "content": "x"}] + conv})

@@ -3,7 +3,10 @@
 Record formats (JSON lines; one record per line)::
 
     instruction   {"instruction": "...", "input": "...", "output": "...", "system": "..."}   (input, system optional)
-    conversation  {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    conversation  {"conversations": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...],
+                   "tools": [...]}   (tools optional: OpenAI's function list, offered in the system message; an
+                   assistant message may have OpenAI's "tool_calls", a "tool" message is a call's result; the
+                   written form is in ``data/tools.py``, and a tool-calling turn is assistant output like any)
     preference    {"prompt": "..." or "conversations": [...], "chosen": ..., "rejected": ...}
                   (chosen / rejected: a string, an assistant message, or a list of messages to append)
 
@@ -48,9 +51,10 @@ from zero2all.data.protocol import (
     check_same_data,
     rescaled_epoch_position,
 )
+from zero2all.data.tools import call_arguments, template_messages
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatDataError(ValueError):
@@ -91,6 +95,8 @@ class LoadStats:
 
 
 def _check_messages(messages, where: str, field_name: str = "conversations") -> list[dict]:
+    """Validated messages; an assistant message may carry ``tool_calls`` (its ``content`` then may be empty or
+    null) and a ``tool`` message is a tool's result (``data/tools.py``)."""
     if not isinstance(messages, list) or not messages:
         raise ChatDataError(f"{where}: '{field_name}' must be a non-empty list of messages")
     out = []
@@ -100,10 +106,29 @@ def _check_messages(messages, where: str, field_name: str = "conversations") -> 
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ChatDataError(f"{where}: {field_name}[{i}].role {role!r} is not one of {', '.join(ROLES)}")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ChatDataError(f"{where}: {field_name}[{i}].tool_calls must be a list")
+            for j, call in enumerate(calls):
+                try:
+                    call_arguments(call)
+                except ValueError as e:
+                    raise ChatDataError(f"{where}: {field_name}[{i}].tool_calls[{j}]: {e}") from None
+            content = "" if content is None else content
         if not isinstance(content, str):
             raise ChatDataError(f"{where}: {field_name}[{i}].content must be a string")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {})})
     return out
+
+
+def _tools(record: dict, where: str) -> list[dict] | None:
+    """A conversation record's ``tools`` (OpenAI's function list), checked."""
+    tools = record.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ChatDataError(f"{where}: 'tools' must be a list of tool objects "
+                            "({\"type\": \"function\", \"function\": {...}})")
+    return tools
 
 
 def instruction_to_messages(record: dict, where: str = "record") -> list[dict]:
@@ -126,7 +151,7 @@ def record_to_messages(record, where: str = "record") -> list[dict]:
     if not isinstance(record, dict):
         raise ChatDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "conversations" in record:
-        messages = _check_messages(record["conversations"], where)
+        messages = template_messages(_check_messages(record["conversations"], where), _tools(record, where))
     elif "instruction" in record:
         messages = instruction_to_messages(record, where)
     else:
@@ -178,9 +203,9 @@ def _answer_messages(value, where: str, key: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     if isinstance(value, dict):
-        return _check_messages([value], where, key)
+        return template_messages(_check_messages([value], where, key))
     if isinstance(value, list):
-        return _check_messages(value, where, key)
+        return template_messages(_check_messages(value, where, key))
     raise ChatDataError(f"{where}: '{key}' must be a string, a message or a list of messages")
 
 
@@ -192,7 +217,7 @@ def render_dpo_record(tokenizer, record, where: str = "record") -> DPOSample:
         if key not in record:
             raise ChatDataError(f"{where}: preference record needs '{key}'")
     if "conversations" in record:
-        prompt = _check_messages(record["conversations"], where)
+        prompt = template_messages(_check_messages(record["conversations"], where), _tools(record, where))
     elif isinstance(record.get("prompt"), str):
         prompt = [{"role": "user", "content": record["prompt"]}]
         if record.get("system"):
