@@ -136,7 +136,8 @@ def test_omitted_max_tokens_fits_the_context(server):
     ("/v1/nothing", {"model": "tiny-chat"}, 404, "no such path"),
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
+                              "functions": [{"name": "f"}]}, 400, "send 'tools'"),
+    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "tools": [{"type": "function"}]}, 400, "chat"),
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, 400, "'type' is one of"),
 ])

@@ -36,7 +36,7 @@ def valid(obj) -> bool:
 
 def serve(tmp_path_factory, engine):
     ckpt = tmp_path_factory.mktemp("srv") / MODEL
-    save_model(build_model(tiny_model_config(max_seq_len=256, initializer_range=0.3), seed=0), ckpt)
+    save_model(build_model(tiny_model_config(max_seq_len=1024, initializer_range=0.3), seed=0), ckpt)
     httpd, app = create_server(ckpt, port=0, tokenizer=TOK, device="cpu", max_tokens_limit=200, max_queue=8,
                                quiet=True, engine_options={"engine": engine})
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -217,3 +217,127 @@ def test_speculative_rows_with_a_grammar_draft_nothing():
         assert sched.spec_drafted > 0  # the free row drafted
     finally:
         sched.stop()
+
+
+# -- tools ------------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["a", "b"],
+             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                            "b": {"type": "boolean"}}}}}]
+
+
+def valid_call(name, args) -> bool:
+    if name == "get_weather":
+        return set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo") and args["days"] in range(1, 8)
+    return name == "add" and set(args) == {"a", "b"} and args["a"] in range(10) and isinstance(args["b"], bool)
+
+
+def tool_reply(client, stream, **extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 120,
+            "tools": TOOLS, **extra}
+    if not stream:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = sse(r)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    content = "".join(d.get("content") or "" for d in deltas)
+    return {"content": content or None, "tool_calls": calls or None}, chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_calls_parse_and_validate(server, stream, choice):
+    client, _ = server
+    for temperature, seed in ((0, None), (0.8, 1), (1.4, 2)):
+        message, reason = tool_reply(client, stream, tool_choice=choice, temperature=temperature, seed=seed)
+        assert reason == "tool_calls" and message["content"] is None, message
+        [call] = message["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        args = json.loads(call["function"]["arguments"])
+        assert valid_call(call["function"]["name"], args), call
+        if isinstance(choice, dict):
+            assert call["function"]["name"] == "add"
+
+
+def test_auto_streams_the_same_text_and_calls_go_back_in(server):
+    """With tool_choice auto a random model answers in text: streamed (held back while it could be a call) it is
+    the same text. A conversation holding a call and its result is accepted."""
+    client, _ = server
+    plain, reason = tool_reply(client, False, temperature=0, max_tokens=20)
+    streamed, reason2 = tool_reply(client, True, temperature=0, max_tokens=20)
+    assert plain["content"] == streamed["content"] and reason == reason2 and plain.get("tool_calls") is None
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    message, _ = tool_reply(client, False, messages=history, temperature=0, max_tokens=5)
+    assert isinstance(message["content"], str)
+
+
+def test_tool_call_reading():
+    from zero2all.infer.server import _Job, tool_calls
+
+    job = _Job(True, "x", [[1]], None, False, False, 0.0, frozenset({"f"}))
+    text = ' <tool_call>{"name": "f", "arguments": {"x": [1, 2]}}</tool_call>\n<tool_call>{"name": "f"}</tool_call>'
+    calls = tool_calls(job, text, "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": [1, 2]}, {}]
+    assert tool_calls(job, text, "length") is None                        # cut off: text
+    assert tool_calls(job, "sure: " + text, "stop") is None               # text before the blocks: text
+    assert tool_calls(job, text.replace('"f"', '"g"'), "stop") is None    # a function not offered: text
+    assert tool_calls(job, '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "stop") is None
+    from zero2all.data.tools import may_be_tool_call
+    assert may_be_tool_call(" <tool") and may_be_tool_call("<tool_call>{") and not may_be_tool_call("hi <tool_call>")
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "must be one of"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters", "cannot be used"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "send one"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "content"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[0].tool_calls", "not valid JSON"),
+])
+def test_bad_tool_requests_are_400_with_param(server, extra, param, needle):
+    client, _ = server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tools": TOOLS, **extra}
+    r = client.post("/v1/chat/completions", json={k: v for k, v in body.items() if v is not None})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_openai_client_round_trip(server):
+    openai = pytest.importorskip("openai")
+    client, _ = server
+    c = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="none", max_retries=0, timeout=60)
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=150,
+                                    temperature=0, response_format=FORMAT)
+    assert out.choices[0].finish_reason == "stop" and valid(json.loads(out.choices[0].message.content))
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=120,
+                                    temperature=0.5, seed=3, tools=TOOLS, tool_choice="required")
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert valid_call(call.function.name, json.loads(call.function.arguments))
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=120,
+                                       temperature=0, tools=TOOLS, tool_choice="required", stream=True)
+    pieces = [ch.choices[0] for ch in stream if ch.choices]
+    calls = [tc for p in pieces for tc in p.delta.tool_calls or []]
+    assert pieces[-1].finish_reason == "tool_calls" and len(calls) == 1
+    assert valid_call(calls[0].function.name, json.loads(calls[0].function.arguments))

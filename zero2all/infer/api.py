@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+
+from zero2all.data.tools import TOOL_NAME, call_arguments
 
 
 class RequestError(Exception):
@@ -55,7 +57,6 @@ class _Request(BaseModel):
     stream: bool | None = Field(None, description="server-sent events, one chunk per generated piece")
     logprobs: Any = Field(None, description="not supported")
     top_logprobs: Any = Field(None, description="not supported")
-    tools: list | None = Field(None, description="not supported (an empty list is accepted)")
     functions: list | None = Field(None, description="not supported (an empty list is accepted)")
     response_format: dict | None = Field(None, description='{"type": "text"} (the default), {"type": "json_object"} '
                                          '(any JSON object) or {"type": "json_schema", "json_schema": {"name", '
@@ -93,11 +94,11 @@ class _Request(BaseModel):
             raise ValueError("logprobs are not supported by this server")
         return v
 
-    @field_validator("tools", "functions", mode="before")
+    @field_validator("functions", mode="before")
     @classmethod
-    def _tools(cls, v, info):
-        if v:  # silently ignored, a client would wait for tool calls that never come
-            raise ValueError(f"'{info.field_name}' is not supported by this server (no tool calling)")
+    def _functions(cls, v):
+        if v:  # silently ignored, a client would wait for function calls that never come
+            raise ValueError("'functions' (the deprecated form) is not supported by this server: send 'tools'")
         return v
 
     @field_validator("response_format", mode="before")
@@ -147,6 +148,14 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: each prompt starts a new document (the end-of-text separator goes in front)."""
 
     prompt: str | list[str] = Field(description="a string or a list of them (one sequence each)")
+    tools: list | None = Field(None, description="not for completions (an empty list is accepted): use chat")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise ValueError("'tools' are for /v1/chat/completions, not /v1/completions")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -167,12 +176,19 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"] = Field(description="developer is read as system")
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(
+        description="developer is read as system; tool: a tool's result (with tool_call_id)")
+    content: str | list[TextPart] | None = Field(None, description="null only for an assistant message with "
+                                                                   "tool_calls")
+    tool_calls: list[dict] | None = Field(None, description="an assistant message's calls: [{id, type: function, "
+                                                            "function: {name, arguments: JSON text}}]")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, v):
+        if v is None:
+            return v
         if isinstance(v, list):  # [{"type": "text", "text": ...}, ...]
             if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
                    for p in v):
@@ -182,8 +198,58 @@ class ChatMessage(BaseModel):
             raise ValueError("must be a string")
         return v
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a list of tool calls")
+        for i, call in enumerate(v):
+            try:
+                call_arguments(call)
+            except ValueError as e:
+                raise ValueError(f"[{i}]: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: must be a string (null only for an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(description="letters, digits, _ and -, at most 64")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, v):
+        if not isinstance(v, str) or not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"must be 1-64 letters, digits, _ or -, got {show(v)}")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ChatCompletionRequest(_Request):
@@ -191,6 +257,30 @@ class ChatCompletionRequest(_Request):
 
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens (wins)")
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, description="functions the model may call (offered in the system turn)")
+    tool_choice: str | dict | None = Field(None, description='"none", "auto" (the default with tools), "required" '
+                                                             'or {"type": "function", "function": {"name"}}: the '
+                                                             'last two constrain the output to a call')
+    parallel_tool_calls: bool | None = Field(None, description="accepted; a constrained call is always one call")
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v in TOOL_CHOICES:
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+                and isinstance(v["function"].get("name"), str):
+            return v
+        raise ValueError(f"'tool_choice' must be one of {list(TOOL_CHOICES)} or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {show(v)}")
+
+    def choice(self) -> str | None:
+        """What the tools allow: None (no tools offered), "none", "auto", "required", or the one function's name."""
+        if not self.tools:
+            return None if self.tool_choice in (None, "none", "auto") else self.tool_choice
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return self.tool_choice or "auto"
 
 
 # -- responses (the shapes written; /openapi.json) ----------------------------------------------------------------
@@ -206,7 +296,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length", "cancelled"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"] | None
 
 
 class CompletionChoice(BaseModel):
@@ -226,9 +316,21 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -247,9 +349,14 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):

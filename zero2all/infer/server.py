@@ -98,6 +98,7 @@ from uvicorn import Config
 from uvicorn import Server as Uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from zero2all.data.tools import may_be_tool_call, parse_tool_calls, template_messages
 from zero2all.infer import api
 from zero2all.infer.api import RequestError, show
 from zero2all.infer.generate import Generator, SamplingParams
@@ -121,6 +122,7 @@ class _Job:
     stream: bool
     include_usage: bool
     arrived: float
+    tools: frozenset = frozenset()  # chat: the names of the functions the reply may call (empty: text only)
 
 
 def resolve_engine(engine: str, device: torch.device) -> str:
@@ -241,8 +243,10 @@ class InferenceApp:
         except GrammarUnavailable as e:
             raise RequestError(400, str(e), param, "structured_output_unavailable") from None
         except GrammarError as e:
-            raise RequestError(400, f"'{param}': this schema cannot be used for constrained decoding: {e}", param,
-                               "invalid_schema") from None
+            err = RequestError(400, f"'{param}': this schema cannot be used for constrained decoding: {e}", param,
+                               "invalid_schema")
+            err.index = getattr(e, "index", None)
+            raise err from None
 
     def response_grammar(self, fmt: dict | None):
         """The grammar of a ``response_format`` (already checked for shape by ``api``); None for text."""
@@ -263,8 +267,40 @@ class InferenceApp:
         return [head + list(tok.encode(p)) for p in prompts]
 
     def chat_prompt(self, req: api.ChatCompletionRequest) -> list[int]:
-        clean = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        return list(self.generator.tokenizer.apply_chat_template(clean, add_generation_prompt=True))
+        """The messages (tool calls and results included) in the chat template, the tools offered in the system
+        turn unless ``tool_choice`` is "none" (``data/tools.py``), then the assistant's header."""
+        clean = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                  "tool_calls": m.tool_calls} for m in req.messages]
+        offered = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.choice() != "none" \
+            else None
+        messages = template_messages(clean, offered)
+        return list(self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def tool_grammar(self, req: api.ChatCompletionRequest):
+        """The grammar that forces a call (``tool_choice`` "required" or a named function), else None; 400s for a
+        choice that names no offered tool, and for a tool whose parameters cannot be compiled."""
+        choice = req.choice()
+        if choice in (None, "none", "auto"):
+            return None
+        if not req.tools:
+            raise RequestError(400, f"'tool_choice' {show(req.tool_choice)} needs 'tools'", "tool_choice")
+        names = [t.function.name for t in req.tools]
+        if choice != "required" and choice not in names:
+            raise RequestError(400, f"'tool_choice' names the function {choice!r}, which is not among the tools "
+                                    f"({', '.join(names)})", "tool_choice")
+        if req.response_format is not None and req.response_format["type"] != "text":
+            raise RequestError(400, "'response_format' cannot constrain a reply that 'tool_choice' forces to be a "
+                                    "tool call; send one of the two", "response_format")
+        picked = [(i, t) for i, t in enumerate(req.tools) if choice == "required" or t.function.name == choice]
+        try:
+            return self.compile(lambda g: g.tool_call([(t.function.name, t.function.parameters) for _, t in picked]),
+                                "tools")
+        except RequestError as e:
+            index = getattr(e, "index", None)
+            if index is not None:
+                e.param = f"tools[{picked[index][0]}].function.parameters"
+                e.message = e.message.replace("'tools'", f"'{e.param}'", 1)
+            raise
 
     def check_fits(self, prompts: list[list[int]], params: SamplingParams, field: str = "prompt"):
         ctx = self.context
@@ -285,7 +321,10 @@ class InferenceApp:
         self.check_model(body)
         req = api.parse(api.ChatCompletionRequest if chat else api.CompletionRequest, body)
         params = self.sampling(req, chat)
-        params.grammar = self.response_grammar(req.response_format)
+        tools = frozenset()
+        if chat and req.tools and req.choice() != "none":
+            tools = frozenset(t.function.name for t in req.tools)
+        params.grammar = (self.tool_grammar(req) if chat else None) or self.response_grammar(req.response_format)
         prompts = [self.chat_prompt(req)] if chat else self.completion_prompts(req)
         asked = req.max_tokens is not None or (chat and req.max_completion_tokens is not None)
         if req.fit_context or not asked:
@@ -308,7 +347,7 @@ class InferenceApp:
             raise RequestError(400, str(e)) from None
         self.metrics.prompt_tokens += sum(len(p) for p in prompts)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Job(chat, rid, prompts, sub, bool(req.stream), include_usage, arrived)
+        return _Job(chat, rid, prompts, sub, bool(req.stream), include_usage, arrived, tools)
 
     # -- responses --------------------------------------------------------------------------------------------
     async def events(self, job: _Job):
@@ -345,8 +384,11 @@ class InferenceApp:
         created = int(time.time())
         usage = _usage(job, sum(drawn), cached)
         if job.chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
-                        "logprobs": None, "finish_reason": reasons[0]}]
+            message = {"role": "assistant", "content": texts[0]}
+            calls = tool_calls(job, texts[0], reasons[0])
+            if calls:
+                message, reasons[0] = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choices = [{"index": 0, "message": message, "logprobs": None, "finish_reason": reasons[0]}]
             return {"id": job.rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage}
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
@@ -371,18 +413,33 @@ class InferenceApp:
 
         if job.chat:
             yield [chunk(0, "", None, first=True)]
+        # with tools, a reply that may still be a tool call is held back until it is clearly text (then it streams
+        # from its start) or ends (then it goes out as delta.tool_calls)
+        held = "" if job.tools else None
         async with aclosing(self.events(job)) as batches:
             async for events in batches:
                 out = []
                 for ev in events:
                     drawn += ev.token_id >= 0
                     cached += ev.cached_tokens if ev.finish_reason else 0
-                    if ev.text or ev.finish_reason:
-                        if job.chat and ev.text and ev.finish_reason:
-                            out.append(chunk(ev.index, ev.text, None))
+                    text = ev.text
+                    if held is not None:
+                        held += text
+                        if ev.finish_reason and (calls := tool_calls(job, held, ev.finish_reason)):
+                            out.append({**chunk(0, "", None), "choices": [{
+                                "index": 0, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                                "logprobs": None, "finish_reason": None}]})
+                            out.append(chunk(0, "", "tool_calls"))
+                            continue
+                        if not ev.finish_reason and may_be_tool_call(held):
+                            continue
+                        text, held = held, None
+                    if text or ev.finish_reason:
+                        if job.chat and text and ev.finish_reason:
+                            out.append(chunk(ev.index, text, None))
                             out.append(chunk(ev.index, "", ev.finish_reason))
                         else:
-                            out.append(chunk(ev.index, ev.text, ev.finish_reason))
+                            out.append(chunk(ev.index, text, ev.finish_reason))
                 if out:
                     yield out
         if job.include_usage:  # OpenAI's stream_options.include_usage: a last chunk with no choices
@@ -400,6 +457,18 @@ class InferenceApp:
         stats = self.scheduler.stats()
         return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
                      "cancelled": stats["finished"].get("cancelled", 0)}
+
+
+def tool_calls(job: _Job, text: str, finish_reason: str | None) -> list[dict] | None:
+    """A chat reply read as OpenAI's ``tool_calls`` when tools were offered, it ended by itself ("stop") and it is
+    made of tool-call blocks of offered functions only (``data/tools.py``); else None (the reply is text)."""
+    if not job.tools or finish_reason != "stop":
+        return None
+    calls = parse_tool_calls(text)
+    if not calls or any(name not in job.tools for name, _ in calls):
+        return None
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
 
 
 def _usage(job: _Job, completion_tokens: int, cached_tokens: int) -> dict:

@@ -112,22 +112,35 @@ class Grammars:
         """Any JSON object (OpenAI's JSON mode)."""
         return self.json_schema({"type": "object"})
 
-    def ebnf(self, grammar: str, root: str = "root") -> "Grammar":
-        """A grammar in xgrammar's EBNF (GBNF-like) text; raises :class:`GrammarError`."""
-        compiler = self.compiler()
+    def tool_call(self, tools: Sequence[tuple[str, dict | None]]) -> "Grammar":
+        """One call of one of ``tools`` ((name, parameters schema or None: any object) pairs), written as the chat
+        template's block (``data/tools.py``): ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`` with
+        ARGS valid under that tool's schema. A schema that cannot be compiled raises :class:`GrammarError` whose
+        ``index`` is the tool's place in ``tools``."""
+        from zero2all.data.tools import CLOSE, OPEN
+
+        xgr = _xgrammar()
+        calls = []
+        for i, (name, schema) in enumerate(tools):
+            try:
+                args = xgr.Grammar.from_json_schema(json.dumps(schema if schema else {"type": "object"}),
+                                                    any_whitespace=False, strict_mode=True)
+            except (RuntimeError, ValueError, TypeError) as e:
+                err = GrammarError(_reason(e))
+                err.index = i
+                raise err from None
+            head = OPEN + json.dumps({"name": name, "arguments": 0})[:-2]   # '<tool_call>{"name": "f", "arguments": '
+            calls.append(xgr.Grammar.concat(_literal(xgr, head), args, _literal(xgr, "}" + CLOSE)))
+        grammar = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         try:
-            return Grammar(compiler.compile_grammar(grammar, root_rule_name=root))
+            return Grammar(self.compiler().compile_grammar(grammar))
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_reason(e)) from None
 
-    def schema_rule(self, schema: dict | bool) -> str:
-        """``schema`` as EBNF text (its root rule ``root``), to be embedded in a larger grammar."""
-        xgr = _xgrammar()
-        try:
-            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarError(_reason(e)) from None
-        return str(grammar)
+
+def _literal(xgr, text: str):
+    """A grammar of exactly ``text`` (a JSON string literal is an EBNF string literal)."""
+    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
 
 
 def _reason(e: BaseException) -> str:
