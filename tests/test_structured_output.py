@@ -341,3 +341,12 @@ def test_openai_client_round_trip(server):
     calls = [tc for p in pieces for tc in p.delta.tool_calls or []]
     assert pieces[-1].finish_reason == "tool_calls" and len(calls) == 1
     assert valid_call(calls[0].function.name, json.loads(calls[0].function.arguments))
+
+
+def test_generator_refuses_a_grammar_it_would_ignore():
+    from zero2all.infer.generate import Generator, SamplingParams
+
+    model = build_model(tiny_model_config(), seed=0).eval()
+    grammar = structured.Grammars(TOK, 320, [256, 258]).json_object()
+    with pytest.raises(ValueError, match="scheduler"):
+        Generator(model, TOK).generate([[1, 2]], SamplingParams(max_new_tokens=2, grammar=grammar))

@@ -8,7 +8,8 @@ Endpoints::
                                  "ignore_eos"}
                                 (a prompt starts a new document: the end-of-text separator goes in front)
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
-                                 "max_completion_tokens", ... as above}
+                                 "max_completion_tokens", ... as above, "tools", "tool_choice"}
+                                (both: "response_format" text | json_object | json_schema)
     GET  /health                {"status": "ok", "running", "waiting", "cancelled"} (sequences decoding,
                                 waiting for a row, cancelled so far; 503 {"status": "draining"} while shutting down)
     GET  /metrics               Prometheus text: queue, running rows, tokens/s, TTFT and ITL histograms, ...
@@ -24,6 +25,13 @@ model or path; 405 for a method a path does not answer; 413 for a body over 1 Mi
 context) and ``max_tokens_limit`` (this server's limit). ``"ignore_eos": true`` (an extension) keeps generating
 through stop tokens up to ``max_tokens`` (stop strings still apply): every such request produces the same number of
 tokens, for load tests.
+
+Structured output (``infer/structured.py``): a ``response_format`` of ``json_object`` or ``json_schema`` constrains
+decoding to that format by a grammar (the ``structured`` extra, xgrammar; a 400 naming the package without it), and
+so does a ``tool_choice`` of "required" or a named function, to one call of the offered tools. Tools are offered in
+the chat template's system turn and read back from the reply (``data/tools.py``); a reply made of tool-call blocks
+is answered as OpenAI's ``message.tool_calls`` (streamed: ``delta.tool_calls``) with ``finish_reason``
+"tool_calls".
 
 A field sent as ``null`` is absent (OpenAI's own rule; some clients send ``"max_tokens": null``). Without
 ``max_tokens`` the budget is ``default_max_tokens`` cut to what the longest prompt leaves of the context, so it never
@@ -345,7 +353,6 @@ class InferenceApp:
                                headers={"Connection": "close"}) from None
         except ValueError as e:  # a check inside generation
             raise RequestError(400, str(e)) from None
-        self.metrics.prompt_tokens += sum(len(p) for p in prompts)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Job(chat, rid, prompts, sub, bool(req.stream), include_usage, arrived, tools)
 
@@ -457,6 +464,12 @@ class InferenceApp:
         stats = self.scheduler.stats()
         return 200, {"status": "ok", "running": stats["running"], "waiting": stats["waiting"],
                      "cancelled": stats["finished"].get("cancelled", 0)}
+
+
+def needs_grammar(body: dict) -> bool:
+    """Whether a request body asks for constrained decoding (a guess from its raw fields: it is validated later)."""
+    fmt, choice = body.get("response_format"), body.get("tool_choice")
+    return (fmt is not None and fmt != {"type": "text"}) or (choice is not None and choice not in ("none", "auto"))
 
 
 def tool_calls(job: _Job, text: str, finish_reason: str | None) -> list[dict] | None:
@@ -746,9 +759,13 @@ def make_app(app: InferenceApp, api_key: str | None = None, cors_origin: str | N
             except _Gone:
                 return Response(status_code=499)  # nobody reads it
             try:
-                job = app.submit(kind, body)
+                if needs_grammar(body):  # compiling a new schema can take a while: not on the event loop
+                    job = await asyncio.to_thread(app.submit, kind, body)
+                else:
+                    job = app.submit(kind, body)
             except RequestError as e:
                 return _json(e)
+            app.metrics.prompt_tokens += sum(len(p) for p in job.prompts)  # metrics change on the event loop only
             if job.stream:
                 return await EventStream.start(app, job, request, read_timeout)
             watch = asyncio.ensure_future(_on_disconnect(request.receive, job.sub.cancel))
