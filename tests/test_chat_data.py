@@ -343,3 +343,20 @@ def test_tool_turns_render_and_only_assistant_turns_learn(tmp_path):
 def test_bad_tool_records_name_the_place(conv, message):
     with pytest.raises(ChatDataError, match=message):
         render_sft_record(TOK, {"conversations": [{"role": "user", "content": "x"}] + conv})
+
+
+def test_prepare_sft_takes_tool_records(tmp_path):
+    """prepare-sft renders tool-calling conversations: the stored labels are those of render_sft_record."""
+    from zero2all.data.sft_shards import SFTShardDataset, prepare_sft
+    from zero2all.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(__file__).read())
+    tok = train_tokenizer([str(corpus)], vocab_size=400, out_dir=tmp_path / "tok")
+    records = tmp_path / "tools.jsonl"
+    records.write_text(json.dumps({"conversations": TOOL_CONV, "tools": TOOLS}) + "\n")
+    prepare_sft([records], tmp_path / "tok", tmp_path / "shards", log=lambda *a: None)
+    ds = SFTShardDataset(tmp_path / "shards", 512, tok.pad_id, "pad")
+    expected = render_sft_record(tok, {"conversations": TOOL_CONV, "tools": TOOLS})
+    assert ds.tokens.tolist() == expected.input_ids
+    assert ds.labels.tolist() == [int(y != IGNORE_INDEX) for y in expected.labels]   # 1: learned
