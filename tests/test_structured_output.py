@@ -10,7 +10,7 @@ from standin_tokenizer import ByteTokenizer, tiny_model_config
 
 pytest.importorskip("xgrammar")
 
-from zero2all.infer import structured  # noqa: E402
+from zero2all.infer import api, structured  # noqa: E402
 from zero2all.infer.server import create_server  # noqa: E402
 from zero2all.model.io import save_model  # noqa: E402
 from zero2all.model.z2all import build_model  # noqa: E402
@@ -244,11 +244,14 @@ def tool_reply(client, stream, **extra):
     if not stream:
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
+        api.ChatCompletion.model_validate(r.json())   # the documented response shape
         choice = r.json()["choices"][0]
         return choice["message"], choice["finish_reason"]
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         chunks = sse(r)
+    for c in chunks:
+        api.ChatCompletionChunk.model_validate(c)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
     content = "".join(d.get("content") or "" for d in deltas)
