@@ -246,3 +246,19 @@ def test_bad_arguments(corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
     assert isinstance(load_tokenizer, object) and Tokenizer.__name__ == "Tokenizer"
+
+
+def test_token_bytes_of_foreign_decoders():
+    """token_bytes for a decoder other than ours: SentencePiece's Metaspace (the word-start marker is a space, also
+    on the first token, where decoding alone would drop it)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from zero2all.tokenizer.hf import Tokenizer
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "\u2581": 2, "h": 3, "o": 4, "\u2581wor\u2581ld": 5}
+    raw = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    table = Tokenizer(raw.to_str()).token_bytes()
+    assert table[1:6] == [b" hello", b" ", b"h", b"o", b" wor ld"]

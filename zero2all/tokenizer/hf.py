@@ -221,12 +221,16 @@ class Tokenizer:
         out = []
         if "ByteLevel" in kinds:
             table = {c: b for b, c in _byte_to_unicode().items()}
+        meta_char = next((d.get("replacement", "\u2581") for d in decoder.get("decoders", [decoder])
+                          if d.get("type") == "Metaspace"), "\u2581")
         for i in range(n):
             piece = self._full.id_to_token(i)
             if piece is None or i in specials:
                 out.append(b"")
             elif "ByteLevel" in kinds:
                 out.append(bytes(table[c] for c in piece) if all(c in table for c in piece) else b"")
+            elif "Metaspace" in kinds:  # SentencePiece's word-start marker, a space wherever the token stands
+                out.append(piece.replace(meta_char, " ").encode("utf-8"))
             elif "ByteFallback" in kinds:
                 if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                     out.append(bytes([int(piece[3:5], 16)]))
