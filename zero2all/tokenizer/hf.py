@@ -212,8 +212,9 @@ class Tokenizer:
     def token_bytes(self) -> list[bytes]:
         """Each id's bytes as they appear in decoded text (``b""`` for special and unused ids), for constrained
         decoding (``infer/structured.py``). Byte-level pipelines map each piece's characters back through GPT-2's
-        byte table; SentencePiece-backed ones read ``<0xAB>`` as the byte AB and ``\u2581`` as a space. Other
-        decoders: each id decoded alone (``b""`` where that gives a partial character)."""
+        byte table; SentencePiece-backed ones read ``<0xAB>`` as the byte AB and ``\u2581`` as a space, as does a
+        foreign Metaspace decoder its marker. Other decoders: each id decoded alone (``b""`` where that gives a
+        partial character)."""
         decoder = json.loads(self._json).get("decoder") or {}
         kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
         specials = set(self.special_ids.values())
