@@ -84,7 +84,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(int(i) for i in stop_ids)
         self._compiler = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # requests compile on worker threads: one compile at a time
 
     def compiler(self):
         xgr = _xgrammar()
@@ -104,7 +104,8 @@ class Grammars:
         compiler = self.compiler()
         try:
             text = json.dumps(schema)
-            return Grammar(compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True))
+            with self._lock:
+                return Grammar(compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True))
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_reason(e)) from None
 
@@ -133,7 +134,9 @@ class Grammars:
             calls.append(xgr.Grammar.concat(_literal(xgr, head), args, _literal(xgr, "}" + CLOSE)))
         grammar = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         try:
-            return Grammar(self.compiler().compile_grammar(grammar))
+            compiler = self.compiler()
+            with self._lock:
+                return Grammar(compiler.compile_grammar(grammar))
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_reason(e)) from None
 
