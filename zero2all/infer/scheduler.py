@@ -6,7 +6,8 @@ running rows' (nothing moves and nothing is preempted), the longest cached prefi
 prefix cache, and the rest of its prompt is computed a chunk per iteration under the token budget
 ``max_num_batched_tokens`` (one token per decoding row, the rest for prompts in arrival order) while the other rows
 keep decoding; a row draws tokens once its prompt is complete. Greedy rows may draft tokens by prompt lookup
-(``speculative_ngram``, ``_speculative_step``). The rest of this docstring describes the column engine
+(``speculative_ngram``, ``_speculative_step``; not rows with a grammar, whose drafts the matcher would have to
+check). The rest of this docstring describes the column engine
 (``engine="column"``), whose per-row logic (sampling, stop checks, seeds, cancellation) both engines share.
 
 The column engine's pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by
@@ -29,8 +30,10 @@ Each scheduler iteration:
    touches no other row; ``Scheduler.prefill_groups``): a prefill stalls every running row, so sixteen prompts
    arriving at once cost one stall, not sixteen;
 3. draws the next token of every running row, each with its own parameters (temperature, top-k, top-p,
-   repetition penalty) and its own random stream (``random.Random(seed + prompt index)``, so a seeded sequence's
-   tokens do not depend on its neighbours: ``generate.sample_rows``);
+   repetition penalty; a row with a grammar, ``infer/structured.py``, first has the tokens its grammar forbids
+   masked, and its matcher advances by the drawn token) and its own random stream
+   (``random.Random(seed + prompt index)``, so a seeded sequence's tokens do not depend on its neighbours:
+   ``generate.sample_rows``);
 4. runs one decode step for all rows at the column (on CUDA it is queued before the host looks at the tokens, as
    in ``Generator.stream``), then hands each row's token to its stop checks and streams the text; a finished row
    is free for the next iteration.
