@@ -175,6 +175,10 @@ def test_a_short_flag_means_one_key_everywhere(parsers):
                     option = ALIASES[option]
                 if option in SHORT_FLAGS:
                     assert SHORT_FLAGS[option] == action.key, (command, option)
+                    # and it is the field's name, or the start of it (--out: out_dir; --data: data.path)
+                    name = option[2:].replace("-", "_")
+                    assert action.key.rsplit(".", 1)[-1].startswith(name) or \
+                        action.key.replace(".", "_").startswith(name), (option, action.key)
                 elif option == "--data":
                     assert action.key == ("data.path" if command in ("pretrain", "ladder") else "post.data")
                 elif action.nargs != 0:
