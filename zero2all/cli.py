@@ -662,7 +662,7 @@ def _prepare_dpo(p):
     return _prepare_chat_data(p, "dpo", '{"prompt" | "conversations", "chosen", "rejected"} records')
 
 
-def _posttrain_args(p, stage: str, out_default: str, data_help: str | None, short: tuple[str, ...] = ()):
+def _posttrain_args(p, stage: str, out_default: str, data_help: str, short: tuple[str, ...] = ()):
     """The options shared by sft / dpo / reward / rl (``short``: the stage's own short flags), and the config flags;
     ``out_default``: the stage's train.out_dir default (``posttrain.STAGE_TRAIN_DEFAULTS``, not imported here to
     keep --help fast)."""
@@ -671,7 +671,7 @@ def _posttrain_args(p, stage: str, out_default: str, data_help: str | None, shor
     sections = ("train", "data", "parallel", "post") + (("rl",) if stage == "rl" else ()) + POST_MODEL_KEYS
     return _config_flags(p, sections, POST_SHORT + TRAIN_SHORT + short, exclude=("data.path",),
                          extra={"--data": "post.data"},
-                         notes={"--out": f"default {out_default}", **({"--data": data_help} if data_help else {})},
+                         notes={"--out": f"default {out_default}", "--data": data_help},
                          options={"--init": {"required": True, "metavar": "DIR"},
                                   "--data": {"required": True, "metavar": "FILE"},
                                   "--valid": {"metavar": "FILE"}, "--lora-targets": {"metavar": "MODULE"}})
@@ -701,7 +701,8 @@ def _posttrain_run(stage: str, flags):
          "train.lr=2e-4\n"
          "  z2all sft --init runs/demo/final --data chats.jsonl --out runs/sft --resume auto train.max_steps=2000")
 def _sft(p):
-    flags = _posttrain_args(p, "sft", "runs/sft", None, ("--packing",))
+    flags = _posttrain_args(p, "sft", "runs/sft", "chat / instruction records, or one `z2all prepare-sft` "
+                            "directory", ("--packing",))
     _overrides(p)
     return _posttrain_run("sft", flags)
 
@@ -713,7 +714,8 @@ def _sft(p):
          "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --out runs/dpo-lora \\\n"
          "      --lora-rank 8 train.lr=5e-5")
 def _dpo(p):
-    flags = _posttrain_args(p, "dpo", "runs/dpo", "preference pairs", ("--beta", "--ref", "--precompute-ref"))
+    flags = _posttrain_args(p, "dpo", "runs/dpo", "preference pairs, or one `z2all prepare-dpo` directory",
+                            ("--beta", "--ref", "--precompute-ref"))
     _overrides(p)
     return _posttrain_run("dpo", flags)
 
@@ -722,7 +724,7 @@ def _dpo(p):
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
 def _reward(p):
-    flags = _posttrain_args(p, "reward", "runs/reward", "preference pairs")
+    flags = _posttrain_args(p, "reward", "runs/reward", "preference pairs, or one `z2all prepare-dpo` directory")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
     _overrides(p)
@@ -760,8 +762,8 @@ def _export_reward_hf(p):
          "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
          "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
 def _rl(p):
-    flags = _posttrain_args(p, "rl", "runs/rl", "prompt records {\"prompt\": ...}; the other fields reach the "
-                            "reward function",
+    flags = _posttrain_args(p, "rl", "runs/rl", "here: jsonl / json files of prompt records {\"prompt\": ...}; "
+                            "the other fields reach the reward function",
                             ("--algo", "--reward-fn", "--reward-model", "--group-size", "--max-new-tokens",
                              "--kl-coef", "--kl-estimator", "--epochs", "--ref"))
     _overrides(p)
@@ -1154,7 +1156,7 @@ def _eval_tasks(args):
 @command("estimate", "parameters, FLOPs, memory per GPU, communication, MFU and training time of a config",
          "  z2all estimate --config z2all-1.1b\n"
          "  z2all estimate --config llama2-70b --gpus 1024 --tokens 15e12 --mfu 0.4 --zero 1 --tp 8 --pp 4 \\\n"
-         "      --micro-batch 1 --grad-accum 32 --recompute selective\n"
+         "      --micro-batch-size 1 --grad-accum-steps 32 --recompute selective\n"
          "  z2all estimate --config llama2-7b --gpus 8 --gpu a100 --zero 3 --json")
 def _estimate(p):
     p.add_argument("--config", default="z2all-1.1b", help="preset name or .toml path")
@@ -1231,7 +1233,7 @@ def _estimate(p):
         if cfg.model.moe.enabled:  # zero2all/accounting/moe.py; the dense table then shows the active path
             from zero2all.accounting.moe import active_dense_config, format_moe_estimate, moe_estimate
 
-            moe = moe_estimate(cfg.model, args.gpus, pc.ep, layout.micro_batch,
+            moe = moe_estimate(cfg.model, args.gpus, pc.ep, layout.micro_batch_size,
                                layout.seq_len, layout.grad_accum_steps, mfu=args.mfu)
             est = estimate(active_dense_config(cfg.model), layout) | {"moe": moe}
         else:
@@ -1256,7 +1258,7 @@ def _estimate(p):
          "included",
          "  z2all bench train                                  # every row: ablations, HF peers, extras\n"
          "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
-         "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")
+         "  z2all bench train --config tiny --rows use_all,hf --micro-batch-size 4 --seq 256")
 def _bench(p):
     # zero2all.bench imports torch, so its options are added when the command runs, not when the parser is built
     # (`z2all bench train --help` lists them)

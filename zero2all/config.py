@@ -659,7 +659,7 @@ class PostTrainConfig:
     LoRA and DPO settings. Unused by pretraining."""
 
     init: str = ""                 # pretrained checkpoint to start from (ours, HF Llama, or base + LoRA adapter)
-    # training records: jsonl / json files, or one `z2all prepare-sft` / `z2all prepare-dpo` directory
+    # training records: jsonl / json files, or one directory of prepared records
     data: list[str] = field(default_factory=list)
     valid: list[str] = field(default_factory=list)  # validation files ([] = valid_fraction of the data)
     valid_fraction: float = 0.0    # share of the samples held out for evaluation when `valid` is empty
