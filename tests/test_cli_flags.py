@@ -11,7 +11,7 @@ import pytest
 
 from zero2all.cli import POST_MODEL_KEYS, build_parser, main
 from zero2all.cli_flags import ALIASES, SHORT_FLAGS, ConfigFlag, ConfigFlags
-from zero2all.config import Config, ConfigError, build_config_dict, config_fields, from_dict, to_dict
+from zero2all.config import Config, ConfigError, build_config_dict, config_fields, from_dict, preset_path, to_dict
 
 CONFIG_COMMANDS = ("pretrain", "ladder", "estimate", "sft", "dpo", "reward", "rl")
 # what a command needs on every line (the value is not under test)
@@ -263,3 +263,19 @@ def test_bad_flag_values_are_one_line_naming_the_key(argv, message, pretrain_cal
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not pretrain_calls
+
+
+def test_estimate_reads_the_layout_from_the_config_and_its_flags(tmp_path, capsys):
+    """`z2all estimate`'s --tp is parallel.tp: a config's [parallel] tp is estimated when --tp is not given (earlier
+    versions took tp = 1 then), and --tp / --parallel.tp / the earlier --micro-batch override it."""
+    import json
+
+    path = tmp_path / "tp2.toml"
+    path.write_text(preset_path("tiny").read_text() + "\n[parallel]\ntp = 2\n")
+    assert main(["estimate", "--config", str(path), "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["tp"] == 2
+    for argv in (["--tp", "1"], ["--parallel.tp", "1"]):
+        assert main(["estimate", "--config", str(path), "--gpus", "2", "--json", *argv]) == 0
+        assert json.loads(capsys.readouterr().out)["layout"]["tp"] == 1
+    assert main(["estimate", "--config", "tiny", "--json", "--micro-batch", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["micro_batch_size"] == 3
