@@ -5,9 +5,10 @@ returns the function to run. Heavy imports (torch, tokenizers) happen inside the
 (``z2all --help``) imports neither.
 
 Commands that take dotted ``key=value`` config overrides accept them anywhere on the line
-(``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). Options that set a config key
-(``--out`` -> ``train.out_dir``) are passed to ``zero2all.config.build_config`` as typed values: they win over the
-``--config`` file, and naming the same key with an option and an override is an error.
+(``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). The options that set a config key are
+generated from the config's fields (``zero2all/cli_flags.py``: ``--train.lr`` for every setting, a short name such
+as ``--out`` / ``--tp`` for a few) and are passed to ``zero2all.config.build_config`` as typed values: they win
+over the ``--config`` file, and naming the same key with an option and an override is an error.
 
 Exit codes: 0 success; 2 bad usage, config or input (a missing file included), one ``error:`` line; 1 an operating
 system failure while reading or writing (read-only or full disk, permissions), one line naming the path, what failed
