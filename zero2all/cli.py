@@ -763,7 +763,7 @@ def _export_reward_hf(p):
          "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
          "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
 def _rl(p):
-    flags = _posttrain_args(p, "rl", "runs/rl", "here: jsonl / json files of prompt records {\"prompt\": ...}; "
+    flags = _posttrain_args(p, "rl", "runs/rl", "jsonl / json files of prompt records {\"prompt\": ...}; "
                             "the other fields reach the reward function",
                             ("--algo", "--reward-fn", "--reward-model", "--group-size", "--max-new-tokens",
                              "--kl-coef", "--kl-estimator", "--epochs", "--ref"))
