@@ -257,14 +257,14 @@ def test_peak_memory_and_largest_micro_batch():
     assert m4["total"] == m4["model_states"] + m4["weight_copies"] + m4["activations"] + m4["logits"]
     assert acc.peak_memory_bytes(cfg, 0, 2048)["total"] == m["model_states"]
     mem = acc.GPUS["h100"].memory_bytes
-    b = acc.max_micro_batch(cfg, 2048, mem)
+    b = acc.max_micro_batch_size(cfg, 2048, mem)
     budget = mem - 2 * acc.GB
     assert b >= 1
     assert acc.peak_memory_bytes(cfg, b, 2048)["total"] <= budget < acc.peak_memory_bytes(cfg, b + 1, 2048)["total"]
     # selective recompute, ZeRO and full recompute only ever make room
-    assert acc.max_micro_batch(cfg, 2048, mem, recompute="full") > b
-    assert acc.max_micro_batch(preset("llama2-70b"), 4096, mem) == 0
-    assert acc.max_micro_batch(preset("llama2-70b"), 4096, mem, n_gpus=64, tp=8, pp=8, zero=1,
+    assert acc.max_micro_batch_size(cfg, 2048, mem, recompute="full") > b
+    assert acc.max_micro_batch_size(preset("llama2-70b"), 4096, mem) == 0
+    assert acc.max_micro_batch_size(preset("llama2-70b"), 4096, mem, n_gpus=64, tp=8, pp=8, zero=1,
                                grad_accum_steps=16) >= 1
 
 
@@ -340,7 +340,7 @@ def test_step_seconds_and_estimate_are_consistent():
     cfg = preset("z2all-1.1b")
     t = acc.step_seconds(cfg, 65536, 2048, 1, 989e12, 0.4)
     assert acc.mfu(65536 / t, cfg, 2048, 989e12) == pytest.approx(0.4)
-    est = acc.estimate(cfg, acc.Layout(gpus=8, zero=2, micro_batch=8, seq_len=2048, grad_accum_steps=4))
+    est = acc.estimate(cfg, acc.Layout(gpus=8, zero=2, micro_batch_size=8, seq_len=2048, grad_accum_steps=4))
     assert est["params"]["total"] == 1_255_499_776
     assert est["layout"]["tokens"] == 20 * 1_255_499_776
     assert est["time"]["tokens_per_step"] == 8 * 2048 * 4 * 8
@@ -390,7 +390,8 @@ def test_estimate_cli_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--gpus", "--micro-batch", "--seq", "--grad-accum", "--dp"])
+@pytest.mark.parametrize("flag", ["--gpus", "--micro-batch", "--micro-batch-size", "--seq", "--grad-accum",
+                                  "--grad-accum-steps", "--dp"])
 def test_estimate_refuses_zero_instead_of_using_the_default(flag, capsys):
     assert main(["estimate", "--config", "tiny", flag, "0"]) == 2
     err = capsys.readouterr().err
@@ -455,7 +456,7 @@ def test_estimate_names_a_layout_that_fits(capsys):
     assert main(["estimate", "--config", "z2all-1.1b", "--micro-batch", "64"]) == 0
     hint = _rows(capsys.readouterr().out)["a layout that fits"]
     assert hint.startswith("--gpus 1 ") and "--micro-batch" in hint, hint
-    est = acc.estimate(preset("llama2-70b"), acc.Layout(gpus=1, micro_batch=1, seq_len=4096))
+    est = acc.estimate(preset("llama2-70b"), acc.Layout(gpus=1, micro_batch_size=1, seq_len=4096))
     assert est["memory_per_gpu"]["fitting_layout"]["gpus"] > 1
 
 

@@ -211,7 +211,7 @@ def test_estimate_counts_match_the_model_and_the_cli_prints_them(capsys):
         assert p.experts == experts
         k, E = c.moe.top_k, c.moe.n_experts
         assert p.active == p.total - experts + experts * k // E  # the routed share a token uses: k of E
-    est = moe_estimate(load_config("z2all-moe-1b").model, gpus=8, ep=4, micro_batch=2, seq_len=128)
+    est = moe_estimate(load_config("z2all-moe-1b").model, gpus=8, ep=4, micro_batch_size=2, seq_len=128)
     # 16 MoE layers x 256 tokens x top-2 x 1024 x 2 bytes, 4 exchanges, 3/4 of the rows leave the GPU
     assert est["communication"]["all_to_all_bytes_per_step_per_gpu"] == 4 * 16 * 256 * 2 * 1024 * 2 * 3 / 4
     assert est["memory_per_gpu"]["experts_per_gpu"] == 4

@@ -186,7 +186,7 @@ def test_start_of_run_prints(tmp_path, capsys):
     trainer.fit()
     out = capsys.readouterr().out
     assert "tokens per iteration will be: 768\n" in out
-    assert "breaks down as: 16 grad accum steps * 1 data-parallel ranks * 2 batch size * 24 max seq len" in out
+    assert "breaks down as: 16 grad accum steps * 1 data-parallel ranks * 2 micro-batch size * 24 max seq len" in out
     # 2 layers x (qkv 32x64, o 32x32, gate_up 32x144, down 72x32) + lm_head 96x32; embedding 96x32 + 5 norms of 32
     assert "\ndecayed parameter tensors: 9, with 23,040 parameters\n" in out
     assert "\nnon-decayed parameter tensors: 6, with 3,232 parameters\n" in out

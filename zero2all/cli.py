@@ -5,9 +5,10 @@ returns the function to run. Heavy imports (torch, tokenizers) happen inside the
 (``z2all --help``) imports neither.
 
 Commands that take dotted ``key=value`` config overrides accept them anywhere on the line
-(``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). Options that set a config key
-(``--out`` -> ``train.out_dir``) are passed to ``zero2all.config.build_config`` as typed values: they win over the
-``--config`` file, and naming the same key with an option and an override is an error.
+(``z2all pretrain --config tiny train.max_steps=1 --out X train.lr=1e-3``). The options that set a config key are
+generated from the config's fields (``zero2all/cli_flags.py``: ``--train.lr`` for every setting, a short name such
+as ``--out`` / ``--tp`` for a few) and are passed to ``zero2all.config.build_config`` as typed values: they win
+over the ``--config`` file, and naming the same key with an option and an override is an error.
 
 Exit codes: 0 success; 2 bad usage, config or input (a missing file included), one ``error:`` line; 1 an operating
 system failure while reading or writing (read-only or full disk, permissions), one line naming the path, what failed
@@ -27,7 +28,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from zero2all import __version__
 
@@ -94,20 +95,21 @@ class CommandParser(argparse.ArgumentParser):
         return namespace, rest
 
 
-def _given(args, flags: dict[str, str], switches: dict[str, tuple[str, Any]] | None = None
-           ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The options that were given, as (dotted key -> typed value, dotted key -> option name) for
-    ``build_config``. ``flags``: option -> key (value as parsed; lists become lists); ``switches``: a store_true
-    option -> (key, the value it sets)."""
-    values, sources = {}, {}
-    for flag, key in flags.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            values[key], sources[key] = (list(value) if isinstance(value, (list, tuple)) else value), flag
-    for flag, (key, value) in (switches or {}).items():
-        if getattr(args, flag[2:].replace("-", "_"), False):
-            values[key], sources[key] = value, flag
-    return values, sources
+# the sections whose settings a training command offers as flags (zero2all/cli_flags.py), and its short flags
+TRAIN_SECTIONS = ("model", "train", "data", "parallel")
+TRAIN_SHORT = ("--out", "--resume", "--device", "--lr", "--max-steps", "--micro-batch-size", "--grad-accum-steps",
+               "--tp", "--pp", "--cp", "--ep")
+# post-training reads the architecture from --init: only these model settings may be given
+# (zero2all.train.posttrain.MODEL_OVERRIDABLE; tests/test_cli_flags.py keeps the two equal)
+POST_MODEL_KEYS = ("model.ops", "model.dropout1", "model.dropout2", "model.attention_dropout")
+POST_SHORT = ("--init", "--data", "--valid", "--valid-fraction", "--tokenizer", "--lora-rank", "--lora-alpha",
+              "--lora-dropout", "--lora-targets", "--prompt-tuning", "--num-virtual-tokens", "--skip-bad")
+
+
+def _config_flags(p: argparse.ArgumentParser, sections, short, **kwargs):
+    from zero2all.cli_flags import add_config_flags
+
+    return add_config_flags(p, sections, short, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -532,12 +534,6 @@ def _clean(p):
          "  z2all pretrain --config z2all-1.1b --out runs/1b-synthetic train.max_steps=50   # synthetic data")
 def _pretrain(p):
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
-    p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path; "
-                                                "none = synthetic tokens)")
-    p.add_argument("--out", default=None, help="output directory (sets train.out_dir)")
-    p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
-                                                  "directory (sets train.resume)")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--dry-run", action="store_true",
                    help="train nothing: build the plan and every rank's shards of a --world-rank mesh in this "
@@ -547,11 +543,12 @@ def _pretrain(p):
     p.add_argument("--gpu", default="h100", help="--dry-run: the GPU whose memory each rank is checked against "
                                                  "(a name of `z2all estimate --gpu`)")
     _overrides(p)
+    flags = _config_flags(p, TRAIN_SECTIONS, ("--data",) + TRAIN_SHORT, extra=PRETRAIN_DATA)
 
     def run(args):
         from zero2all.config import build_config
 
-        values, sources = _given(args, PRETRAIN_FLAGS)
+        values, sources = flags.given(args)
         cfg = build_config(args.config, args.overrides, values, sources=sources)
         if args.dry_run:
             from zero2all.distributed.dryrun import dry_run, format_dry_run
@@ -572,7 +569,6 @@ def _pretrain(p):
          "  z2all ladder --config tiny --data runs/data --out runs/ladder --flops 1e15 --predict-depth 12")
 def _ladder(p):
     p.add_argument("--config", default="tiny", help="base preset or .toml: vocabulary, context, training settings")
-    p.add_argument("--data", default=None, help="directory written by `z2all prepare` (sets data.path)")
     p.add_argument("--out", required=True, help="ladder folder: rungs/, ladder.json, ladder.png (resumable)")
     p.add_argument("--depths", default="2,3,4,5,6", help="the rungs' depths, comma-separated (at least 5)")
     p.add_argument("--aspect", type=int, default=64, help="hidden_dim = aspect x depth")
@@ -588,8 +584,8 @@ def _ladder(p):
     p.add_argument("--mfu", type=float, default=None,
                    help="MFU of the time prediction (default: the largest rung's measured MFU, else 0.4)")
     p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the fit's uncertainty")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (sets train.device)")
     _overrides(p)
+    flags = _config_flags(p, TRAIN_SECTIONS, ("--data", "--device"), extra=PRETRAIN_DATA)  # --out: the ladder's
 
     def run(args):
         from zero2all.accounting import get_gpu
@@ -613,7 +609,7 @@ def _ladder(p):
         if args.mfu is not None and not 0 < args.mfu <= 1:
             raise ConfigError(f"--mfu {args.mfu}: must be in (0, 1]")
         get_gpu(args.gpu)
-        values, sources = _given(args, {"--data": "data.path", "--device": "train.device"})
+        values, sources = flags.given(args)
         cfg = build_config(args.config, args.overrides, values, sources=sources)
         if args.predict_depth is not None and args.predict_depth <= max(depths):
             raise ConfigError(f"--predict-depth {args.predict_depth}: must be larger than the largest rung "
@@ -625,9 +621,8 @@ def _ladder(p):
     return _data_errors("ladder", run)
 
 
-# the options of `z2all pretrain` that set a config key
-PRETRAIN_FLAGS = {"--data": "data.path", "--out": "train.out_dir", "--resume": "train.resume",
-                  "--device": "train.device"}
+# pretraining's --data is the token-shard directory (post-training's is post.data)
+PRETRAIN_DATA = {"--data": "data.path"}
 
 
 def _prepare_chat_data(p, kind: str, records: str):
@@ -668,49 +663,28 @@ def _prepare_dpo(p):
     return _prepare_chat_data(p, "dpo", '{"prompt" | "conversations", "chosen", "rejected"} records')
 
 
-def _posttrain_args(p, out_default: str, data_help: str):
-    """The options shared by sft / dpo / reward / rl; ``out_default``: the stage's train.out_dir default
-    (``posttrain.STAGE_TRAIN_DEFAULTS``, not imported here to keep --help fast)."""
-    p.add_argument("--init", required=True, help="pretrained checkpoint to start from (ours, HF Llama, or with a "
-                                                 "LoRA adapter)")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=data_help)
-    p.add_argument("--out", default=None, help=f"output directory (sets train.out_dir; default {out_default})")
+def _posttrain_args(p, stage: str, out_default: str, data_help: str, short: tuple[str, ...] = ()):
+    """The options shared by sft / dpo / reward / rl (``short``: the stage's own short flags), and the config flags;
+    ``out_default``: the stage's train.out_dir default (``posttrain.STAGE_TRAIN_DEFAULTS``, not imported here to
+    keep --help fast)."""
     p.add_argument("--config", default=None, help=".toml file with train / post sections (model: ops only)")
-    p.add_argument("--resume", default=None, help="'auto' = newest complete checkpoint in --out, or a checkpoint "
-                                                  "directory")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--valid", nargs="+", default=None, metavar="FILE", help="validation files")
-    p.add_argument("--valid-fraction", type=float, default=None, help="hold out this share of the data instead")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the --init checkpoint's)")
-    p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank only (0 = full)")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (scaling = alpha / rank)")
-    p.add_argument("--lora-dropout", type=float, default=None)
-    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
-                   help="qkv_proj o_proj gate_up_proj down_proj lm_head (or the HF names q_proj k_proj v_proj ...)")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p.add_argument("--prompt-tuning", default=None, choices=["prompt", "prefix"],
-                   help="train virtual tokens only: prompt tuning or prefix tuning (sft: with --packing pad)")
-    p.add_argument("--num-virtual-tokens", type=int, default=None, help="virtual tokens of --prompt-tuning (16)")
+    sections = ("train", "data", "parallel", "post") + (("rl",) if stage == "rl" else ()) + POST_MODEL_KEYS
+    return _config_flags(p, sections, POST_SHORT + TRAIN_SHORT + short, exclude=("data.path",),
+                         extra={"--data": "post.data"},
+                         notes={"--out": f"default {out_default}", "--data": data_help},
+                         options={"--init": {"required": True, "metavar": "DIR"},
+                                  "--data": {"required": True, "metavar": "FILE"},
+                                  "--valid": {"metavar": "FILE"}, "--lora-targets": {"metavar": "MODULE"}})
 
 
-# the options of `z2all sft` / `z2all dpo` that set a config key (--config names the file)
-POSTTRAIN_FLAGS = {"--init": "post.init", "--data": "post.data", "--out": "train.out_dir", "--resume": "train.resume",
-                   "--device": "train.device", "--valid": "post.valid", "--valid-fraction": "post.valid_fraction",
-                   "--tokenizer": "post.tokenizer", "--lora-rank": "post.lora_rank", "--lora-alpha": "post.lora_alpha",
-                   "--lora-dropout": "post.lora_dropout", "--lora-targets": "post.lora_targets",
-                   "--packing": "post.packing", "--beta": "post.beta", "--ref": "post.ref",
-                   "--prompt-tuning": "post.prompt_tuning", "--num-virtual-tokens": "post.num_virtual_tokens"}
-POSTTRAIN_SWITCHES = {"--skip-bad": ("post.on_error", "skip"), "--precompute-ref": ("post.precompute_ref", True)}
-
-
-def _posttrain_run(stage: str):
+def _posttrain_run(stage: str, flags):
     def run(args):
         from zero2all.data.chat import ChatDataError
         from zero2all.data.sft_shards import SFTShardError
         from zero2all.train import posttrain
 
-        values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
+        values, sources = flags.given(args)
         try:
             cfg = posttrain.posttrain_config(stage, args.config, args.overrides, values, sources=sources)
             getattr(posttrain, stage)(cfg, show_progress=not args.no_progress)
@@ -728,11 +702,10 @@ def _posttrain_run(stage: str):
          "train.lr=2e-4\n"
          "  z2all sft --init runs/demo/final --data chats.jsonl --out runs/sft --resume auto train.max_steps=2000")
 def _sft(p):
-    _posttrain_args(p, "runs/sft", "jsonl / json files, or one `z2all prepare-sft` directory")
-    p.add_argument("--packing", default=None, choices=["pack", "pad"],
-                   help="pack: several samples per row, attention kept inside each (default); pad: one per row")
+    flags = _posttrain_args(p, "sft", "runs/sft", "chat / instruction records, or one `z2all prepare-sft` "
+                            "directory", ("--packing",))
     _overrides(p)
-    return _posttrain_run("sft")
+    return _posttrain_run("sft", flags)
 
 
 @command("dpo", "direct preference optimisation on {prompt|conversations, chosen, rejected} pairs",
@@ -742,21 +715,17 @@ def _sft(p):
          "  z2all dpo --init runs/sft/final --ref runs/sft/final --data pairs.jsonl --out runs/dpo-lora \\\n"
          "      --lora-rank 8 train.lr=5e-5")
 def _dpo(p):
-    _posttrain_args(p, "runs/dpo", "jsonl / json files, or one `z2all prepare-dpo` directory")
-    p.add_argument("--beta", type=float, default=None, help="DPO beta (default 0.1)")
-    p.add_argument("--ref", default=None, help="reference model directory (default: --init)")
-    p.add_argument("--precompute-ref", action="store_true",
-                   help="compute the reference log-probs once before training instead of keeping a second model")
+    flags = _posttrain_args(p, "dpo", "runs/dpo", "preference pairs, or one `z2all prepare-dpo` directory",
+                            ("--beta", "--ref", "--precompute-ref"))
     _overrides(p)
-    return _posttrain_run("dpo")
+    return _posttrain_run("dpo", flags)
 
 
 @command("reward", "train a reward model (scalar head, Bradley-Terry) on {prompt, chosen, rejected} pairs",
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --valid-fraction 0.1\n"
          "  z2all reward --init runs/sft/final --data pairs.jsonl --out runs/rm --export-hf runs/rm-hf")
 def _reward(p):
-    _posttrain_args(p, "runs/reward", "jsonl / json files of preference pairs, or one `z2all prepare-dpo` "
-                                     "directory")
+    flags = _posttrain_args(p, "reward", "runs/reward", "preference pairs, or one `z2all prepare-dpo` directory")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="also write an HF LlamaForSequenceClassification directory (num_labels 1)")
     _overrides(p)
@@ -765,7 +734,7 @@ def _reward(p):
         from zero2all.train import posttrain
         from zero2all.train.reward import reward
 
-        values, sources = _given(args, POSTTRAIN_FLAGS, POSTTRAIN_SWITCHES)
+        values, sources = flags.given(args)
         cfg = posttrain.posttrain_config("reward", args.config, args.overrides, values, sources=sources)
         reward(cfg, show_progress=not args.no_progress, export_hf=args.export_hf)
 
@@ -788,37 +757,23 @@ def _export_reward_hf(p):
     return run
 
 
-# the options of `z2all rl` that set a key of the [rl] section
-RL_FLAGS = {"--algo": "rl.algo", "--reward-fn": "rl.reward_fn", "--reward-model": "rl.reward_model",
-            "--group-size": "rl.group_size", "--max-new-tokens": "rl.max_new_tokens", "--kl-coef": "rl.kl_coef",
-            "--kl-estimator": "rl.kl_estimator", "--epochs": "rl.epochs", "--ref": "post.ref"}
-
-
 @command("rl", "online RL (PPO with a value head, or GRPO) with rollouts from the model itself",
          "  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --out runs/grpo \\\n"
          "      --reward-fn zero2all.train.rl_tasks:exact_match --group-size 8 train.lr=1e-5\n"
          "  z2all rl --algo ppo --init runs/sft/final --data prompts.jsonl --out runs/ppo --reward-model runs/rm/final"
          "\n  z2all rl --algo grpo --init runs/sft/final --data prompts.jsonl --lora-rank 16 --reward-fn m:f")
 def _rl(p):
-    _posttrain_args(p, "runs/rl", "jsonl / json files of prompt records ({\"prompt\": ...}; the other fields "
-                                 "reach the reward function)")
-    p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="grpo (default) or ppo")
-    p.add_argument("--reward-fn", default=None, metavar="MODULE:FUNCTION",
-                   help="reward function, called as fn(completion_text, record) -> float")
-    p.add_argument("--reward-model", default=None, metavar="DIR", help="a `z2all reward` model directory")
-    p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response length limit (default 64)")
-    p.add_argument("--kl-coef", type=float, default=None, help="KL weight to the reference (0 = none)")
-    p.add_argument("--kl-estimator", default=None, choices=["k1", "k3"])
-    p.add_argument("--epochs", type=int, default=None, help="optimiser updates per rollout (default 1)")
-    p.add_argument("--ref", default=None, help="reference model directory (default: --init; LoRA: adapters off)")
+    flags = _posttrain_args(p, "rl", "runs/rl", "jsonl / json files of prompt records {\"prompt\": ...}; "
+                            "the other fields reach the reward function",
+                            ("--algo", "--reward-fn", "--reward-model", "--group-size", "--max-new-tokens",
+                             "--kl-coef", "--kl-estimator", "--epochs", "--ref"))
     _overrides(p)
 
     def run(args):
         from zero2all.train import posttrain
         from zero2all.train.rl_run import rl
 
-        values, sources = _given(args, {**POSTTRAIN_FLAGS, **RL_FLAGS}, POSTTRAIN_SWITCHES)
+        values, sources = flags.given(args)
         cfg = posttrain.posttrain_config("rl", args.config, args.overrides, values, sources=sources)
         rl(cfg, show_progress=not args.no_progress)
 
@@ -1202,7 +1157,7 @@ def _eval_tasks(args):
 @command("estimate", "parameters, FLOPs, memory per GPU, communication, MFU and training time of a config",
          "  z2all estimate --config z2all-1.1b\n"
          "  z2all estimate --config llama2-70b --gpus 1024 --tokens 15e12 --mfu 0.4 --zero 1 --tp 8 --pp 4 \\\n"
-         "      --micro-batch 1 --grad-accum 32 --recompute selective\n"
+         "      --micro-batch-size 1 --grad-accum-steps 32 --recompute selective\n"
          "  z2all estimate --config llama2-7b --gpus 8 --gpu a100 --zero 3 --json")
 def _estimate(p):
     p.add_argument("--config", default="z2all-1.1b", help="preset name or .toml path")
@@ -1212,42 +1167,43 @@ def _estimate(p):
                    help="training tokens, e.g. 15e12 (default: 20 per parameter, Chinchilla-optimal)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over data parallel")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on when > 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention over sequence chunks)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (sets --gpus to dp x tp x pp x cp when --gpus is not given)")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: train config)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len or max_seq_len)")
-    p.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per step per data-parallel rank (default: config; each is split into "
-                        "parallel.pp_microbatches pipeline microbatches)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation")
     p.add_argument("--precision", default="bf16-amp", choices=["bf16-amp", "bf16-mixed", "fp32"],
                    help="bf16-amp: fp32 weights + bf16 autocast (our trainer); bf16-mixed: bf16 weights, fp32 "
                         "master in the optimizer; fp32")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--ep", type=int, default=None, help="MoE models: expert-parallel size (default parallel.ep)")
     _overrides(p)
+    # the layout's settings are the config's (--tp is parallel.tp, ...); --seq, --zero, --recompute, --precision
+    # and --gpus are what-ifs of this command only
+    flags = _config_flags(p, TRAIN_SECTIONS, ("--tp", "--pp", "--cp", "--ep", "--micro-batch-size",
+                                              "--micro-batch", "--grad-accum-steps", "--grad-accum"))
 
     def run(args):
         import json
 
         from zero2all.accounting import Layout, estimate, format_estimate
-        from zero2all.config import ConfigError, load_config
+        from zero2all.config import ConfigError, build_config
 
-        cfg = load_config(args.config, args.overrides)
+        values, sources = flags.given(args)
+        for key in ("train.micro_batch_size", "train.grad_accum_steps"):  # named by the option used
+            if isinstance(values.get(key), int) and values[key] < 1:
+                raise ConfigError(f"{sources[key]}: must be >= 1, got {values[key]}")
+        cfg = build_config(args.config, args.overrides, values, sources=sources)
+        pc = cfg.parallel
+        tp, pp, cp = pc.tp, pc.pp, pc.cp
         gpus = args.gpus
-        for flag in ("gpus", "dp", "micro_batch", "seq", "grad_accum"):  # 0 is refused, not taken for "default"
+        for flag in ("gpus", "dp", "seq"):  # 0 is refused, not taken for "default"
             value = getattr(args, flag)
             if value is not None and value < 1:
-                raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+                raise ConfigError(f"--{flag}: must be >= 1, got {value}")
         if args.dp is not None:
-            mesh = args.dp * args.tp * args.pp * args.cp
+            mesh = args.dp * tp * pp * cp
             if gpus not in (None, mesh):
-                raise ConfigError(f"--gpus {gpus} but --dp {args.dp} x --tp {args.tp} x --pp {args.pp} x --cp "
-                                  f"{args.cp} = {mesh}")
+                raise ConfigError(f"--gpus {gpus} but --dp {args.dp} x --tp {tp} x --pp {pp} x --cp {cp} = {mesh}")
             gpus = mesh
         def given(value, default):
             return default if value is None else value
@@ -1257,21 +1213,18 @@ def _estimate(p):
         from zero2all.distributed.plan import resolve, sections
 
         world = given(gpus, 1)
-        pc = cfg.parallel
-        pc.tp, pc.pp, pc.cp, pc.dp_replicate, pc.dp_shard = args.tp, args.pp, args.cp, 1, -1
-        pc.sequence_parallel = args.tp > 1 and (given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len)
-                                                // args.cp) % args.tp == 0
-        pc.ep = args.ep or pc.ep
+        pc.dp_replicate, pc.dp_shard = 1, -1
+        pc.sequence_parallel = tp > 1 and (given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len)
+                                           // cp) % tp == 0
         cfg.data.seq_len = min(given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len), cfg.model.max_seq_len)
-        cfg.train.micro_batch_size = given(args.micro_batch, cfg.train.micro_batch_size)
-        if world % (args.tp * args.pp * args.cp):   # the Layout's own sentence (--flags, not config keys)
-            Layout(gpus=world, tp=args.tp, pp=args.pp, cp=args.cp).validate()
+        if world % (tp * pp * cp):   # the Layout's own sentence (--flags, not config keys)
+            Layout(gpus=world, tp=tp, pp=pp, cp=cp).validate()
         parts = sections(cfg.model, pc)   # the layout's rules; the batch's are a run's (the flags are what-ifs)
         parts.data = cfg.data
         plan = resolve(parts, world)
         layout = plan.layout(cfg, args.gpu, tokens=args.tokens, mfu=args.mfu, zero=args.zero,
                              seq_len=given(args.seq, cfg.data.seq_len or cfg.model.max_seq_len),
-                             grad_accum_steps=given(args.grad_accum, cfg.train.grad_accum_steps),
+                             grad_accum_steps=cfg.train.grad_accum_steps,
                              recompute=args.recompute, precision=args.precision, sequence_parallel=None)
         if layout.seq_len > cfg.model.max_seq_len:
             print(f"warning: --seq {layout.seq_len} is longer than the model's context (model.max_seq_len = "
@@ -1281,7 +1234,7 @@ def _estimate(p):
         if cfg.model.moe.enabled:  # zero2all/accounting/moe.py; the dense table then shows the active path
             from zero2all.accounting.moe import active_dense_config, format_moe_estimate, moe_estimate
 
-            moe = moe_estimate(cfg.model, args.gpus, args.ep or cfg.parallel.ep, layout.micro_batch,
+            moe = moe_estimate(cfg.model, args.gpus, pc.ep, layout.micro_batch_size,
                                layout.seq_len, layout.grad_accum_steps, mfu=args.mfu)
             est = estimate(active_dense_config(cfg.model), layout) | {"moe": moe}
         else:
@@ -1306,7 +1259,7 @@ def _estimate(p):
          "included",
          "  z2all bench train                                  # every row: ablations, HF peers, extras\n"
          "  z2all bench train --rows use_all,use_all_compile,hf_liger --iters 10 --out bench.json\n"
-         "  z2all bench train --config tiny --rows use_all,hf --micro-batch 4 --seq 256")
+         "  z2all bench train --config tiny --rows use_all,hf --micro-batch-size 4 --seq 256")
 def _bench(p):
     # zero2all.bench imports torch, so its options are added when the command runs, not when the parser is built
     # (`z2all bench train --help` lists them)
@@ -1372,7 +1325,9 @@ def _option_naming(path: str, args) -> str | None:
                 continue
             if inside and (best is None or dest == "out"):
                 best = dest
-    return "--" + best.replace("_", "-") if best else None
+    if best is None:
+        return None
+    return "--" + (best if "." in best else best.replace("_", "-"))  # a config flag's dest is its key
 
 
 def os_error_line(exc: OSError, args) -> str:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import sys
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -92,6 +94,13 @@ def _check_choice(section: Any, name: str, choices: tuple[str, ...], prefix: str
         raise ConfigError(f"{prefix}.{name}: {value!r} is not one of {', '.join(choices)}")
 
 
+def _check_choices(section: Any, prefix: str) -> None:
+    """Each field named in the section's ``_CHOICES`` holds one of its choices (the command line's flags offer
+    the same lists: ``config_fields``)."""
+    for name, choices in type(section)._CHOICES.items():
+        _check_choice(section, name, choices, prefix)
+
+
 def _check_str_list(section: Any, name: str, prefix: str) -> None:
     value = getattr(section, name)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -133,18 +142,21 @@ class OpsConfig:
     (2 bytes per parameter kept until the step); ``off`` (default): per use.
     """
 
-    rmsnorm: str = "auto"
-    rope: str = "auto"
-    swiglu: str = "auto"
-    cross_entropy: str = "auto"
+    rmsnorm: str = "auto"          # RMSNorm: torch | triton | auto (triton on CUDA when importable)
+    rope: str = "auto"             # rotary embedding: torch | triton | auto
+    swiglu: str = "auto"           # SwiGLU: torch | triton | auto
+    cross_entropy: str = "auto"    # torch (materialises logits) | fused (loss from hidden states in chunks) | auto
+    # naive (explicit softmax) | sdpa (torch SDPA: flash / cuDNN) | flex (FlexAttention; document masks)
     attention: str = "sdpa"
-    fused_linear: str = "auto"
+    fused_linear: str = "auto"     # each block's projections as lean fused functions: torch | triton | auto
     grouped_gemm: str = "auto"     # MoE experts: auto | triton | torch (torch._grouped_mm) | loop (the reference)
+    # the blocks' GEMMs: bf16 (compute dtype) | fp8_rowwise | fp8_tensorwise (docs/fp8.md)
     linear_precision: str = "bf16"
+    # off | grads (sum weight gradients inside the GEMM) | all (also one bf16 weight cast per step)
     step_fusion: str = "off"
-    fp8_weight_cache: str = "transposed"
-    fp8_fused_amax: bool = False
-    fp8_amax_history: int = 0
+    fp8_weight_cache: str = "transposed"  # FP8: transposed (keep W^T's cast until the step) | both (keep W's too)
+    fp8_fused_amax: bool = False   # FP8: the norm / SwiGLU kernels write the maxima of their outputs for the casts
+    fp8_amax_history: int = 0      # fp8_tensorwise delayed scaling: window of 2 .. 1024 earlier casts (0 = off)
 
     _CHOICES = {
         "rmsnorm": ("torch", "triton", "auto"),
@@ -160,10 +172,7 @@ class OpsConfig:
     }
 
     def validate(self, prefix: str = "model.ops") -> None:
-        for name, choices in self._CHOICES.items():
-            value = getattr(self, name)
-            if value not in choices:
-                raise ConfigError(f"{prefix}.{name}: {value!r} is not one of {', '.join(choices)}")
+        _check_choices(self, prefix)
         n = self.fp8_amax_history
         if isinstance(n, bool) or not isinstance(n, int) or (n != 0 and not 2 <= n <= 1024):
             raise ConfigError(f"{prefix}.fp8_amax_history: {n!r} is neither 0 (off) nor a window of 2 .. 1024 casts")
@@ -202,14 +211,14 @@ class MoEConfig:
     running bias keeps following the load it alone would have given and is what evaluation and inference use.
     """
 
-    n_experts: int = 0
-    top_k: int = 2
-    n_shared_experts: int = 0
-    expert_intermediate_size: int = 0      # 0 = model.intermediate_size
+    n_experts: int = 0             # routed experts per MoE layer (0 = a dense model)
+    top_k: int = 2                 # experts each token is sent to
+    n_shared_experts: int = 0      # experts every token passes through, beside the routed ones
+    expert_intermediate_size: int = 0      # width of each expert's MLP (0 = model.intermediate_size)
     shared_expert_gate: bool = False       # Qwen2-MoE: the shared experts' output scaled by sigmoid(x . w)
-    moe_every: int = 1
-    first_dense_layers: int = 0
-    router: str = "softmax_topk"
+    moe_every: int = 1             # every this many layers is a MoE layer (Qwen2-MoE decoder_sparse_step)
+    first_dense_layers: int = 0    # the first this many layers keep the dense MLP
+    router: str = "softmax_topk"   # softmax_topk | sigmoid (DeepSeek-V3, bias-balanced)
     renormalize: bool = True               # softmax_topk: top-k weights divided by their sum (Mixtral)
     bias_update_rate: float = 1e-3         # sigmoid router: aux-loss-free balancing step
     bias_update: str = "sign"              # sign (DeepSeek-V3) | error (proportional to the relative load error)
@@ -217,8 +226,10 @@ class MoEConfig:
     aux_loss_coef: float = 0.0             # Switch/GShard load-balancing loss weight
     seq_aux_loss_coef: float = 0.0         # the same loss per sequence, averaged (DeepSeek-V3 sequence-wise)
     z_loss_coef: float = 0.0               # router z-loss weight (ST-MoE)
-    capacity_factor: float = 0.0           # 0 = dropless
+    capacity_factor: float = 0.0           # c > 0: at most c x the even share of tokens per expert; 0 = dropless
     balance_iters: int = 0                 # sigmoid router, training: rounds of the per-batch bias (0 = off)
+
+    _CHOICES = {"router": MOE_ROUTERS, "bias_update": ("sign", "error")}
 
     @property
     def enabled(self) -> bool:
@@ -229,8 +240,7 @@ class MoEConfig:
 
     def validate(self, prefix: str = "model.moe") -> None:
         _check_finite(self, prefix)
-        _check_choice(self, "router", MOE_ROUTERS, prefix)
-        _check_choice(self, "bias_update", ("sign", "error"), prefix)
+        _check_choices(self, prefix)
         for name in ("n_experts", "n_shared_experts", "expert_intermediate_size", "first_dense_layers",
                      "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate",
                      "balance_iters"):
@@ -253,28 +263,28 @@ class MoEConfig:
 class ModelConfig:
     """The Z2all (Llama-2) architecture. Defaults are the 1.1B reference model."""
 
-    vocab_size: int = 64320
-    hidden_dim: int = 2048
-    intermediate_size: int = 5632
-    n_layers: int = 22
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    max_seq_len: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-5
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    vocab_size: int = 64320        # tokens in the vocabulary
+    hidden_dim: int = 2048         # width of the residual stream
+    intermediate_size: int = 5632  # width of the dense SwiGLU MLP
+    n_layers: int = 22             # transformer blocks
+    n_heads: int = 32              # attention (query) heads
+    n_kv_heads: int = 8            # key / value heads (grouped-query attention; divides n_heads)
+    max_seq_len: int = 2048        # longest context the model is trained and run at
+    initializer_range: float = 0.02  # std of the normal initialisation
+    rms_norm_eps: float = 1e-5     # epsilon of every RMSNorm
+    pad_token_id: int | None = None  # padding token id (none = no padding token)
+    bos_token_id: int | None = None  # beginning-of-document token id (none = unset)
+    eos_token_id: int | None = None  # end-of-document token id (none = unset)
+    tie_word_embeddings: bool = False  # the LM head shares the embedding matrix
+    rope_theta: float = 10000.0    # RoPE base frequency
     # None, or {"type": "linear" | "dynamic", "factor": float}; "dynamic" is dynamic NTK scaling, which also reads
     # "original_max_position_embeddings" (defaults to max_seq_len).
     rope_scaling: dict | None = None
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
+    attention_bias: bool = False   # bias terms on the q / k / v / o projections
+    attention_dropout: float = 0.0 # dropout on the attention probabilities
     dropout1: float = 0.0  # dropout on the attention block's output, before the residual add
     dropout2: float = 0.0  # dropout on the MLP block's output, before the residual add
-    residual_in_fp32: bool = True
+    residual_in_fp32: bool = True  # keep the residual stream in float32 under bf16 / fp16
     # pad vocab_size up to a multiple of this (0 = leave as is); tensor cores like multiples of 64
     pad_vocab_to_multiple_of: int = 0
     # scale the init std of output projections (o_proj, down_proj) by 1/sqrt(2*n_layers) (GPT-2 / Megatron)
@@ -337,7 +347,7 @@ class DataConfig:
     """Where training batches come from (token shards written by ``z2all prepare``)."""
 
     path: str = ""                 # directory written by `z2all prepare`; "" = synthetic random tokens
-    seq_len: int = 0               # 0 = model.max_seq_len
+    seq_len: int = 0               # tokens per training sequence (0 = model.max_seq_len)
     document_mask: bool = False    # return document boundaries per window (intra-document attention)
 
     def validate(self, prefix: str = "data") -> None:
@@ -353,6 +363,7 @@ FP64_ON_GPU = ("{prefix}.precision = 'fp64' runs on the CPU only (it exists to c
                "and GPUs run float64 matmuls far slower than float32); set {prefix}.device = 'cpu' "
                "(it is {device!r}) or pick fp32 / bf16")
 FUSED_ADAMW = ("auto", "true", "false")
+TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -360,25 +371,25 @@ OPTIMIZERS = ("adamw", "muon")
 class TrainConfig:
     """Optimisation, precision, checkpointing and logging of one run."""
 
-    out_dir: str = "runs/default"
-    seed: int = 1337
+    out_dir: str = "runs/default"  # output directory: checkpoints, metrics, final/
+    seed: int = 1337               # seed of initialisation, data order and sampling
     device: str = "auto"           # auto | cpu | cuda | cuda:N
-    micro_batch_size: int = 2
-    grad_accum_steps: int = 1
-    max_steps: int = 1000
+    micro_batch_size: int = 2      # micro-batch size: sequences per data-parallel rank in one forward / backward
+    grad_accum_steps: int = 1      # micro-batches summed into one optimiser update
+    max_steps: int = 1000          # optimiser updates of the run
     # > 0: a wall-clock budget in seconds (training updates, evaluations, checkpoints): max_steps becomes an upper
     # bound, the LR schedule's length is fixed from the rate measured over the first updates (at the end of warmup,
     # at least 10 updates), and training stops when the time is up
     time_budget_s: float = 0.0
-    # optimiser
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    decay_embeddings: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0         # 0 = off
+    # -- optimiser
+    lr: float = 3e-4               # peak learning rate
+    min_lr: float = 3e-5           # learning rate at the end of the schedule (<= lr)
+    weight_decay: float = 0.1      # AdamW decoupled weight decay (matrices only)
+    decay_embeddings: bool = False # apply weight decay to the embedding too
+    beta1: float = 0.9             # AdamW beta1
+    beta2: float = 0.95            # AdamW beta2
+    eps: float = 1e-8              # AdamW epsilon
+    grad_clip: float = 1.0         # gradient-norm clipping threshold (0 = off)
     fused_adamw: str = "auto"      # auto (fused on CUDA) | true | false
     # adamw | muon (train/muon.py: orthogonalised momentum for the blocks' weight matrices, AdamW for the rest)
     optimizer: str = "adamw"
@@ -388,23 +399,23 @@ class TrainConfig:
     muon_scale: str = "rms"        # muon: rms (0.2 sqrt(max(out, in)): AdamW's update size) | spectral
     # schedule: cosine (linear warmup then cosine to min_lr) | wsd (warmup, stable, linear decay) | constant
     schedule: str = "cosine"
-    warmup_steps: int = 100
+    warmup_steps: int = 100        # updates of linear learning-rate warmup
     decay_fraction: float = 0.2    # wsd: fraction of max_steps spent decaying
     # precision: auto (bf16 on GPUs that support it, else fp32) | bf16 | fp16 | fp32 | fp64 (CPU only: parameters,
     # activations and optimizer state in float64, every op on its plain PyTorch path; for equivalence checks)
     precision: str = "auto"
-    compile: bool = False
-    # evaluation / logging / checkpoints
-    eval_every: int = 200
-    eval_batches: int = 20
+    compile: bool = False          # torch.compile the model
+    # -- evaluation / logging / checkpoints
+    eval_every: int = 200          # updates between evaluations (0 = none)
+    eval_batches: int = 20         # validation batches per evaluation
     # bits per byte on text files at each evaluation (`z2all eval`'s rules, per source: files, globs, NAME=PATH),
     # logged as eval/<source>/bits_per_byte; at most eval_data_max_docs documents in all
     eval_data: list[str] = field(default_factory=list)
-    eval_data_max_docs: int = 200
-    sample_every: int = 0          # 0 = only at the end
-    log_every: int = 1
-    ckpt_every: int = 500
-    keep_last: int = 3
+    eval_data_max_docs: int = 200  # eval_data: documents scored at most, over all sources
+    sample_every: int = 0          # updates between sampled continuations (0 = only at the end)
+    log_every: int = 1             # updates between log lines (0 = none)
+    ckpt_every: int = 500          # updates between checkpoints (0 = only the final one)
+    keep_last: int = 3             # checkpoints kept in out_dir (older ones deleted; 0 = all)
     # stop (exit code 3, no final/) after this many optimiser updates in a row were skipped for non-finite
     # gradients (0 = never); a run that skipped more than half of its updates writes no final/ either
     max_skipped_updates: int = 20
@@ -412,18 +423,18 @@ class TrainConfig:
     # median update time), every rank writes its threads' stacks to OUT/hang/, the ranks behind are named and the
     # run exits with code 4 (watchdog_factor = 0: off)
     watchdog_factor: float = 20.0
-    watchdog_min_s: float = 300.0
+    watchdog_min_s: float = 300.0  # the hang watchdog's least wait in seconds (see watchdog_factor)
     # several processes: every this many updates, name a rank the others keep waiting for (train/watchdog.py,
     # StragglerMonitor; 0 = off); every update logs its data_wait_s and arrival_wait_s
     straggler_window: int = 20
     # CUDA: record allocations from the start and, on out-of-memory, write OUT/memory_snapshot.pickle for torch's
     # memory viewer (https://pytorch.org/memory_viz); costs host time per allocation
     memory_snapshot: bool = False
-    tensorboard: bool = True
+    tensorboard: bool = True       # write TensorBoard event files beside metrics.jsonl
     # experiment trackers beside metrics.jsonl and TensorBoard (train/trackers.py): wandb | mlflow
     trackers: list[str] = field(default_factory=list)
-    tracker_project: str = "zero2all"
-    gpu_peak_flops: float = 0.0    # 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
+    tracker_project: str = "zero2all"  # project name given to the experiment trackers
+    gpu_peak_flops: float = 0.0    # peak FLOP/s of MFU; 0 = detect from the GPU name (989e12 for H100/H200 bf16 dense)
     # resume: "" = fresh run (refuses an --out that already holds checkpoints) | auto (newest complete checkpoint
     # in out_dir, else fresh) | a checkpoint directory
     resume: str = ""
@@ -431,13 +442,17 @@ class TrainConfig:
     # continued pretraining: start from this checkpoint's weights and architecture ("" = a fresh model), and train
     # all | new_embeddings (only embedding / LM-head rows a `z2all resize-vocab` added) | embeddings+norms
     init: str = ""
-    trainable: str = "all"
-    # sampled continuations at eval time and at the end ("" prompts = the first tokens of validation rows)
-    num_samples: int = 3
-    sample_new_tokens: int = 64
-    sample_temperature: float = 0.8
-    sample_top_k: int = 50
+    trainable: str = "all"         # all | new_embeddings | embeddings+norms (see init)
+    # -- sampled continuations at eval time and at the end ("" prompts = the first tokens of validation rows)
+    num_samples: int = 3           # continuations sampled at each evaluation and at the end (0 = none)
+    sample_new_tokens: int = 64    # tokens per sampled continuation
+    sample_temperature: float = 0.8  # sampling temperature of the continuations
+    sample_top_k: int = 50         # top-k of the continuations' sampling (0 = off)
+    # prompts of the continuations ([] = the first tokens of validation rows)
     sample_prompts: list[str] = field(default_factory=list)
+
+    _CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "fused_adamw": FUSED_ADAMW, "optimizer": OPTIMIZERS,
+                "muon_scale": ("rms", "spectral"), "trainable": TRAINABLE}
 
     def validate(self, prefix: str = "train") -> None:
         """Every field in range (naming it). ``LRSchedule`` (train/optim.py) checks the schedule fields again
@@ -465,12 +480,9 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.eps: must be positive, got {self.eps}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"{prefix}.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
-        _check_choice(self, "precision", PRECISIONS, prefix)
+        _check_choices(self, prefix)
         if self.precision == "fp64" and self.device.startswith("cuda"):
             raise ConfigError(FP64_ON_GPU.format(prefix=prefix, device=self.device))
-        _check_choice(self, "schedule", SCHEDULES, prefix)
-        _check_choice(self, "fused_adamw", FUSED_ADAMW, prefix)
-        _check_choice(self, "optimizer", OPTIMIZERS, prefix)
         for name in self.trackers:
             if name not in ("wandb", "mlflow"):
                 raise ConfigError(f"{prefix}.trackers: {name!r} is not one of wandb, mlflow")
@@ -479,14 +491,12 @@ class TrainConfig:
         if self.watchdog_factor < 0 or self.watchdog_min_s <= 0:
             raise ConfigError(f"{prefix}.watchdog_factor / watchdog_min_s: must be >= 0 / > 0, got "
                               f"{self.watchdog_factor} / {self.watchdog_min_s}")
-        _check_choice(self, "muon_scale", ("rms", "spectral"), prefix)
         if self.muon_lr < 0:
             raise ConfigError(f"{prefix}.muon_lr: must be >= 0 (0 = {prefix}.lr), got {self.muon_lr}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"{prefix}.muon_momentum: must be in [0, 1), got {self.muon_momentum}")
         if self.muon_ns_steps < 1:
             raise ConfigError(f"{prefix}.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
-        _check_choice(self, "trainable", TRAINABLE, prefix)
         _check_str_list(self, "sample_prompts", prefix)
         _check_str_list(self, "eval_data", prefix)
         if self.eval_data_max_docs < 1:
@@ -495,8 +505,6 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.trainable: new_embeddings needs {prefix}.init (a `z2all resize-vocab` "
                               f"output: it says which rows are new)")
 
-
-TRAINABLE = ("all", "new_embeddings", "embeddings+norms")
 
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "zero1")
@@ -518,7 +526,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True   # fsdp: true = ZeRO-3-like (re-gather in backward), false = ZeRO-2-like
     fsdp_reduce_fp32: bool = True  # fsdp with bf16: reduce-scatter gradients in fp32 (false: in bf16)
     # fsdp with grad_accum_steps > 1: reduce-scatter once per update and keep the gathered parameters between
-    # micro-steps (less communication; unsharded gradients and parameters cost memory). "auto": on with ep > 1
+    # micro-batches (less communication; unsharded gradients and parameters cost memory). "auto": on with ep > 1
     # (the experts are sharded by ep, not by FSDP, so keeping the rest gathered costs little), off otherwise
     fsdp_accum_no_sync: bool | str = "auto"
     cpu_offload: bool = False      # fsdp: keep sharded parameters, gradients and optimizer state in CPU memory
@@ -533,7 +541,7 @@ class ParallelConfig:
     # ep > 1: FSDP2 reshard_after_forward of the blocks (replaces reshard_after_forward there); false keeps the
     # gathered non-expert weights from forward to backward (they are small next to the experts)
     ep_reshard_after_forward: bool = False
-    # the device mesh (distributed/mesh.py): pp x dp_replicate x dp_shard x cp x tp = the number of processes
+    # -- the device mesh (distributed/mesh.py): pp x dp_replicate x dp_shard x cp x tp = the number of processes
     dp_replicate: int = 1          # HSDP replicas (gradients all-reduced across them)
     dp_shard: int = -1             # FSDP2 shards within a replica; -1 = the rest of the processes
     tp: int = 1                    # tensor parallel (Megatron 1-D: heads and MLP columns/rows split)
@@ -561,6 +569,10 @@ class ParallelConfig:
     # each stage's blocks replayed as CUDA graphs (distributed/pp_graphs.py; CUDA, bf16 stages, no FSDP2 / tp / cp
     # / AC / zero_bubble). "auto": on wherever that holds (the reason printed where not)
     pp_cuda_graphs: bool | str = "auto"
+
+    _CHOICES = {"mode": PARALLEL_MODES, "comm_hook": COMM_HOOKS, "activation_checkpointing": AC_MODES,
+                "ac_selective": AC_SELECTIVE, "pp_schedule": PP_SCHEDULES, "tp_impl": TP_IMPLS,
+                "pp_balance": PP_BALANCES}
 
     def uses_mesh(self) -> bool:
         """True when anything beyond plain data parallelism is asked for (tp, pp, cp or HSDP replicas)."""
@@ -602,10 +614,7 @@ class ParallelConfig:
         can run, is decided by the plan (``zero2all.distributed.plan.resolve``), from every parallel module's
         declared rules; ``world_size`` is accepted for the callers of earlier versions and not read here."""
         _check_finite(self, prefix)
-        for name, choices in (("mode", PARALLEL_MODES), ("comm_hook", COMM_HOOKS),
-                              ("activation_checkpointing", AC_MODES), ("ac_selective", AC_SELECTIVE)):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{prefix}.{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        _check_choices(self, prefix)
         if self.ac_every < 1:
             raise ConfigError(f"{prefix}.ac_every: must be >= 1, got {self.ac_every}")
         if self.powersgd_rank < 1:
@@ -617,14 +626,11 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.timeout_s: must be positive, got {self.timeout_s}")
         if self.ep < 1:
             raise ConfigError(f"{prefix}.ep: must be >= 1, got {self.ep}")
-        _check_choice(self, "pp_schedule", PP_SCHEDULES, prefix)
-        _check_choice(self, "tp_impl", TP_IMPLS, prefix)
         if self.tp_chunks < 1:
             raise ConfigError(f"{prefix}.tp_chunks: must be >= 1, got {self.tp_chunks}")
         for name in ("tp_graphs", "pp_cuda_graphs", "fsdp_accum_no_sync"):
             if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
                 raise ConfigError(f"{prefix}.{name}: expected true, false or \"auto\", got {getattr(self, name)!r}")
-        _check_choice(self, "pp_balance", PP_BALANCES, prefix)
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}: must be >= 1, got {getattr(self, name)}")
@@ -653,28 +659,31 @@ class PostTrainConfig:
     LoRA and DPO settings. Unused by pretraining."""
 
     init: str = ""                 # pretrained checkpoint to start from (ours, HF Llama, or base + LoRA adapter)
-    data: list[str] = field(default_factory=list)   # jsonl / json files, or one `z2all prepare-sft` directory
+    # training records: jsonl / json files, or one directory of prepared records
+    data: list[str] = field(default_factory=list)
     valid: list[str] = field(default_factory=list)  # validation files ([] = valid_fraction of the data)
     valid_fraction: float = 0.0    # share of the samples held out for evaluation when `valid` is empty
     tokenizer: str = ""            # tokenizer directory ("" = the one stored with `init`)
     packing: str = "pack"          # sft: pack (several samples per row, attention kept inside each) | pad
     on_error: str = "raise"        # malformed records: raise (naming file:line) | skip (counted and reported)
-    lora_rank: int = 0             # 0 = full fine-tuning; > 0 = train LoRA adapters only
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
+    lora_rank: int = 0             # LoRA rank: 0 = full fine-tuning; > 0 = train LoRA adapters only
+    lora_alpha: float = 16.0       # LoRA scaling numerator (scaling = alpha / rank)
+    lora_dropout: float = 0.0      # dropout on the LoRA branch's input
+    # qkv_proj o_proj gate_up_proj down_proj lm_head (or the HF names q_proj k_proj v_proj ...)
     lora_targets: list[str] = field(default_factory=lambda: ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     beta: float = 0.1              # dpo: strength of the KL anchor to the reference model
     ref: str = ""                  # dpo: reference model directory ("" = init)
     precompute_ref: bool = False   # dpo: reference log-probs computed once before training (no second model)
     prompt_tuning: str = ""        # "" | prompt | prefix: train virtual tokens only (zero2all/model/prompt_tuning.py)
-    num_virtual_tokens: int = 16
+    num_virtual_tokens: int = 16   # virtual tokens of prompt_tuning
+
+    _CHOICES = {"packing": PACKINGS, "on_error": ON_ERROR, "prompt_tuning": ("", "prompt", "prefix")}
 
     def validate(self, prefix: str = "post") -> None:
         """Every field in range. That ``init`` and ``data`` are set is checked by ``posttrain_config``: a
         pretraining run leaves them empty."""
         _check_finite(self, prefix)
-        _check_choice(self, "packing", PACKINGS, prefix)
-        _check_choice(self, "on_error", ON_ERROR, prefix)
+        _check_choices(self, prefix)
         for name in ("data", "valid", "lora_targets"):
             _check_str_list(self, name, prefix)
         if not 0.0 <= self.valid_fraction < 1.0:
@@ -687,7 +696,6 @@ class PostTrainConfig:
             raise ConfigError(f"{prefix}.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.beta <= 0:
             raise ConfigError(f"{prefix}.beta: must be positive, got {self.beta}")
-        _check_choice(self, "prompt_tuning", ("", "prompt", "prefix"), prefix)
         if self.num_virtual_tokens < 1:
             raise ConfigError(f"{prefix}.num_virtual_tokens: must be >= 1, got {self.num_virtual_tokens}")
         if self.prompt_tuning and self.lora_rank:
@@ -704,11 +712,11 @@ class RLConfig:
 
     algo: str = "grpo"             # grpo (group-normalised rewards, no value model) | ppo (value head, GAE)
     reward_fn: str = ""            # Python reward function module:function, called as fn(completion, record)
-    reward_model: str = ""         # or a `z2all reward` model directory
+    reward_model: str = ""         # or a reward model: a `z2all reward` model directory
     group_size: int = 8            # responses sampled per prompt (grpo: the group; ppo: 1 is usual)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = 64       # response length limit of a rollout
+    temperature: float = 1.0       # rollout sampling temperature
+    top_k: int = 0                 # rollout top-k (0 = off)
     kl_coef: float = 0.04          # weight of the KL to the reference (0 = no reference at all)
     kl_estimator: str = "k3"       # k1 (log-ratio) | k3 (exp(d) - d - 1); grpo puts it in the loss, ppo in the reward
     clip_eps: float = 0.2          # PPO ratio clipping
@@ -720,11 +728,11 @@ class RLConfig:
     value_clip: float = 0.2        # ppo: value clipping range
     fused_decode: str = "auto"     # rollouts with the fused decode kernels: auto | on | off
 
+    _CHOICES = {"algo": RL_ALGOS, "kl_estimator": KL_ESTIMATORS, "fused_decode": ("auto", "on", "off")}
+
     def validate(self, prefix: str = "rl") -> None:
         _check_finite(self, prefix)
-        _check_choice(self, "algo", RL_ALGOS, prefix)
-        _check_choice(self, "kl_estimator", KL_ESTIMATORS, prefix)
-        _check_choice(self, "fused_decode", ("auto", "on", "off"), prefix)
+        _check_choices(self, prefix)
         if self.reward_fn and self.reward_model:
             raise ConfigError(f"{prefix}.reward_fn / {prefix}.reward_model: give one reward source, not both")
         if self.reward_fn and ":" not in self.reward_fn:
@@ -780,6 +788,88 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# the settings, one per leaf field: what the command line's flags are generated from (zero2all/cli_flags.py)
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One setting: its dotted key, Python type, default, help text and choices (empty: any value of the type).
+
+    The help text is the field's comment in this file: the comment lines right above the field (at the field's
+    indentation) and the comment after it, with the lines that continue it further right. A comment line that
+    starts with ``# --`` heads a group of fields and belongs to none of them."""
+
+    key: str
+    type: Any
+    default: Any
+    help: str
+    choices: tuple = ()
+
+
+@functools.lru_cache(maxsize=1)
+def _field_comments() -> Mapping[tuple[str, str], str]:
+    """(class name, field name) -> the field's comment text, read from this module's source (once: the source
+    does not change while the process runs; the mapping is read-only)."""
+    import ast
+    import io
+    import tokenize
+
+    try:
+        source = Path(__file__).read_text(encoding="utf-8")
+    except OSError:  # pragma: no cover - a build without sources: flags without help
+        return {}
+    lines = source.splitlines()
+    comments = {tok.start[0]: (tok.start[1], tok.string[1:].strip())
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+
+    def alone(row: int) -> bool:   # a line holding only a comment
+        return row in comments and lines[row - 1].lstrip().startswith("#")
+
+    out = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            col, text = stmt.col_offset, []
+            row = stmt.lineno - 1
+            while alone(row) and comments[row][0] == col and not comments[row][1].startswith("--"):
+                text.insert(0, comments[row][1])
+                row -= 1
+            text += [comments[r][1] for r in range(stmt.lineno, stmt.end_lineno + 1) if r in comments]
+            row = stmt.end_lineno + 1
+            while text and alone(row) and comments[row][0] > col:
+                text.append(comments[row][1])
+                row += 1
+            out[(node.name, stmt.target.id)] = " ".join(t for t in text if t)
+    return types.MappingProxyType(out)
+
+
+@functools.lru_cache(maxsize=None)
+def config_fields(cls: type | None = None) -> tuple[ConfigField, ...]:
+    """Every leaf setting of ``cls`` (default :class:`Config`) in declaration order, sections recursed into
+    (``model.ops.attention``); fields starting with ``_`` are not settings. Computed once per class."""
+    return tuple(_fields(Config if cls is None else cls, "", _field_comments()))
+
+
+def _fields(cls: type, prefix: str, comments: Mapping[tuple[str, str], str]) -> list[ConfigField]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _fields(hints[f.name], key, comments)
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        out.append(ConfigField(key, hints[f.name], default, comments.get((cls.__name__, f.name), ""),
+                               tuple(getattr(cls, "_CHOICES", {}).get(f.name, ()))))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
 # generic dict <-> dataclass with key-naming errors
 
 # keys that earlier versions accepted and that are gone: a config that still sets one is told why
@@ -800,7 +890,7 @@ def to_dict(obj: Any) -> Any:
 def _check_type(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
         if value is None and type(None) in args:
             return None
         errors = []

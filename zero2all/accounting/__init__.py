@@ -306,7 +306,7 @@ def largest_trainable_params(gpu_memory_bytes: float, n_gpus: int, zero: int, pr
 # memory: activations
 
 
-def korthikanti_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, n_heads: int, tp: int = 1,
+def korthikanti_activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden: int, n_heads: int, tp: int = 1,
                                            sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Activation bytes of ONE GPT layer as published by Korthikanti et al. (2022), Table 2 (16-bit activations,
     1-byte dropout masks, multi-head attention, 4h GeLU MLP, attention scores materialised):
@@ -317,7 +317,7 @@ def korthikanti_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidde
         selective recompute (+TP)       s*b*h * (10 + 24/t)        (with SP: 34*s*b*h/t)
         full recompute                  2*s*b*h                    (with SP: 2*s*b*h/t; only the layer input)
     """
-    s, b, h, a, t = seq_len, micro_batch, hidden, n_heads, tp
+    s, b, h, a, t = seq_len, micro_batch_size, hidden, n_heads, tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
@@ -457,8 +457,9 @@ def params_per_gpu(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> float:
     return body + max(first, last)
 
 
-def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: int = 1, precision: str = "bf16-amp",
-                      zero: int = 0, tp: int = 1, pp: int = 1, grad_accum_steps: int = 1, recompute: str = "none",
+def peak_memory_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int, n_gpus: int = 1,
+                      precision: str = "bf16-amp", zero: int = 0, tp: int = 1, pp: int = 1,
+                      grad_accum_steps: int = 1, recompute: str = "none",
                       sequence_parallel: bool | None = None, fused_kernels: bool = True,
                       fused_cross_entropy: bool = True, fused_linear: bool = False, pp_microbatches: int = 0) -> dict:
     """Predicted peak memory of one GPU during a training step, by part:
@@ -485,7 +486,7 @@ def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: 
     p = get_precision(precision)
     states = model_state_bytes(params_per_gpu(cfg, tp, pp), precision, zero, dp)
     copies = autocast_weight_copy_bytes(cfg, precision, tp, pp, zero, fused_cross_entropy, fused_linear)
-    tokens = micro_batch * seq_len
+    tokens = micro_batch_size * seq_len
     split = pp_microbatches if pp > 1 and pp_microbatches > 0 else 1   # pipeline microbatches per micro-batch
     layers = math.ceil(cfg.n_layers / pp)
     per_layer = activation_bytes_per_token_per_layer(cfg, precision, tp, sequence_parallel, recompute,
@@ -507,7 +508,7 @@ def peak_memory_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, n_gpus: 
             "total": total}
 
 
-def max_micro_batch(cfg: ModelConfig, seq_len: int, gpu_memory_bytes: float, reserve_bytes: float = 2 * GB,
+def max_micro_batch_size(cfg: ModelConfig, seq_len: int, gpu_memory_bytes: float, reserve_bytes: float = 2 * GB,
                     **layout) -> int:
     """Largest micro-batch whose :func:`peak_memory_bytes` fits in ``gpu_memory_bytes - reserve_bytes`` (the
     reserve covers the CUDA context, allocator fragmentation and workspaces); 0 if not even one sequence fits.
@@ -547,13 +548,13 @@ def ring_gather_factor(n: int) -> float:
 
 def data_parallel_comm_bytes(n_params: float, dp: int, zero: int = 0, precision: str = "bf16-amp",
                              grad_accum_steps: int = 1) -> dict:
-    """Bytes each GPU sends per optimizer step for data parallelism over ``dp`` GPUs, P params, M micro-steps,
+    """Bytes each GPU sends per optimizer step for data parallelism over ``dp`` GPUs, P params, M micro-batches,
     gradients of g bytes and weights of w bytes (ring collectives):
 
         DDP (zero 0)  all-reduce grads once per step (no_sync during accumulation)   2(dp-1)/dp * P*g
         ZeRO-1        reduce-scatter grads once + all-gather updated weights          (dp-1)/dp * P*(g + w)
-        ZeRO-2        reduce-scatter grads every micro-step + all-gather weights      (dp-1)/dp * P*(M*g + w)
-        ZeRO-3        per micro-step all-gather weights for forward and for backward
+        ZeRO-2        reduce-scatter grads every micro-batch + all-gather weights     (dp-1)/dp * P*(M*g + w)
+        ZeRO-3        per micro-batch all-gather weights for forward and for backward
                       and reduce-scatter grads                                        (dp-1)/dp * M*P*(2w' + g)
 
     (w' the bytes of the gathered copy.) With g = w and M = 1 this is the ZeRO paper's 2P (stages 0-2) and 3P
@@ -581,8 +582,9 @@ def data_parallel_comm_bytes(n_params: float, dp: int, zero: int = 0, precision:
     return {"bytes_per_step": sent, "collective": collective}
 
 
-def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, grad_accum_steps: int = 1,
-                               precision: str = "bf16-amp", recompute: str = "none", pp: int = 1) -> float:
+def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int, tp: int,
+                               grad_accum_steps: int = 1, precision: str = "bf16-amp", recompute: str = "none",
+                               pp: int = 1) -> float:
     """Bytes each GPU sends per optimizer step for Megatron tensor parallelism: per block and micro-batch two
     all-reduces of the b*s*h activation in forward and two in backward (with sequence parallelism each becomes an
     all-gather + reduce-scatter of the same total volume), each 2(t-1)/t * b*s*h*e; full recompute re-runs the
@@ -591,11 +593,12 @@ def tensor_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int,
     n_collectives = 6 if recompute == "full" else 4
     layers = math.ceil(cfg.n_layers / pp)
     return (grad_accum_steps * layers * n_collectives * ring_all_reduce_factor(tp)
-            * micro_batch * seq_len * cfg.hidden_dim * e)
+            * micro_batch_size * seq_len * cfg.hidden_dim * e)
 
 
-def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, grad_accum_steps: int = 1,
-                                precision: str = "bf16-amp", tp: int = 1, pp: int = 1) -> float:
+def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int, cp: int,
+                                grad_accum_steps: int = 1, precision: str = "bf16-amp", tp: int = 1,
+                                pp: int = 1) -> float:
     """Bytes each GPU sends per step for ring attention over ``cp`` ranks: in every attention layer's forward a
     rank passes on cp-1 K/V blocks of b*(s/cp) tokens x 2*n_kv_heads*head_dim/t values; the backward passes the
     K/V blocks again and the dK/dV blocks once: 3 * (cp-1)/cp * b*s*2*kv*e per layer and micro-batch."""
@@ -604,7 +607,7 @@ def context_parallel_comm_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int
     e = get_precision(precision).activation_bytes
     kv = 2 * cfg.n_kv_heads * cfg.head_dim / tp
     layers = math.ceil(cfg.n_layers / pp)
-    return grad_accum_steps * layers * 3 * (cp - 1) / cp * micro_batch * seq_len * kv * e
+    return grad_accum_steps * layers * 3 * (cp - 1) / cp * micro_batch_size * seq_len * kv * e
 
 
 def pipeline_bubble_fraction(stages: int, micro_batches: int, stages_per_rank: int = 1) -> float:
@@ -655,7 +658,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    micro_batch: int = 1
+    micro_batch_size: int = 1
     seq_len: int = 2048
     grad_accum_steps: int = 1
     recompute: str = "none"
@@ -669,7 +672,7 @@ class Layout:
     residual_in_fp32: bool = True      # the residual stream crosses stage boundaries in fp32
 
     def validate(self) -> None:
-        for name in ("gpus", "tp", "pp", "cp", "micro_batch", "seq_len", "grad_accum_steps"):
+        for name in ("gpus", "tp", "pp", "cp", "micro_batch_size", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
         if self.gpus % (self.tp * self.pp * self.cp):
@@ -703,7 +706,7 @@ def _memory_kwargs(L: Layout) -> dict:
 
 def layout_fits(cfg: ModelConfig, L: Layout, reserve_bytes: float = 2 * GB) -> bool:
     """Whether :func:`peak_memory_bytes` of ``L`` stays within the GPU's memory less ``reserve_bytes``."""
-    peak = peak_memory_bytes(cfg, L.micro_batch, L.seq_len // L.cp, **_memory_kwargs(L))["total"]
+    peak = peak_memory_bytes(cfg, L.micro_batch_size, L.seq_len // L.cp, **_memory_kwargs(L))["total"]
     return peak <= get_gpu(L.gpu).memory_bytes - reserve_bytes
 
 
@@ -715,7 +718,7 @@ def fitting_layout(cfg: ModelConfig, layout: Layout, max_gpus: int = 1 << 16) ->
     node, dividing the heads), pipeline parallel 3 + log2(pp) (at most one stage per layer). None if nothing up
     to ``max_gpus`` fits."""
     L = layout
-    tokens_per_rank = L.micro_batch * L.grad_accum_steps
+    tokens_per_rank = L.micro_batch_size * L.grad_accum_steps
     gpus = L.gpus
     while gpus <= max_gpus:
         candidates = []
@@ -736,13 +739,13 @@ def fitting_layout(cfg: ModelConfig, layout: Layout, max_gpus: int = 1 << 16) ->
             trial = replace(L, gpus=gpus, tp=tp, pp=pp, zero=zero, recompute=recompute)
             if layout_fits(cfg, trial):
                 return trial
-            smallest = replace(trial, micro_batch=1, grad_accum_steps=tokens_per_rank)
-            if L.micro_batch > 1 and layout_fits(cfg, smallest):  # the largest micro-batch that fits
-                lo, hi = 1, L.micro_batch
+            smallest = replace(trial, micro_batch_size=1, grad_accum_steps=tokens_per_rank)
+            if L.micro_batch_size > 1 and layout_fits(cfg, smallest):  # the largest micro-batch that fits
+                lo, hi = 1, L.micro_batch_size
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if layout_fits(cfg, replace(trial, micro_batch=mid)) else (lo, mid)
-                return replace(trial, micro_batch=lo, grad_accum_steps=math.ceil(tokens_per_rank / lo))
+                    lo, hi = (mid, hi) if layout_fits(cfg, replace(trial, micro_batch_size=mid)) else (lo, mid)
+                return replace(trial, micro_batch_size=lo, grad_accum_steps=math.ceil(tokens_per_rank / lo))
         gpus *= 2
     return None
 
@@ -750,7 +753,7 @@ def fitting_layout(cfg: ModelConfig, layout: Layout, max_gpus: int = 1 << 16) ->
 def layout_flags(L: Layout) -> str:
     """The ``z2all estimate`` flags that select layout ``L``."""
     return (f"--gpus {L.gpus} --tp {L.tp} --pp {L.pp} --cp {L.cp} --zero {L.zero} --recompute {L.recompute} "
-            f"--micro-batch {L.micro_batch} --grad-accum {L.grad_accum_steps}")
+            f"--micro-batch-size {L.micro_batch_size} --grad-accum-steps {L.grad_accum_steps}")
 
 
 def estimate(cfg: ModelConfig, layout: Layout) -> dict:
@@ -765,26 +768,26 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     tokens = L.tokens if L.tokens is not None else 20.0 * pc.total
     fwd = forward_flops_per_token(cfg, L.seq_len, attention_causal=True)  # as the causal kernel computes it
     per_token_mfu = mfu_flops_per_token(cfg, L.seq_len)
-    tokens_per_step = L.micro_batch * L.seq_len * L.grad_accum_steps * dp
+    tokens_per_step = L.micro_batch_size * L.seq_len * L.grad_accum_steps * dp
     mem_kw = _memory_kwargs(L)
-    memory = peak_memory_bytes(cfg, L.micro_batch, local_seq, **mem_kw)
+    memory = peak_memory_bytes(cfg, L.micro_batch_size, local_seq, **mem_kw)
     per_layer = activation_bytes_per_token_per_layer(cfg, L.precision, L.tp, sp, L.recompute, L.fused_kernels,
                                                      fused_linear=L.fused_linear)
     shard = params_per_gpu(cfg, L.tp, L.pp)
     comm = {
         "data_parallel": data_parallel_comm_bytes(shard, dp * L.cp, L.zero, L.precision, L.grad_accum_steps),
-        "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch, local_seq, L.tp,
+        "tensor_parallel_bytes_per_step": tensor_parallel_comm_bytes(cfg, L.micro_batch_size, local_seq, L.tp,
                                                                      L.grad_accum_steps, L.precision, L.recompute,
                                                                      L.pp),
         "pipeline_bytes_per_step": pipeline_p2p_bytes(
-            cfg.hidden_dim, local_seq, L.micro_batch, L.grad_accum_steps, L.pp, L.pp_stages_per_rank,
+            cfg.hidden_dim, local_seq, L.micro_batch_size, L.grad_accum_steps, L.pp, L.pp_stages_per_rank,
             get_precision(L.precision).activation_bytes,
             4 if L.residual_in_fp32 else get_precision(L.precision).activation_bytes, L.tp, sp),
-        "context_parallel_bytes_per_step": context_parallel_comm_bytes(cfg, L.micro_batch, L.seq_len, L.cp,
+        "context_parallel_bytes_per_step": context_parallel_comm_bytes(cfg, L.micro_batch_size, L.seq_len, L.cp,
                                                                        L.grad_accum_steps, L.precision, L.tp, L.pp),
     }
     # an update runs as one pipeline schedule of accum x pp_microbatches microbatches (zero2all/distributed/pp.py)
-    bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch) * L.grad_accum_steps,
+    bubble = pipeline_bubble_fraction(L.pp, (L.pp_microbatches or L.micro_batch_size) * L.grad_accum_steps,
                                       L.pp_stages_per_rank)
     step_s = step_seconds(cfg, tokens_per_step, L.seq_len, L.gpus, gpu.peak_bf16_flops, L.mfu)
     fits = memory["total"] <= gpu.memory_bytes - 2 * GB
@@ -811,8 +814,8 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
             "params_on_gpu_before_zero": shard,
             "activation_per_token_per_layer": per_layer,
             "korthikanti_per_layer (GPT formula)": korthikanti_activation_bytes_per_layer(
-                local_seq, L.micro_batch, cfg.hidden_dim, cfg.n_heads, L.tp, sp, L.recompute),
-            "max_micro_batch": max_micro_batch(cfg, local_seq, gpu.memory_bytes, **mem_kw),
+                local_seq, L.micro_batch_size, cfg.hidden_dim, cfg.n_heads, L.tp, sp, L.recompute),
+            "max_micro_batch_size": max_micro_batch_size(cfg, local_seq, gpu.memory_bytes, **mem_kw),
         },
         "communication": comm,
         "pipeline_bubble": bubble,
@@ -896,13 +899,14 @@ def format_estimate(est: dict, name: str = "") -> str:
     zero = L["zero"]
     section(f"memory per GPU ({L['precision']}, ZeRO-{zero}, dp {L['dp']} x cp {L['cp']} x tp {L['tp']} x pp "
             f"{L['pp']}, "
-            f"micro-batch {L['micro_batch']}, recompute {L['recompute']})")
+            f"micro-batch {L['micro_batch_size']}, recompute {L['recompute']})")
+    per_layer = m["activation_per_token_per_layer"]["total"] * L["micro_batch_size"] * L["seq_len"]
     rows += [("weights", _gb(m["weights"])), ("gradients", _gb(m["gradients"])),
              ("optimizer (AdamW)", _gb(m["optimizer"])),
              ("bf16 weight copies", _gb(m["weight_copies"])),
              ("activations", f"{_gb(m['activations'])} "
                              f"({m['activation_per_token_per_layer']['total']:,.0f} B/token/layer = "
-                             f"{_gb(m['activation_per_token_per_layer']['total'] * L['micro_batch'] * L['seq_len'])}"
+                             f"{_gb(per_layer)}"
                              f"/layer; Korthikanti's GPT formula, s x s scores kept: "
                              f"{_gb(m['korthikanti_per_layer (GPT formula)'])}/layer)"),
              ("logits", _gb(m["logits"])),
@@ -913,7 +917,7 @@ def format_estimate(est: dict, name: str = "") -> str:
              ("at optimizer step (sum)", f"{_gb(m['at_optimizer_step'])} (weights + gradients + optimizer)"),
              ("peak (the larger)", f"{_gb(m['total'])} of {_gb(m['gpu_memory'])} (2 GB kept for the CUDA context and "
                                    f"workspaces) -> {'fits' if m['fits'] else 'DOES NOT FIT'}"),
-             ("largest micro-batch that fits", str(m["max_micro_batch"]))]
+             ("largest micro-batch that fits", str(m["max_micro_batch_size"]))]
     if not m["fits"]:
         fit = m.get("fitting_layout")
         rows.append(("a layout that fits", f"{fit['flags']} (the first found: the same GPUs, then 2x, 4x, ... "

@@ -66,7 +66,7 @@ def moe_param_counts(cfg: ModelConfig) -> MoEParams:
                      per_moe_layer_routed=routed, per_moe_layer_active=active_layer)
 
 
-def moe_estimate(cfg: ModelConfig, gpus: int = 1, ep: int = 1, micro_batch: int = 1, seq_len: int = 2048,
+def moe_estimate(cfg: ModelConfig, gpus: int = 1, ep: int = 1, micro_batch_size: int = 1, seq_len: int = 2048,
                  grad_accum_steps: int = 1, peak_flops: float = 989e12, mfu: float = 0.4,
                  act_bytes: int = 2) -> dict:
     """The MoE part of ``z2all estimate`` (JSON-ready)."""
@@ -79,11 +79,11 @@ def moe_estimate(cfg: ModelConfig, gpus: int = 1, ep: int = 1, micro_batch: int 
     m, h, L = cfg.moe, cfg.hidden_dim, cfg.n_layers
     p = moe_param_counts(cfg)
     flops_token = mfu_flops_per_token(cfg, seq_len)  # 6 N_active + 6 l h T
-    tokens_gpu = micro_batch * seq_len * grad_accum_steps
+    tokens_gpu = micro_batch_size * seq_len * grad_accum_steps
     state = 16 * p.total / gpus                       # fp32 weights + grads + AdamW m, v
     gathered = 2 * 2 * (p.non_expert / max(L, 1) + p.per_moe_layer_routed / ep)  # bf16, x2 prefetch
     a2a = 4 * p.moe_layers * tokens_gpu * m.top_k * h * act_bytes * (ep - 1) / ep
-    rows_per_layer = micro_batch * seq_len * m.top_k
+    rows_per_layer = micro_batch_size * seq_len * m.top_k
     return {
         "params": asdict(p) | {"active_fraction": p.active / p.total},
         "flops": {"per_token_active (6N_active+6lhT)": flops_token,

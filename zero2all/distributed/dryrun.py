@@ -111,7 +111,7 @@ def dry_run(cfg: Config, world: int, gpu: str = "h100", max_ranks: int = 1024) -
     est = estimate(model_cfg, L)
     from zero2all.accounting import _memory_kwargs
 
-    mem = peak_memory_bytes(model_cfg, L.micro_batch, L.seq_len // L.cp, **_memory_kwargs(L))
+    mem = peak_memory_bytes(model_cfg, L.micro_batch_size, L.seq_len // L.cp, **_memory_kwargs(L))
     transient = mem["weight_copies"] + mem["activations"] + mem["logits"]
     capacity = get_gpu(gpu).memory_bytes - RESERVE
     ranks = []
@@ -129,7 +129,7 @@ def dry_run(cfg: Config, world: int, gpu: str = "h100", max_ranks: int = 1024) -
 def format_dry_run(d: dict, name: str) -> str:
     lay = d["layout"]
     lines = [f"dry run: {name} on {d['world']} ranks (fake process group, meta tensors): tp {lay['tp']}, pp "
-             f"{lay['pp']}, cp {lay['cp']}, dp {lay['dp']} (ZeRO {lay['zero']}), micro-batch {lay['micro_batch']} "
+             f"{lay['pp']}, cp {lay['cp']}, dp {lay['dp']} (ZeRO {lay['zero']}), micro-batch {lay['micro_batch_size']} "
              f"x accumulation {lay['grad_accum_steps']} x seq {lay['seq_len']}",
              f"{'rank':>4s}  {'coordinates':28s} {'blocks':>6s} {'parameters':>14s} {'model states':>13s} "
              f"{'peak (est.)':>12s}  fits {d['gpu']} ({d['capacity_bytes'] / GB:.0f} GB usable)"]

@@ -134,7 +134,7 @@ class Plan:
         pc, ops = cfg.parallel, cfg.model.ops
         recompute = {"none": "none", "full": "full", "selective": "selective"}[pc.activation_checkpointing]
         fields = dict(gpus=self.world_size, gpu=gpu, zero=self.zero, tp=self.shape["tp"], pp=self.shape["pp"],
-                      cp=self.shape["cp"], micro_batch=cfg.train.micro_batch_size,
+                      cp=self.shape["cp"], micro_batch_size=cfg.train.micro_batch_size,
                       seq_len=cfg.data.seq_len or cfg.model.max_seq_len, grad_accum_steps=cfg.train.grad_accum_steps,
                       recompute=recompute, sequence_parallel=pc.sequence_parallel if self.shape["tp"] > 1 else None,
                       fused_kernels=ops.rmsnorm != "torch" and ops.swiglu != "torch",

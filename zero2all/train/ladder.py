@@ -140,7 +140,7 @@ def _train(cfg: Config, log) -> None:
 def _predict_time(cfg: Config, model_cfg, tokens: float, mfu: float, gpu: str) -> dict:
     from zero2all.accounting import Layout, estimate
 
-    layout = Layout(gpus=1, gpu=gpu, tokens=tokens, mfu=mfu, micro_batch=cfg.train.micro_batch_size,
+    layout = Layout(gpus=1, gpu=gpu, tokens=tokens, mfu=mfu, micro_batch_size=cfg.train.micro_batch_size,
                     seq_len=_seq_len(cfg), grad_accum_steps=cfg.train.grad_accum_steps)
     est = estimate(model_cfg, layout)
     return {"seconds": est["time"]["seconds"], "mfu": mfu, "gpu": gpu, "steps": est["time"]["steps"]}

@@ -38,7 +38,7 @@ def predicted_peak(cfg, world_size: int) -> dict | None:
 
             model_cfg = active_dense_config(cfg.model)
         L = layout_of(cfg, world_size, "h100")
-        return peak_memory_bytes(model_cfg, L.micro_batch, L.seq_len // L.cp, **_memory_kwargs(L))
+        return peak_memory_bytes(model_cfg, L.micro_batch_size, L.seq_len // L.cp, **_memory_kwargs(L))
     except Exception:
         return None
 

@@ -4,7 +4,7 @@
 One optimiser update ("step")::
 
     lr = schedule(step)
-    for each of grad_accum_steps micro-batches:          # tokens per step = accum * world * micro_batch * seq_len
+    for each of grad_accum_steps micro-batches:          # tokens per step = accum * world * micro_batch_size * seq_len
         with autocast(bf16 | fp16 | off):                # fp32 master weights; activations in low precision
             loss = objective.loss(model, batch)
         backward(loss * loss_scale / grad_accum_steps)   # mean over micro-batches = mean over the whole batch
@@ -456,7 +456,7 @@ class Trainer:
             f"objective: {self.objective.name} | data: {self.cfg.data.path or 'synthetic (arithmetic sequences)'}",
             f"tokens per iteration will be: {self.tokens_per_step:,}",
             f"breaks down as: {t.grad_accum_steps} grad accum steps * {self.dp_size} data-parallel ranks * "
-            f"{t.micro_batch_size} batch size * {self.seq_len} max seq len",
+            f"{t.micro_batch_size} micro-batch size * {self.seq_len} max seq len",
         ]
         if self.dist.is_distributed:
             mesh = f" ({self.run.dims.describe()})" if self.parallel == "mesh" else ""
