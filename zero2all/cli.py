@@ -1015,6 +1015,11 @@ def _serve(p):
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="paged engine: prompt-lookup speculative decoding for greedy requests, up to K draft tokens "
                         "a step taken from earlier text (the same tokens as without; 0 = off)")
+    p.add_argument("--draft-model", default=None, metavar="CKPT",
+                   help="paged engine: speculative decoding for greedy requests with this smaller model sharing the "
+                        "tokenizer as the draft (the same tokens as without; exclusive with --speculative-ngram)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --draft-model: draft tokens the draft model proposes a step (default 4)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -1061,7 +1066,19 @@ def _serve(p):
             raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
         if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine == "column"):
             raise ConfigError(f"--speculative-ngram {args.speculative_ngram}: must be >= 0, with --engine paged")
-        if args.speculative_ngram and args.engine == "auto":
+        if args.speculative_tokens is not None and args.draft_model is None:
+            raise ConfigError("--speculative-tokens needs --draft-model CKPT (prompt lookup: --speculative-ngram K)")
+        if args.draft_model is not None:
+            if args.speculative_ngram:
+                raise ConfigError("--draft-model and --speculative-ngram are exclusive: draft tokens from a draft "
+                                  "model or by prompt lookup, not both")
+            if args.engine == "column":
+                raise ConfigError("--draft-model: speculative decoding needs --engine paged (or auto)")
+            if args.speculative_tokens is None:
+                args.speculative_tokens = 4
+            if args.speculative_tokens < 1:
+                raise ConfigError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1 (e.g. 4)")
+        if (args.speculative_ngram or args.draft_model) and args.engine == "auto":
             args.engine = "paged"           # asking for a paged engine's feature picks that engine
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
@@ -1085,7 +1102,9 @@ def _serve(p):
                                              kv_cache_gb=args.kv_cache_gb,
                                              max_num_batched_tokens=args.max_num_batched_tokens,
                                              speculative_ngram=args.speculative_ngram,
-                                             prefix_caching=not args.no_prefix_caching))
+                                             speculative_tokens=args.speculative_tokens or 0,
+                                             prefix_caching=not args.no_prefix_caching),
+                         draft_model=args.draft_model)
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)
             return e.exit_code
