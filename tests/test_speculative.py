@@ -103,8 +103,8 @@ def test_any_draft_gives_the_plain_greedy_tokens(model, near_draft, which):
     """A different random draft (smaller: one layer, half the width; its drafts are nearly all rejected) or a noisy
     copy (some accepted): greedy sequences give exactly the tokens of plain greedy decoding with three rows for
     nine sequences (rows join and leave mid-run), long prompts computed in chunks of 8 tokens, a 40-token prefix
-    shared by three prompts (prefix-cache hits in both caches), a stop token mid-way; a seeded sampled sequence
-    beside them gives the tokens it gives without speculation."""
+    shared by three prompts (prefix-cache hits in both caches), a stop token mid-way; a sampled sequence beside
+    them (speculative sampling: its distribution is tested below) runs to its length."""
     draft = near_draft if which == "near" else build_model(
         tiny_model_config(initializer_range=0.3, n_layers=1, hidden_dim=32, intermediate_size=48), seed=1).eval()
     spec = scheduler(model, max_batch=3, draft_model=draft, speculative_tokens=3, max_num_batched_tokens=8)
@@ -120,10 +120,11 @@ def test_any_draft_gives_the_plain_greedy_tokens(model, near_draft, which):
                  ([7, 8, 9, 7, 8, 9], SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, stop_token_ids=[]))]
         got, want = run(spec, jobs), run(plain, jobs)
         for (prompt, params), g, w in zip(jobs, got, want):
-            assert tokens_of(g) == tokens_of(w)
             assert g[-1].finish_reason == w[-1].finish_reason
             if params.temperature == 0:
-                assert tokens_of(g) == gen.generate([prompt], params)[0].token_ids
+                assert tokens_of(g) == tokens_of(w) == gen.generate([prompt], params)[0].token_ids
+            else:
+                assert len(tokens_of(g)) == params.max_new_tokens
         assert got[7][-1].finish_reason == "stop"
         stats = spec.stats()
         assert stats["spec_drafted"] > 50 and stats["prefix_cache_hits"] > 0
@@ -141,7 +142,7 @@ def test_the_draft_cache_follows_the_target(model, near_draft):
     recomputes every forward from the whole text (no cache), so the draft's cache held exactly the kept tokens
     after every rollback (a kept rejected token, or an accepted last draft token never fed, would change its
     proposals; the greedy text alone cannot tell)."""
-    prompt, m, k = [(11 * j + 5) % 250 for j in range(21)], 40, 3
+    prompt, m, k = [(11 * j + 5) % 250 for j in range(21)], 28, 3
     sched = scheduler(model, max_batch=2, draft_model=near_draft, speculative_tokens=k)
     try:
         sched.generate([prompt], greedy(m))
@@ -242,3 +243,70 @@ def test_a_server_with_a_draft_model_reports_its_acceptance_rate(checkpoints):
     finally:
         httpd.server_close()
         app.close()
+
+
+def chi_square(counts: dict, probs: dict) -> float:
+    n = sum(counts.values())
+    assert set(counts) <= set(probs)
+    return sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in probs.items())
+
+
+def test_speculative_sampling_emits_the_targets_distribution():
+    """accept_sampled with a draft distribution q far from the target's p (and drafts outside p's support): with p
+    the same at every position, every emitted token (kept drafts, then the replacement or a token drawn from p)
+    must be an independent draw from p. 3,000 pairs of consecutive tokens over the 4 ids of p's support (a token
+    outside it fails at once), chi-square with 15 degrees of freedom: 37.7 is its 0.1 % tail."""
+    import random
+
+    from zero2all.infer.speculative import accept_sampled, draw
+
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.1, 0.3, 0.3], dtype=torch.float64)
+    rng = random.Random(0)
+    out = []
+    while len(out) < 6000:
+        draft = [int(draw(q[None], [rng.random()])[0]) for _ in range(3)]
+        a, replacement = accept_sampled(p.expand(3, 5), q.expand(3, 5), draft, rng)
+        out += draft[:a] + [replacement if replacement is not None else int(draw(p[None], [rng.random()])[0])]
+    pairs = {}
+    for x, y in zip(out[0::2], out[1::2]):
+        pairs[(x, y)] = pairs.get((x, y), 0) + 1
+    expected = {(x, y): float(p[x] * p[y]) for x in range(4) for y in range(4)}
+    assert chi_square(pairs, expected) < 37.7
+
+
+def test_sampled_rows_through_the_scheduler_follow_the_models_distribution(model, near_draft):
+    """Sampled rows (temperature 0.7, top-k 2) with the noisy draft model and 2 draft tokens a step: the first
+    four tokens of 480 sequences from one prompt (the first drawn as usual, the next ones through speculative
+    sampling: kept drafts, replacements, and the token after all-kept drafts) against the exact probabilities of
+    plain sampling, computed from the model in float64 (16 outcomes; chi-square with 15 degrees of freedom: 37.7
+    is its 0.1 % tail)."""
+    prompt, params = [4, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.7, top_k=2, stop_token_ids=[])
+    exact, f64 = {}, copy.deepcopy(model).double()
+
+    def expand(prefix, prob):
+        if len(prefix) == len(prompt) + 4:
+            exact[tuple(prefix[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            logits = f64(torch.tensor([prefix]))[0][0, -1] / params.temperature
+        top = torch.topk(logits, 2)
+        for tok, pr in zip(top.indices.tolist(), top.values.softmax(-1).tolist()):
+            expand(prefix + [tok], prob * pr)
+
+    expand(prompt, 1.0)
+    sched = scheduler(model, max_batch=16, max_queue=1024, draft_model=near_draft, speculative_tokens=2)
+    try:
+        subs = [sched.submit([prompt] * 16, SamplingParams(**{**params.__dict__, "seed": 16 * i})) for i in range(30)]
+        counts = {}
+        for sub in subs:
+            per = {}
+            for ev in sub.events():
+                per.setdefault(ev.index, []).append(ev.token_id)
+            for toks in per.values():
+                counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    assert 0.1 < stats["spec_acceptance_rate"] < 0.95
+    assert chi_square(counts, exact) < 37.7

@@ -1016,8 +1016,9 @@ def _serve(p):
                    help="paged engine: prompt-lookup speculative decoding for greedy requests, up to K draft tokens "
                         "a step taken from earlier text (the same tokens as without; 0 = off)")
     p.add_argument("--draft-model", default=None, metavar="CKPT",
-                   help="paged engine: speculative decoding for greedy requests with this smaller model sharing the "
-                        "tokenizer as the draft (the same tokens as without; exclusive with --speculative-ngram)")
+                   help="paged engine: speculative decoding with this smaller model sharing the tokenizer as the "
+                        "draft (greedy requests: the same tokens as without; sampled ones: the same distribution; "
+                        "exclusive with --speculative-ngram)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="with --draft-model: draft tokens the draft model proposes a step (default 4)")
     p.add_argument("--no-prefix-caching", action="store_true",

@@ -349,6 +349,7 @@ class Scheduler:
         self._logits: torch.Tensor | None = None  # (B, V) float32: every running row's next-token logits
         self._changed = True          # rows joined, left or moved: the per-row tensors are rebuilt
         self._seen: torch.Tensor | None = None    # (B, V) bool, for repetition penalties
+        self._forced: dict[int, int] = {}  # row -> its next token, drawn already (a speculative sampling rejection)
         self._penalty = self._sampled = None
         self._accepting, self._paused, self._stopping = True, False, False
         self.steps = 0                # decode steps run
@@ -532,6 +533,7 @@ class Scheduler:
         seq.emit(ev)
         self.finished[ev.finish_reason] += 1
         self._rows[seq.row] = None
+        self._forced.pop(seq.row, None)
         if self.paged:
             self.session.release(seq.row)
             if self.drafter is not None:
@@ -557,11 +559,14 @@ class Scheduler:
                     self.drafter.reset()
             self._logits, self._changed = None, True
             self._prefilling = []
+            self._forced.clear()
             self._cond.notify_all()
 
     def _speculates(self, params: SamplingParams) -> bool:
-        """Whether a sequence's rows draft tokens (greedy, no repetition penalty, speculation on)."""
-        return bool(self.spec_k) and params.temperature == 0 and params.repetition_penalty == 1.0
+        """Whether a sequence's rows draft tokens: speculation on, no repetition penalty, and greedy (prompt
+        lookup) or greedy or sampled (a draft model: sampled rows by speculative sampling)."""
+        return bool(self.spec_k) and params.repetition_penalty == 1.0 and (params.temperature == 0
+                                                                            or self.drafter is not None)
 
     def _drafts_with_model(self, params: SamplingParams, span: int) -> bool:
         """Whether a sequence that may hold ``span`` tokens takes rows in the draft model's cache: it speculates,
@@ -755,6 +760,10 @@ class Scheduler:
             rows, idx, temperature, top_k, top_p = self._sampled
             u = to_device([self._rows[r].rng.random() for r in rows], torch.float32, self.device)
             tokens[idx] = sample_rows(logits[idx], temperature, top_k, top_p, u)
+        if self._forced:
+            for row, tok in self._forced.items():
+                tokens[row] = tok
+            self._forced.clear()
         if self._penalty is not None:
             self._seen.scatter_(1, tokens[:, None], True)
 
@@ -793,15 +802,18 @@ class Scheduler:
             self._logits = None
 
     def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
-        """(Paged, greedy rows present.) Speculative decoding: after the drawn tokens are handed out, each greedy row
-        still running proposes up to ``spec_k`` draft tokens: by prompt lookup, the tokens that followed the latest
-        earlier occurrence of its last few tokens (``paged.ngram_draft``), or the draft model's greedy
-        continuation (``speculative.ModelDrafter``). One forward feeds every row its drawn token and its draft,
-        and a greedy row keeps the draft tokens that equal its own argmax at each position, up to the first that
-        does not, plus the logits after the last kept one (so it draws the next token from them as usual); the
-        draft model's cache is rolled back to the kept length too. The tokens are exactly those of plain greedy
-        decoding; a step yields 1 + (accepted) tokens for such a row. Not pipelined: the drafts need the host to
-        know the drawn tokens first."""
+        """(Paged, speculating rows present.) Speculative decoding: after the drawn tokens are handed out, each
+        speculating row still running proposes up to ``spec_k`` draft tokens: by prompt lookup (greedy rows), the
+        tokens that followed the latest earlier occurrence of its last few tokens (``paged.ngram_draft``), or the
+        draft model's continuation (``speculative.ModelDrafter``: greedy, or sampled for a sampled row). One
+        forward feeds every row its drawn token and its draft, and a greedy row keeps the draft tokens that equal
+        its own argmax at each position, up to the first that does not, plus the logits after the last kept one
+        (so it draws the next token from them as usual); a sampled row keeps or rejects them by speculative
+        sampling (``speculative.accept_sampled``), a rejected one's replacement being its next token
+        (``_forced``). The draft model's cache is rolled back to the kept length too. Greedy tokens are exactly
+        those of plain greedy decoding, sampled ones have plain sampling's distribution; a step yields
+        1 + (accepted) tokens for such a row. Not pipelined: the drafts need the host to know the drawn tokens
+        first."""
         from zero2all.infer.paged import ngram_draft
 
         S = self.session
@@ -820,8 +832,15 @@ class Scheduler:
                 k = min(self.spec_k, seq.params.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
                 if k > 0:
                     lengths[seq.row] = k
+        samplers, q = {}, {}
         if self.drafter is not None:
-            drafts = self.drafter.propose(lengths, {r: S.history(r) for r in lengths}, host)
+            from zero2all.infer.speculative import Sampler
+
+            for r in lengths:
+                p = self._rows[r].params
+                if p.temperature > 0:
+                    samplers[r] = Sampler(p.temperature, p.top_k, p.top_p, self._rows[r].rng)
+            drafts, q = self.drafter.propose(lengths, {r: S.history(r) for r in lengths}, host, samplers)
         else:
             drafts = {r: d for r, k in lengths.items() if (d := ngram_draft(S.history(r) + [host[r]], k))}
         if not drafts:
@@ -834,10 +853,18 @@ class Scheduler:
         accepted = {}
         for row, draft in drafts.items():
             n = 1 + len(draft)
-            predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
-            a = 0
-            while a < len(draft) and predicted[a] == draft[a]:
-                a += 1
+            if row in samplers:  # kept with probability min(1, p/q); a rejected one is replaced
+                from zero2all.infer.speculative import accept_sampled, draft_probs
+
+                p = draft_probs(logits[row, T - n:T - 1], [samplers[row]] * len(draft))
+                a, replacement = accept_sampled(p, q[row], draft, samplers[row].rng)
+                if replacement is not None:
+                    self._forced[row] = replacement
+            else:
+                predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
+                a = 0
+                while a < len(draft) and predicted[a] == draft[a]:
+                    a += 1
             accepted[row] = a
             nxt[row] = logits[row, T - n + a]
             self.spec_drafted += len(draft)
