@@ -310,3 +310,25 @@ def test_sampled_rows_through_the_scheduler_follow_the_models_distribution(model
         sched.stop()
     assert 0.1 < stats["spec_acceptance_rate"] < 0.95
     assert chi_square(counts, exact) < 37.7
+
+
+def test_generate_with_a_draft_model_prints_the_plain_greedy_text(checkpoints, monkeypatch, capsys):
+    """``z2all generate --draft-model``: a batch of two greedy prompts prints what it prints without the draft, and
+    the closing line gives the acceptance; the draft's refusals are the serve command's."""
+    import zero2all.infer.generate as generate
+    from zero2all.cli import main
+    from zero2all.model.io import load_model
+
+    root, target, draft = checkpoints[:3]
+    monkeypatch.setattr(generate, "load_for_inference",
+                        lambda ckpt, device="auto", dtype="auto", tokenizer=None: (load_model(ckpt),
+                                                                                    tokenizer or ByteTokenizer()))
+    base = ["generate", "--ckpt", str(target), "--prompt", "def f(x):", "--prompt", "import", "--temperature", "0",
+            "--max-new-tokens", "12"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--draft-model", str(draft), "--speculative-tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "draft tokens accepted" in out.err
+    assert main(base + ["--draft-model", str(root / "vocab")]) == 2
+    assert "its vocabulary has 320 ids" in capsys.readouterr().err
