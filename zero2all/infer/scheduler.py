@@ -5,10 +5,11 @@ blocks with a block table per row: a sequence is admitted when the pool holds it
 running rows' (nothing moves and nothing is preempted), the longest cached prefix of its prompt is taken from the
 prefix cache, and the rest of its prompt is computed a chunk per iteration under the token budget
 ``max_num_batched_tokens`` (one token per decoding row, the rest for prompts in arrival order) while the other rows
-keep decoding; a row draws tokens once its prompt is complete. Greedy rows may speculate: draft tokens by prompt
-lookup (``speculative_ngram``) or from a smaller draft model (``draft_model``, ``infer/speculative.py``), checked by
-the target in one forward (``_speculative_step``). The rest of this docstring describes the column engine
-(``engine="column"``), whose per-row logic (sampling, stop checks, seeds, cancellation) both engines share.
+keep decoding; a row draws tokens once its prompt is complete. Rows may speculate: greedy ones with draft tokens
+by prompt lookup (``speculative_ngram``), greedy and sampled ones with draft tokens from a smaller draft model
+(``draft_model``, ``infer/speculative.py``), checked by the target in one forward (``_speculative_step``). The rest
+of this docstring describes the column engine (``engine="column"``), whose per-row logic (sampling, stop checks,
+seeds, cancellation) both engines share.
 
 The column engine's pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by
 ``cache_len`` slots, in the session's usual layout: every row writes its next token at the same cache slot (the
@@ -335,7 +336,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
         self.prefill_chunks = 0       # paged: prefill forwards run (one per step that computes prompt tokens)
-        # paged: draft tokens per greedy row and step (prompt lookup or the draft model); 0 = off
+        # paged: draft tokens per speculating row and step (prompt lookup or the draft model); 0 = off
         self.spec_k = speculative_tokens if draft_model is not None else speculative_ngram
         self.spec_method = "draft_model" if draft_model is not None else "ngram" if speculative_ngram else "off"
         self.spec_drafted = self.spec_accepted = 0
