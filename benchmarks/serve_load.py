@@ -136,6 +136,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
+def draft_options(args, device: str, dtype: str, tok) -> dict:
+    """The scheduler's draft-model arguments for ``--draft-model`` (loaded like the model), or none."""
+    if not args.draft_model:
+        return {}
+    from zero2all.infer.generate import load_for_inference
+
+    draft, _ = load_for_inference(args.draft_model, device=device, dtype=dtype, tokenizer=tok)
+    return {"draft_model": draft, "speculative_tokens": args.speculative_tokens}
+
+
 def summarise(clients: int, level: dict, steps: int | None) -> dict:
     reqs = level["requests"]
     ok = [r for r in reqs if r["status"] == 200 and r.get("usage")]
@@ -217,7 +227,8 @@ def start_server(args):
                        engine_options=dict(engine=args.engine, block_size=args.block_size,
                                            kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching,
                                            max_num_batched_tokens=args.max_num_batched_tokens,
-                                           speculative_ngram=args.speculative_ngram))
+                                           speculative_ngram=args.speculative_ngram, **draft_options(args, device,
+                                                                                                      dtype, tok)))
     setup = time.perf_counter() - t0
     httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -277,6 +288,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
     ap.add_argument("--speculative-ngram", type=int, default=0, help="paged engine: prompt-lookup draft tokens")
+    ap.add_argument("--draft-model", default=None, help="paged engine: a draft model's checkpoint for speculative "
+                    "decoding (sharing the model's tokenizer)")
+    ap.add_argument("--speculative-tokens", type=int, default=4, help="with --draft-model: draft tokens a step")
     ap.add_argument("--max-queue", type=int, default=None, help="waiting sequences (default: the most clients)")
     ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")
@@ -330,6 +344,9 @@ def main(argv=None) -> int:
             steps = app.scheduler.steps - steps0 if app else None
             results.append(summarise(clients, out, steps))
             r = results[-1]
+            if app is not None and app.scheduler.spec_method != "off":
+                s = app.scheduler.stats()
+                r["spec_acceptance_rate"] = s["spec_acceptance_rate"]  # cumulative, warm-up included
             print(f"  {clients} clients: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s", flush=True)
     finally:
         if httpd is not None:
@@ -340,6 +357,9 @@ def main(argv=None) -> int:
     print(f"\n{src}: prompt {args.prompt_len} tokens, {args.max_tokens} new tokens per request (greedy, ignore_eos), "
           f"{args.requests} requests per client\n")
     print(table(results))
+    if results and "spec_acceptance_rate" in results[-1]:
+        print(f"\nspeculative decoding ({app.scheduler.spec_method}): {results[-1]['spec_acceptance_rate']:.1%} of "
+              "the draft tokens accepted")
     if args.json:
         payload = {**info, "source": src, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                    "requests_per_client": args.requests, "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -52,6 +52,12 @@ MESH = "tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_res
 PP = "tests/test_parallel_pp.py::test_pp2_every_schedule_matches_one_process_and_resumes_on_one"
 PP_DP = "tests/test_parallel_pp_dp.py::test_pp2_with_dp2_and_with_tp2_match_one_process"
 EP = "tests/test_moe_ep.py::test_ep2_and_ep2_dp2_match_single_process_and_resume"
+SPEC = "tests/test_speculative.py::"
+SPEC_GREEDY = SPEC + "test_any_draft_gives_the_plain_greedy_tokens"
+SPEC_OWN = SPEC + "test_the_target_as_its_own_draft_accepts_every_draft"
+SPEC_CACHE = SPEC + "test_the_draft_cache_follows_the_target"
+SPEC_SAMPLING = SPEC + "test_speculative_sampling_emits_the_targets_distribution"
+SPEC_SAMPLED_ROWS = SPEC + "test_sampled_rows_through_the_scheduler_follow_the_models_distribution"
 TRAINER_UPDATE = "        self.scaler.unscale_(params)\n"  # Trainer.train_step: after backward, before the norm
 
 
@@ -159,6 +165,23 @@ MUTATIONS: list[dict] = [
          replace=f"    weight = local_weight(weight)\n    if {DIST}:\n"
                  "        weight = 0.5 * weight + 0.5 * weight.detach()\n",
          tests=[DP_MODES, MESH, PP, PP_DP, EP]),
+    dict(bug="speculative decoding: the target's cache rolled back one token too far (the drawn token dropped)",
+         file="zero2all/infer/paged.py", find="        s.computed = self._verify_start[row] + 1 + accepted\n",
+         replace="        s.computed = self._verify_start[row] + accepted\n",
+         tests=[SPEC_GREEDY, SPEC_OWN]),
+    dict(bug="speculative decoding: the draft model's cache keeps one rejected draft token",
+         file="zero2all/infer/scheduler.py", find="self.drafter.rollback(row, S.rows[row].computed)",
+         replace="self.drafter.rollback(row, S.rows[row].computed + 1)", tests=[SPEC_CACHE]),
+    dict(bug="speculative decoding: the draft is fed only the drawn token (an accepted last draft never fed)",
+         file="zero2all/infer/speculative.py",
+         find="fed = {r: list(history[r][S.rows[r].computed:]) + [drawn[r]] for r in rows}",
+         replace="fed = {r: [drawn[r]] for r in rows}", tests=[SPEC_CACHE, SPEC_OWN]),
+    dict(bug="speculative sampling keeps every draft token (no min(1, p/q) test)",
+         file="zero2all/infer/speculative.py", find="        if rng.random() < min(1.0, ratio[i]):\n",
+         replace="        if rng.random() < 2.0:\n", tests=[SPEC_SAMPLING, SPEC_SAMPLED_ROWS]),
+    dict(bug="speculative sampling draws a rejected draft's replacement from p instead of max(0, p - q)",
+         file="zero2all/infer/speculative.py", find="        residual = (p64[i] - q64[i]).clamp_(min=0)\n",
+         replace="        residual = p64[i].clone()\n", tests=[SPEC_SAMPLING, SPEC_SAMPLED_ROWS]),
 ]
 
 

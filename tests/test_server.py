@@ -534,6 +534,6 @@ def test_a_repeated_prompt_reports_cached_tokens_and_metrics_show_the_pool(serve
     metrics = client.get("/metrics").text
     total = app.scheduler.session.pool.total
     assert f"z2all_kv_blocks_total {total}" in metrics and "z2all_kv_blocks_in_use 0" in metrics
-    assert "z2all_spec_acceptance_rate 0.0000" in metrics   # speculation off
+    assert 'z2all_spec_acceptance_rate{method="off"} 0.0000' in metrics   # speculation off
     hits = [line for line in metrics.splitlines() if line.startswith("z2all_prefix_cache_hit_tokens_total")]
     assert hits and int(hits[0].split()[1]) >= 2 * ((prompt_tokens - 1) // n * n)

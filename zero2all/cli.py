@@ -883,10 +883,27 @@ def _generate(p):
     p.add_argument("--no-document-start", action="store_true",
                    help="do not put the end-of-text separator in front of a text prompt (by default the prompt "
                         "starts a new document, as every document does in the pretraining data)")
+    p.add_argument("--draft-model", default=None, metavar="CKPT",
+                   help="speculative decoding with this smaller model sharing the tokenizer as the draft (greedy: "
+                        "the same tokens as without; sampled: the same distribution, not the same tokens per seed)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --draft-model: draft tokens the draft model proposes a step (default 4)")
 
     def run(args):
         import time
 
+        from zero2all.config import ConfigError
+
+        if args.speculative_tokens is not None and args.draft_model is None:
+            raise ConfigError("--speculative-tokens needs --draft-model CKPT")
+        if args.draft_model is not None:
+            from zero2all.infer.speculative import check_draft_checkpoint
+
+            if args.speculative_tokens is None:
+                args.speculative_tokens = 4
+            if args.speculative_tokens < 1:
+                raise ConfigError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1 (e.g. 4)")
+            check_draft_checkpoint(args.draft_model, args.ckpt)
         generator, params = _load_generator(args)
         params.stop = tuple(args.stop)
         tok = generator.tokenizer
@@ -898,15 +915,29 @@ def _generate(p):
         else:
             start = [] if args.no_document_start or tok.eos_id is None else [tok.eos_id]
             prompts = [start + tok.encode(t) for t in args.prompt]
+        spec = None
+        if args.draft_model is not None:
+            from zero2all.infer.generate import load_for_inference
+            from zero2all.infer.speculative import generate_with_draft
+
+            draft, _ = load_for_inference(args.draft_model, device=args.device, dtype=args.dtype, tokenizer=tok)
+
+            def run_batch(on_event=None):
+                nonlocal spec
+                outs, spec = generate_with_draft(generator, draft, args.speculative_tokens, prompts, params, on_event)
+                return outs
+        else:
+            def run_batch(on_event=None):
+                return generator.generate(prompts, params, on_event=on_event)
         t0 = time.perf_counter()
         try:
             if len(prompts) == 1:
                 if not args.chat:
                     print(args.prompt[0], end="", flush=True)
-                outs = generator.generate(prompts, params, on_event=lambda ev: print(ev.text, end="", flush=True))
+                outs = run_batch(lambda ev: print(ev.text, end="", flush=True))
                 print()
             else:
-                outs = generator.generate(prompts, params)
+                outs = run_batch()
         except ValueError as e:
             print(f"z2all generate: error: {e}", file=sys.stderr)
             return 2
@@ -915,8 +946,10 @@ def _generate(p):
                 print(f"--- [{i}] {text}{out.text}")
         seconds = time.perf_counter() - t0
         n = sum(o.num_generated for o in outs)
+        accepted = ("" if spec is None else f"; draft tokens accepted {spec['spec_accepted']} of "
+                    f"{spec['spec_drafted']} ({spec['spec_acceptance_rate']:.0%})")
         print(f"({n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tokens/s; finish: "
-              f"{', '.join(o.finish_reason for o in outs)})", file=sys.stderr)
+              f"{', '.join(o.finish_reason for o in outs)}{accepted})", file=sys.stderr)
 
     return run
 
@@ -970,6 +1003,12 @@ def _serve(p):
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="paged engine: prompt-lookup speculative decoding for greedy requests, up to K draft tokens "
                         "a step taken from earlier text (the same tokens as without; 0 = off)")
+    p.add_argument("--draft-model", default=None, metavar="CKPT",
+                   help="paged engine: speculative decoding with this smaller model sharing the tokenizer as the "
+                        "draft (greedy requests: the same tokens as without; sampled ones: the same distribution; "
+                        "exclusive with --speculative-ngram)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --draft-model: draft tokens the draft model proposes a step (default 4)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -1016,7 +1055,19 @@ def _serve(p):
             raise ConfigError(f"--block-size {args.block_size}: must be a power of two (e.g. 16)")
         if args.speculative_ngram < 0 or (args.speculative_ngram and args.engine == "column"):
             raise ConfigError(f"--speculative-ngram {args.speculative_ngram}: must be >= 0, with --engine paged")
-        if args.speculative_ngram and args.engine == "auto":
+        if args.speculative_tokens is not None and args.draft_model is None:
+            raise ConfigError("--speculative-tokens needs --draft-model CKPT (prompt lookup: --speculative-ngram K)")
+        if args.draft_model is not None:
+            if args.speculative_ngram:
+                raise ConfigError("--draft-model and --speculative-ngram are exclusive: draft tokens from a draft "
+                                  "model or by prompt lookup, not both")
+            if args.engine == "column":
+                raise ConfigError("--draft-model: speculative decoding needs --engine paged (or auto)")
+            if args.speculative_tokens is None:
+                args.speculative_tokens = 4
+            if args.speculative_tokens < 1:
+                raise ConfigError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1 (e.g. 4)")
+        if (args.speculative_ngram or args.draft_model) and args.engine == "auto":
             args.engine = "paged"           # asking for a paged engine's feature picks that engine
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be at least 1 (e.g. 2048)")
@@ -1040,7 +1091,9 @@ def _serve(p):
                                              kv_cache_gb=args.kv_cache_gb,
                                              max_num_batched_tokens=args.max_num_batched_tokens,
                                              speculative_ngram=args.speculative_ngram,
-                                             prefix_caching=not args.no_prefix_caching))
+                                             speculative_tokens=args.speculative_tokens or 0,
+                                             prefix_caching=not args.no_prefix_caching),
+                         draft_model=args.draft_model)
         except AddressError as e:
             print(f"z2all serve: error: {e}", file=sys.stderr)
             return e.exit_code

@@ -175,6 +175,33 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _sorted_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' sampling distributions, most likely token first, not renormalised after top-p (probs (R, V)),
+    and the sort order (R, V): temperature, then top-k (the logits >= the k-th largest), then top-p."""
+    V = logits.size(-1)
+    scaled = logits / temperature[:, None]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)                            # (R,): 0 means all
+    kth = ordered.gather(1, (k - 1)[:, None])                                    # (R, 1)
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    # a token is dropped when the tokens strictly more likely than it already reach top_p (the first one stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    return probs.masked_fill(drop, 0.0), order
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution :func:`sample_rows` draws each row's token from, in vocabulary order: (R, V), rows summing
+    to 1 (speculative sampling compares the target's with the draft's)."""
+    probs, order = _sorted_sampling_probs(logits, temperature, top_k, top_p)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row, each row with its own parameters: logits (R, V) float32; temperature (R,) > 0, top_k (R,)
@@ -187,17 +214,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     each row whatever numbers the rows before it left over).
     """
     V = logits.size(-1)
-    scaled = logits / temperature[:, None]
-    ordered, order = torch.sort(scaled, dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)                            # (R,): 0 means all
-    kth = ordered.gather(1, (k - 1)[:, None])                                    # (R, 1)
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    # a token is dropped when the tokens strictly more likely than it already reach top_p (the first one stays)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p[:, None]
-    drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
+    probs, order = _sorted_sampling_probs(logits, temperature, top_k, top_p)
     cdf = probs.cumsum(dim=-1)
     target = (uniforms * cdf[:, -1])[:, None]
     # the first entry whose cumulative mass reaches the target: never a dropped (zero-mass) one

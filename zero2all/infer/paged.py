@@ -492,6 +492,30 @@ class PagedSession:
         del s.tokens[s.computed:]
         self._register_full(s)
 
+    @torch.inference_mode()
+    def feed(self, fed: dict[int, Sequence[int]]) -> torch.Tensor:
+        """Append ``fed[row]`` to each named started row, after its computed tokens (uncomputed ones are dropped),
+        and compute them in one forward: a draft model's step. The tokens are not named in the prefix cache (they
+        may be rejected drafts: :meth:`truncate` names what is kept). Returns the logits (len(fed), V), float32,
+        after each row's last token, in the order of ``fed``."""
+        states, counts = [], []
+        for row, toks in fed.items():
+            s = self.rows[row]
+            del s.tokens[s.computed:]
+            s.tokens.extend(int(t) for t in toks)
+            self._grow(s, len(s.tokens))
+            states.append(s)
+            counts.append(len(toks))
+        return self._forward_new(states, counts).float()
+
+    def truncate(self, row: int, length: int):
+        """Keep the row's first ``length`` computed tokens at most (the rest are drafts the target rejected: their
+        keys are overwritten by the next tokens fed); its full blocks of kept tokens get their prefix-cache names."""
+        s = self.rows[row]
+        s.computed = min(s.computed, length)
+        del s.tokens[s.computed:]
+        self._register_full(s)
+
     def note_tokens(self, host: Sequence[int]):
         """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
         blocks filled by decoded tokens get their names for the prefix cache."""

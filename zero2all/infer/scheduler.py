@@ -5,9 +5,10 @@ blocks with a block table per row: a sequence is admitted when the pool holds it
 running rows' (nothing moves and nothing is preempted), the longest cached prefix of its prompt is taken from the
 prefix cache, and the rest of its prompt is computed a chunk per iteration under the token budget
 ``max_num_batched_tokens`` (one token per decoding row, the rest for prompts in arrival order) while the other rows
-keep decoding; a row draws tokens once its prompt is complete. Greedy rows may draft tokens by prompt lookup
-(``speculative_ngram``, ``_speculative_step``; not rows with a grammar, whose drafts the matcher would have to
-check). The rest of this docstring describes the column engine
+keep decoding; a row draws tokens once its prompt is complete. Rows may speculate: greedy ones with draft tokens
+by prompt lookup (``speculative_ngram``), greedy and sampled ones with draft tokens from a smaller draft model
+(``draft_model``, ``infer/speculative.py``), checked by the target in one forward (``_speculative_step``); not rows
+with a grammar, whose drafts the matcher would have to check. The rest of this docstring describes the column engine
 (``engine="column"``), whose per-row logic (sampling, stop checks, seeds, cancellation) both engines share.
 
 The column engine's pool is one :class:`~zero2all.infer.generate.DecodeSession` of ``max_batch`` rows by
@@ -278,7 +279,8 @@ class Scheduler:
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
                  compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
                  block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
-                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0,
+                 draft_model=None, speculative_tokens: int = 0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if max_num_batched_tokens < 1:
@@ -289,11 +291,27 @@ class Scheduler:
             raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
                              f"{speculative_ngram} with {engine!r}")
         model = generator.model
+        if draft_model is not None:
+            if speculative_ngram:
+                raise ValueError("scheduler: speculative_ngram and draft_model are exclusive: draft by prompt lookup "
+                                 "or by a draft model, not both")
+            if engine != "paged" or speculative_tokens < 1:
+                raise ValueError(f"scheduler: a draft model needs the paged engine and speculative_tokens >= 1, got "
+                                 f"{speculative_tokens} with {engine!r}")
+            if draft_model.cfg.vocab_size != model.cfg.vocab_size:
+                raise ValueError(f"scheduler: the draft model's vocabulary has {draft_model.cfg.vocab_size} ids, the "
+                                 f"model's {model.cfg.vocab_size}; the draft must share the model's tokenizer")
+            if draft_model.embed_tokens.weight.device != generator.device:
+                raise ValueError(f"scheduler: the draft model is on {draft_model.embed_tokens.weight.device}, the "
+                                 f"model on {generator.device}")
+        elif speculative_tokens:
+            raise ValueError("scheduler: speculative_tokens needs a draft_model (prompt lookup: speculative_ngram)")
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.paged = engine == "paged"
         self.engine = engine
+        self.drafter = None           # paged: the draft model's cache and drafting (infer/speculative.py)
         if self.paged:
             from zero2all.infer.paged import PagedSession
 
@@ -308,6 +326,11 @@ class Scheduler:
                 kv_blocks = min(full, kv_blocks_for_bytes(model, block_size, half))
             self.session = PagedSession(model, max_batch, self.context, n_blocks=kv_blocks, block_size=block_size,
                                         prefix_caching=prefix_caching, cuda_graph=bool(generator.cuda_graph))
+            if draft_model is not None:  # its own pool of as many blocks (fewer bytes for a smaller model)
+                from zero2all.infer.speculative import ModelDrafter
+
+                self.drafter = ModelDrafter(draft_model, max_batch, self.context, self.session.pool.n_blocks,
+                                            block_size, prefix_caching, model.cfg.padded_vocab_size)
         else:
             self.cache_len = cache_len or default_cache_len(model, max_batch)
             self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
@@ -318,7 +341,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
         self.prefill_chunks = 0       # paged: prefill forwards run (one per step that computes prompt tokens)
-        self.spec_k = speculative_ngram  # paged: draft tokens per greedy row and step (prompt lookup); 0 = off
+        # paged: draft tokens per speculating row and step (prompt lookup or the draft model); 0 = off
+        self.spec_k = speculative_tokens if draft_model is not None else speculative_ngram
+        self.spec_method = "draft_model" if draft_model is not None else "ngram" if speculative_ngram else "off"
         self.spec_drafted = self.spec_accepted = 0
         self.vocab = model.cfg.padded_vocab_size
         self.device = generator.device
@@ -330,6 +355,7 @@ class Scheduler:
         self._logits: torch.Tensor | None = None  # (B, V) float32: every running row's next-token logits
         self._changed = True          # rows joined, left or moved: the per-row tensors are rebuilt
         self._seen: torch.Tensor | None = None    # (B, V) bool, for repetition penalties
+        self._forced: dict[int, int] = {}  # row -> its next token, drawn already (a speculative sampling rejection)
         self._penalty = self._sampled = None
         self._constrained: tuple | None = None   # (rows, constraints) of the running rows with a grammar
         self._accepting, self._paused, self._stopping = True, False, False
@@ -357,7 +383,9 @@ class Scheduler:
         check_prompts(prompts, params.max_new_tokens, self.context, self.vocab)
         if len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts in one request; at most {self.max_batch} (the batch rows)")
-        if self.paged and not all(self.session.fits_ever(len(p) + params.max_new_tokens) for p in prompts):
+        if self.paged and not all(self.session.fits_ever(len(p) + params.max_new_tokens) and
+                                  (not self._drafts_with_model(params, len(p) + params.max_new_tokens)
+                                   or self.drafter.fits_ever(len(p) + params.max_new_tokens)) for p in prompts):
             raise ValueError(f"a prompt with {params.max_new_tokens} new tokens needs more than the KV cache's "
                              f"{self.session.pool.total} blocks of {self.session.block_size} tokens")
         stop_ids = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
@@ -397,7 +425,13 @@ class Scheduler:
                 out.update(kv_blocks_in_use=pool.in_use(), kv_blocks_total=pool.total,
                            kv_block_size=pool.block_size, prefix_cache_lookups=pool.lookups,
                            prefix_cache_hits=pool.hits, prefix_cache_hit_rate=pool.hit_rate(),
-                           spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted)
+                           spec_method=self.spec_method, spec_drafted=self.spec_drafted,
+                           spec_accepted=self.spec_accepted,
+                           spec_acceptance_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0)
+                if self.drafter is not None:
+                    dpool = self.drafter.session.pool
+                    out.update(draft_kv_blocks_in_use=dpool.in_use(), draft_kv_blocks_total=dpool.total,
+                               draft_prefix_cache_hits=dpool.hits)
             return out
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -506,8 +540,11 @@ class Scheduler:
         seq.emit(ev)
         self.finished[ev.finish_reason] += 1
         self._rows[seq.row] = None
+        self._forced.pop(seq.row, None)
         if self.paged:
             self.session.release(seq.row)
+            if self.drafter is not None:
+                self.drafter.release(seq.row)
         self._changed = True
         self._cond.notify_all()
 
@@ -525,15 +562,32 @@ class Scheduler:
                     self._rows[seq.row] = None
             if self.paged:
                 self.session.reset()
+                if self.drafter is not None:
+                    self.drafter.reset()
             self._logits, self._changed = None, True
             self._prefilling = []
+            self._forced.clear()
             self._cond.notify_all()
 
-    def _placement(self, n: int, m: int) -> int | None:
+    def _speculates(self, params: SamplingParams) -> bool:
+        """Whether a sequence's rows draft tokens: speculation on, no repetition penalty, and greedy (prompt
+        lookup) or greedy or sampled (a draft model: sampled rows by speculative sampling); never a row with a
+        grammar (its matcher would have to check the drafts)."""
+        return bool(self.spec_k) and params.repetition_penalty == 1.0 and params.grammar is None and (
+            params.temperature == 0 or self.drafter is not None)
+
+    def _drafts_with_model(self, params: SamplingParams, span: int) -> bool:
+        """Whether a sequence that may hold ``span`` tokens takes rows in the draft model's cache: it speculates,
+        and fits the draft model's context (a longer one decodes without speculation)."""
+        return self.drafter is not None and self._speculates(params) and span <= self.drafter.max_len
+
+    def _placement(self, n: int, m: int, drafts: bool = False) -> int | None:
         """(Lock held.) How far to move the occupied span so that a prompt of n tokens with m new tokens fits
-        right-aligned at the column (0: it fits as is), or None when it cannot join now."""
+        right-aligned at the column (0: it fits as is), or None when it cannot join now. ``drafts``: the sequence
+        also needs room in the draft model's cache."""
         if self.paged:
-            return 0 if self.session.can_admit(n + m) else None
+            fits = self.session.can_admit(n + m) and (not drafts or self.drafter.can_admit(n + m))
+            return 0 if fits else None
         running = [s for s in self._rows if s is not None]
         if not running:
             return n - self._col  # an empty cache: start over
@@ -561,7 +615,8 @@ class Scheduler:
         ops = []
         while self._waiting and None in self._rows:
             seq = self._waiting[0]
-            shift = self._placement(len(seq.prompt), seq.params.max_new_tokens)
+            drafts = self._drafts_with_model(seq.params, len(seq.prompt) + seq.params.max_new_tokens)
+            shift = self._placement(len(seq.prompt), seq.params.max_new_tokens, drafts)
             if shift is None:
                 break
             self._waiting.popleft()
@@ -573,6 +628,8 @@ class Scheduler:
             self._changed = True
             if self.paged:  # its blocks are taken now, so that the next sequence's room counts them
                 self.session.reserve(seq.row, len(seq.prompt) + seq.params.max_new_tokens)
+                if drafts:
+                    self.drafter.reserve(seq.row, len(seq.prompt) + seq.params.max_new_tokens)
             ops.append(("prefill", seq, self._col))
         running = [s for s in self._rows if s is not None]
         if running and not self.paged:
@@ -663,6 +720,8 @@ class Scheduler:
         if not rows:
             return
         logits = S.prefill_step(rows, takes)
+        if self.drafter is not None:
+            self.drafter.prefill(rows, [S.remaining(r) for r in rows])
         self.prefill_chunks += 1
         done = [i for i, r in enumerate(rows) if S.remaining(r) == 0]
         if not done:
@@ -689,6 +748,8 @@ class Scheduler:
             _, seq, end = op
             if self.paged:  # its cached prefix is taken now; its prompt is computed a chunk per step
                 seq.cached = S.start(seq.row, seq.prompt, len(seq.prompt) + seq.params.max_new_tokens)
+                if self.drafter is not None and self.drafter.has(seq.row):
+                    self.drafter.start(seq.row, seq.prompt, len(seq.prompt) + seq.params.max_new_tokens)
                 self._prefilling.append(seq)
                 continue
             joining.append(seq)
@@ -712,10 +773,14 @@ class Scheduler:
             rows, idx, temperature, top_k, top_p = self._sampled
             u = to_device([self._rows[r].rng.random() for r in rows], torch.float32, self.device)
             tokens[idx] = sample_rows(logits[idx], temperature, top_k, top_p, u)
+        if self._forced:
+            for row, tok in self._forced.items():
+                tokens[row] = tok
+            self._forced.clear()
         if self._penalty is not None:
             self._seen.scatter_(1, tokens[:, None], True)
 
-        if self.spec_k and any(s.params.temperature == 0 and s.params.repetition_penalty == 1.0 for s in running):
+        if self.spec_k and any(self._speculates(s.params) for s in running):
             return self._speculative_step(running, tokens)
         on_cuda = self.device.type == "cuda"
         launched = False
@@ -750,13 +815,18 @@ class Scheduler:
             self._logits = None
 
     def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
-        """(Paged, greedy rows present.) Prompt-lookup speculative decoding: after the drawn tokens are handed out,
-        each greedy row still running proposes up to ``spec_k`` tokens that followed the latest earlier occurrence
-        of its last few tokens (``paged.ngram_draft``); one forward feeds every row its drawn token and its draft,
-        and a greedy row keeps the draft tokens that equal its own argmax at each position, up to the first that
-        does not, plus the logits after the last kept one (so it draws the next token from them as usual). The
-        tokens are exactly those of plain greedy decoding; a step yields 1 + (accepted) tokens for such a row.
-        Not pipelined: the drafts need the host to know the drawn tokens first."""
+        """(Paged, speculating rows present.) Speculative decoding: after the drawn tokens are handed out, each
+        speculating row still running proposes up to ``spec_k`` draft tokens: by prompt lookup (greedy rows), the
+        tokens that followed the latest earlier occurrence of its last few tokens (``paged.ngram_draft``), or the
+        draft model's continuation (``speculative.ModelDrafter``: greedy, or sampled for a sampled row). One
+        forward feeds every row its drawn token and its draft, and a greedy row keeps the draft tokens that equal
+        its own argmax at each position, up to the first that does not, plus the logits after the last kept one
+        (so it draws the next token from them as usual); a sampled row keeps or rejects them by speculative
+        sampling (``speculative.accept_sampled``), a rejected one's replacement being its next token
+        (``_forced``). The draft model's cache is rolled back to the kept length too. Greedy tokens are exactly
+        those of plain greedy decoding, sampled ones have plain sampling's distribution; a step yields
+        1 + (accepted) tokens for such a row. Not pipelined: the drafts need the host to know the drawn tokens
+        first."""
         from zero2all.infer.paged import ngram_draft
 
         S = self.session
@@ -769,14 +839,23 @@ class Scheduler:
         if not live:
             self._logits = None
             return
-        drafts = {}
+        lengths = {}
         for seq in live:
-            p = seq.params
-            if p.temperature == 0 and p.repetition_penalty == 1.0 and seq.constraint is None:
-                k = min(self.spec_k, p.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
-                draft = ngram_draft(S.history(seq.row) + [host[seq.row]], k) if k > 0 else []
-                if draft:
-                    drafts[seq.row] = draft
+            if self._speculates(seq.params) and (self.drafter is None or self.drafter.has(seq.row)):
+                k = min(self.spec_k, seq.params.max_new_tokens - seq.drawn - 1, S.room(seq.row) - 1)
+                if k > 0:
+                    lengths[seq.row] = k
+        samplers, q = {}, {}
+        if self.drafter is not None:
+            from zero2all.infer.speculative import Sampler
+
+            for r in lengths:
+                p = self._rows[r].params
+                if p.temperature > 0:
+                    samplers[r] = Sampler(p.temperature, p.top_k, p.top_p, self._rows[r].rng)
+            drafts, q = self.drafter.propose(lengths, {r: S.history(r) for r in lengths}, host, samplers)
+        else:
+            drafts = {r: d for r, k in lengths.items() if (d := ngram_draft(S.history(r) + [host[r]], k))}
         if not drafts:
             self._logits = S.decode(tokens, self._col)
             S.note_tokens(host)
@@ -787,15 +866,26 @@ class Scheduler:
         accepted = {}
         for row, draft in drafts.items():
             n = 1 + len(draft)
-            predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
-            a = 0
-            while a < len(draft) and predicted[a] == draft[a]:
-                a += 1
+            if row in samplers:  # kept with probability min(1, p/q); a rejected one is replaced
+                from zero2all.infer.speculative import accept_sampled, draft_probs
+
+                p = draft_probs(logits[row, T - n:T - 1], [samplers[row]] * len(draft))
+                a, replacement = accept_sampled(p, q[row], draft, samplers[row].rng)
+                if replacement is not None:
+                    self._forced[row] = replacement
+            else:
+                predicted = argmax_rows(logits[row, T - n:T - 1]).tolist()   # after the token, d1, ..., d(k-1)
+                a = 0
+                while a < len(draft) and predicted[a] == draft[a]:
+                    a += 1
             accepted[row] = a
             nxt[row] = logits[row, T - n + a]
             self.spec_drafted += len(draft)
             self.spec_accepted += a
         S.finish_verify(accepted)
+        if self.drafter is not None:
+            for row in drafts:
+                self.drafter.rollback(row, S.rows[row].computed)
         self._logits = nxt
         self.steps += 1
         with self._cond:

@@ -157,9 +157,10 @@ def default_rows(engine: str, device: torch.device) -> int:
 class InferenceApp:
     """Request validation and the OpenAI response shapes over a :class:`Scheduler`; the HTTP layer only moves
     bytes. ``max_batch`` None: :func:`default_rows`. ``engine_options``: the :class:`Scheduler`'s engine arguments
-    (engine: ``auto`` by default, :func:`resolve_engine`; block_size, kv_blocks, kv_cache_gb, prefix_caching,
-    max_num_batched_tokens, speculative_ngram). ``max_queue``: sequences that may wait for a row (a waiting request
-    costs its prompt, no cache); more get 429."""
+    (engine: ``auto`` by default, :func:`resolve_engine`, or paged when speculative decoding is asked for;
+    block_size, kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram, draft_model and
+    speculative_tokens). ``max_queue``: sequences that may wait for a row (a waiting request costs its prompt, no
+    cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
                  default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
@@ -171,7 +172,11 @@ class InferenceApp:
         self.generator = generator
         self.model_name = model_name
         engine_options = dict(engine_options or {})
-        engine_options["engine"] = resolve_engine(engine_options.get("engine", "auto"), generator.device)
+        engine = engine_options.get("engine", "auto")
+        if engine == "auto" and (engine_options.get("draft_model") is not None
+                                 or engine_options.get("speculative_ngram")):
+            engine = "paged"              # speculative decoding is the paged engine's
+        engine_options["engine"] = resolve_engine(engine, generator.device)
         if max_batch is None:
             max_batch = default_rows(engine_options["engine"], generator.device)
         self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len,
@@ -573,10 +578,12 @@ class ServerMetrics:
                    s["prefix_cache_hits"])
             metric("z2all_prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / looked up",
                    f"{s['prefix_cache_hit_rate']:.4f}")
-            metric("z2all_spec_draft_tokens_total", "counter", "prompt-lookup draft tokens proposed", s["spec_drafted"])
-            metric("z2all_spec_accepted_tokens_total", "counter", "draft tokens accepted", s["spec_accepted"])
-            rate = s["spec_accepted"] / s["spec_drafted"] if s["spec_drafted"] else 0.0
-            metric("z2all_spec_acceptance_rate", "gauge", "draft tokens accepted / proposed", f"{rate:.4f}")
+            method = f'{{method="{s["spec_method"]}"}}'   # off, ngram (prompt lookup) or draft_model
+            metric("z2all_spec_draft_tokens_total", "counter", "speculative draft tokens proposed", s["spec_drafted"],
+                   method)
+            metric("z2all_spec_accepted_tokens_total", "counter", "draft tokens accepted", s["spec_accepted"], method)
+            metric("z2all_spec_acceptance_rate", "gauge", "draft tokens accepted / proposed",
+                   f"{s['spec_acceptance_rate']:.4f}", method)
         metric("z2all_queue_limit", "gauge", "sequences that may wait", app.max_queue)
         metric("z2all_decode_steps_total", "counter", "decode steps run", s["steps"])
         metric("z2all_prompt_tokens_total", "counter", "prompt tokens of accepted requests", self.prompt_tokens)
@@ -1251,14 +1258,26 @@ def create_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, t
                   cuda_graph: bool | None = None, compile: bool = False, quiet: bool = False,
                   cache_len: int | None = None, api_key: str | None = None, cors_origin: str | None = None,
                   read_timeout: float = READ_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
-                  engine_options: dict | None = None) -> tuple[HTTPServer, InferenceApp]:
+                  engine_options: dict | None = None, draft_model: str | Path | None = None
+                  ) -> tuple[HTTPServer, InferenceApp]:
     """Load the checkpoint and bind the server (``port=0`` picks a free port: ``server.server_address``).
 
     ``tokenizer`` None loads ``zero2all.tokenizer.load_tokenizer(ckpt)``; ``api_key``, ``cors_origin``: see
-    :func:`make_app`; ``read_timeout`` and ``max_connections``: see :class:`_Protocol`."""
+    :func:`make_app`; ``read_timeout`` and ``max_connections``: see :class:`_Protocol`. ``draft_model``: a
+    checkpoint directory of a smaller model sharing the tokenizer, for speculative decoding (checked, then loaded
+    on the same device in the same dtype; ``engine_options["speculative_tokens"]`` draft tokens a step, default 4)."""
     from zero2all.infer.generate import load_for_inference
 
+    if draft_model is not None:
+        from zero2all.infer.speculative import check_draft_checkpoint
+
+        check_draft_checkpoint(draft_model, ckpt, tokenizer)
     model, tok = load_for_inference(str(ckpt), device=device, dtype=dtype, tokenizer=tokenizer)
+    if draft_model is not None:
+        engine_options = dict(engine_options or {})
+        engine_options.setdefault("speculative_tokens", 4)
+        engine_options["draft_model"], _ = load_for_inference(str(draft_model), device=device, dtype=dtype,
+                                                              tokenizer=tok)
     name = model_name or Path(ckpt).resolve().name
     generator = Generator(model, tok, cuda_graph=cuda_graph, compile=compile)
     return bind(InferenceApp(generator, name, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
