@@ -44,17 +44,13 @@ VAL_SHARD = "shard_99999.parquet"
 
 
 def read_texts(path: str | os.PathLike) -> Iterator[str]:
-    """The ``text`` field of each record of a jsonl file (empty texts skipped), in file order."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a JSON record with a text field ({e})") from e
-            if text:
-                yield text
+    """The text of each record of a corpus file, in file order, read as `z2all eval` reads it (the readers'
+    schema: ``content``, or ``text``), empty texts skipped: the same documents our side is scored on."""
+    from zero2all.eval.perplexity import iter_documents
+
+    for _src, text in iter_documents([str(path)]):
+        if text:
+            yield text
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

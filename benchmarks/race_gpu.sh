@@ -70,16 +70,16 @@ fi
 
 SIDE=${SIDE:?set SIDE=ours|nanochat|modded}
 case "$SIDE" in ours|nanochat|modded) ;; *) echo "race: SIDE=$SIDE: use ours, nanochat or modded" >&2; exit 2 ;; esac
-BUDGET_MIN=${BUDGET_MIN:-6}
+BUDGET_MIN=${BUDGET_MIN:-5}
 if [ -n "${RACE_SMOKE:-}" ]; then
   WORK=${1:?usage: RACE_SMOKE=1 SIDE=... bash benchmarks/race_gpu.sh WORK}
-  CORPUS_MB=${CORPUS_MB:-3}; BUDGET_S=${BUDGET_S:-20}; VOCAB=512; SEQ=128; DEPTH=2; DIM=64; HEADS=2; FFN=192
+  CORPUS_MB=${CORPUS_MB:-3}; BUDGET_S=${BUDGET_S:-30}; EVAL_DOCS=20; VOCAB=512; SEQ=128; DEPTH=2; DIM=64; HEADS=2; FFN=192
   MB=4; ACCUM=1; TOK_BYTES=2M; DEVICE=cpu; TAG=cpu-smoke; FIX_STEP=12; NC_BATCH=2; NC_TOTAL=512; NC_EVAL=1024
   EVAL_EVERY=10; NC_EVAL_EVERY=5; VAL_SEQ=128; DEADLINE=${RACE_DEADLINE_S:-900}
 else
   WORK=${1:-/tmp/race}
   CORPUS_MB=${CORPUS_MB:-300}; BUDGET_S=$((BUDGET_MIN * 60)); VOCAB=32768; SEQ=2048; DEPTH=12; DIM=768; HEADS=6
-  FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20; NC_BATCH=32
+  EVAL_DOCS=200; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20; NC_BATCH=32
   NC_TOTAL=-1; NC_EVAL=2097152; EVAL_EVERY=${RACE_EVAL_EVERY:-400}; NC_EVAL_EVERY=${RACE_EVAL_EVERY_NC:-100}
   VAL_SEQ=16384; DEADLINE=${RACE_DEADLINE_S:-560}  # the whole call stays inside the device's 10-minute limit
   TAG=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())" 2>/dev/null || echo gpu)
@@ -120,7 +120,7 @@ ours)
     train.device="'$DEVICE'" train.micro_batch_size=$MB train.grad_accum_steps=$ACCUM train.max_steps=1000000 \
     train.time_budget_s=$BUDGET_S train.optimizer="'muon'" train.muon_scale="'spectral'" train.muon_lr=0.02 \
     train.lr=2e-3 train.min_lr=2e-4 train.schedule="'cosine'" train.warmup_steps=50 train.eval_every=$EVAL_EVERY \
-    train.eval_batches=10 train.eval_data="['$VALID']" train.eval_data_max_docs=200 train.num_samples=0 \
+    train.eval_batches=10 train.eval_data="['$VALID']" train.eval_data_max_docs=$EVAL_DOCS train.num_samples=0 \
     train.ckpt_every=1000000000 train.keep_last=1 train.tensorboard=false train.log_every=10 \
     > "$LOG" 2>&1 || die "pretrain failed or ran out of time: $LOG"
   say "ours: final bits per byte on the whole validation split"
@@ -148,7 +148,7 @@ nanochat)
     timeout $(( $(left) - 90 )) $PY -m scripts.base_train --run dummy --depth $DEPTH --max-seq-len $SEQ \
     --window-pattern L --device-batch-size $NC_BATCH --total-batch-size $NC_TOTAL --num-iterations 1000000 \
     --eval-every $NC_EVAL_EVERY --eval-tokens $NC_EVAL --core-metric-every -1 --sample-every -1 "${extra[@]}") \
-    > "$LOG" 2>&1 || die "base_train failed or ran out of time: $LOG"
+    > "$LOG" 2>&1 || echo "race: base_train stopped early (its log: $LOG); scoring what it left"
   grep "^race:" "$LOG"
   say "nanochat: final bits per byte on the whole validation split (our eval's rules, its model)"
   PYTHONPATH="$PWD:$D/src:$PEERPATH" $PY benchmarks/race_score.py nanochat --base-dir "$NANOCHAT_BASE_DIR" \
@@ -174,13 +174,13 @@ modded)
   (cd "$D/src" && DATA_PATH="$PWD/.." RACE_BUDGET_S=$BUDGET_S RACE_FIX_STEP=$FIX_STEP RACE_ITERATIONS=100000 \
     RACE_VAL_EVERY=${RACE_EVAL_EVERY_MD:-50} RACE_VAL_TOKENS=$VAL_TOKENS RACE_VAL_SEQ_LEN=$VAL_SEQ \
     PYTHONPATH="$PEERPATH" timeout $(( $(left) - 30 )) $PY -m torch.distributed.run --standalone \
-    --nproc_per_node=1 train_gpt.py) > "$LOG" 2>&1 || die "train_gpt.py failed or ran out of time: $LOG"
+    --nproc_per_node=1 train_gpt.py) > "$LOG" 2>&1 || echo "race: train_gpt.py stopped early (its log: $LOG); scoring its last validation"
   $PY benchmarks/race_score.py modded --log "$LOG" --meta "$D/val_meta.json" --out "$WORK/race-modded.json" \
     | tee -a "$LOG" || die "scoring failed"
   ;;
 esac
 
-RES=benchmarks/results/race-$STAMP-$TAG
+RES=benchmarks/results/race-$STAMP-$TAG; [ -n "${RACE_SMOKE:-}" ] && RES="$WORK/results"
 mkdir -p "$RES"
 cp "$WORK/race-$SIDE.json" "$LOG" "$RES/" && cp "$WORK/corpus/manifest.json" "$RES/corpus-manifest.json"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$RES/race-$SIDE.json" "$RES/$SIDE.log" "$RES/corpus-manifest.json" "$OUT/"; fi
