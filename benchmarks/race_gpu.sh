@@ -17,8 +17,8 @@
 #
 #   ours      Z2all 12 x 768 (6 heads of 128, SwiGLU 2048), byte-level BPE 32,768 trained on 100 MB of the train
 #             split, seq 2048, 64k tokens per update (16 x 2048 x 2), Muon `spectral` at muon_lr 0.02 + AdamW 2e-3
-#             (cosine to a tenth, warmup 50), bf16, train.time_budget_s; bits per byte on 200 validation
-#             documents every RACE_EVAL_EVERY updates, `z2all eval` on all of them at the end.
+#             (cosine to a tenth, warmup 50), bf16, train.time_budget_s; bits per byte on the whole validation
+#             split every RACE_EVAL_EVERY updates (inside its budget) and by `z2all eval` at the end.
 #   nanochat  karpathy/nanochat @ 92d63d4 unmodified but for the budget edit (race_patch.py): its tokenizer
 #             (rustbpe, 32,768, scripts.tok_train on 100M characters), scripts.base_train --depth 12 with its own
 #             recipe (Muon for matrices + AdamW, its LR / batch-size / weight-decay scaling, 524k tokens per update,
@@ -79,8 +79,8 @@ if [ -n "${RACE_SMOKE:-}" ]; then
 else
   WORK=${1:-/tmp/race}
   CORPUS_MB=${CORPUS_MB:-300}; BUDGET_S=$((BUDGET_MIN * 60)); VOCAB=32768; SEQ=2048; DEPTH=12; DIM=768; HEADS=6
-  EVAL_DOCS=200; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20; NC_BATCH=32
-  NC_TOTAL=-1; NC_EVAL=2097152; EVAL_EVERY=${RACE_EVAL_EVERY:-400}; NC_EVAL_EVERY=${RACE_EVAL_EVERY_NC:-100}
+  EVAL_DOCS=1000000; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20; NC_BATCH=32
+  NC_TOTAL=-1; NC_EVAL=2097152; EVAL_EVERY=${RACE_EVAL_EVERY:-500}; NC_EVAL_EVERY=${RACE_EVAL_EVERY_NC:-100}
   VAL_SEQ=16384; DEADLINE=${RACE_DEADLINE_S:-560}  # the whole call stays inside the device's 10-minute limit
   TAG=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())" 2>/dev/null || echo gpu)
 fi
@@ -185,3 +185,4 @@ mkdir -p "$RES"
 cp "$WORK/race-$SIDE.json" "$LOG" "$RES/" && cp "$WORK/corpus/manifest.json" "$RES/corpus-manifest.json"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$RES/race-$SIDE.json" "$RES/$SIDE.log" "$RES/corpus-manifest.json" "$OUT/"; fi
 say "done: results in $RES"
+ls "$RES"/race-*.json >/dev/null 2>&1 && $PY benchmarks/race_score.py summary "$RES"/race-*.json

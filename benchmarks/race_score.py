@@ -24,6 +24,7 @@ How each side's number is obtained (the same held-out packages of the site-packa
     python benchmarks/race_score.py ours --run RUN --eval eval.json --out result.json
     python benchmarks/race_score.py nanochat --base-dir DIR --valid valid.jsonl --log train.log --out result.json
     python benchmarks/race_score.py modded --log train.log --meta val_meta.json --out result.json
+    python benchmarks/race_score.py summary race-ours.json race-nanochat.json race-modded.json   # the table
 
 Each prints one line ``race: side=... params=... tokens=... train_s=... bpb=...`` and writes the JSON with the
 validation curve (seconds of training, bits per byte) where the side logs one.
@@ -211,6 +212,44 @@ def read_ours(run: Path, eval_json: Path) -> dict:
     return out
 
 
+def time_to(curve: list, target: float) -> float | None:
+    """The first training time at which a curve [(seconds, bpb)] reaches ``target`` (linear between its points),
+    None if it never does."""
+    prev = None
+    for t, b in curve:
+        if b <= target:
+            if prev is None or prev[1] == b:
+                return float(t)
+            t0, b0 = prev
+            return t0 + (t - t0) * (b0 - target) / (b0 - b)
+        prev = (t, b)
+    return None
+
+
+def summary(results: dict) -> str:
+    """The race table from the sides' result JSONs: each side's numbers and the time it takes to reach nanochat's
+    final bits per byte (nanochat reaches it at its own end, ``train_s``), on curves scored on the same text as
+    the finals where the side logs one (ours: every evaluation on the whole validation split; modded: its
+    validation loss; nanochat's own curve is on its packed rows, so only its final enters)."""
+    nc = results.get("nanochat")
+    rows = ["| side | params (blocks + head) | tokens | training s | final bits per byte | s to nanochat's final |",
+            "|---|---|---|---|---|---|"]
+    for side in ("ours", "nanochat", "modded"):
+        r = results.get(side)
+        if r is None:
+            continue
+        if nc is None:
+            reach = "-"
+        elif side == "nanochat":
+            reach = f"{nc['train_s']:.0f}"
+        else:
+            t = time_to(r.get("curve", []), nc["bpb"])
+            reach = "not reached" if t is None else f"{t:.0f} ({t / nc['train_s']:.2f}x)"
+        rows.append(f"| {side} | {r.get('params', 0) / 1e6:.1f}M | {r.get('tokens', 0) / 1e6:.0f}M | "
+                    f"{r.get('train_s', 0):.0f} | {r['bpb']:.4f} | {reach} |")
+    return "\n".join(rows)
+
+
 def result_line(side: str, r: dict) -> str:
     extra = f" eot_share={r['eot_share']:.4f}" if "eot_share" in r else ""
     return (f"race: side={side} params={r.get('params', 0) / 1e6:.1f}M (total {r.get('params_total', 0) / 1e6:.1f}M)"
@@ -231,12 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--context", type=int, default=2048)
     n.add_argument("--device", default="cuda")
     n.add_argument("--max-docs", type=int, default=None)
+    sm = sub.add_parser("summary", help="the race table from race-<side>.json files")
+    sm.add_argument("results", nargs="+")
     m = sub.add_parser("modded")
     m.add_argument("--log", required=True)
     m.add_argument("--meta", required=True)
     for p in (o, n, m):
         p.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.side == "summary":
+        try:
+            results = {json.loads(Path(f).read_text())["side"]: json.loads(Path(f).read_text()) for f in args.results}
+        except (OSError, ValueError, KeyError) as e:
+            print(f"race_score: {e}", file=sys.stderr)
+            return 2
+        print(summary(results))
+        return 0
     try:
         if args.side == "ours":
             r = read_ours(Path(args.run), Path(args.eval))

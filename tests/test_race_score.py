@@ -161,3 +161,15 @@ def test_patched_peer_source_compiles(kind, member, tmp_path):
     with tarfile.open(tarball) as tf:
         text = tf.extractfile(member).read().decode()
     compile(race_patch.apply(kind, text), member, "exec")
+
+
+def test_time_to_a_target_and_the_summary_table():
+    curve = [(0.0, 3.0), (100.0, 2.0), (200.0, 1.5)]
+    assert race_score.time_to(curve, 2.0) == 100.0
+    assert race_score.time_to(curve, 1.75) == pytest.approx(150.0)
+    assert race_score.time_to(curve, 1.0) is None
+    results = {"nanochat": {"bpb": 1.75, "train_s": 300.0, "params": 110e6, "tokens": 1e8},
+               "ours": {"bpb": 1.5, "train_s": 300.0, "curve": curve, "params": 110e6, "tokens": 2e8}}
+    table = race_score.summary(results)
+    assert "| ours | 110.0M | 200M | 300 | 1.5000 | 150 (0.50x) |" in table
+    assert "| nanochat | 110.0M | 100M | 300 | 1.7500 | 300 |" in table
