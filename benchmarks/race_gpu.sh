@@ -2,7 +2,7 @@
 # The time-to-loss race on one GPU: our best recipe against nanochat's and modded-nanogpt's, each with its own code,
 # on the same site-packages corpus, scored in bits per byte on the same held-out packages. One side per call:
 #
-#   bash benchmarks/race_gpu.sh pack                  # here (network): peers' source + wheels + GPT-2 files -> .whl/race
+#   bash benchmarks/race_gpu.sh pack           # with network: peers' source, wheels, GPT-2 files -> .whl/race
 #   SIDE=ours|nanochat|modded bash benchmarks/race_gpu.sh [WORK]        # GPU machine: one side, <= ~9 minutes
 #   RACE_SMOKE=1 SIDE=... RACE_SITE=DIR bash benchmarks/race_gpu.sh WORK  # CPU: tiny sizes, the plumbing only
 #
@@ -45,11 +45,11 @@ if [ "${1:-}" = pack ]; then
   MODDED_GIT=${MODDED_GIT:-/work/.mirror/KellerJordan+modded-nanogpt/repo}
   mkdir -p "$RACE/wheels" "$RACE/gpt2"
   git --git-dir="$NANOCHAT_GIT" archive --format=tar.gz -o "$RACE/nanochat.tar.gz" "$NANOCHAT_REV" nanochat scripts \
-    tasks pyproject.toml LICENSE || die "nanochat $NANOCHAT_REV not in $NANOCHAT_GIT (fetch github:karpathy/nanochat)"
+    tasks pyproject.toml LICENSE || die "$NANOCHAT_REV not in $NANOCHAT_GIT (a git mirror of karpathy/nanochat)"
   tmp=$(mktemp -d)  # two files by `git show` (the mirror may lack blobs of records/ that `git archive` walks)
   for f in train_gpt.py LICENSE; do
     git --git-dir="$MODDED_GIT" show "$MODDED_REV:$f" > "$tmp/$f" \
-      || die "modded-nanogpt $MODDED_REV:$f not in $MODDED_GIT (fetch github:KellerJordan/modded-nanogpt)"
+      || die "$MODDED_REV:$f not in $MODDED_GIT (a git mirror of KellerJordan/modded-nanogpt)"
   done
   tar czf "$RACE/modded.tar.gz" -C "$tmp" train_gpt.py LICENSE && rm -rf "$tmp"
   # nanochat's tokenizer trainer (rustbpe); the GPU image has tiktoken, pyarrow, regex, filelock, psutil, requests
@@ -73,13 +73,15 @@ case "$SIDE" in ours|nanochat|modded) ;; *) echo "race: SIDE=$SIDE: use ours, na
 BUDGET_MIN=${BUDGET_MIN:-5}
 if [ -n "${RACE_SMOKE:-}" ]; then
   WORK=${1:?usage: RACE_SMOKE=1 SIDE=... bash benchmarks/race_gpu.sh WORK}
-  CORPUS_MB=${CORPUS_MB:-3}; BUDGET_S=${BUDGET_S:-30}; EVAL_DOCS=20; VOCAB=512; SEQ=128; DEPTH=2; DIM=64; HEADS=2; FFN=192
+  CORPUS_MB=${CORPUS_MB:-3}; BUDGET_S=${BUDGET_S:-30}; EVAL_DOCS=20; VOCAB=512; SEQ=128; DEPTH=2; DIM=64; HEADS=2
+  FFN=192
   MB=4; ACCUM=1; TOK_BYTES=2M; DEVICE=cpu; TAG=cpu-smoke; FIX_STEP=12; NC_BATCH=2; NC_TOTAL=512; NC_EVAL=1024
   EVAL_EVERY=10; NC_EVAL_EVERY=5; VAL_SEQ=128; DEADLINE=${RACE_DEADLINE_S:-900}
 else
   WORK=${1:-/tmp/race}
   CORPUS_MB=${CORPUS_MB:-300}; BUDGET_S=$((BUDGET_MIN * 60)); VOCAB=32768; SEQ=2048; DEPTH=12; DIM=768; HEADS=6
-  EVAL_DOCS=1000000; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20; NC_BATCH=32
+  EVAL_DOCS=1000000; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20
+  NC_BATCH=32
   NC_TOTAL=-1; NC_EVAL=2097152; EVAL_EVERY=${RACE_EVAL_EVERY:-500}; NC_EVAL_EVERY=${RACE_EVAL_EVERY_NC:-100}
   VAL_SEQ=16384; DEADLINE=${RACE_DEADLINE_S:-560}  # the whole call stays inside the device's 10-minute limit
   TAG=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())" 2>/dev/null || echo gpu)
@@ -174,7 +176,8 @@ modded)
   (cd "$D/src" && DATA_PATH="$PWD/.." RACE_BUDGET_S=$BUDGET_S RACE_FIX_STEP=$FIX_STEP RACE_ITERATIONS=100000 \
     RACE_VAL_EVERY=${RACE_EVAL_EVERY_MD:-50} RACE_VAL_TOKENS=$VAL_TOKENS RACE_VAL_SEQ_LEN=$VAL_SEQ \
     PYTHONPATH="$PEERPATH" timeout $(( $(left) - 30 )) $PY -m torch.distributed.run --standalone \
-    --nproc_per_node=1 train_gpt.py) > "$LOG" 2>&1 || echo "race: train_gpt.py stopped early (its log: $LOG); scoring its last validation"
+    --nproc_per_node=1 train_gpt.py) > "$LOG" 2>&1 \
+    || echo "race: train_gpt.py stopped early (its log: $LOG); scoring its last validation"
   $PY benchmarks/race_score.py modded --log "$LOG" --meta "$D/val_meta.json" --out "$WORK/race-modded.json" \
     | tee -a "$LOG" || die "scoring failed"
   ;;
@@ -183,6 +186,8 @@ esac
 RES=benchmarks/results/race-$STAMP-$TAG; [ -n "${RACE_SMOKE:-}" ] && RES="$WORK/results"
 mkdir -p "$RES"
 cp "$WORK/race-$SIDE.json" "$LOG" "$RES/" && cp "$WORK/corpus/manifest.json" "$RES/corpus-manifest.json"
-if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$RES/race-$SIDE.json" "$RES/$SIDE.log" "$RES/corpus-manifest.json" "$OUT/"; fi
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then  # the device machine: what comes back
+  cp "$RES/race-$SIDE.json" "$RES/$SIDE.log" "$RES/corpus-manifest.json" "$OUT/"
+fi
 say "done: results in $RES"
 ls "$RES"/race-*.json >/dev/null 2>&1 && $PY benchmarks/race_score.py summary "$RES"/race-*.json
