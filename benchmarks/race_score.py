@@ -184,32 +184,29 @@ def read_modded_log(text: str, meta: dict) -> dict:
 
 
 def read_ours(run: Path, eval_json: Path) -> dict:
-    """Our run: metrics.jsonl (tokens, step times, the bits-per-byte evaluations), the final model's size and the
-    `z2all eval --json` of the final model."""
+    """Our run: metrics.jsonl (each record's wall ``time``; the ``info`` record's sizes), and the `z2all eval
+    --json` of the final model. Training seconds leave the evaluations out, as the peers' clocks do: an
+    evaluation's span runs from the record before it (the update it follows, or the start) to its bits-per-byte
+    record; ``wall_s`` keeps them in (what ``train.time_budget_s`` counts)."""
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [r for r in recs if r.get("kind") == "train"]
-    cum, t = {}, 0.0
-    for r in train:
-        t += float(r.get("step_time_s", 0.0))
-        cum[r["step"]] = t
-    curve = []
+    info = next((r for r in recs if r.get("kind") == "info"), {})
+    start = float(info.get("time", recs[0]["time"] if recs else 0.0))
+    prev, spent, curve, last_step, last_train, spent_then = start, 0.0, [], 0, start, 0.0
     for r in recs:
-        if r.get("kind") == "eval" and "overall/bits_per_byte" in r:
-            done = [s for s in cum if s <= r["step"]]
-            curve.append((round(cum[max(done)] if done else 0.0, 1), r["overall/bits_per_byte"]))
+        if r.get("kind") == "train":
+            prev = last_train = float(r["time"])
+            spent_then = spent  # evaluations after the last update count neither way
+            last_step = max(last_step, int(r["step"]))
+        elif r.get("kind") == "eval" and "overall/bits_per_byte" in r:
+            curve.append((round(prev - start - spent, 1), r["overall/bits_per_byte"]))
+            spent += float(r["time"]) - prev
+            prev = float(r["time"])
     overall = json.loads(eval_json.read_text())["overall"]
-    out = {"steps": train[-1]["step"] if train else 0, "tokens": train[-1].get("tokens_seen", 0) if train else 0,
-           "train_s": round(t, 1), "curve": curve,
-           "bpb": bits_per_byte(overall["loss"] * overall["tokens"], overall["bytes"]),
-           "scored_tokens": overall["tokens"], "scored_bytes": overall["bytes"]}
-    try:
-        from zero2all.model.io import load_model
-
-        model = load_model(run / "final", device="cpu")
-        out["params"], out["params_total"] = model.num_params(non_embedding=True), model.num_params()
-    except Exception as e:  # the score stands without the count
-        print(f"race_score: parameter count of {run / 'final'} not read ({e})", file=sys.stderr)
-    return out
+    return {"steps": last_step, "tokens": last_step * int(info.get("tokens_per_step", 0)),
+            "train_s": round(last_train - start - spent_then, 1), "wall_s": round(last_train - start, 1),
+            "curve": curve, "bpb": bits_per_byte(overall["loss"] * overall["tokens"], overall["bytes"]),
+            "scored_tokens": overall["tokens"], "scored_bytes": overall["bytes"],
+            "params": info.get("non_embedding_params", 0), "params_total": info.get("params", 0)}
 
 
 def time_to(curve: list, target: float) -> float | None:

@@ -173,3 +173,22 @@ def test_time_to_a_target_and_the_summary_table():
     table = race_score.summary(results)
     assert "| ours | 110.0M | 200M | 300 | 1.5000 | 150 (0.50x) |" in table
     assert "| nanochat | 110.0M | 100M | 300 | 1.7500 | 300 |" in table
+
+
+def test_our_run_reader_leaves_evaluations_out_of_the_training_seconds(tmp_path):
+    recs = [{"time": 100.0, "kind": "info", "step": 0, "tokens_per_step": 1000, "params": 50,
+             "non_embedding_params": 40},
+            {"time": 101.0, "kind": "eval", "step": 0, "loss": 5.0},
+            {"time": 110.0, "kind": "eval", "step": 0, "overall/bits_per_byte": 3.0},   # 10 s of evaluation
+            {"time": 130.0, "kind": "train", "step": 10, "step_time_s": 2.0},
+            {"time": 150.0, "kind": "train", "step": 20, "step_time_s": 2.0},
+            {"time": 155.0, "kind": "eval", "step": 20, "overall/bits_per_byte": 2.0},  # 5 s
+            {"time": 175.0, "kind": "train", "step": 30, "step_time_s": 2.0},
+            {"time": 180.0, "kind": "eval", "step": 30, "overall/bits_per_byte": 1.5}]  # after the last update
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "eval.json").write_text(json.dumps({"overall": {"loss": 1.0, "tokens": 100, "bytes": 200}}))
+    r = race_score.read_ours(tmp_path, tmp_path / "eval.json")
+    assert r["curve"] == [(0.0, 3.0), (40.0, 2.0), (60.0, 1.5)]
+    assert r["train_s"] == 60.0 and r["wall_s"] == 75.0
+    assert r["steps"] == 30 and r["tokens"] == 30000 and r["params"] == 40
+    assert r["bpb"] == pytest.approx(100 / (math.log(2) * 200))
