@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/race_gpu.sh pack           # with network: peers' source, wheels, GPT-2 files -> .whl/race
 #   SIDE=ours|nanochat|modded bash benchmarks/race_gpu.sh [WORK]        # GPU machine: one side, <= ~9 minutes
+#   RACE_PHASE=setup SIDE=... bash benchmarks/race_gpu.sh [WORK]        # only the data and tokenizer (see below)
 #   RACE_SMOKE=1 SIDE=... RACE_SITE=DIR bash benchmarks/race_gpu.sh WORK  # CPU: tiny sizes, the plumbing only
 #
 # Each side: the corpus (`z2all corpus`, CORPUS_MB, deterministic on a given machine image: the same packages for
@@ -78,7 +79,7 @@ if [ -n "${RACE_SMOKE:-}" ]; then
   MB=4; ACCUM=1; TOK_BYTES=2M; DEVICE=cpu; TAG=cpu-smoke; FIX_STEP=12; NC_BATCH=2; NC_TOTAL=512; NC_EVAL=1024
   EVAL_EVERY=10; NC_EVAL_EVERY=5; VAL_SEQ=128; DEADLINE=${RACE_DEADLINE_S:-900}
 else
-  WORK=${1:-/tmp/race}
+  WORK=${1:-runs/race}  # git-ignored: kept between two calls on a machine that is still warm (RACE_PHASE)
   CORPUS_MB=${CORPUS_MB:-300}; BUDGET_S=$((BUDGET_MIN * 60)); VOCAB=32768; SEQ=2048; DEPTH=12; DIM=768; HEADS=6
   EVAL_DOCS=1000000; FFN=2048; MB=${RACE_MB:-16}; ACCUM=${RACE_ACCUM:-2}; TOK_BYTES=100M; DEVICE=cuda; FIX_STEP=20
   NC_BATCH=32
@@ -90,6 +91,9 @@ STAMP=$(date -u +%Y-%m-%d)
 mkdir -p "$WORK"
 LOG="$WORK/$SIDE.log"
 left() { echo $((DEADLINE - (SECONDS - T0))); }  # seconds left of the call
+# RACE_PHASE=setup stops once the side's data and tokenizer are ready (every step above training skips what exists),
+# so that setup and training can take two calls when they do not fit one
+setup_done() { if [ "${RACE_PHASE:-}" = setup ]; then say "$SIDE: setup done"; exit 0; fi; }
 
 # peers' Python packages: wheels carried in .whl/race (GPU), or an existing folder (RACE_SITE, CPU smoke)
 SITE=${RACE_SITE:-}
@@ -114,6 +118,7 @@ ours)
     --sample-bytes $TOK_BYTES --out "$D/tok" > "$D.tok.log" 2>&1 || die "train-tokenizer failed: $D.tok.log"
   [ -f "$D/data/meta.json" ] || $Z prepare --input "$WORK/corpus" --tokenizer "$D/tok" --out "$D/data" \
     --seq-len $SEQ --no-progress > "$D.data.log" 2>&1 || die "prepare failed: $D.data.log"
+  setup_done
   say "ours: training for $BUDGET_S s"
   rm -rf "$D/run"
   timeout $(( $(left) - 60 )) $Z pretrain --config tiny --data "$D/data" --out "$D/run" --no-progress \
@@ -142,8 +147,9 @@ nanochat)
     "$BASE/base_data_climbmix" || die "race_data nanochat failed"
   say "nanochat: its tokenizer ($VOCAB, scripts.tok_train on ${TOK_BYTES/M/000000} characters)"
   chars=${TOK_BYTES/M/000000}
-  (cd "$D/src" && PYTHONPATH="$PEERPATH" $PY -m scripts.tok_train --max-chars "$chars" --vocab-size $VOCAB) \
-    > "$D.tok.log" 2>&1 || die "tok_train failed: $D.tok.log"
+  [ -f "$BASE/tokenizer/token_bytes.pt" ] || (cd "$D/src" && PYTHONPATH="$PEERPATH" $PY -m scripts.tok_train \
+    --max-chars "$chars" --vocab-size $VOCAB) > "$D.tok.log" 2>&1 || die "tok_train failed: $D.tok.log"
+  setup_done
   say "nanochat: scripts.base_train --depth $DEPTH for $BUDGET_S s"
   extra=(); [ -n "${RACE_SMOKE:-}" ] && extra=(--device-type cpu --aspect-ratio 32 --head-dim 32)
   (cd "$D/src" && RACE_BUDGET_S=$BUDGET_S RACE_FIX_STEP=$FIX_STEP PYTHONPATH="$PEERPATH" \
@@ -171,6 +177,7 @@ modded)
     say "modded: CUDA only; the smoke run stops after the data and the patched script's compilation"
     exit 0
   fi
+  setup_done
   VAL_TOKENS=$($PY -c "import json; print(json.load(open('$D/val_meta.json'))['val_tokens'])")
   say "modded: train_gpt.py on one GPU for $BUDGET_S s"
   (cd "$D/src" && DATA_PATH="$PWD/.." RACE_BUDGET_S=$BUDGET_S RACE_FIX_STEP=$FIX_STEP RACE_ITERATIONS=100000 \
