@@ -192,3 +192,46 @@ def test_our_run_reader_leaves_evaluations_out_of_the_training_seconds(tmp_path)
     assert r["train_s"] == 60.0 and r["wall_s"] == 75.0
     assert r["steps"] == 30 and r["tokens"] == 30000 and r["params"] == 40
     assert r["bpb"] == pytest.approx(100 / (math.log(2) * 200))
+
+
+def test_modded_loader_reads_our_shards(tmp_path):
+    """modded-nanogpt's own loader functions (from the patched train_gpt.py, on CPU with one rank) read the shards
+    race_data.py writes: the validation batches are exactly the targets val_meta.json counts, the training batches
+    start at a document and cycle past the end of the data."""
+    import ast
+
+    tarball = ROOT / ".whl" / "race" / "modded.tar.gz"
+    if not tarball.exists():
+        pytest.skip(f"{tarball} not packed")
+    with tarfile.open(tarball) as tf:
+        source = race_patch.apply("modded", tf.extractfile("train_gpt.py").read().decode())
+    wanted = {"_load_data_shard", "find_batch_starts", "distributed_data_generator"}
+    funcs = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {f.name for f in funcs} == wanted
+    code = "\n\n".join(ast.get_source_segment(source, f) for f in funcs)
+    code = code.replace('device="cuda"', 'device="cpu"').replace("pin_memory=True", "pin_memory=False")
+
+    class OneRank:
+        get_rank = staticmethod(lambda: 0)
+        get_world_size = staticmethod(lambda: 1)
+
+    ns = {"torch": torch, "Path": Path, "glob": __import__("glob"), "dist": OneRank, "Tensor": torch.Tensor}
+    exec(compile(code, "train_gpt.py", "exec"), ns)
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": "x = %d\n" % i * 9}) + "\n" for i in range(60)))
+    (corpus / "valid.jsonl").write_text("".join(json.dumps({"text": "ü" * (50 + i)}) + "\n" for i in range(30)))
+    meta = race_data.to_modded(corpus, tmp_path, lambda b: [list(t.encode()) for t in b], lambda i: 1,
+                               val_seq_len=128, shard_tokens=2000)
+    data = str(tmp_path / "data" / "fineweb10B")
+    stream = race_data.read_bin(f"{data}/fineweb_val_000000.bin").astype(np.int64)
+    val = ns["distributed_data_generator"](f"{data}/fineweb_val_*.bin", 128, 8, align_to_bos=False)
+    targets = torch.cat([next(val)[1] for _ in range(meta["val_tokens"] // 128)])
+    assert targets.tolist() == stream[1:meta["val_tokens"] + 1].tolist()
+    train = ns["distributed_data_generator"](f"{data}/fineweb_train_*.bin", 128, 8, align_to_bos=True)
+    seen = 0
+    while seen < 2 * meta["train_tokens"]:  # past the end: the files are cycled
+        inputs, _ = next(train)
+        assert int(inputs[0]) == race_data.EOT
+        seen += inputs.numel()
