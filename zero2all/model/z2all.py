@@ -307,23 +307,52 @@ class Z2all(nn.Module):
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return h
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
-        """(logits or None, the training loss): the mean cross-entropy (+ z-loss) of the LM head over targets !=
-        -100, plus every MoE term of the last forward (load-balancing, sequence-wise and router z-losses with their
-        ``model.moe`` weights). Logits are None where the fused linear + cross-entropy never forms them."""
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, reduction: str = "mean",
+                  counted: bool = False):
+        """(logits or None, the training loss): the LM head's cross-entropy (+ z-loss) over targets != -100 plus
+        every MoE term of the last forward (load-balancing, sequence-wise and router z-losses with their
+        ``model.moe`` weights). Logits are None where the fused linear + cross-entropy never forms them.
+
+        ``reduction="mean"``: the mean over the valid targets plus the MoE terms. ``"sum"``: n x that, n the
+        number of valid targets: the token losses summed, the MoE terms weighted by n. A pipeline's last stage
+        returns this per microbatch: the sums of a micro-batch's microbatches divided by its valid-token count
+        give its mean cross-entropy, each microbatch's MoE terms weighted by its share of the valid tokens. No
+        valid target: an exact 0 that joins the autograd graph. ``counted``: see :meth:`token_loss`.
+
+        A pipeline stage runs this on its own modules (``self`` is then any module with ``cfg``, ``lm_head``,
+        ``numerics``, ``parallel_loss`` and the stage's MoE blocks), hence the explicit class in the calls."""
+        logits, loss = Z2all.token_loss(self, h, targets, z_loss, reduction, counted)
         aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
-        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
-            if ops.is_dtensor(self.lm_head.weight):  # tensor parallel: vocab-parallel, or None (loss parallel)
+        if aux is not None:
+            loss = loss + (aux * (targets != -100).sum() if reduction == "sum" else aux)
+        return logits, loss
+
+    def token_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, reduction: str = "mean",
+                   counted: bool = False):
+        """(logits or None, the LM head's cross-entropy (+ z-loss) over targets != -100): their mean or, with
+        ``reduction="sum"``, their sum; no MoE term (:meth:`head_loss` adds them). The fused kernel gives the
+        mean, so its sum is mean x count: ``counted`` (the caller knows that ``targets`` hold a valid token) keeps
+        the count on the device, otherwise it is read on the host. A vocab-sharded head (tensor parallelism) sums
+        its sharded logits' cross-entropy under loss parallel (the caller's context)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"head_loss: reduction must be 'mean' or 'sum', not {reduction!r}")
+        sharded = ops.is_dtensor(self.lm_head.weight)
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not (sharded and reduction == "sum"):
+            if sharded:  # tensor parallel: vocab-parallel, or None (loss parallel)
                 loss = self.parallel_loss.fn(self, h, targets) if self.parallel_loss is not None else None
+            elif reduction == "sum":
+                return None, fused_token_sum(h, self.lm_head.weight, targets, z_loss, counted, self.numerics)
             else:
                 loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused",
                                                 numerics=self.numerics)
             if loss is not None:
-                return None, loss if aux is None else loss + aux
+                return None, loss
         logits = self.lm_head(h)
-        loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
-            F.cross_entropy(ops.upcast(logits).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss if aux is None else loss + aux
+        if z_loss:
+            return logits, ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss,
+                                                          reduction=reduction)
+        return logits, F.cross_entropy(ops.upcast(logits).view(-1, logits.size(-1)), targets.reshape(-1),
+                                       ignore_index=-100, reduction=reduction)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def num_params(self, non_embedding: bool = False) -> int:
@@ -341,6 +370,19 @@ class Z2all(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         w = self.embed_tokens.weight
         return KVCache(self.cfg, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+
+def fused_token_sum(h, weight, targets, z_loss: float, counted: bool, numerics) -> torch.Tensor:
+    """The fused linear + cross-entropy's mean x the valid-target count. The kernel divides by the count, so
+    without ``counted`` (the caller's word that a target is valid) the count is read on the host and none valid
+    gives an exact 0 joined to ``h``'s graph instead of 0 / 0."""
+    count = (targets != -100).sum()
+    if not counted:
+        count = int(count)
+        if count == 0:
+            return ops.upcast(h).sum() * 0.0
+    mean = ops.linear_cross_entropy(h, weight, targets, z_loss=z_loss, impl="fused", numerics=numerics)
+    return ops.upcast(mean) * count
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=None, seed: int | None = None) -> Z2all:
