@@ -69,6 +69,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_dim, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_dim, bias=cfg.attention_bias)
+        self.seq_first = False   # activations (T, B, ...) instead of (B, T, ...): Z2all.set_seq_first
 
     def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
                 attn_mask=None):
@@ -77,7 +78,10 @@ class Attention(nn.Module):
 
     def attend(self, qkv, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
                attn_mask=None):
-        """The attention core between the two projections: qkv (B, T, q_size + 2 kv_size) -> (B, T, q_size)."""
+        """The attention core between the two projections: qkv (B, T, q_size + 2 kv_size) -> (B, T, q_size);
+        (T, B, ...) -> (T, B, q_size) with ``seq_first``."""
+        if self.seq_first:
+            return self._attend_seq_first(qkv, cos, sin, kv_cache, doc_ids, attn_mask)
         B, T, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
@@ -93,6 +97,22 @@ class Attention(nn.Module):
         y = ops.attention(q, k, v, impl=self.cfg.ops.attention, dropout_p=self.cfg.attention_dropout,
                           training=self.training, doc_ids=doc_ids, mask=attn_mask)  # (B, H, T, D)
         return y.transpose(1, 2).reshape(B, T, self.q_size)
+
+    def _attend_seq_first(self, qkv, cos, sin, kv_cache, doc_ids, attn_mask):
+        """qkv (T, B, ...) -> (T, B, q_size): RoPE and attention read (B, T, heads, D) views of the (T, B) layout
+        (strided, no copy), and the output is permuted back once."""
+        if kv_cache is not None or doc_ids is not None or attn_mask is not None:
+            raise ValueError("Attention.seq_first: training forwards of whole sequences only (no KV cache, document "
+                             "ids or mask)")
+        T, B, _ = qkv.shape
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(0, 1)       # (B, T, H, D) views
+        k = k.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
+        y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), impl=self.cfg.ops.attention,
+                          dropout_p=self.cfg.attention_dropout, training=self.training)  # (B, H, T, D)
+        return y.permute(2, 0, 1, 3).reshape(T, B, self.q_size)
 
 
 class MLP(nn.Module):
@@ -214,6 +234,18 @@ class Z2all(nn.Module):
         (tensor parallelism's vocab-parallel loss); None (or ``fn`` returning None) leaves the head to the logits
         path. ``None`` uninstalls."""
         self.parallel_loss = None if fn is None else Installed(fn)
+
+    def set_seq_first(self, seq_first: bool = True) -> None:
+        """Keep the activations (seq, batch, hidden) instead of (batch, seq, hidden) through the blocks: ``embed``
+        then takes tokens (T, B), ``head_loss`` targets (T, B), and attention reads (batch, seq) views of its
+        inputs. The GEMMs see the same (T * B, hidden) rows; what differs is how attention's inputs and outputs
+        are strided (the layout rows of ``z2all bench train`` time the two). Training forwards of dense models
+        only: a MoE block's sequence-wise loss groups tokens by batch row."""
+        if seq_first and self.cfg.moe.enabled:
+            raise ValueError("Z2all.set_seq_first: dense models only (a MoE block groups its sequence-wise loss by "
+                             "batch row)")
+        for layer in self.layers:
+            layer.self_attn.seq_first = seq_first
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings`` the LM head uses the embedding matrix itself (one parameter, two uses).
