@@ -39,7 +39,7 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
 
     if n_add < 1:
         raise ValueError(f"--add: {n_add} must be at least 1")
-    raw = json.loads(base._json)
+    raw = json.loads(base.tokenizer_json)
     model = raw.get("model") or {}
     if model.get("type") != "BPE" or "merges" not in model:
         raise ValueError("--base: not a BPE tokenizer (tokenizer.json model.type must be BPE with merges)")
@@ -52,10 +52,10 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
     for t in raw.get("added_tokens", []):
         vocab.setdefault(t["content"], t["id"])
     merges = [list(_merge_pair(m)) for m in model["merges"]]
-    n_base = base._full.get_vocab_size(with_added_tokens=True)
+    n_base = base.n_ids
 
     learner = _HFTokenizer(models.BPE())
-    full = _HFTokenizer.from_str(base._json)
+    full = _HFTokenizer.from_str(base.tokenizer_json)
     if full.normalizer is not None:
         learner.normalizer = full.normalizer
     if full.pre_tokenizer is not None:
@@ -115,7 +115,7 @@ def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0)
 
     if n_add < 1:
         raise ValueError(f"--add: {n_add} must be at least 1")
-    data = base._extra_files.get("tokenizer.model")
+    data = base.extra_file("tokenizer.model")
     if data is None:
         raise ValueError("--base: a SentencePiece tokenizer (backend spm) without its tokenizer.model; the "
                          "proto is needed to extend it")
@@ -124,7 +124,7 @@ def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0)
     if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
         raise ValueError("--base: tokenizer.model is not a SentencePiece BPE model (trainer_spec.model_type)")
     Piece = pb.ModelProto.SentencePiece
-    n_base = base._full.get_vocab_size(with_added_tokens=True)
+    n_base = base.n_ids
     # the base's reserved padding (added tokens after the proto's pieces) enters the proto as control pieces
     for i in range(len(proto.pieces), n_base):
         name = base.id_to_token(i)
