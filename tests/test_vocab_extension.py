@@ -204,3 +204,36 @@ def test_sentencepiece_extension_compresses_chinese_and_keeps_english(tmp_path, 
         assert ext.decode(ext.encode(t)) == t
     for t in zh_texts[:3] + en_texts[:3]:
         assert auto(t, add_special_tokens=False).input_ids == ext.encode(t)
+
+
+def test_sentencepiece_extension_refuses_a_base_it_cannot_extend(tmp_path):
+    """extend_spm needs the base's tokenizer.model, a BPE one, whose pieces are the ids of its tokenizer.json
+    (beyond them only special tokens): each missing piece is refused, naming --base and the file."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from zero2all.tokenizer import load_tokenizer, train_tokenizer
+    from zero2all.tokenizer.extend import extend_spm
+    from zero2all.tokenizer.hf import Tokenizer
+
+    rng = random.Random(2)
+    en = write_jsonl(tmp_path / "en.jsonl", [english(rng, 40) for _ in range(40)])
+    train_tokenizer([str(en)], 384, tmp_path / "base", backend="spm", log=lambda *a: None)
+    base = load_tokenizer(tmp_path / "base")
+    proto = pb.ModelProto()
+    proto.ParseFromString(base.extra_file("tokenizer.model"))
+
+    def with_proto(edit) -> Tokenizer:
+        p = pb.ModelProto()
+        p.CopyFrom(proto)
+        edit(p)
+        return Tokenizer(base.tokenizer_json, meta=base.meta, extra_files={"tokenizer.model": p.SerializeToString()})
+
+    with pytest.raises(ValueError, match="--add: 0 must be at least 1"):
+        extend_spm(base, ["text"], 0)
+    with pytest.raises(ValueError, match="--base: a SentencePiece tokenizer .* without its tokenizer.model"):
+        extend_spm(Tokenizer(base.tokenizer_json, meta=base.meta), ["text"], 8)
+    with pytest.raises(ValueError, match="--base: tokenizer.model is not a SentencePiece BPE model"):
+        extend_spm(with_proto(lambda p: setattr(p.trainer_spec, "model_type", pb.TrainerSpec.UNIGRAM)), ["text"], 8)
+    n_normal = max(i for i, piece in enumerate(proto.pieces) if piece.type == pb.ModelProto.SentencePiece.NORMAL)
+    with pytest.raises(ValueError, match=rf"--base: id {n_normal} .* do not belong together"):
+        extend_spm(with_proto(lambda p: [p.pieces.pop() for _ in range(len(p.pieces) - n_normal)]), ["text"], 8)
