@@ -130,6 +130,13 @@ MUTATIONS: list[dict] = [
          find="            loss = loss + (aux * (targets != -100).sum() if reduction == \"sum\" else aux)",
          replace="            loss = loss + aux",
          tests=[PP_MOE]),
+    dict(bug="a stage other than the last weighs its MoE terms by 1 / 2 (as if every microbatch held as many "
+             "valid tokens), not by the microbatch's share of them",
+         file="zero2all/distributed/pp.py",
+         find="        return attach_loss(x, aux, share * self.multiplier)",
+         replace="        return attach_loss(x, aux, 0.5 * self.multiplier)",
+         tests=["tests/test_parallel_pp.py::"
+                "test_every_stage_weighs_its_moe_terms_by_the_microbatchs_share_of_the_valid_tokens"]),
     dict(bug="gradients x2 on one rank (rank 1, after backward, before the norm and the update)",
          file="zero2all/train/trainer.py", find=TRAINER_UPDATE,
          replace=TRAINER_UPDATE + f"        if {RANK1}:\n"
