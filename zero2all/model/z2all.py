@@ -367,7 +367,7 @@ class Z2all(nn.Module):
         the count on the device, otherwise it is read on the host. A vocab-sharded head (tensor parallelism) sums
         its sharded logits' cross-entropy under loss parallel (the caller's context)."""
         if reduction not in ("mean", "sum"):
-            raise ValueError(f"head_loss: reduction must be 'mean' or 'sum', not {reduction!r}")
+            raise ValueError(f"token_loss / head_loss: reduction must be 'mean' or 'sum', not {reduction!r}")
         sharded = ops.is_dtensor(self.lm_head.weight)
         if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not (sharded and reduction == "sum"):
             if sharded:  # tensor parallel: vocab-parallel, or None (loss parallel)
