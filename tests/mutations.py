@@ -50,6 +50,7 @@ RANK1 = f"({DIST} and __import__('torch').distributed.get_rank() == 1)"
 TWICE = "{0} + ({0} - {0}.detach())"   # the same value, twice the gradient
 MESH = "tests/test_parallel_mesh.py::test_mesh_runs_match_single_process_and_resume_across_meshes"
 PP = "tests/test_parallel_pp.py::test_pp2_every_schedule_matches_one_process_and_resumes_on_one"
+PP_MOE = "tests/test_parallel_pp.py::test_moe_pp2_every_schedule_matches_one_process_with_its_auxiliary_losses"
 PP_DP = "tests/test_parallel_pp_dp.py::test_pp2_with_dp2_and_with_tp2_match_one_process"
 EP = "tests/test_moe_ep.py::test_ep2_and_ep2_dp2_match_single_process_and_resume"
 SPEC = "tests/test_speculative.py::"
@@ -121,24 +122,27 @@ MUTATIONS: list[dict] = [
          tests=[MESH]),
     # the trainer's loop on every mesh (tests/equivalence.py: loss, gradient norm and parameters in float64)
     dict(bug="one rank's loss back-propagated twice (rank 1: its gradients x2 before the data-parallel mean)",
-         edits=[dict(file="zero2all/model/z2all.py",
-                     find="        return logits, loss if aux is None else loss + aux",
-                     replace="        loss = loss if aux is None else loss + aux\n"
-                             f"        loss = {TWICE.format('loss')} if {RANK1} else loss\n"
-                             "        return logits, loss"),
-                dict(file="zero2all/model/z2all.py",
-                     find="                return None, loss if aux is None else loss + aux",
-                     replace="                loss = loss if aux is None else loss + aux\n"
-                             f"                loss = {TWICE.format('loss')} if {RANK1} else loss\n"
-                             "                return None, loss"),
-                dict(file="zero2all/distributed/pp.py", find="    return ops.upcast(mean).reshape(1) * n_valid",
-                     replace="    out = ops.upcast(mean).reshape(1) * n_valid\n"
-                             f"    return {TWICE.format('out')} if {RANK1} else out"),
-                dict(file="zero2all/distributed/pp.py",
-                     find="        return ops.upcast(mean).reshape(1) * (labels != -100).sum()",
-                     replace="        out = ops.upcast(mean).reshape(1) * (labels != -100).sum()\n"
-                             f"        return {TWICE.format('out')} if {RANK1} else out")],
+         file="zero2all/model/z2all.py", find="        return logits, loss\n",
+         replace=f"        loss = {TWICE.format('loss')} if {RANK1} else loss\n        return logits, loss\n",
          tests=[DP_MODES, MESH, PP, EP]),
+    # the loss seam the last pipeline stage calls (Z2all.head_loss, reduction="sum"): its MoE terms
+    dict(bug="the summed loss leaves out the MoE terms (the last pipeline stage's blocks' auxiliary losses)",
+         file="zero2all/model/z2all.py",
+         find="            loss = loss + (aux * (targets != -100).sum() if reduction == \"sum\" else aux)",
+         replace="            loss = loss + (0.0 * aux if reduction == \"sum\" else aux)",
+         tests=[PP_MOE]),
+    dict(bug="the summed loss weighs the MoE terms by 1, not by the microbatch's valid-token count",
+         file="zero2all/model/z2all.py",
+         find="            loss = loss + (aux * (targets != -100).sum() if reduction == \"sum\" else aux)",
+         replace="            loss = loss + aux",
+         tests=[PP_MOE]),
+    dict(bug="a stage other than the last weighs its MoE terms by 1 / 2 (as if every microbatch held as many "
+             "valid tokens), not by the microbatch's share of them",
+         file="zero2all/distributed/pp.py",
+         find="        return attach_loss(x, aux, share * self.multiplier)",
+         replace="        return attach_loss(x, aux, 0.5 * self.multiplier)",
+         tests=["tests/test_parallel_pp.py::"
+                "test_every_stage_weighs_its_moe_terms_by_the_microbatchs_share_of_the_valid_tokens"]),
     dict(bug="gradients x2 on one rank (rank 1, after backward, before the norm and the update)",
          file="zero2all/train/trainer.py", find=TRAINER_UPDATE,
          replace=TRAINER_UPDATE + f"        if {RANK1}:\n"

@@ -130,7 +130,7 @@ def test_f32_export_round_trip_metadata_and_tokenizer(ckpt, tmp_path):
     assert (_reference_logits(tensors, cfg, ids) - ref).abs().max().item() <= 1e-5
 
     # tokenizer: the metadata reproduces the vocabulary, merges / scores, specials and the chat template
-    raw = json.loads(tok._json)
+    raw = json.loads(tok.tokenizer_json)
     tokens = f.need("tokenizer.ggml.tokens")
     assert len(tokens) == tok.vocab_size and all(tok.token_to_id(s) == i for i, s in enumerate(tokens))
     types = f.need("tokenizer.ggml.token_type")

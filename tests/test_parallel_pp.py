@@ -111,27 +111,48 @@ def test_measured_costs_time_every_piece_and_leave_no_gradients():
         ParallelConfig(pp=2, pp_balance="fast").validate(2)
 
 
-def test_last_stage_loss_is_the_token_sum_even_without_valid_tokens():
-    """The last stage returns sum over valid tokens of the cross-entropy, on the device-count path (every
-    microbatch has valid tokens) and on the host-count path (one has none: an exact zero, zero gradients)."""
-    import torch.nn.functional as F
+def _moe_head_input(cross_entropy: str, dtype: torch.dtype):
+    """A tiny MoE model (every auxiliary term weighted) after a training forward, its LM head's input and labels
+    with 3 ignored targets."""
+    from zero2all.config import MoEConfig, OpsConfig
+    from zero2all.model.z2all import build_model
 
-    from zero2all.distributed.pp import token_loss_sum
-
+    ops = OpsConfig.plain()
+    ops.cross_entropy = cross_entropy
+    cfg = ModelConfig(vocab_size=40, hidden_dim=16, intermediate_size=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                      max_seq_len=8, ops=ops, moe=MoEConfig(n_experts=4, top_k=2, expert_intermediate_size=8,
+                                                             aux_loss_coef=0.5, seq_aux_loss_coef=0.1,
+                                                             z_loss_coef=0.5))
+    model = build_model(cfg, seed=0, dtype=dtype).train()
     g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=False)
-    h = torch.randn(2, 5, 8, generator=g, requires_grad=True)
-    labels = torch.randint(0, 11, (2, 5), generator=g)
+    tokens = torch.randint(0, 40, (2, 5), generator=g)
+    labels = torch.randint(0, 40, (2, 5), generator=g)
     labels[0, :3] = -100
-    want = F.cross_entropy(head(h).flatten(0, 1), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    (grad_want,) = torch.autograd.grad(want, h)
-    for every_valid in (True, False):
-        got = token_loss_sum(h, head, labels, 0.0, "torch", every_valid)
-        assert got.shape == (1,) and torch.allclose(got[0], want, rtol=1e-6)
-        (grad,) = torch.autograd.grad(got.sum(), h)
-        assert torch.allclose(grad, grad_want, rtol=1e-5, atol=1e-7)
-    empty = token_loss_sum(h, head, torch.full_like(labels, -100), 0.0, "torch", False)
-    assert empty.item() == 0.0 and not torch.autograd.grad(empty.sum(), h)[0].any()
+    cos, sin = model.rope_tables(0, 5, "cpu")
+    h = model.final_norm(*model.blocks(model.embed(tokens), None, cos, sin))
+    return model, h, labels
+
+
+@pytest.mark.parametrize("cross_entropy,dtype,rtol", [("torch", torch.float64, 4e-14), ("fused", torch.float32, 5e-6)])
+def test_head_loss_sum_is_the_valid_count_times_the_mean_with_every_moe_term(cross_entropy, dtype, rtol):
+    """What the last pipeline stage returns per microbatch: the model's head_loss(reduction="sum") = n x its mean
+    (n valid targets): the token losses (z-loss included) summed, every MoE term weighted by n; the same with the
+    count kept on the device (``counted``); no valid target: an exact 0 with zero gradients. Measured: 4.7e-16
+    (float64 reference) and 6.6e-8 (the fused kernel, float32) relative."""
+    model, h, labels = _moe_head_input(cross_entropy, dtype)
+    n = int((labels != -100).sum())
+    _, mean = model.head_loss(h, labels, z_loss=0.1)
+    _, tokens_only = model.token_loss(h, labels, z_loss=0.1, reduction="sum")
+    for counted in (False, True):
+        _, total = model.head_loss(h, labels, z_loss=0.1, reduction="sum", counted=counted)
+        torch.testing.assert_close(total, n * mean, rtol=rtol, atol=0)
+        (grad_sum,) = torch.autograd.grad(total, h, retain_graph=True)
+        (grad_mean,) = torch.autograd.grad(mean, h, retain_graph=True)
+        torch.testing.assert_close(grad_sum, n * grad_mean, rtol=rtol, atol=rtol * float(grad_sum.abs().max()))
+    aux = float((total - tokens_only).detach()) / n   # the MoE terms, weighted by the count
+    assert aux > 1e-2 and abs(aux - float(sum(m.aux_loss for m in model.modules() if hasattr(m, "router")))) < 1e-5
+    _, empty = model.head_loss(h, torch.full_like(labels, -100), reduction="sum")
+    assert empty.item() == 0.0 and not torch.autograd.grad(empty, h, retain_graph=True)[0].any()
 
 
 def test_impossible_pipelines_are_refused_naming_the_numbers():
@@ -242,3 +263,43 @@ def test_pp2_every_schedule_matches_one_process_and_resumes_on_one(reference, tm
     assert set(loaded) == set(got[1].params)
     for name, w in got[1].params.items():
         torch.testing.assert_close(loaded[name], w.float(), rtol=0, atol=0, msg=name)
+
+
+def test_every_stage_weighs_its_moe_terms_by_the_microbatchs_share_of_the_valid_tokens():
+    """Two stages of a MoE model on one process, microbatches with different numbers of valid tokens: the first
+    stage's attached MoE terms and the last stage's (inside head_loss's sum) weigh alike, by the microbatch's valid
+    tokens over the micro-batch's. The gradients equal the whole model's sum over microbatches of head_loss(sum) /
+    N_valid. Measured (float64): equal bit for bit (the bound allows a few units of rounding); the first stage
+    weighing its terms by 1 / microbatches instead differs by 0.1."""
+    from zero2all.distributed.pp import StageModule
+
+    model, _, _ = _moe_head_input("torch", torch.float64)
+    assert all(hasattr(block.mlp, "router") for block in model.layers)   # a MoE block on each stage
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 40, (2, 6), generator=g)
+    labels = torch.randint(0, 40, (2, 6), generator=g)
+    labels[0, :4] = -100                        # microbatch 0 holds 2 valid tokens, microbatch 1 holds 6
+    n = int((labels != -100).sum())
+    weight = torch.full((2,), 1.0 / n, dtype=torch.float64)
+    first, last = (StageModule(model, [0], True, False, compute_dtype=torch.float64),
+                   StageModule(model, [1], False, True, compute_dtype=torch.float64))
+    for stage in (first, last):
+        stage.in_chunk, stage.multiplier = True, 1.0
+    params = list(model.parameters())
+    got = 0.0
+    for i in range(2):
+        kw = dict(labels=labels[i:i + 1], loss_weight=weight[i:i + 1])
+        got = got + last(*first(tokens[i:i + 1], **kw), **kw).sum() * weight[i]
+    got_grads = torch.autograd.grad(got, params, allow_unused=True)
+    want = 0.0
+    cos, sin = model.rope_tables(0, 6, "cpu")
+    for i in range(2):
+        h = model.final_norm(*model.blocks(model.embed(tokens[i:i + 1]), None, cos, sin))
+        want = want + model.head_loss(h, labels[i:i + 1], reduction="sum")[1] / n
+    want_grads = torch.autograd.grad(want, params, allow_unused=True)
+    # the value: the last stage's output plus the first stage's terms, reported beside it (attached terms act in
+    # the backward pass only)
+    torch.testing.assert_close(got.detach() + sum(first.aux_reported), want.detach(), rtol=1e-15, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-15 * float(b.abs().max()))

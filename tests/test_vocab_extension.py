@@ -70,7 +70,7 @@ def test_extended_tokenizer_compresses_chinese_and_keeps_english(toks):
         changed += len(a) if len(a) != len(b) else sum(x != y for x, y in zip(a, b))
     assert changed <= 0.01 * total
     # old ids keep their tokens (special ones too), lossless, and AutoTokenizer agrees
-    for i in range(base._full.get_vocab_size(with_added_tokens=True)):
+    for i in range(base.n_ids):
         assert base.id_to_token(i) == ext.id_to_token(i)
     assert ext.special_ids.items() >= base.special_ids.items()
     auto = transformers.AutoTokenizer.from_pretrained(d / "ext")
@@ -113,7 +113,7 @@ def test_resize_keeps_old_token_logits(toks, tmp_path, tie):
     torch.testing.assert_close(theirs[..., :old], ref, atol=1e-6, rtol=0)
     # a new token's row is the mean of the rows of the pieces the old tokenizer splits it into
     new_id = old + 5
-    pieces = [t.id for t in base._full.model.tokenize(ext.id_to_token(new_id))]
+    pieces = base.model_piece_ids(ext.id_to_token(new_id))
     assert len(pieces) >= 2
     torch.testing.assert_close(big.embed_tokens.weight[new_id], model.embed_tokens.weight[pieces].mean(0))
     torch.testing.assert_close(big.lm_head.weight[new_id], model.lm_head.weight[pieces].mean(0))
@@ -185,7 +185,7 @@ def test_sentencepiece_extension_compresses_chinese_and_keeps_english(tmp_path, 
         total += len(a)
         changed += len(a) if len(a) != len(b) else sum(x != y for x, y in zip(a, b))
     assert changed <= 0.01 * total
-    n_old = base._full.get_vocab_size(with_added_tokens=True)
+    n_old = base.n_ids
     assert all(base.id_to_token(i) == ext.id_to_token(i) for i in range(n_old))
     assert ext.special_ids.items() >= base.special_ids.items()
     # the extended proto: base pieces at their ids, new ones scored below every base piece; SentencePiece itself
@@ -204,3 +204,36 @@ def test_sentencepiece_extension_compresses_chinese_and_keeps_english(tmp_path, 
         assert ext.decode(ext.encode(t)) == t
     for t in zh_texts[:3] + en_texts[:3]:
         assert auto(t, add_special_tokens=False).input_ids == ext.encode(t)
+
+
+def test_sentencepiece_extension_refuses_a_base_it_cannot_extend(tmp_path):
+    """extend_spm needs the base's tokenizer.model, a BPE one, whose pieces are the ids of its tokenizer.json
+    (beyond them only special tokens): each missing piece is refused, naming --base and the file."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from zero2all.tokenizer import load_tokenizer, train_tokenizer
+    from zero2all.tokenizer.extend import extend_spm
+    from zero2all.tokenizer.hf import Tokenizer
+
+    rng = random.Random(2)
+    en = write_jsonl(tmp_path / "en.jsonl", [english(rng, 40) for _ in range(40)])
+    train_tokenizer([str(en)], 384, tmp_path / "base", backend="spm", log=lambda *a: None)
+    base = load_tokenizer(tmp_path / "base")
+    proto = pb.ModelProto()
+    proto.ParseFromString(base.extra_file("tokenizer.model"))
+
+    def with_proto(edit) -> Tokenizer:
+        p = pb.ModelProto()
+        p.CopyFrom(proto)
+        edit(p)
+        return Tokenizer(base.tokenizer_json, meta=base.meta, extra_files={"tokenizer.model": p.SerializeToString()})
+
+    with pytest.raises(ValueError, match="--add: 0 must be at least 1"):
+        extend_spm(base, ["text"], 0)
+    with pytest.raises(ValueError, match="--base: a SentencePiece tokenizer .* without its tokenizer.model"):
+        extend_spm(Tokenizer(base.tokenizer_json, meta=base.meta), ["text"], 8)
+    with pytest.raises(ValueError, match="--base: tokenizer.model is not a SentencePiece BPE model"):
+        extend_spm(with_proto(lambda p: setattr(p.trainer_spec, "model_type", pb.TrainerSpec.UNIGRAM)), ["text"], 8)
+    n_normal = max(i for i, piece in enumerate(proto.pieces) if piece.type == pb.ModelProto.SentencePiece.NORMAL)
+    with pytest.raises(ValueError, match=rf"--base: id {n_normal} .* do not belong together"):
+        extend_spm(with_proto(lambda p: [p.pieces.pop() for _ in range(len(p.pieces) - n_normal)]), ["text"], 8)

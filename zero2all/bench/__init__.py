@@ -30,8 +30,8 @@ Rows (``--rows``, comma separated; ``all`` = the ablation table and the peers):
                        llama3 at our shape, bf16 + compile / + float8 rowwise / tensorwise (zero2all/bench/peers.py)
     mb16               use_all at micro-batch 16 (twice the tokens per step)
     seq8192            use_all at seq 8192 with micro-batch * seq kept equal to the base run's
-    layout_bsh / layout_sbh   use_all through a forward that keeps activations (batch, seq, hidden) or
-                              (seq, batch, hidden); the two differ only in the layout
+    layout_bsh / layout_sbh   use_all with plain projections (fused_linear off), activations kept (batch, seq,
+                              hidden) or (seq, batch, hidden) by the model itself; they differ only in the layout
     use_all_flash / use_all_cudnn   use_all with that SDPA backend first in the priority order
     use_all_fp8        use_all with the blocks' projections on FP8 GEMMs, rowwise scaling (linear_precision =
                        fp8_rowwise; LM head and embedding stay bf16); use_all_fp8_mb16 the same at micro-batch 16;
@@ -130,41 +130,19 @@ def _ops_for(row: str):
 
 
 def layout_forward(model, tokens, targets, layout: str):
-    """Our model's math with activations kept (batch, seq, hidden) or (seq, batch, hidden) throughout: the
-    model's seams (``embed``, ``final_norm``) around a block body written out here, since the (seq, batch) layout
-    is what this row measures and the model's blocks take (batch, seq) only.
+    """Our model's forward and loss with activations kept (batch, seq, hidden) (``bsh``) or (seq, batch, hidden)
+    (``sbh``: ``model.set_seq_first()``, set here on every call) throughout, through the model's own seams (``embed``,
+    ``blocks``, ``final_norm``, ``head_loss``).
 
     The GEMMs see (B*T, hidden) either way; the layouts differ in how attention's inputs and outputs are strided
     (RoPE reads q/k through strides; SDPA takes (B, H, T, D) views) and in the one permute after attention.
     """
-    from zero2all.kernels.cross_entropy import fused_linear_cross_entropy
-    from zero2all.model import ops
-
-    c = model.cfg
-    B, T = tokens.shape
-    cos, sin = model.rope_tables(0, T, tokens.device)
-    sbh = layout == "sbh"
-    x = model.embed(tokens.t() if sbh else tokens)                         # (T, B, C) or (B, T, C)
-    residual = None
-    for block in model.layers:
-        attn = block.self_attn
-        h, residual = ops.add_rmsnorm(x, residual, block.input_layernorm.weight, c.rms_norm_eps,
-                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
-        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.unflatten(-1, (attn.n_heads, attn.head_dim))
-        k = k.unflatten(-1, (attn.n_kv_heads, attn.head_dim))
-        v = v.unflatten(-1, (attn.n_kv_heads, attn.head_dim))
-        if sbh:                                                           # (T, B, h, D) -> (B, T, h, D) views
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        q, k = ops.apply_rope(q, k, cos, sin, impl=c.ops.rope)
-        y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), impl=c.ops.attention)
-        y = y.permute(2, 0, 1, 3) if sbh else y.transpose(1, 2)            # (T, B, H, D) or (B, T, H, D)
-        h = attn.o_proj(y.flatten(-2))
-        h, residual = ops.add_rmsnorm(h, residual, block.post_attention_layernorm.weight, c.rms_norm_eps,
-                                      c.residual_in_fp32, impl=c.ops.rmsnorm)
-        x = block.mlp(h)
-    h = model.final_norm(x, residual)
-    return fused_linear_cross_entropy(h, model.lm_head.weight, targets.t() if sbh else targets)
+    cos, sin = model.rope_tables(0, tokens.shape[1], tokens.device)
+    model.set_seq_first(layout == "sbh")
+    if layout == "sbh":
+        tokens, targets = tokens.t(), targets.t()                           # (T, B)
+    x, residual = model.blocks(model.embed(tokens), None, cos, sin)         # (T, B, C) or (B, T, C)
+    return model.head_loss(model.final_norm(x, residual), targets)[1]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -181,6 +159,8 @@ def _build_ours(base_cfg, row: str, device):
     ops.fp8_weight_cache, ops.fp8_fused_amax = base_cfg.ops.fp8_weight_cache, base_cfg.ops.fp8_fused_amax
     if ops.linear_precision == "fp8_tensorwise":
         ops.fp8_amax_history = DELAYED_HISTORY if row == "use_all_fp8_delayed" else base_cfg.ops.fp8_amax_history
+    if row.startswith("layout_"):  # the blocks' plain projections: the layout rows' measurement, as ever
+        ops.fused_linear = "torch"
     cfg = dataclasses.replace(base_cfg, ops=ops)
     model = build_model(cfg, device=device, seed=0)
     if cfg.ops.step_fusion != "off":  # one process, no wrapper (kernels/step_fusion.py)

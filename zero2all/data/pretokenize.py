@@ -774,21 +774,52 @@ def prepare(inputs, tokenizer_dir, out_dir, *, valid_fraction: float = 0.01, wor
     # new, empty or a `prepare` output (to resume, or replace with --overwrite); a folder of other files: refused
     claim_output_dir(out, "prepare", inputs=[tokenizer_dir, *([inputs] if isinstance(inputs, (str, os.PathLike))
                                                               else inputs)], legacy=_is_legacy_output)
+    run = _PrepareRun(out=out, tok=tok, tokenizer_dir=tokenizer_dir, specs=specs, fingerprint=fingerprint,
+                      stamp=stamp, dtype=dtype, workers=workers, valid_fraction=valid_fraction, txt_mode=txt_mode,
+                      strict=strict, chunk_bytes=chunk_bytes, shard_chunks=shard_chunks, seq_len=seq_len,
+                      overwrite=overwrite, progress=progress, command=command, log=log, t0=t0, mix=mix,
+                      explicit=explicit, piece_chars=piece_chars, dindex=dindex, use_ray=use_ray,
+                      stop_after_groups=_stop_after_groups)
     with locked_output_dir(out, on_takeover=log):  # one run per folder: a second one is refused
-        return _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers,
-                               valid_fraction, txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite,
-                               progress, command, log, t0, _stop_after_groups, mix, explicit, piece_chars, dindex,
-                               use_ray)
+        return _prepare_locked(run)
 
 
-def _prepare_locked(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
-                    txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                    _stop_after_groups, mix, explicit, piece_chars, dindex=None, use_ray=False) -> dict:
+@dataclass
+class _PrepareRun:
+    """One ``prepare`` run as :func:`prepare` checked and resolved it: what the steps below share."""
+
+    out: Path
+    tok: object                  # the loaded tokenizer
+    tokenizer_dir: object
+    specs: list                  # SourceSpec per source, weights set by _plan_sources
+    fingerprint: dict            # the settings that decide the output (meta.json, _state.json)
+    stamp: dict                  # the inputs' sizes and times
+    dtype: np.dtype              # the shards' token dtype
+    workers: int
+    valid_fraction: float
+    txt_mode: str
+    strict: bool
+    chunk_bytes: int
+    shard_chunks: int            # chunks per shard group
+    seq_len: int | None
+    overwrite: bool
+    progress: bool | None
+    command: str | None
+    log: object
+    t0: float
+    mix: dict                    # the source-sampling settings
+    explicit: dict               # the weights given per source
+    piece_chars: int = MAX_PIECE_CHARS
+    dindex: object = None        # the decontamination index (None: off)
+    use_ray: bool = False
+    stop_after_groups: int | None = None   # tests: an interruption after this many new groups
+
+
+def _prepare_locked(run: _PrepareRun) -> dict:
+    out = run.out
     before = _snapshot(out)
     try:
-        return _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction,
-                             txt_mode, strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log,
-                             t0, _stop_after_groups, mix, explicit, piece_chars, dindex, use_ray)
+        return _prepare_into(run)
     except Exception as e:
         # Bad or insufficient input (a --strict error, no documents, too few tokens for --seq-len): take back
         # what this run wrote, so --out is as it was. An OS error (a full disk) or an interruption keeps the
@@ -810,62 +841,76 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int, int]]:
     return snap
 
 
-def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, workers, valid_fraction, txt_mode,
-                  strict, chunk_bytes, shard_chunks, seq_len, overwrite, progress, command, log, t0,
-                  _stop_after_groups, mix, explicit, piece_chars=MAX_PIECE_CHARS, dindex=None, use_ray=False) -> dict:
-    complete = _check_existing(out, fingerprint, stamp, overwrite, log)
+def _prepare_into(run: _PrepareRun) -> dict:
+    """Resume or start the run in ``run.out``, tokenize the shard groups still missing, write meta.json."""
+    out = run.out
+    complete = _check_existing(out, run.fingerprint, run.stamp, run.overwrite, run.log)
     if complete is not None:
-        log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
+        run.log(f"{out}: already complete ({complete['splits']['train']['tokens']:,} train tokens); nothing to do")
         return complete
-    run_key = _run_key(fingerprint, stamp)
-    mixture = _plan_sources(out, specs, run_key, mix, explicit, txt_mode, log)
+    run_key = _run_key(run.fingerprint, run.stamp)
+    mixture = _plan_sources(out, run.specs, run_key, run.mix, run.explicit, run.txt_mode, run.log)
+    done = _start_or_resume(run, run_key, mixture)
+    stats = ReadStats()
+    groups, tokenized_chunks, bar = _tokenize_groups(run, run_key, done, stats)
+    return _finish(run, groups, stats, tokenized_chunks, bar, mixture)
+
+
+def _start_or_resume(run: _PrepareRun, run_key: str, mixture: dict) -> dict[int, dict]:
+    """The shard groups this run finished before (kept); everything else of ``run.out`` that is not this run's
+    goes, and ``_state.json`` records the run. Returns {group: its shard_*.json}."""
+    out = run.out
     done = _completed_groups(out, run_key)
     # what is not a finished group of this run goes: the temporaries a killed run left, shards of other runs
     _remove_outputs(out, keep={STATE_FILE} | {f"shard_{g:05d}.json" for g in done}
                     | {info[s][k] for info in done.values() for s in ("train", "valid") for k in ("bin", "idx")})
     with atomic_write(out / STATE_FILE) as f:
-        json.dump({"fingerprint": fingerprint, "run_key": run_key, "inputs": stamp, "sizes": mixture["sizes"],
-                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+        json.dump({"fingerprint": run.fingerprint, "run_key": run_key, "inputs": run.stamp,
+                   "sizes": mixture["sizes"], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
     if done:
-        log(f"{out}: resuming; {len(done)} shard groups already complete")
+        run.log(f"{out}: resuming; {len(done)} shard groups already complete")
+    return done
 
-    stats = ReadStats()
-    names = [s.name for s in specs]
-    init_args = (str(tokenizer_dir), names, [s.weight for s in specs], valid_fraction, mix["seed"], None,
-                 piece_chars, dindex)
-    bar = _Progress(progress if progress is not None else sys.stderr.isatty())
+
+def _tokenize_groups(run: _PrepareRun, run_key: str, done: dict, stats: ReadStats):
+    """Tokenize the chunks of the groups not ``done`` (in this process, a process pool or Ray actors), each group
+    written as it completes. Returns ({group: info}, chunks tokenized, the progress bar)."""
+    specs = run.specs
+    init_args = (str(run.tokenizer_dir), [s.name for s in specs], [s.weight for s in specs], run.valid_fraction,
+                 run.mix["seed"], None, run.piece_chars, run.dindex)
+    bar = _Progress(run.progress if run.progress is not None else sys.stderr.isatty())
     groups: dict[int, dict] = dict(done)
     writer: _GroupWriter | None = None
     tokenized_chunks = 0
 
     def todo():
-        for index, texts, srcs, pins in _chunks(specs, chunk_bytes, stats, txt_mode, strict):
-            if index // shard_chunks not in done:
+        for index, texts, srcs, pins in _chunks(specs, run.chunk_bytes, stats, run.txt_mode, run.strict):
+            if index // run.shard_chunks not in done:
                 yield index, texts, srcs, pins
 
     def consume(r: ChunkResult):
         nonlocal writer, tokenized_chunks
-        g = r.index // shard_chunks
+        g = r.index // run.shard_chunks
         if writer is not None and writer.g != g:
             groups[writer.g] = writer.finish(run_key)
             writer = None
-            if _stop_after_groups is not None and len(groups) - len(done) >= _stop_after_groups:
-                raise KeyboardInterrupt(f"stopped after {_stop_after_groups} groups (test hook)")
+            if run.stop_after_groups is not None and len(groups) - len(done) >= run.stop_after_groups:
+                raise KeyboardInterrupt(f"stopped after {run.stop_after_groups} groups (test hook)")
         if writer is None:
-            writer = _GroupWriter(out, g, dtype)
+            writer = _GroupWriter(run.out, g, run.dtype)
         writer.add(r)
         tokenized_chunks += 1
         bar.update(r.text_bytes, len(r.train) + len(r.valid))
 
     try:
-        if use_ray:
-            _run_ray(workers, init_args, todo(), consume)
-        elif workers == 1:
-            _init_worker(*init_args[:-3], tok=tok, piece_chars=piece_chars, decontam=dindex)
+        if run.use_ray:
+            _run_ray(run.workers, init_args, todo(), consume)
+        elif run.workers == 1:
+            _init_worker(*init_args[:-3], tok=run.tok, piece_chars=run.piece_chars, decontam=run.dindex)
             for args in todo():
                 consume(tokenize_chunk(*args))
         else:
-            _run_pool(workers, init_args, todo(), consume)
+            _run_pool(run.workers, init_args, todo(), consume)
         if writer is not None:
             groups[writer.g] = writer.finish(run_key)
             writer = None
@@ -875,22 +920,30 @@ def _prepare_into(out, tok, tokenizer_dir, specs, fingerprint, stamp, dtype, wor
         bar.close()
         raise
     bar.close()
-    nothing = _nothing_useful(groups, specs, stats, valid_fraction)
+    return groups, tokenized_chunks, bar
+
+
+def _finish(run: _PrepareRun, groups: dict, stats: ReadStats, tokenized_chunks: int, bar: _Progress,
+            mixture: dict) -> dict:
+    """Refuse a run with nothing to train on; otherwise write meta.json, drop ``_state.json`` and report."""
+    out, log, specs = run.out, run.log, run.specs
+    nothing = _nothing_useful(groups, specs, stats, run.valid_fraction)
     if nothing:
         if stats.bad:
             log(stats.report())
         raise NoDocumentsError(f"{nothing}; nothing written to {out}")
-    seconds = time.time() - t0
-    meta = _write_meta(out, groups, specs, fingerprint, tok, tokenizer_dir, dtype, valid_fraction, stats, seconds,
-                       command, seq_len, tokenized_chunks, bar, mixture, _decontamination(groups, specs, dindex))
+    seconds = time.time() - run.t0
+    meta = _write_meta(out, groups, specs, run.fingerprint, run.tok, run.tokenizer_dir, run.dtype,
+                       run.valid_fraction, stats, seconds, run.command, run.seq_len, tokenized_chunks, bar, mixture,
+                       _decontamination(groups, specs, run.dindex))
     (out / STATE_FILE).unlink(missing_ok=True)
     if stats.bad:
         log(stats.report())
     tr, va = meta["splits"]["train"], meta["splits"]["valid"]
     shards = f"{len(tr['shards'])} shard{'s' if len(tr['shards']) != 1 else ''}"
     log(f"wrote {out}: train {tr['tokens']:,} tokens / {tr['docs']:,} docs in {shards}, valid "
-        f"{va['tokens']:,} tokens / {va['docs']:,} docs ({dtype.name}); {meta['throughput']['mb_per_s']:.1f} MB/s, "
-        f"{meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {workers} workers")
+        f"{va['tokens']:,} tokens / {va['docs']:,} docs ({run.dtype.name}); {meta['throughput']['mb_per_s']:.1f} "
+        f"MB/s, {meta['throughput']['tokens_per_s'] / 1e6:.2f}M tokens/s with {run.workers} workers")
     for line in _source_lines(meta):
         log(line)
     return meta

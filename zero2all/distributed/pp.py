@@ -32,9 +32,13 @@ fills and drains once per update.
 
 Loss: the single process computes, per micro-batch, the mean over its valid tokens; its accumulation divides by
 ``grad_accum_steps``. Pipeline microbatches hold different numbers of valid (label != -100) tokens, so the last
-stage returns each microbatch's SUM of token losses and the schedule's loss function multiplies it by 1 / (valid
-tokens of the micro-batch it belongs to), passed per row as the schedule's target (``scale_grads=False``): the
-gradients are those of the single process exactly.
+stage returns the model's own ``head_loss(..., reduction="sum")`` of each microbatch (its token losses summed,
+its MoE terms times its valid-token count) and the schedule's loss function multiplies it by 1 / (valid tokens of
+the micro-batch it belongs to), passed per row as the schedule's target (``scale_grads=False``): the gradients
+of the cross-entropy are those of the single process exactly. A microbatch is a forward of its own, so its MoE
+auxiliary losses are over its tokens (as under gradient accumulation); every stage weighs them by the
+microbatch's share of the micro-batch's valid tokens (the last stage through ``head_loss``, the others as they
+attach them to their activations, the per-row weights passed to every stage as ``loss_weight``).
 
 Composition on the device mesh (``mesh.py``): data-parallel replicas of a pipeline shard each stage with FSDP2
 over the ``dp_shard`` (x ``dp_replicate``) dimensions, the runtime reducing FSDP's gradients at the end of each
@@ -215,15 +219,16 @@ class StageModule(nn.Module):
     ``embed_tokens``, ``layers.<i>``, ``norm``, ``lm_head``), so its state dict is a slice of the model's.
 
     forward: first stage ``tokens`` -> ``(x, residual)``; middle ``(x, residual)`` -> ``(x, residual)``; last
-    ``(x, residual)`` -> the SUM of the token losses of this microbatch, shape (1,) (``labels`` is passed to every
-    stage and read by the last only)."""
+    ``(x, residual)`` -> the model's ``head_loss(..., reduction="sum")`` of this microbatch, shape (1,).
+    ``labels`` and ``loss_weight`` (per row, 1 / valid tokens of its micro-batch) are passed to every stage: the
+    last computes the loss, the others weigh their MoE auxiliary losses by the microbatch's share of the tokens."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, z_loss: float = 0.0,
                  compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = model.cfg
         self.first, self.last, self.z_loss = first, last, z_loss
-        self.every_chunk_valid = False   # set per micro-batch by PipelineRun (see token_loss_sum)
+        self.every_chunk_valid = False   # set per micro-batch by PipelineRun (head_loss's ``counted``)
         # what crosses a stage boundary, whatever autocast does inside: x in the compute dtype, the residual
         # stream in fp32 with residual_in_fp32 (the runtime sizes its receive buffers from these dtypes)
         residual_dtype = compute_dtype if compute_dtype == torch.float64 or not model.cfg.residual_in_fp32 \
@@ -233,14 +238,18 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.numerics = model.numerics   # what the model's head_loss reads (the fused loss's step-fusion marks)
+        self.parallel_loss = None        # under tp the last stage's loss runs on sharded logits (loss parallel)
         self._rope_cache: dict = {}
         self.graphed = None   # a pp_graphs.GraphedBlocks over run_blocks (parallel.pp_cuda_graphs)
         from zero2all.model.moe import moe_layers
 
-        # MoE blocks: their auxiliary losses (load-balancing, sequence-wise, router z) of each microbatch join
-        # the training loss with weight ``aux_weight`` (set per step by PipelineRun), their values in aux_reported
+        # MoE blocks of a stage other than the last: their auxiliary losses (load-balancing, sequence-wise, router
+        # z) of each microbatch join the training loss weighted by the microbatch's share of the valid tokens x
+        # ``multiplier`` (set per step by PipelineRun), their values in aux_reported. The last stage's are in
+        # head_loss.
         self.moe_blocks = [moe for _, moe in moe_layers(self.layers)]
-        self.aux_weight, self.aux_share = 1.0, 1.0
+        self.multiplier = 1.0
         self.aux_reported: list[torch.Tensor] = []
         self.in_chunk = False   # True inside the schedule's forward of a real microbatch (PipelineRun sets it)
 
@@ -256,16 +265,17 @@ class StageModule(nn.Module):
             self._rope_cache[key] = Z2all.rope_tables(self, 0, T, device)
         return self._rope_cache[key]
 
-    def forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+    def forward(self, *inputs, labels=None, loss_weight=None, doc_ids=None, position_ids=None):
+        kwargs = dict(labels=labels, loss_weight=loss_weight, doc_ids=doc_ids, position_ids=position_ids)
         if self.moe_blocks and not self.in_chunk and self.training:
             from zero2all.model.moe import statistics_kept
 
             # the runtime's shape inference: the MoE blocks' statistics stay those of the real microbatches
             with statistics_kept(self.layers):
-                return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
-        return self._forward(*inputs, labels=labels, doc_ids=doc_ids, position_ids=position_ids)
+                return self._forward(*inputs, **kwargs)
+        return self._forward(*inputs, **kwargs)
 
-    def _forward(self, *inputs, labels=None, doc_ids=None, position_ids=None):
+    def _forward(self, *inputs, labels=None, loss_weight=None, doc_ids=None, position_ids=None):
         from zero2all.model.z2all import Z2all
 
         if self.first:
@@ -281,29 +291,32 @@ class StageModule(nn.Module):
             x, residual = self.graphed(x) if residual is None else self.graphed(x, residual)
         else:
             x, residual = self.run_blocks(x, residual, self._rope_tables(T, x.device, position_ids), doc_ids)
-        x = self._attach_moe_losses(x)
         if not self.last:
+            x = self._attach_moe_losses(x, labels, loss_weight)
             return _boundary(x, self.boundary_dtypes[0]), _boundary(residual, self.boundary_dtypes[1])
-        h = Z2all.final_norm(self, x, residual)   # the model's own seams (self has its cfg, norm and lm_head)
-        return token_loss_sum(h, self.lm_head, labels, self.z_loss, self.cfg.ops.cross_entropy,
-                              self.every_chunk_valid)
+        # the model's own seams (self has its cfg, norm, lm_head, numerics and this stage's MoE blocks)
+        h = Z2all.final_norm(self, x, residual)
+        if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
+            return ops.upcast(h).sum().reshape(1)
+        _, loss = Z2all.head_loss(self, h, labels, self.z_loss, reduction="sum", counted=self.every_chunk_valid)
+        # a plain tensor of shape (1,), never a view (FSDP hooks the stage's outputs); the vocab-parallel
+        # cross-entropy's replicated value is the same on every tensor-parallel rank
+        return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
 
+    def _attach_moe_losses(self, x: torch.Tensor, labels, loss_weight) -> torch.Tensor:
+        """This microbatch's MoE auxiliary losses of the stage's blocks (a stage other than the last), attached to
+        the stage's activations: a microbatch is a forward of its own (its losses are over its tokens, as under
+        gradient accumulation), weighted as the last stage's ``head_loss(reduction="sum")`` weighs its own: by the
+        microbatch's share of its micro-batch's valid tokens (sum over rows of valid tokens x ``loss_weight``),
+        times the trainer's multiplier. The unscaled shares are kept for the reported loss."""
+        from zero2all.model.moe import attach_loss, moe_aux_loss
 
-    def _attach_moe_losses(self, x: torch.Tensor) -> torch.Tensor:
-        """This microbatch's MoE auxiliary losses of the stage's blocks, attached to the stage's activations: a
-        microbatch is a forward of its own (its losses are over its tokens, as under gradient accumulation),
-        weighted by 1 / (pipeline microbatches per micro-batch) like the cross-entropy's share, times the trainer's
-        multiplier. The unscaled shares are kept for the reported loss."""
-        from zero2all.model.moe import attach_loss
-
-        aux = None
-        for moe in self.moe_blocks:
-            if moe.aux_loss is not None:
-                aux = moe.aux_loss if aux is None else aux + moe.aux_loss
-        if aux is None or x.device.type == "meta":
+        aux = moe_aux_loss(self.layers) if self.moe_blocks else None
+        if aux is None or x.device.type == "meta" or loss_weight is None:
             return x
-        self.aux_reported.append(ops.upcast(aux.detach()) * self.aux_share)
-        return attach_loss(x, aux, self.aux_weight)
+        share = ((labels != -100).sum(1).to(loss_weight.dtype) * loss_weight).sum().to(aux.dtype)
+        self.aux_reported.append(ops.upcast(aux.detach() * share))
+        return attach_loss(x, aux, share * self.multiplier)
 
     def run_blocks(self, x, residual=None, rope=None, doc_ids=None):
         """The stage's blocks on ``(x, residual)`` (residual None before the first block of the model); ``rope``:
@@ -312,39 +325,6 @@ class StageModule(nn.Module):
 
         cos, sin = rope if rope is not None else self._rope_tables(x.shape[1], x.device, None)
         return Z2all.blocks(self, x, residual, cos, sin, None, 0, doc_ids, None, layers=self.layers.values())
-
-
-def token_loss_sum(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, z_loss: float, impl: str,
-                   every_chunk_valid: bool = False) -> torch.Tensor:
-    """Sum over valid tokens of the cross-entropy (+ z-loss) of the LM head's logits, shape (1,).
-
-    The fused kernel returns the mean over valid tokens, so the sum is mean x count. When every microbatch of the
-    micro-batch has valid tokens (``every_chunk_valid``, known from one host read per micro-batch) the count stays
-    on the device: no synchronisation between a microbatch's forward and its backward. Otherwise the count is read
-    here, and a microbatch without valid tokens contributes an exact zero that still joins the autograd graph.
-    Under tensor parallelism the head's logits stay vocab-sharded and the cross-entropy runs under loss parallel
-    (the schedule step is inside ``loss_parallel``), summed directly."""
-    import torch.nn.functional as F
-
-    if ops.is_dtensor(head.weight):
-        if z_loss:
-            raise ConfigError("train.z_loss with parallel.pp and parallel.tp: not available (loss parallel "
-                              "computes the cross-entropy only)")
-        logits = head(h)                                  # DTensor, Shard(-1) over the vocabulary
-        loss = F.cross_entropy(ops.upcast(logits).flatten(0, 1), labels.reshape(-1), ignore_index=-100,
-                               reduction="sum")
-        return (loss.to_local() if hasattr(loss, "to_local") else loss).reshape(1) * 1.0
-    if h.device.type == "meta":  # shape inference of older torch versions: only the shape matters
-        return ops.upcast(h).sum().reshape(1)
-    fused = ops.uses_fused_cross_entropy(impl, h)
-    if every_chunk_valid:
-        mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
-        return ops.upcast(mean).reshape(1) * (labels != -100).sum()
-    n_valid = int((labels != -100).sum())
-    if n_valid == 0:
-        return ops.upcast(h).sum().reshape(1) * 0.0
-    mean = ops.linear_cross_entropy(h, head.weight, labels, z_loss=z_loss, impl="fused" if fused else "torch")
-    return ops.upcast(mean).reshape(1) * n_valid  # a new tensor, not a view (FSDP hooks the stage's outputs)
 
 
 def _boundary(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -587,6 +567,7 @@ class PipelineRun:
             module.every_chunk_valid = min(per_chunk) > 0
         kwargs = {k: torch.cat([b[k] for b in batches]) for k in ("doc_ids", "position_ids")
                   if batches[0].get(k) is not None}
+        kwargs["loss_weight"] = weight   # every stage weighs its MoE terms by it (the last: the target)
         return torch.cat([b["input_ids"] for b in batches]), labels, weight, kwargs, len(batches) * m
 
     def step(self, batches: list[dict], multiplier: float) -> torch.Tensor:
@@ -598,9 +579,8 @@ class PipelineRun:
         tokens, labels, weight, kwargs, n_micro = self._prepare(batches)
         self._multiplier = multiplier
         self._reported = []
-        share = len(batches) / n_micro   # one microbatch's share of its micro-batch
         for m in self.modules:
-            m.aux_weight, m.aux_share, m.aux_reported = multiplier * share, share, []
+            m.multiplier, m.aux_reported = multiplier, []
         schedule = self._schedule_for(n_micro)
         if self.timer.measure:
             self._sync()

@@ -67,6 +67,8 @@ the value is then exactly representable, so the cast is exact). Either way they 
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -368,6 +370,43 @@ def _split(device: torch.device, bands: int, tiles_k: int) -> int:
     return max(1, min(tiles_k, -(-grid_programs(device, bands * tiles_k) // bands)))
 
 
+@dataclass
+class _Cast:
+    """One quantisation: the 2-D input, its FP8 format's grid, what is wanted, and the buffers the kernels fill
+    (q (M, K) and qt (K, M) where wanted; ``counts``: [saturated, flushed to zero])."""
+
+    x: torch.Tensor
+    dtype: torch.dtype
+    want_q: bool
+    want_qt: bool
+    q: Optional[torch.Tensor] = None
+    qt: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        M, K, dev = *self.x.shape, self.x.device
+        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.q = torch.empty((M, K), dtype=self.dtype, device=dev) if self.want_q else None
+        self.qt = torch.empty((K, M), dtype=self.dtype, device=dev) if self.want_qt else None
+
+    @property
+    def grid(self) -> dict:
+        """The kernels' format arguments: largest value, mantissa bits, smallest exponent, native rounding."""
+        mant, min_exp = _GRID[self.dtype]
+        return dict(FMAX=float(torch.finfo(self.dtype).max), MANT=mant, MIN_EXP=min_exp,
+                    NATIVE=self.x.is_cuda and NATIVE_CAST)
+
+    @functools.cached_property
+    def tiles(self) -> tuple[int, int, int]:
+        """(bands of BM rows, tiles of BK columns, programs per band) of the tiled kernels."""
+        M, K = self.x.shape
+        bands, tiles_k = triton.cdiv(M, TILE["BM"]), triton.cdiv(K, TILE["BK"])
+        return bands, tiles_k, _split(self.x.device, bands, tiles_k)
+
+    def out(self, q_s, qt_s) -> Quantized:
+        return Quantized(self.q, q_s, self.qt, qt_s, self.counts)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = True, want_qt: bool = False,
              history: Optional[AmaxSite] = None, observe: bool = True,
              hints: Optional[AmaxHints] = None) -> Quantized:
@@ -375,76 +414,107 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, want_q: bool = T
     ``tensor`` (one scale for both). Where the kernel that produced ``x`` left its partial maxima in ``hints``
     (the model's ``AmaxHints``), the amax pass is skipped. ``history`` (tensorwise): delayed scaling, the scale
     from that site's recorded maxima and no amax pass (``fp8_ref.AmaxHistory``); ``observe``: record x's own
-    amax there."""
-    x = _rows2d(x)
-    if scaling != "tensor":
-        history = None
-    M, K = x.shape
-    mant, min_exp = _GRID[dtype]
-    fmax = float(torch.finfo(dtype).max)
-    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
-    q = torch.empty((M, K), dtype=dtype, device=x.device) if want_q else None
-    qt = torch.empty((K, M), dtype=dtype, device=x.device) if want_qt else None
-    if scaling == "axis" and not want_qt:
-        s = torch.empty(M, dtype=torch.float32, device=x.device)
-        if M and K:
-            block = min(ROWWISE_TILE, triton.next_power_of_2(K))
-            bm = max(1, ROWWISE_TILE // block)
-            _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, q, s, counts, M, K, x.stride(0), FMAX=fmax, MANT=mant,
-                                                        MIN_EXP=min_exp, BM=bm, BLOCK=block, ONE_PASS=K <= block,
-                                                        COUNT=True, NATIVE=x.is_cuda and NATIVE_CAST, num_warps=8)
-        return Quantized(q, s, None, None, counts)
+    amax there.
+
+    The recipes, each its own function: rows only (one pass per row, :func:`_quantize_rows`); nothing to cast
+    (:func:`_floor_scales`); delayed tensorwise scaling (one pass, :func:`_quantize_delayed`); otherwise the
+    maxima (handed over or from an amax pass) and then the cast (:func:`_quantize_two_pass`)."""
+    cast = _Cast(_rows2d(x), dtype, want_q, want_qt)
     tensor = scaling == "tensor"
-    BM, BK = TILE["BM"], TILE["BK"]
-    bands, tiles_k = triton.cdiv(M, BM), triton.cdiv(K, BK)
-    n_split = _split(x.device, bands, tiles_k) if M and K else 1
-    if not (M and K):                   # nothing to cast: the scales of all-zero groups
-        floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device)
-        floor = floor / torch.full_like(floor, fmax)
-        if tensor:
-            return Quantized(q, floor if want_q else None, qt, floor if want_qt else None, counts)
-        return Quantized(q, floor.expand(M).clone() if want_q else None, qt,
-                         floor.expand(K).clone() if want_qt else None, counts)
-    rows_wanted, cols_wanted = want_q or tensor, want_qt and not tensor
-    hint = hints.take(x) if hints is not None else None
-    if history is not None and not history.empty and hint is None:      # delayed scaling: one pass
-        q_s = torch.empty((), dtype=torch.float32, device=x.device)
-        slot, nxt = history.open_slot() if observe else (-1, -1)
-        L = history.buf.numel()
-        _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, q_s, q_s, q_s, q_s, counts,
-                                       history.buf, slot, nxt, L, M, K, x.stride(0), FMAX=fmax, MANT=mant,
-                                       MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=True, COUNT=True,
-                                       BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=True,
-                                       OBSERVE=observe, HIST_BLOCK=triton.next_power_of_2(L),
-                                       SEEN_ROWS=SEEN_ROWS,
-                                       num_warps=TILE["num_warps"])
-        return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
-    if hint is not None and (hint[1] is not None or not cols_wanted):
-        row_part, col_part = hint
-    else:
-        # every partial maximum is written by exactly one program: no initialisation needed
-        row_part = torch.empty((n_split, M) if rows_wanted else (0,), dtype=torch.float32, device=x.device)
-        col_part = torch.empty((bands, K) if cols_wanted else (0,), dtype=torch.float32, device=x.device)
-        _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows_wanted,
-                                       COLS=cols_wanted, BM=BM, BK=BK, num_warps=TILE["num_warps"])
+    if not tensor:
+        history = None
+    if scaling == "axis" and not want_qt:
+        return _quantize_rows(cast)
+    M, K = cast.x.shape
+    if not (M and K):
+        return _floor_scales(cast, tensor)
+    hint = hints.take(cast.x) if hints is not None else None
+    if history is not None and not history.empty and hint is None:
+        return _quantize_delayed(cast, history, observe)
+    return _quantize_two_pass(cast, tensor, hint, history if observe else None)
+
+
+def _quantize_rows(cast: _Cast) -> Quantized:
+    """Axis scaling of the rows only: each program finds its rows' maxima and casts them (one read of x)."""
+    x, (M, K) = cast.x, cast.x.shape
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M and K:
+        block = min(ROWWISE_TILE, triton.next_power_of_2(K))
+        bm = max(1, ROWWISE_TILE // block)
+        _rowwise_cast_kernel[(triton.cdiv(M, bm),)](x, cast.q, s, cast.counts, M, K, x.stride(0), BM=bm,
+                                                    BLOCK=block, ONE_PASS=K <= block, COUNT=True, num_warps=8,
+                                                    **cast.grid)
+    return cast.out(s, None)
+
+
+def _floor_scales(cast: _Cast, tensor: bool) -> Quantized:
+    """Nothing to cast (M or K is 0): the scales of all-zero groups, AMAX_FLOOR / the format's largest value."""
+    M, K = cast.x.shape
+    floor = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=cast.x.device)
+    floor = floor / torch.full_like(floor, cast.grid["FMAX"])
+    if tensor:
+        return cast.out(floor if cast.want_q else None, floor if cast.want_qt else None)
+    return cast.out(floor.expand(M).clone() if cast.want_q else None, floor.expand(K).clone() if cast.want_qt else None)
+
+
+def _quantize_delayed(cast: _Cast, history: AmaxSite, observe: bool) -> Quantized:
+    """Delayed tensorwise scaling: the scale from the site's recorded maxima, cast in one pass (which records
+    x's own amax in the site's open slot when ``observe``)."""
+    x, (M, K) = cast.x, cast.x.shape
+    bands, _, n_split = cast.tiles
+    q_s = torch.empty((), dtype=torch.float32, device=x.device)
+    slot, nxt = history.open_slot() if observe else (-1, -1)
+    L = history.buf.numel()
+    _cast_kernel[(bands, n_split)](x, cast.q if cast.want_q else x, cast.qt if cast.want_qt else x, q_s, q_s, q_s,
+                                   q_s, cast.counts, history.buf, slot, nxt, L, M, K, x.stride(0),
+                                   WRITE_Q=cast.want_q, WRITE_QT=cast.want_qt, TENSOR=True, COUNT=True,
+                                   BM=TILE["BM"], BK=TILE["BK"], HISTORY=True, OBSERVE=observe,
+                                   HIST_BLOCK=triton.next_power_of_2(L), SEEN_ROWS=SEEN_ROWS,
+                                   num_warps=TILE["num_warps"], **cast.grid)
+    return cast.out(q_s if cast.want_q else None, q_s if cast.want_qt else None)
+
+
+def _partial_maxima(cast: _Cast, rows: bool, cols: bool, hint) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial maxima of |x|: (programs per band, M) over rows and (bands, K) over columns (empty where not
+    wanted), handed over in ``hint`` by the kernel that produced x, or from one amax pass."""
+    if hint is not None and (hint[1] is not None or not cols):
+        return hint
+    x, (M, K) = cast.x, cast.x.shape
+    bands, _, n_split = cast.tiles
+    # every partial maximum is written by exactly one program: no initialisation needed
+    row_part = torch.empty((n_split, M) if rows else (0,), dtype=torch.float32, device=x.device)
+    col_part = torch.empty((bands, K) if cols else (0,), dtype=torch.float32, device=x.device)
+    _amax_kernel[(bands, n_split)](x, row_part, col_part, M, K, x.stride(0), ROWS=rows, COLS=cols, BM=TILE["BM"],
+                                   BK=TILE["BK"], num_warps=TILE["num_warps"])
+    return row_part, col_part
+
+
+def _quantize_two_pass(cast: _Cast, tensor: bool, hint, record: Optional[AmaxSite]) -> Quantized:
+    """The maxima (:func:`_partial_maxima`) reduced to the tensor's, the rows' and the columns' amax, then the
+    cast. ``record``: the delayed-scaling site whose first cast this is (or whose maxima were handed over),
+    which records the tensor's amax."""
+    x, (M, K), want_q, want_qt = cast.x, cast.x.shape, cast.want_q, cast.want_qt
+    cols_wanted = want_qt and not tensor
+    row_part, col_part = _partial_maxima(cast, want_q or tensor, cols_wanted, hint)
     if tensor:
         row_amax = row_part.amax().reshape(1)
-        if history is not None and observe:         # the site's first cast (or maxima handed over): record it
-            history.record(row_amax)
+        if record is not None:
+            record.record(row_amax)
     else:
         row_amax = (row_part.amax(0) if row_part.shape[0] > 1 else row_part[0]) if want_q else row_part
     col_amax = (col_part.amax(0) if col_part.shape[0] > 1 else col_part[0]) if cols_wanted else col_part
     q_s = torch.empty(() if tensor else M, dtype=torch.float32, device=x.device) if want_q or tensor else None
-    qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if want_qt and not tensor else None
-    _cast_kernel[(bands, n_split)](x, q if want_q else x, qt if want_qt else x, row_amax, col_amax,
+    qt_s = torch.empty(K, dtype=torch.float32, device=x.device) if cols_wanted else None
+    bands, _, n_split = cast.tiles
+    _cast_kernel[(bands, n_split)](x, cast.q if want_q else x, cast.qt if want_qt else x, row_amax, col_amax,
                                    q_s if q_s is not None else row_amax, qt_s if qt_s is not None else col_amax,
-                                   counts, row_amax, -1, -1, 1, M, K, x.stride(0), FMAX=fmax, MANT=mant,
-                                   MIN_EXP=min_exp, WRITE_Q=want_q, WRITE_QT=want_qt, TENSOR=tensor, COUNT=True,
-                                   BM=BM, BK=BK, NATIVE=x.is_cuda and NATIVE_CAST, HISTORY=False, OBSERVE=False,
-                                   HIST_BLOCK=1, num_warps=TILE["num_warps"])
+                                   cast.counts, row_amax, -1, -1, 1, M, K, x.stride(0), WRITE_Q=want_q,
+                                   WRITE_QT=want_qt, TENSOR=tensor, COUNT=True, BM=TILE["BM"], BK=TILE["BK"],
+                                   HISTORY=False, OBSERVE=False, HIST_BLOCK=1, num_warps=TILE["num_warps"],
+                                   **cast.grid)
     if tensor:
-        return Quantized(q, q_s if want_q else None, qt, q_s if want_qt else None, counts)
-    return Quantized(q, q_s, qt, qt_s, counts)
+        return cast.out(q_s if want_q else None, q_s if want_qt else None)
+    return cast.out(q_s, qt_s)
 
 
 def swiglu_backward(grad_a: torch.Tensor, gate_up: torch.Tensor, dgu_dtype: torch.dtype, a_dtype: torch.dtype,

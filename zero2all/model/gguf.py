@@ -183,7 +183,7 @@ def _tokenizer_dir_chat_template(tok_dir: Path | None) -> str | None:
 
 def _spm_scores(tok, n: int) -> list[float] | None:
     """Piece scores from the SentencePiece model kept beside an spm tokenizer, else None."""
-    proto_bytes = tok._extra_files.get("tokenizer.model")
+    proto_bytes = tok.extra_file("tokenizer.model")
     if not proto_bytes:
         return None
     from sentencepiece import sentencepiece_model_pb2 as pb
@@ -197,7 +197,7 @@ def _spm_scores(tok, n: int) -> list[float] | None:
 def tokenizer_metadata(tok, n_vocab: int, cfg: ModelConfig, tok_dir: Path | None = None) -> dict:
     """Everything ``tokenizer.ggml.*`` for ``tok`` (our Tokenizer), padded with unused tokens to the model's
     ``n_vocab`` embedding rows (llama.cpp wants one token per row). Returns a dict of field -> value."""
-    raw = json.loads(tok._json)
+    raw = json.loads(tok.tokenizer_json)
     model = raw.get("model") or {}
     if model.get("type") != "BPE":
         raise ConfigError(f"tokenizer: model type {model.get('type')!r} cannot be written as GGUF (BPE only)")

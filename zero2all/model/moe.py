@@ -497,16 +497,20 @@ class _AttachedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype, device=grad.device), None
+        w = ctx.weight
+        grad_loss = w.detach().to(device=grad.device, dtype=ctx.loss_dtype).expand(ctx.loss_shape).clone() \
+            if isinstance(w, torch.Tensor) else torch.full(ctx.loss_shape, w, dtype=ctx.loss_dtype, device=grad.device)
+        return grad, grad_loss, None
 
 
-def attach_loss(x: torch.Tensor, loss: torch.Tensor | None, weight: float) -> torch.Tensor:
+def attach_loss(x: torch.Tensor, loss: torch.Tensor | None, weight: float | torch.Tensor) -> torch.Tensor:
     """``x`` unchanged, with ``weight * loss`` added to whatever objective ``x``'s gradient comes from: a loss computed
     where the objective is not (a pipeline stage's MoE auxiliary losses, whose objective is on the last stage)
-    takes part in the backward pass of the objective without being sent along."""
+    takes part in the backward pass of the objective without being sent along. ``weight``: a number or a scalar
+    tensor (kept on the device: no host read)."""
     if loss is None or not loss.requires_grad or not torch.is_grad_enabled():
         return x
-    return _AttachedLoss.apply(x, loss, float(weight))
+    return _AttachedLoss.apply(x, loss, weight if isinstance(weight, torch.Tensor) else float(weight))
 
 
 @torch.no_grad()

@@ -310,18 +310,20 @@ def lean_linear(x, weight, bias=None, impl="auto", precision="bf16", kind="", nu
 
 
 def linear_cross_entropy_torch(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` over targets != ignore_index (logits in float32).
+                               ignore_index: int = -100, z_loss: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+    """Mean (``reduction="sum"``: sum) cross-entropy of ``hidden @ weight.T`` over targets != ignore_index (logits
+    in float32).
 
-    ``z_loss`` adds z_loss * mean(logsumexp(logits)^2) over the same tokens (PaLM's auxiliary loss)."""
+    ``z_loss`` adds z_loss * mean(logsumexp(logits)^2) over the same tokens (PaLM's auxiliary loss; summed with
+    ``"sum"``)."""
     logits = upcast(F.linear(hidden, weight))
     logits = logits.view(-1, logits.size(-1))
     targets = targets.reshape(-1)
-    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
     if z_loss:
         valid = targets != ignore_index
-        lse = torch.logsumexp(logits[valid], dim=-1)
-        loss = loss + z_loss * lse.pow(2).mean()
+        lse2 = torch.logsumexp(logits[valid], dim=-1).pow(2)
+        loss = loss + z_loss * (lse2.sum() if reduction == "sum" else lse2.mean())
     return loss
 
 

@@ -28,7 +28,7 @@ from zero2all.tokenizer.hf import round_up
 
 
 def _n_ids(tok) -> int:
-    return tok._full.get_vocab_size(with_added_tokens=True)
+    return tok.n_ids
 
 
 def check_extends(old, new, old_name: str, new_name: str) -> int:
@@ -48,7 +48,7 @@ def check_extends(old, new, old_name: str, new_name: str) -> int:
 def piece_ids(old, token: str) -> list[int] | None:
     """The old tokenizer's ids for the string of one new token (its BPE model on that piece), or None."""
     try:
-        ids = [t.id for t in old._full.model.tokenize(token)]
+        ids = old.model_piece_ids(token)
     except Exception:  # noqa: BLE001 - a model kind without tokenize(): no pieces
         return None
     n = _n_ids(old)

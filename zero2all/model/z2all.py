@@ -69,6 +69,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_dim, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_dim, bias=cfg.attention_bias)
+        self.seq_first = False   # activations (T, B, ...) instead of (B, T, ...): Z2all.set_seq_first
 
     def forward(self, x, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
                 attn_mask=None):
@@ -77,7 +78,10 @@ class Attention(nn.Module):
 
     def attend(self, qkv, cos, sin, kv_cache: KVCache | None = None, start_pos: int = 0, doc_ids=None,
                attn_mask=None):
-        """The attention core between the two projections: qkv (B, T, q_size + 2 kv_size) -> (B, T, q_size)."""
+        """The attention core between the two projections: qkv (B, T, q_size + 2 kv_size) -> (B, T, q_size);
+        (T, B, ...) -> (T, B, q_size) with ``seq_first``."""
+        if self.seq_first:
+            return self._attend_seq_first(qkv, cos, sin, kv_cache, doc_ids, attn_mask)
         B, T, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)                        # (B, T, H, D)
@@ -93,6 +97,22 @@ class Attention(nn.Module):
         y = ops.attention(q, k, v, impl=self.cfg.ops.attention, dropout_p=self.cfg.attention_dropout,
                           training=self.training, doc_ids=doc_ids, mask=attn_mask)  # (B, H, T, D)
         return y.transpose(1, 2).reshape(B, T, self.q_size)
+
+    def _attend_seq_first(self, qkv, cos, sin, kv_cache, doc_ids, attn_mask):
+        """qkv (T, B, ...) -> (T, B, q_size): RoPE and attention read (B, T, heads, D) views of the (T, B) layout
+        (strided, no copy), and the output is permuted back once."""
+        if kv_cache is not None or doc_ids is not None or attn_mask is not None:
+            raise ValueError("Attention.seq_first: training forwards of whole sequences only (no KV cache, document "
+                             "ids or mask)")
+        T, B, _ = qkv.shape
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(0, 1)       # (B, T, H, D) views
+        k = k.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        q, k = ops.apply_rope(q, k, cos, sin, impl=self.cfg.ops.rope)
+        y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), impl=self.cfg.ops.attention,
+                          dropout_p=self.cfg.attention_dropout, training=self.training)  # (B, H, T, D)
+        return y.permute(2, 0, 1, 3).reshape(T, B, self.q_size)
 
 
 class MLP(nn.Module):
@@ -215,6 +235,18 @@ class Z2all(nn.Module):
         path. ``None`` uninstalls."""
         self.parallel_loss = None if fn is None else Installed(fn)
 
+    def set_seq_first(self, seq_first: bool = True) -> None:
+        """Keep the activations (seq, batch, hidden) instead of (batch, seq, hidden) through the blocks: ``embed``
+        then takes tokens (T, B), ``head_loss`` targets (T, B), and attention reads (batch, seq) views of its
+        inputs. The GEMMs see the same (T * B, hidden) rows; what differs is how attention's inputs and outputs
+        are strided (the layout rows of ``z2all bench train`` time the two). Training forwards of dense models
+        only: a MoE block's sequence-wise loss groups tokens by batch row."""
+        if seq_first and self.cfg.moe.enabled:
+            raise ValueError("Z2all.set_seq_first: dense models only (a MoE block groups its sequence-wise loss by "
+                             "batch row)")
+        for layer in self.layers:
+            layer.self_attn.seq_first = seq_first
+
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings`` the LM head uses the embedding matrix itself (one parameter, two uses).
         The one place that ties: call it again after anything that replaces parameters (``to_empty``, loading
@@ -307,23 +339,52 @@ class Z2all(nn.Module):
         h, _ = ops.add_rmsnorm(x, residual, self.norm.weight, c.rms_norm_eps, c.residual_in_fp32, impl=c.ops.rmsnorm)
         return h
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
-        """(logits or None, the training loss): the mean cross-entropy (+ z-loss) of the LM head over targets !=
-        -100, plus every MoE term of the last forward (load-balancing, sequence-wise and router z-losses with their
-        ``model.moe`` weights). Logits are None where the fused linear + cross-entropy never forms them."""
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, reduction: str = "mean",
+                  counted: bool = False):
+        """(logits or None, the training loss): the LM head's cross-entropy (+ z-loss) over targets != -100 plus
+        every MoE term of the last forward (load-balancing, sequence-wise and router z-losses with their
+        ``model.moe`` weights). Logits are None where the fused linear + cross-entropy never forms them.
+
+        ``reduction="mean"``: the mean over the valid targets plus the MoE terms. ``"sum"``: n x that, n the
+        number of valid targets: the token losses summed, the MoE terms weighted by n. A pipeline's last stage
+        returns this per microbatch: the sums of a micro-batch's microbatches divided by its valid-token count
+        give its mean cross-entropy, each microbatch's MoE terms weighted by its share of the valid tokens. No
+        valid target: an exact 0 that joins the autograd graph. ``counted``: see :meth:`token_loss`.
+
+        A pipeline stage runs this on its own modules (``self`` is then any module with ``cfg``, ``lm_head``,
+        ``numerics``, ``parallel_loss`` and the stage's MoE blocks), hence the explicit class in the calls."""
+        logits, loss = Z2all.token_loss(self, h, targets, z_loss, reduction, counted)
         aux = moe_aux_loss(self) if self.cfg.moe.enabled else None
-        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h):
-            if ops.is_dtensor(self.lm_head.weight):  # tensor parallel: vocab-parallel, or None (loss parallel)
+        if aux is not None:
+            loss = loss + (aux * (targets != -100).sum() if reduction == "sum" else aux)
+        return logits, loss
+
+    def token_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, reduction: str = "mean",
+                   counted: bool = False):
+        """(logits or None, the LM head's cross-entropy (+ z-loss) over targets != -100): their mean or, with
+        ``reduction="sum"``, their sum; no MoE term (:meth:`head_loss` adds them). The fused kernel gives the
+        mean, so its sum is mean x count: ``counted`` (the caller knows that ``targets`` hold a valid token) keeps
+        the count on the device, otherwise it is read on the host. A vocab-sharded head (tensor parallelism) sums
+        its sharded logits' cross-entropy under loss parallel (the caller's context)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"token_loss / head_loss: reduction must be 'mean' or 'sum', not {reduction!r}")
+        sharded = ops.is_dtensor(self.lm_head.weight)
+        if ops.uses_fused_cross_entropy(self.cfg.ops.cross_entropy, h) and not (sharded and reduction == "sum"):
+            if sharded:  # tensor parallel: vocab-parallel, or None (loss parallel)
                 loss = self.parallel_loss.fn(self, h, targets) if self.parallel_loss is not None else None
+            elif reduction == "sum":
+                return None, fused_token_sum(h, self.lm_head.weight, targets, z_loss, counted, self.numerics)
             else:
                 loss = ops.linear_cross_entropy(h, self.lm_head.weight, targets, z_loss=z_loss, impl="fused",
                                                 numerics=self.numerics)
             if loss is not None:
-                return None, loss if aux is None else loss + aux
+                return None, loss
         logits = self.lm_head(h)
-        loss = ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss) if z_loss else \
-            F.cross_entropy(ops.upcast(logits).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss if aux is None else loss + aux
+        if z_loss:
+            return logits, ops.linear_cross_entropy_torch(h, self.lm_head.weight, targets, z_loss=z_loss,
+                                                          reduction=reduction)
+        return logits, F.cross_entropy(ops.upcast(logits).view(-1, logits.size(-1)), targets.reshape(-1),
+                                       ignore_index=-100, reduction=reduction)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def num_params(self, non_embedding: bool = False) -> int:
@@ -341,6 +402,19 @@ class Z2all(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         w = self.embed_tokens.weight
         return KVCache(self.cfg, batch_size, max_len, device=w.device, dtype=dtype or w.dtype)
+
+
+def fused_token_sum(h, weight, targets, z_loss: float, counted: bool, numerics) -> torch.Tensor:
+    """The fused linear + cross-entropy's mean x the valid-target count. The kernel divides by the count, so
+    without ``counted`` (the caller's word that a target is valid) the count is read on the host and none valid
+    gives an exact 0 joined to ``h``'s graph instead of 0 / 0."""
+    count = (targets != -100).sum()
+    if not counted:
+        count = int(count)
+        if count == 0:
+            return ops.upcast(h).sum() * 0.0
+    mean = ops.linear_cross_entropy(h, weight, targets, z_loss=z_loss, impl="fused", numerics=numerics)
+    return ops.upcast(mean) * count
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=None, seed: int | None = None) -> Z2all:

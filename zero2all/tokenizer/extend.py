@@ -39,7 +39,7 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
 
     if n_add < 1:
         raise ValueError(f"--add: {n_add} must be at least 1")
-    raw = json.loads(base._json)
+    raw = json.loads(base.tokenizer_json)
     model = raw.get("model") or {}
     if model.get("type") != "BPE" or "merges" not in model:
         raise ValueError("--base: not a BPE tokenizer (tokenizer.json model.type must be BPE with merges)")
@@ -52,10 +52,10 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
     for t in raw.get("added_tokens", []):
         vocab.setdefault(t["content"], t["id"])
     merges = [list(_merge_pair(m)) for m in model["merges"]]
-    n_base = base._full.get_vocab_size(with_added_tokens=True)
+    n_base = base.n_ids
 
     learner = _HFTokenizer(models.BPE())
-    full = _HFTokenizer.from_str(base._json)
+    full = _HFTokenizer.from_str(base.tokenizer_json)
     if full.normalizer is not None:
         learner.normalizer = full.normalizer
     if full.pre_tokenizer is not None:
@@ -105,17 +105,38 @@ def extend_bpe(base: Tokenizer, texts: Sequence[str], n_add: int, min_frequency:
 def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0) -> tuple[Tokenizer, dict]:
     """The SentencePiece base tokenizer with up to ``n_add`` pieces learned on ``texts`` (see the module
     docstring); returns (tokenizer, info)."""
-    import io
-
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     from zero2all.tokenizer.hf import sentencepiece_to_tokenizer_json
-    from zero2all.tokenizer.train import SPM_MAX_SENTENCE_BYTES, _spm_sentences
 
     if n_add < 1:
         raise ValueError(f"--add: {n_add} must be at least 1")
-    data = base._extra_files.get("tokenizer.model")
+    proto = _spm_base_proto(base)
+    n_base = base.n_ids
+    added = _append_spm_pieces(proto, _learn_spm_pieces(proto, texts, n_add, seed), n_add)
+    n_new = len(proto.pieces)
+    _pad_spm_proto(proto)
+    new_proto = proto.SerializeToString()
+    specials = [p.piece for p in proto.pieces if p.type == _spm_piece_type().CONTROL]
+    text, extra = sentencepiece_to_tokenizer_json(new_proto, specials)
+    meta = dict(base.meta)
+    meta.pop("hash", None)
+    meta.update(extra)
+    meta["extended"] = {"base_hash": base.hash, "base_ids": n_base, "added": len(added), "asked": n_add,
+                        "reserved_padding": len(proto.pieces) - n_new}
+    return Tokenizer(text, meta=meta, extra_files={"tokenizer.model": new_proto}), meta["extended"]
+
+
+def _spm_piece_type():
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    return pb.ModelProto.SentencePiece
+
+
+def _spm_base_proto(base: Tokenizer):
+    """The base's ``tokenizer.model`` proto (a SentencePiece BPE), with the base's reserved padding (added tokens
+    after the proto's pieces) entered as control pieces at their ids: one piece per id of the base."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    data = base.extra_file("tokenizer.model")
     if data is None:
         raise ValueError("--base: a SentencePiece tokenizer (backend spm) without its tokenizer.model; the "
                          "proto is needed to extend it")
@@ -123,20 +144,25 @@ def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0)
     proto.ParseFromString(data)
     if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
         raise ValueError("--base: tokenizer.model is not a SentencePiece BPE model (trainer_spec.model_type)")
-    Piece = pb.ModelProto.SentencePiece
-    n_base = base._full.get_vocab_size(with_added_tokens=True)
-    # the base's reserved padding (added tokens after the proto's pieces) enters the proto as control pieces
-    for i in range(len(proto.pieces), n_base):
+    for i in range(len(proto.pieces), base.n_ids):
         name = base.id_to_token(i)
         if name is None or name not in base.special_ids:
             raise ValueError(f"--base: id {i} ({name!r}) of tokenizer.json is neither a piece of tokenizer.model "
                              f"nor a special token: the two files do not belong together")
-        proto.pieces.add(piece=name, score=0.0, type=Piece.CONTROL)
-    have = {p.piece for p in proto.pieces}
-    mergeable = {p.piece for p in proto.pieces if p.type == Piece.NORMAL}
-    lowest = min((p.score for p in proto.pieces if p.type == Piece.NORMAL), default=0.0)
+        proto.pieces.add(piece=name, score=0.0, type=_spm_piece_type().CONTROL)
+    return proto
 
-    # learn on the corpus with the base's own settings
+
+def _learn_spm_pieces(proto, texts: Sequence[str], n_add: int, seed: int) -> list[str]:
+    """The normal pieces of a SentencePiece BPE trained on ``texts`` with the base proto's own settings
+    (normalisation, whitespace, digits, coverage), in the order learned."""
+    import io
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from zero2all.tokenizer.train import SPM_MAX_SENTENCE_BYTES, _spm_sentences
+
     spec = proto.trainer_spec
     chars = {c for t in texts for c in t if c != "\n"}
     model = io.BytesIO()
@@ -153,7 +179,17 @@ def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0)
         input_sentence_size=0, shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
     learned = pb.ModelProto()
     learned.ParseFromString(model.getvalue())
-    pieces = [p.piece for p in learned.pieces if p.type == Piece.NORMAL]
+    return [p.piece for p in learned.pieces if p.type == _spm_piece_type().NORMAL]
+
+
+def _append_spm_pieces(proto, pieces: list[str], n_add: int) -> list[str]:
+    """Append to ``proto`` up to ``n_add`` of the learned ``pieces`` it lacks, in order, each scored below every
+    piece before it; a multi-character piece only when it splits into two pieces already there or learned (its
+    parts are appended first). Returns the pieces appended."""
+    Piece = _spm_piece_type()
+    have = {p.piece for p in proto.pieces}
+    mergeable = {p.piece for p in proto.pieces if p.type == Piece.NORMAL}
+    lowest = min((p.score for p in proto.pieces if p.type == Piece.NORMAL), default=0.0)
     known = set(pieces)
     added: list[str] = []
 
@@ -183,23 +219,19 @@ def extend_spm(base: Tokenizer, texts: Sequence[str], n_add: int, seed: int = 0)
         if len(added) >= n_add:
             break
         add(piece)
-    n_new = len(proto.pieces)
-    taken, k = set(have), 0
-    for _ in range(round_up(n_new) - n_new):
+    return added
+
+
+def _pad_spm_proto(proto) -> None:
+    """Reserved control pieces (names no piece has) up to a multiple of 64 pieces; the trainer spec's vocabulary
+    size set to the total."""
+    taken, k, n = {p.piece for p in proto.pieces}, 0, len(proto.pieces)
+    for _ in range(round_up(n) - n):
         while reserved_token(k) in taken:
             k += 1
         taken.add(reserved_token(k))
-        proto.pieces.add(piece=reserved_token(k), score=0.0, type=Piece.CONTROL)
+        proto.pieces.add(piece=reserved_token(k), score=0.0, type=_spm_piece_type().CONTROL)
     proto.trainer_spec.vocab_size = len(proto.pieces)
-    new_proto = proto.SerializeToString()
-    specials = [p.piece for p in proto.pieces if p.type == Piece.CONTROL]
-    text, extra = sentencepiece_to_tokenizer_json(new_proto, specials)
-    meta = dict(base.meta)
-    meta.pop("hash", None)
-    meta.update(extra)
-    meta["extended"] = {"base_hash": base.hash, "base_ids": n_base, "added": len(added), "asked": n_add,
-                        "reserved_padding": len(proto.pieces) - n_new}
-    return Tokenizer(text, meta=meta, extra_files={"tokenizer.model": new_proto}), meta["extended"]
 
 
 def bytes_per_token(tok: Tokenizer, texts: Sequence[str]) -> float:

@@ -245,6 +245,25 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._full.id_to_token(int(i))
 
+    @property
+    def n_ids(self) -> int:
+        """The ids in use: the model's entries and the added tokens (``vocab_size`` is this rounded up)."""
+        return self._full.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def tokenizer_json(self) -> str:
+        """The pipeline as ``tokenizer.json`` text (what :meth:`save` writes)."""
+        return self._json
+
+    def extra_file(self, name: str) -> bytes | None:
+        """A file kept beside ``tokenizer.json`` (SentencePiece's ``tokenizer.model``), or None."""
+        return self._extra_files.get(name)
+
+    def model_piece_ids(self, text: str) -> list[int]:
+        """The ids the pipeline's model alone (no normalizer, pre-tokenizer or added tokens) splits ``text``
+        into; a model kind that cannot split raises."""
+        return [t.id for t in self._full.model.tokenize(text)]
+
     def token_to_id(self, token: str) -> int | None:
         return self._full.token_to_id(token)
 
