@@ -5,6 +5,8 @@ time is nearly all host work: Python, tensor construction, and the dispatch of e
 each row count (1, 16, 64 occupied rows) it times ``--steps`` decode steps ``--repeats`` times and prints per step:
 the whole step, the bare model forward at the same shape (tokens (B, 1), no cache), and the difference (the
 engine's own host cost: cache addressing, attention over the cache, bookkeeping), min / median / max over repeats.
+Then the same with the step itself replaced by a ready result ("outside the step"): what is left per step on the
+host when the step is replayed from a CUDA graph (bookkeeping, uploads of the step's inputs, the logits' handling).
 
 It also counts the torch ops one decode step dispatches (``torch.profiler`` on the CPU, operators at the top level
 of the dispatcher only): on a GPU each of those is a launch costing the host ~5-10 us unless the step is replayed
@@ -54,6 +56,11 @@ class PagedEngine:
     def step(self):
         self.tokens = self.s.decode(self.tokens).argmax(-1)
 
+    def stub_step(self):
+        """What a CUDA graph replay leaves on the host: the step itself replaced by a ready result."""
+        out = self.s._decode_step(self.s.bucket_for(len(self.s.rows)))
+        self.s._decode_step = lambda bucket: out
+
     def reset(self):  # back to the prompt's end, so repeats time the same lengths
         for st in self.s.rows:
             del st.tokens[PROMPT:]
@@ -72,6 +79,10 @@ class ColumnEngine:
     def step(self):
         self.tokens = self.s.decode(self.tokens, self.slot).argmax(-1)
         self.slot += 1
+
+    def stub_step(self):
+        out = self.s.step_fn(self.s.windows[-1])
+        self.s.step_fn = lambda window: out
 
     def reset(self):
         self.slot = PROMPT
@@ -125,7 +136,8 @@ def main():
     model = tiny_model()
     print(f"torch {torch.__version__}, 1 thread; per step in ms: min median max over {args.repeats} repeats of "
           f"{args.steps} steps")
-    print(f"{'engine':>7} {'rows':>4} | {'step':^23} | {'bare forward':^23} | {'step - forward (median)':^23} | ops")
+    print(f"{'engine':>7} {'rows':>4} | {'step':^23} | {'bare forward':^23} | {'step - forward (median)':^23} | ops"
+          f" | {'outside the step':^23} | ops")
     for rows in args.rows:
         fwd = time_forward(model, rows, args.steps, args.repeats)
         fwd_ops = count_ops(type("F", (), {"step": lambda self: model(torch.zeros(rows, 1, dtype=torch.long))})())
@@ -135,7 +147,12 @@ def main():
             eng.reset()
             ops = count_ops(eng)
             over = [x - statistics.median(fwd) for x in t]
-            print(f"{eng.name:>7} {rows:4d} | {fmt(t)} | {fmt(fwd)} | {fmt(over)} | {ops} (forward {fwd_ops})")
+            eng.stub_step()   # the host's part around the step: all that runs per step when the step is a graph
+            outside = time_steps(eng, args.steps, args.repeats)
+            eng.reset()
+            out_ops = count_ops(eng)
+            print(f"{eng.name:>7} {rows:4d} | {fmt(t)} | {fmt(fwd)} | {fmt(over)} | {ops} (forward {fwd_ops}) | "
+                  f"{fmt(outside)} | {out_ops}")
     if args.profile:
         eng = PagedEngine(model, max(args.rows))
         eng.reset()

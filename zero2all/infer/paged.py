@@ -35,7 +35,12 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from zero2all.infer.generate import PREFILL_ATTENTION, prefill_chunk_len, to_device
-from zero2all.kernels.paged_attention import paged_decode_attention
+from zero2all.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    uses_triton,
+    visible_keys,
+)
 from zero2all.model import ops
 
 NULL_BLOCK = 0
@@ -159,6 +164,7 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.block_size, self.impl = block_size, impl
         self.slots = self.tables = self.lengths = self.q_pos = None
+        self._visible = self._visible_for = None     # the PyTorch decode path's key mask, once per forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, D = q.shape
@@ -167,7 +173,13 @@ class PagedKVCache:
         kc.view(-1, Hkv, D).index_copy_(0, self.slots, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kc.dtype))
         vc.view(-1, Hkv, D).index_copy_(0, self.slots, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vc.dtype))
         if T == 1:
-            return paged_decode_attention(q[:, :, 0], kc, vc, self.tables, self.lengths, impl=self.impl)[:, :, None]
+            if uses_triton(q, self.impl):
+                return paged_decode_attention(q[:, :, 0], kc, vc, self.tables, self.lengths, impl="triton")[:, :, None]
+            if self._visible_for is not self.lengths:   # a new forward: the layers share one mask
+                self._visible = visible_keys(self.lengths, self.tables.size(1) * self.block_size)
+                self._visible_for = self.lengths
+            return paged_decode_attention_torch(q[:, :, 0], kc, vc, self.tables, self.lengths,
+                                                visible=self._visible)[:, :, None]
         nb = self.tables.size(1)
         S = nb * self.block_size
         keys = kc[self.tables].reshape(B, S, Hkv, D).transpose(1, 2).to(q.dtype)          # (B, Hkv, S, D)
