@@ -465,8 +465,8 @@ class PagedSession:
         host = tokens.tolist() if self.device.type == "cpu" else None
         occupied = self.decoding_rows()
         bucket = self.bucket_for(occupied[-1] + 1 if occupied else 1)
-        bs, meta, rows = self.block_size, self._meta_np, self.rows
-        width = 1
+        bs, rows = self.block_size, self.rows
+        width, step = 1, []
         for r in occupied:
             s = rows[r]
             p = s.computed
@@ -477,11 +477,13 @@ class PagedSession:
                 self._grow(s, p + 1)
             s.tokens.append(host[r] if host is not None else -1)  # on a GPU the token is filled in by note_tokens
             s.computed = p + 1
-            meta[r] = (p, s.blocks[i] * bs + p % bs, p + 1)
+            step.append((p, s.blocks[i] * bs + p % bs, p + 1))
             if len(s.blocks) > width:
                 width = len(s.blocks)
             if host is not None and (p + 1) % bs == 0:
                 self._register_full(s)
+        if occupied:
+            self._meta_np[occupied] = step      # one numpy assignment for every row's (position, slot, length)
         # the table's width: the longest row's on CPU (the PyTorch path reads every entry), all of it on CUDA
         # (the kernel reads only each row's length, and a captured graph needs one shape)
         self._width = self.max_blocks if self.device.type == "cuda" else width
