@@ -52,7 +52,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * (scale if scale is not None else 1.0 / math.sqrt(D))
     if visible is None:
         visible = visible_keys(lengths, nb * bs)                                            # (B, T)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                                   # empty rows: zeros
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
     return out.reshape(B, H, D).to(q.dtype)
