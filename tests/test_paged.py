@@ -165,6 +165,32 @@ def test_decode_uploads_tables_only_when_they_change_and_a_reused_row_decodes_ri
     assert got2 == reference(model, p2, 6)
 
 
+def test_decode_into_the_graphs_shared_logits_buffer_across_buckets(model):
+    """CPU stand-in for the graphs' output (plumbing only; the graphs themselves are the GPU test below): every
+    bucket's step writes one shared (rows, V) buffer; rows past the bucket read zeros after a larger bucket wrote
+    them, and the tokens are the eager path's."""
+    s = PagedSession(model, rows=6, max_len=32, block_size=4)
+    s._logits_buf = torch.full((6, model.cfg.padded_vocab_size), 7.0)
+    p0, p4 = prompt(41, 5), prompt(42, 7)
+    tokens = torch.zeros(6, dtype=torch.long)
+    tokens[0] = s.prefill_rows([0], [p0])[0].argmax()
+    tokens[4] = s.prefill_rows([4], [p4])[0].argmax()
+    got0, got4 = [int(tokens[0])], [int(tokens[4])]
+    for _ in range(3):                                        # bucket 6 (rows 0 and 4)
+        out = s.decode(tokens)
+        assert out is s._logits_buf
+        tokens = out.argmax(-1)
+        got0.append(int(tokens[0]))
+        got4.append(int(tokens[4]))
+    s.release(4)
+    for _ in range(3):                                        # bucket 1: rows 1-5 of the buffer are zeros again
+        out = s.decode(tokens)
+        assert torch.count_nonzero(out[1:]) == 0
+        tokens = out.argmax(-1)
+        got0.append(int(tokens[0]))
+    assert got0 == reference(model, p0, 7) and got4 == reference(model, p4, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphed_paged_decode_equals_the_eager_step():

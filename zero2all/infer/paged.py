@@ -231,6 +231,7 @@ class PagedSession:
         self.cuda_graph = cuda_graph and dev.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._graph_out: dict[int, torch.Tensor] = {}
+        self._logits_buf: torch.Tensor | None = None   # with graphs: the one (rows, V) float32 output they share
         self._graph_pool = None
 
     # -- room ----------------------------------------------------------------------------------------------------
@@ -390,16 +391,25 @@ class PagedSession:
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
         """The decode step over the first ``bucket`` rows, reading only the static buffers (so it can be captured
-        as a CUDA graph and replayed); logits (batch_size, V), float32, zeros past ``bucket``."""
+        as a CUDA graph and replayed); logits (batch_size, V), float32, zeros past ``bucket``: a new tensor, or,
+        once graphs are in use, ``_logits_buf`` (one buffer for every bucket's graph, not one per bucket)."""
         c = self.cache
         c.slots, c.lengths = self._slots_buf[:bucket], self._lengths_buf[:bucket]
         c.tables, c.q_pos = self._tables_buf[:bucket, :self._width], self._pos_buf[:bucket]
         out, _ = self.model(self._tokens_buf[:bucket], kv_cache=c, position_ids=c.q_pos)
-        return torch.nn.functional.pad(out[:, -1].float(), (0, 0, 0, self.batch_size - bucket))
+        buf = self._logits_buf
+        if buf is None:
+            return torch.nn.functional.pad(out[:, -1].float(), (0, 0, 0, self.batch_size - bucket))
+        buf[:bucket].copy_(out[:, -1])
+        if bucket < self.batch_size:
+            buf[bucket:].zero_()       # rows a larger bucket wrote before
+        return buf
 
     def _capture(self, bucket: int):
         """Capture the decode step of ``bucket`` rows (the buffers hold a valid step: free rows only, which write
         to the null block and read nothing). On failure: a warning, and that bucket runs eagerly from then on."""
+        if self._logits_buf is None:
+            self._logits_buf = torch.zeros(self.batch_size, self.model.cfg.padded_vocab_size, device=self.device)
         saved = [t[:bucket].clone() for t in (self._tokens_buf, self._meta_buf)]
         for t in (self._tokens_buf, self._meta_buf):
             t[:bucket].zero_()
