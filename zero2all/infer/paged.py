@@ -585,10 +585,12 @@ class PagedSession:
     def note_tokens(self, host: Sequence[int]):
         """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
         blocks filled by decoded tokens get their names for the prefix cache."""
-        for r, s in enumerate(self.rows):
-            if s is not None and s.ready and s.tokens[-1] == -1:
+        for r in self.decoding_rows():
+            s = self.rows[r]
+            if s.tokens[-1] == -1:
                 s.tokens[-1] = int(host[r])
-                self._register_full(s)
+                if s.computed % self.block_size == 0:   # the token filled a block
+                    self._register_full(s)
 
     # the column engine's calls, with nothing to do here
     def set_pad_lens(self, pad):
