@@ -68,6 +68,16 @@ def test_paged_kernel_matches_float64_reference(case, dtype):
     assert all(got[b].abs().max().item() == 0 for b in free)
 
 
+@needs_triton
+def test_paged_kernel_takes_int64_lengths_as_they_are():
+    """The paged session's step keeps its lengths as int64 beside positions and slots: the kernel reads them
+    without a conversion and gives the int32 lengths' result exactly."""
+    q, k, v, tables, lens = _case(3, 6, 2, 40, 16, [1, 17, 50], torch.float32, seed=3)
+    want = pa.paged_decode_attention(q, k, v, tables, lens.to(torch.int32), impl="triton")
+    got = pa.paged_decode_attention(q, k, v, tables, lens.to(torch.int64), impl="triton")
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_paged_torch_path_matches_float64_reference(case):
     B, H, Hkv, D, bs, lengths = case

@@ -131,6 +131,66 @@ def test_decode_runs_over_the_smallest_bucket_holding_the_rows(model):
     assert paged_greedy(s, [0, 2], [prompt(21, 6), prompt(22, 9)], 5) == want   # bucket 4 of 6 rows
 
 
+def test_decode_uploads_tables_only_when_they_change_and_a_reused_row_decodes_right(model):
+    """The decode step's host inputs: the block tables go to the device only on steps after a row gained a block
+    (or a row started), the rows' positions every step; a row freed and taken by a new prompt while another row
+    keeps decoding gives the contiguous generator's tokens (its stale inputs are not read)."""
+    s = PagedSession(model, rows=4, max_len=48, block_size=4, n_blocks=8)
+    uploads = []
+    upload = s._upload
+    s._upload = lambda dst, host, n: (uploads.append("tables" if dst is s._tables_buf else "meta"),
+                                      upload(dst, host, n))
+    p0, p1, p2 = prompt(31, 6), prompt(32, 3), prompt(33, 9)
+    logits = s.prefill_rows([0], [p0])
+    got0 = [int(logits[0].argmax())]
+    tables_per_step = []
+    for _ in range(7):                                   # positions 6 .. 12: new blocks at 8 and 12
+        uploads.clear()
+        got0.append(int(s.decode(torch.tensor([got0[-1], 0, 0, 0])).argmax(-1)[0]))
+        tables_per_step.append(uploads.count("tables"))
+        assert uploads.count("meta") == 1
+    assert tables_per_step == [1, 0, 1, 0, 0, 0, 1]       # the first: the prefill's tables
+    assert got0 == reference(model, p0, 8)
+    tokens = torch.zeros(4, dtype=torch.long)
+    tokens[1] = s.prefill_rows([1], [p1])[0].argmax()
+    s.release(0)          # row 0 leaves (its last block goes back to the pool), a new prompt takes row 2 and that block
+    logits = s.prefill_rows([2], [p2])
+    assert s.decoding_rows() == [1, 2] and 4 in s.rows[2].blocks
+    got2 = [int(logits[0].argmax())]
+    for _ in range(5):                                    # bucket 4: row 0 is free and must write nowhere that counts
+        tokens[2] = got2[-1]
+        out = s.decode(tokens).argmax(-1)
+        tokens[1] = out[1]
+        got2.append(int(out[2]))
+    assert got2 == reference(model, p2, 6)
+
+
+def test_decode_into_the_graphs_shared_logits_buffer_across_buckets(model):
+    """CPU stand-in for the graphs' output (plumbing only; the graphs themselves are the GPU test below): every
+    bucket's step writes one shared (rows, V) buffer; rows past the bucket read zeros after a larger bucket wrote
+    them, and the tokens are the eager path's."""
+    s = PagedSession(model, rows=6, max_len=32, block_size=4)
+    s._logits_buf = torch.full((6, model.cfg.padded_vocab_size), 7.0)
+    p0, p4 = prompt(41, 5), prompt(42, 7)
+    tokens = torch.zeros(6, dtype=torch.long)
+    tokens[0] = s.prefill_rows([0], [p0])[0].argmax()
+    tokens[4] = s.prefill_rows([4], [p4])[0].argmax()
+    got0, got4 = [int(tokens[0])], [int(tokens[4])]
+    for _ in range(3):                                        # bucket 6 (rows 0 and 4)
+        out = s.decode(tokens)
+        assert out is s._logits_buf
+        tokens = out.argmax(-1)
+        got0.append(int(tokens[0]))
+        got4.append(int(tokens[4]))
+    s.release(4)
+    for _ in range(3):                                        # bucket 1: rows 1-5 of the buffer are zeros again
+        out = s.decode(tokens)
+        assert torch.count_nonzero(out[1:]) == 0
+        tokens = out.argmax(-1)
+        got0.append(int(tokens[0]))
+    assert got0 == reference(model, p0, 7) and got4 == reference(model, p4, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphed_paged_decode_equals_the_eager_step():

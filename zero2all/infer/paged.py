@@ -35,7 +35,12 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from zero2all.infer.generate import PREFILL_ATTENTION, prefill_chunk_len, to_device
-from zero2all.kernels.paged_attention import paged_decode_attention
+from zero2all.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    uses_triton,
+    visible_keys,
+)
 from zero2all.model import ops
 
 NULL_BLOCK = 0
@@ -159,6 +164,7 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.block_size, self.impl = block_size, impl
         self.slots = self.tables = self.lengths = self.q_pos = None
+        self._visible = self._visible_for = None     # the PyTorch decode path's key mask, once per forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, D = q.shape
@@ -167,7 +173,13 @@ class PagedKVCache:
         kc.view(-1, Hkv, D).index_copy_(0, self.slots, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kc.dtype))
         vc.view(-1, Hkv, D).index_copy_(0, self.slots, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vc.dtype))
         if T == 1:
-            return paged_decode_attention(q[:, :, 0], kc, vc, self.tables, self.lengths, impl=self.impl)[:, :, None]
+            if uses_triton(q, self.impl):
+                return paged_decode_attention(q[:, :, 0], kc, vc, self.tables, self.lengths, impl="triton")[:, :, None]
+            if self._visible_for is not self.lengths:   # a new forward: the layers share one mask
+                self._visible = visible_keys(self.lengths, self.tables.size(1) * self.block_size)
+                self._visible_for = self.lengths
+            return paged_decode_attention_torch(q[:, :, 0], kc, vc, self.tables, self.lengths,
+                                                visible=self._visible)[:, :, None]
         nb = self.tables.size(1)
         S = nb * self.block_size
         keys = kc[self.tables].reshape(B, S, Hkv, D).transpose(1, 2).to(q.dtype)          # (B, Hkv, S, D)
@@ -198,19 +210,28 @@ class PagedSession:
         self.rows: list[_RowState | None] = [None] * rows
         self.cached_tokens: dict[int, int] = {}                     # row -> prompt tokens found in the cache
         self._verify_start: dict[int, int] = {}                     # row -> its length before a verify forward
-        # the decode step's static inputs, for every row; a step reads the first `bucket` of them
-        dev, on_cuda = self.device, self.device.type == "cuda"
-        self._table_host = torch.zeros(rows, self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        # the decode step's static inputs, for every row; a step reads the first `bucket` of them. The host keeps
+        # them up to date (block tables when a row gains a block or changes hands; position, cache slot and length
+        # per decoding row, written through numpy views: no tensor is built per step) and uploads them in one copy
+        # each: the step's (position, slot, length) every step, the tables only when one of them changed.
+        dev = self.device
+        self._table_host = torch.zeros(rows, self.max_blocks, dtype=torch.int32)
+        self._meta_host = torch.zeros(rows, 3, dtype=torch.long)                 # position, slot, length
+        self._table_np, self._meta_np = self._table_host.numpy(), self._meta_host.numpy()
         self._tables_buf = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev)
         self._tokens_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        self._pos_buf = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        self._slots_buf = torch.zeros(rows, dtype=torch.long, device=dev)
-        self._lengths_buf = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._meta_buf = torch.zeros(rows, 3, dtype=torch.long, device=dev)
+        self._pos_buf, self._slots_buf = self._meta_buf[:, 0:1], self._meta_buf[:, 1]
+        self._lengths_buf = self._meta_buf[:, 2]
+        self._tables_dirty = True
+        self._decoding: list[int] | None = None     # the rows that decode (prompt computed), lowest first
+        self._stages: dict[int, list] = {}           # CUDA: per host buffer, two pinned copies used in turn
         self._width = 1
         self.buckets = [b for b in BATCH_BUCKETS if b < rows] + [rows]
-        self.cuda_graph = cuda_graph and on_cuda
+        self.cuda_graph = cuda_graph and dev.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._graph_out: dict[int, torch.Tensor] = {}
+        self._logits_buf: torch.Tensor | None = None   # with graphs: the one (rows, V) float32 output they share
         self._graph_pool = None
 
     # -- room ----------------------------------------------------------------------------------------------------
@@ -235,9 +256,11 @@ class PagedSession:
         if self.rows[row] is not None:
             raise ValueError(f"paged session: row {row} is busy")
         self.rows[row] = _RowState([], [], [], span, row)
+        self._decoding = None
 
     def release(self, row: int):
         state, self.rows[row] = self.rows[row], None
+        self._decoding = None
         if state is not None:
             for b in state.blocks:
                 self.pool.release(b)
@@ -258,7 +281,8 @@ class PagedSession:
     def _grow(self, state: _RowState, n: int):
         while len(state.blocks) < self._blocks_for(n):
             block = self.pool.allocate()
-            self._table_host[state.row, len(state.blocks)] = block
+            self._table_np[state.row, len(state.blocks)] = block
+            self._tables_dirty = True
             state.blocks.append(block)
 
     def _slot(self, state: _RowState, pos: int) -> int:
@@ -283,12 +307,14 @@ class PagedSession:
         span = span if span is not None else held.span if held is not None else self.max_len
         state = _RowState(prompt, blocks, names, max(span, len(prompt)), row)
         if blocks:
-            self._table_host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            self._table_np[row, :len(blocks)] = blocks
+            self._tables_dirty = True
         state.computed = len(blocks) * self.block_size
         self.pool.lookups += len(prompt)
         self.pool.hits += state.computed
         self.cached_tokens[row] = state.computed
         self.rows[row] = state
+        self._decoding = None
         try:
             self._grow(state, len(prompt))
         except RuntimeError:
@@ -312,6 +338,7 @@ class PagedSession:
         for s in states:
             self._register_full(s)
             s.ready = s.computed >= len(s.tokens)
+        self._decoding = None
         return logits.float()
 
     @torch.inference_mode()
@@ -364,18 +391,27 @@ class PagedSession:
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
         """The decode step over the first ``bucket`` rows, reading only the static buffers (so it can be captured
-        as a CUDA graph and replayed); logits (bucket, V)."""
+        as a CUDA graph and replayed); logits (batch_size, V), float32, zeros past ``bucket``: a new tensor, or,
+        once graphs are in use, ``_logits_buf`` (one buffer for every bucket's graph, not one per bucket)."""
         c = self.cache
         c.slots, c.lengths = self._slots_buf[:bucket], self._lengths_buf[:bucket]
         c.tables, c.q_pos = self._tables_buf[:bucket, :self._width], self._pos_buf[:bucket]
         out, _ = self.model(self._tokens_buf[:bucket], kv_cache=c, position_ids=c.q_pos)
-        return out[:, -1]
+        buf = self._logits_buf
+        if buf is None:
+            return torch.nn.functional.pad(out[:, -1].float(), (0, 0, 0, self.batch_size - bucket))
+        buf[:bucket].copy_(out[:, -1])
+        if bucket < self.batch_size:
+            buf[bucket:].zero_()       # rows a larger bucket wrote before
+        return buf
 
     def _capture(self, bucket: int):
         """Capture the decode step of ``bucket`` rows (the buffers hold a valid step: free rows only, which write
         to the null block and read nothing). On failure: a warning, and that bucket runs eagerly from then on."""
-        saved = [t[:bucket].clone() for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf)]
-        for t in (self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf):
+        if self._logits_buf is None:
+            self._logits_buf = torch.zeros(self.batch_size, self.model.cfg.padded_vocab_size, device=self.device)
+        saved = [t[:bucket].clone() for t in (self._tokens_buf, self._meta_buf)]
+        for t in (self._tokens_buf, self._meta_buf):
             t[:bucket].zero_()
         try:
             side = torch.cuda.Stream()
@@ -393,8 +429,38 @@ class PagedSession:
             warnings.warn(f"paged decode: CUDA graph capture of {bucket} rows failed ({type(e).__name__}: {e}); "
                           "running that bucket eagerly")
             self.graphs[bucket] = None
-        for t, v in zip((self._tokens_buf, self._slots_buf, self._lengths_buf, self._pos_buf), saved):
+        for t, v in zip((self._tokens_buf, self._meta_buf), saved):
             t[:bucket].copy_(v)
+
+    def decoding_rows(self) -> list[int]:
+        """The rows whose prompt is computed (they take part in decode steps), lowest first."""
+        if self._decoding is None:
+            self._decoding = [r for r, s in enumerate(self.rows) if s is not None and s.ready]
+            busy = set(self._decoding)
+            idle = [r for r in range(self.batch_size) if r not in busy]
+            self._meta_np[idle] = 0   # free rows (and prefilling ones) write to the null block and read nothing
+        return self._decoding
+
+    def _upload(self, dst: torch.Tensor, host: torch.Tensor, n: int):
+        """``dst[:n] = host[:n]`` without waiting for the device. On CUDA through one of two pinned copies of
+        ``host`` in turn; a copy is reused only after its previous upload has run (an upload two steps old: in
+        practice done), so the host never writes memory that a queued copy is still to read."""
+        if self.device.type != "cuda":
+            dst[:n].copy_(host[:n])
+            return
+        stages = self._stages.get(id(host))
+        if stages is None:
+            stages = self._stages[id(host)] = [[torch.empty_like(host).pin_memory(), None] for _ in range(2)] + [0]
+        i = stages[2]
+        stages[2] = 1 - i
+        stage, done = stages[i]
+        if done is not None:
+            done.synchronize()
+        stage[:n].copy_(host[:n])
+        dst[:n].copy_(stage[:n], non_blocking=True)
+        if done is None:
+            done = stages[i][1] = torch.cuda.Event()
+        done.record()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, slot: int | None = None) -> torch.Tensor:
@@ -403,46 +469,46 @@ class PagedSession:
 
         The step runs over the smallest batch bucket holding every occupied row (rows are handed out lowest
         first), from static buffers; on CUDA each bucket's step is captured as a CUDA graph the first time it is
-        used (``cuda_graph``) and replayed after. On CPU the same step runs eagerly."""
+        used (``cuda_graph``) and replayed after; the host's part of a step is then the per-row bookkeeping, the
+        upload of the rows' (position, slot, length), of the block tables when they changed, and of the tokens.
+        On CPU the same step runs eagerly."""
         host = tokens.tolist() if self.device.type == "cpu" else None
-        occupied = [r for r, s in enumerate(self.rows) if s is not None and s.ready]
+        occupied = self.decoding_rows()
         bucket = self.bucket_for(occupied[-1] + 1 if occupied else 1)
-        pos, slots, lengths = [0] * bucket, [NULL_BLOCK * self.block_size] * bucket, [0] * bucket
-        width = 1
+        bs, rows = self.block_size, self.rows
+        width, step = 1, []
         for r in occupied:
-            s = self.rows[r]
+            s = rows[r]
             p = s.computed
             if p >= self.max_len:
                 raise ValueError(f"paged session: row {r} is past the length {self.max_len}")
-            self._grow(s, p + 1)
+            i = p // bs
+            if i >= len(s.blocks):
+                self._grow(s, p + 1)
             s.tokens.append(host[r] if host is not None else -1)  # on a GPU the token is filled in by note_tokens
             s.computed = p + 1
-            pos[r], slots[r], lengths[r] = p, self._slot(s, p), p + 1
-            width = max(width, len(s.blocks))
+            step.append((p, s.blocks[i] * bs + p % bs, p + 1))
+            if len(s.blocks) > width:
+                width = len(s.blocks)
+            if host is not None and (p + 1) % bs == 0:
+                self._register_full(s)
+        if occupied:
+            self._meta_np[occupied] = step      # one numpy assignment for every row's (position, slot, length)
         # the table's width: the longest row's on CPU (the PyTorch path reads every entry), all of it on CUDA
         # (the kernel reads only each row's length, and a captured graph needs one shape)
         self._width = self.max_blocks if self.device.type == "cuda" else width
-        self._tables_buf[:bucket].copy_(self._table_host[:bucket], non_blocking=True)
+        if self._tables_dirty:
+            self._upload(self._tables_buf, self._table_host, self.batch_size)
+            self._tables_dirty = False
+        self._upload(self._meta_buf, self._meta_host, bucket)
         self._tokens_buf[:bucket, 0].copy_(tokens[:bucket])
-        for buf, values in ((self._slots_buf, slots), (self._lengths_buf, lengths)):
-            buf[:bucket].copy_(to_device(values, buf.dtype, self.device))
-        self._pos_buf[:bucket, 0].copy_(to_device(pos, torch.long, self.device))
         if self.cuda_graph and bucket not in self.graphs:
             self._capture(bucket)
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()
-            logits = self._graph_out[bucket]
-        else:
-            logits = self._decode_step(bucket)
-        if host is not None:
-            for r in occupied:
-                self._register_full(self.rows[r])
-        if bucket == self.batch_size:
-            return logits.float()
-        out = torch.zeros(self.batch_size, logits.size(-1), dtype=torch.float32, device=logits.device)
-        out[:bucket] = logits
-        return out
+            return self._graph_out[bucket]
+        return self._decode_step(bucket)
 
     # -- speculative decoding -----------------------------------------------------------------------------------
     def room(self, row: int) -> int:
@@ -519,10 +585,12 @@ class PagedSession:
     def note_tokens(self, host: Sequence[int]):
         """The tokens of the last decode step as the host sees them (GPU: read after the step was queued), so that
         blocks filled by decoded tokens get their names for the prefix cache."""
-        for r, s in enumerate(self.rows):
-            if s is not None and s.ready and s.tokens[-1] == -1:
+        for r in self.decoding_rows():
+            s = self.rows[r]
+            if s.tokens[-1] == -1:
                 s.tokens[-1] = int(host[r])
-                self._register_full(s)
+                if s.computed % self.block_size == 0:   # the token filled a block
+                    self._register_full(s)
 
     # the column engine's calls, with nothing to do here
     def set_pad_lens(self, pad):

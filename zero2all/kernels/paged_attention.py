@@ -35,24 +35,37 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, lengths: torch.Tensor,
-                                 scale: float | None = None) -> torch.Tensor:
+                                 scale: float | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D); k_cache, v_cache (n_blocks, block_size, Hkv, D); block_tables (B, max_blocks) ints; lengths
     (B,) ints, each <= max_blocks * block_size. Returns (B, H, D) in q's dtype (computed in float32, or float64
-    for float64 inputs); rows of length 0 give zeros."""
+    for float64 inputs); rows of length 0 give zeros. ``visible``: :func:`visible_keys` of the lengths, when the
+    caller computed it already (a decode step's layers share it)."""
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     nb = block_tables.size(1)
-    k = k_cache[block_tables.long()].reshape(B, nb * bs, Hkv, D).to(work)                  # (B, T, Hkv, D)
-    v = v_cache[block_tables.long()].reshape(B, nb * bs, Hkv, D).to(work)
+    idx = block_tables.long()
+    k = k_cache[idx].reshape(B, nb * bs, Hkv, D).to(work)                                 # (B, T, Hkv, D)
+    v = v_cache[idx].reshape(B, nb * bs, Hkv, D).to(work)
     qg = q.to(work).view(B, Hkv, G, D)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * (scale if scale is not None else 1.0 / math.sqrt(D))
-    visible = torch.arange(nb * bs, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if visible is None:
+        visible = visible_keys(lengths, nb * bs)                                            # (B, T)
+    scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                                   # empty rows: zeros
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
     return out.reshape(B, H, D).to(q.dtype)
+
+
+def visible_keys(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) bool: key position t of row b is visible when t < lengths[b]."""
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def uses_triton(q: torch.Tensor, impl: str = "auto") -> bool:
+    """Whether :func:`paged_decode_attention` runs the Triton kernel for this query and ``impl``."""
+    return impl == "triton" or (impl == "auto" and q.is_cuda and triton is not None and q.dtype != torch.float64)
 
 
 if triton is not None:
@@ -125,7 +138,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty_like(q)
     G = H // Hkv
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    lens = lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32)
+    # the kernel loads a length of either width: no conversion (one launch fewer per layer) for int64 lengths
+    lens = lengths if lengths.dtype in (torch.int32, torch.int64) else lengths.to(torch.int32)
     upcast = _INTERPRET or q.dtype == torch.float32
     _paged_decode_kernel[(B, Hkv)](
         q, k_cache, v_cache, out, tables, lens, scale if scale is not None else 1.0 / math.sqrt(D),
@@ -138,7 +152,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale=None, impl: str = "auto"):
     """``impl``: "triton", "torch", or "auto" (the kernel on CUDA, the PyTorch path elsewhere and for float64)."""
-    use = impl == "triton" or (impl == "auto" and q.is_cuda and triton is not None and q.dtype != torch.float64)
-    if use:
+    if uses_triton(q, impl):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lengths, scale)
