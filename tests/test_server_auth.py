@@ -135,3 +135,22 @@ def test_warning_when_reachable_from_elsewhere_without_a_key(host, exposed):
     if exposed:
         assert "--api-key" in warning and "Z2ALL_API_KEY" in warning
     assert exposure_warning(host, KEY) is None
+
+
+@pytest.mark.parametrize("auth", [b"", b"Authorization: Bearer sk-wrong\r\n"])
+def test_a_refused_post_still_gets_its_401_while_its_body_is_being_sent(keyed, auth):
+    """The server refuses before reading the body; closing at once with the body's bytes still unread would reset
+    the connection (the kernel answers unread data with RST) and the client could lose the 401. The server stops
+    sending, discards what still comes and closes once the client does: the client reads its 401 whole."""
+    import socket
+
+    host, port = keyed.removeprefix("http://").rsplit(":", 1)
+    body = b"x" * (4 << 20)                  # far more than the socket buffers hold
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" + auth
+                  + b"Content-Length: %d\r\n\r\n" % len(body))
+        s.sendall(body)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in got

@@ -989,6 +989,39 @@ class _Connections:
         return len(self.open), sum(not c.reading for c in self.open)
 
 
+LINGER_S = 2.0   # how long a closing connection waits for the client to stop sending (and close) first
+
+
+class _LingeringTransport:
+    """The protocol's transport, whose ``close`` lets a client that is still sending finish first (a lingering
+    close): closing a socket with unread bytes makes the kernel answer them with a reset, and a client that is still
+    writing its body may then lose the response just sent (a 401 refused before the body was read, say). So, while a
+    request is only partly read, ``close`` sends what is queued and ends the writing side only, the bytes that still
+    come are discarded, and the socket closes when the client closes its side or after ``LINGER_S``."""
+
+    def __init__(self, transport, protocol: "_Protocol"):
+        self._transport, self._protocol, self.lingering = transport, protocol, False
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self):
+        t, proto = self._transport, self._protocol
+        if self.lingering or t.is_closing():
+            return
+        if not proto.partly_read() or not t.can_write_eof():
+            t.close()
+            return
+        self.lingering = proto.refused = True   # the protocol discards whatever still arrives
+        t.write_eof()
+        t.resume_reading()
+        proto._stop_timer()
+        proto._timer = proto.loop.call_later(LINGER_S, t.close)
+
+
 class _Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol (h11) with what a server facing the open network needs and uvicorn leaves out:
 
@@ -1028,6 +1061,8 @@ class _Protocol(H11Protocol):
 
     def connection_made(self, transport):
         super().connection_made(transport)
+        self.raw = transport                                    # closed at once: a deadline, an eviction
+        self.transport = _LingeringTransport(transport, self)   # uvicorn's code and its request cycles close this one
         if not self.pool.admit(self):
             self.refused = True
             err = RequestError(503, f"the server has {self.pool.max_connections} connections being answered, its "
@@ -1046,7 +1081,7 @@ class _Protocol(H11Protocol):
     def evict(self):
         self.evicted = True
         self.pool.open.pop(self, None)
-        self.transport.close()
+        self.raw.close()
 
     def _await_request(self):
         """A (next) request is awaited: its deadline starts now."""
@@ -1055,6 +1090,11 @@ class _Protocol(H11Protocol):
         self._head, self._head_done, self._key_checked = b"", False, False
         self._stop_timer()
         self._timer = self.loop.call_later(self.pool.read_timeout, self._late)
+
+    def partly_read(self) -> bool:
+        """Whether the client may still be sending this request: its head began and did not end, or its body is
+        not all read."""
+        return bool(self._head) or self.conn.their_state is h11.SEND_BODY
 
     def _stop_timer(self):
         if self._timer is not None:
@@ -1068,9 +1108,9 @@ class _Protocol(H11Protocol):
         if self.transport.is_closing() or not self.reading:
             return
         if self.conn.their_state is h11.IDLE or self.cycle is None or self.cycle.response_complete:
-            self.transport.close()
+            self.raw.close()
         else:
-            self._timer = self.loop.call_later(1.0, self.transport.close)
+            self._timer = self.loop.call_later(1.0, self.raw.close)
 
     def data_received(self, data: bytes):
         if self.refused or self.evicted:
