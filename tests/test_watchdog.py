@@ -40,6 +40,30 @@ def test_no_alarm_while_updates_complete_or_while_paused(tmp_path):
     assert dog.limit_s() == pytest.approx(0.3)
 
 
+def test_the_first_rank_to_fire_makes_the_others_report_with_it(tmp_path):
+    """Each rank's limit follows its own update times; a rank whose limit is far off still reports as soon as
+    another rank's watchdog fires, so the summary has every rank (the store is torch's own, in this process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    codes: list = []
+    patient = Watchdog(tmp_path, 0, 2, factor=1.0, min_s=60.0, store=store, poll_s=0.05, exit=codes.append,
+                       print_fn=lambda *a, **k: None).start()
+    eager = Watchdog(tmp_path, 1, 2, factor=1.0, min_s=0.3, store=store, poll_s=0.05, exit=codes.append,
+                     print_fn=lambda *a, **k: None).start()
+    patient.beat(1, 0.01)
+    eager.beat(1, 0.01)
+    deadline = time.monotonic() + 20
+    while len(codes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert codes == [HANG_EXIT_CODE] * 2
+    summary = (tmp_path / "hang" / "summary.txt").read_text()
+    assert "2 of 2 ranks reported" in summary, summary
+
+
 def test_where_a_rank_waits():
     assert is_waiting("/x/site-packages/torch/distributed/distributed_c10d.py")
     assert is_waiting("/x/site-packages/torch/autograd/graph.py")

@@ -6,7 +6,9 @@ update has completed for ``limit`` seconds,
 
     limit = max(train.watchdog_min_s, train.watchdog_factor x the median time of the recent updates)
 
-(armed after the first update, whose time includes compilation and warm-up), the thread of each rank:
+(armed after the first update, whose time includes compilation and warm-up), or as soon as another rank's has
+fired (each rank's limit follows its own update times, so the ranks' limits differ; the first to fire tells the
+others through the process group's store, and all of them report together), the thread of each rank:
 
 1. writes every thread's Python stack to ``OUT/hang/rank<r>.txt`` (``faulthandler``) and, under NCCL, torch's
    flight recorder of the recent collectives to ``OUT/hang/rank<r>-nccl.pkl`` (when this torch records them:
@@ -111,13 +113,23 @@ class Watchdog:
     # -- the thread -------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if self.armed and not self.paused and time.monotonic() - self.last > self.limit_s():
+            if self.armed and not self.paused and (time.monotonic() - self.last > self.limit_s()
+                                                   or self._another_fired()):
                 self.fire()
                 return
+
+    def _another_fired(self) -> bool:
+        if self.store is None or self.world_size == 1:
+            return False
+        try:
+            return bool(self.store.check([f"{_KEY}fired"]))
+        except Exception:
+            return False
 
     def fire(self) -> None:
         """Dump, report, exit (see the module docstring)."""
         self.fired = True
+        self._store_set(f"{_KEY}fired", str(self.rank))   # the other ranks report now, not at their own limits
         waited = time.monotonic() - self.last
         hang = self.out_dir / "hang"
         hang.mkdir(parents=True, exist_ok=True)
