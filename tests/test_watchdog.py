@@ -50,12 +50,12 @@ def test_the_first_rank_to_fire_makes_the_others_report_with_it(tmp_path):
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=5))
     codes: list = []
-    patient = Watchdog(tmp_path, 0, 2, factor=1.0, min_s=60.0, store=store, poll_s=0.05, exit=codes.append,
+    patient = Watchdog(tmp_path, 0, 2, factor=1.0, min_s=0.3, store=store, poll_s=0.05, exit=codes.append,
                        print_fn=lambda *a, **k: None).start()
     eager = Watchdog(tmp_path, 1, 2, factor=1.0, min_s=0.3, store=store, poll_s=0.05, exit=codes.append,
                      print_fn=lambda *a, **k: None).start()
-    patient.beat(1, 0.01)
-    eager.beat(1, 0.01)
+    patient.beat(1, 60.0)         # its updates took 60 s: its own limit is 60 s
+    eager.beat(1, 0.01)           # 0.3 s
     deadline = time.monotonic() + 20
     while len(codes) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -119,7 +119,10 @@ class Watchdog:
                 return
 
     def _another_fired(self) -> bool:
-        if self.store is None or self.world_size == 1:
+        """Whether another rank's watchdog has fired. Asked of the store only once ``min_s`` has passed without an
+        update here (no rank fires sooner: every rank's limit is at least ``min_s`` and the ranks' updates end
+        together), so a run whose updates keep completing sends the store nothing."""
+        if self.store is None or self.world_size == 1 or time.monotonic() - self.last <= self.min_s:
             return False
         try:
             return bool(self.store.check([f"{_KEY}fired"]))
