@@ -4,9 +4,11 @@ Starts the server in this process on a checkpoint (``--ckpt``) or on a randomly 
 tiny | z2all-1.1b | ...``, with a byte-level stand-in tokenizer, so no trained files are needed), or drives a
 server already running (``--url``). For each concurrency level of ``--clients``, that many clients each send
 ``--requests`` streaming completions one after the other: a prompt of ``--prompt-len`` tokens (distinct per
-request), ``--max-tokens`` new tokens, greedy, with the ``"ignore_eos": true`` extension so that every request
-generates exactly that many tokens. The clients run in a separate process (asyncio, one connection per request), so
-that their work does not compete with the server for the interpreter lock; they time every streamed chunk.
+request; ``--shared-prefix N`` puts the same N-token text in front of every prompt, as a system prompt repeated
+across requests would be), ``--max-tokens`` new tokens, greedy, with the ``"ignore_eos": true`` extension so that
+every request generates exactly that many tokens. The clients run in a separate process (asyncio, one connection
+per request), so that their work does not compete with the server for the interpreter lock; they time every
+streamed chunk.
 
 Per level::
 
@@ -22,6 +24,7 @@ Per level::
     python benchmarks/serve_load.py --config z2all-1.1b --clients 1,16 --requests 8 --json serve_load.json
     python benchmarks/serve_load.py --ckpt runs/demo/sft/final --clients 1,4,16
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 4
+    python benchmarks/serve_load.py --engine paged --shared-prefix 1000 --prompt-len 32 --clients 1,16  # prefix cache
     python benchmarks/serve_load.py --config tiny --device cpu --clients 1,4 --requests 2 --prompt-len 16 \\
         --max-tokens 16                                                  # a CPU smoke run (seconds)
 """
@@ -161,6 +164,8 @@ def summarise(clients: int, level: dict, steps: int | None) -> dict:
     return {"clients": clients, "requests": len(reqs), "ok": len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "tok_per_s": tokens / wall, "generated_tokens": tokens,
             "prompt_tokens_mean": sum(r["usage"]["prompt_tokens"] for r in ok) / max(1, len(ok)),
+            "cached_tokens_mean": sum(((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                                      for r in ok) / max(1, len(ok)),
             "ttft_ms": {q: percentile(ttft, float(q[1:])) for q in ("p50", "p90", "p99")},
             "itl_ms": {q: percentile(itl, float(q[1:])) for q in ("p50", "p90", "p99")},
             "rows_per_step": tokens / steps if steps else None, "errors": errors}
@@ -168,14 +173,14 @@ def summarise(clients: int, level: dict, steps: int | None) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = ["| clients | requests | req/s | tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | rows/step "
-           "| errors |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| cached prompt tokens | errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
         per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
         out.append(f"| {r['clients']} | {r['ok']}/{r['requests']} | {r['req_per_s']:.2f} | {r['tok_per_s']:,.0f} | "
                    f"{t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | {i['p50']:.2f} / {i['p90']:.2f} / "
-                   f"{i['p99']:.2f} | {per_step} | {errors} |")
+                   f"{i['p99']:.2f} | {per_step} | {r.get('cached_tokens_mean', 0):.0f} | {errors} |")
     return "\n".join(out)
 
 
@@ -263,6 +268,12 @@ def prompt_text(tokenizer, n_tokens: int, key: int) -> str:
     return text or words[0]
 
 
+def shared_text(tokenizer, n_tokens: int) -> str:
+    """The text of ``--shared-prefix``: the same for every request (a key of :func:`prompt_text` that no request
+    uses as its own), followed by a space; empty for 0."""
+    return prompt_text(tokenizer, n_tokens, 999_999_999) + " " if n_tokens else ""
+
+
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:] == ["--client-worker"]:
         return client_worker()
@@ -296,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of one text put in front of every prompt "
+                    "(a repeated system prompt: what the paged engine's prefix cache serves)")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
@@ -325,11 +338,12 @@ def main(argv=None) -> int:
         info.update(torch=torch.__version__, device=torch.cuda.get_device_name() if app.generator.device.type
                     == "cuda" else "cpu", max_batch=app.max_batch)
         ctx = app.context
-        if args.prompt_len + args.max_tokens > ctx:
-            ap.error(f"--prompt-len + --max-tokens must fit the model's context of {ctx}")
+        if args.shared_prefix + args.prompt_len + args.max_tokens > ctx:
+            ap.error(f"--shared-prefix + --prompt-len + --max-tokens must fit the model's context of {ctx}")
+    shared = shared_text(tok, args.shared_prefix)
 
     def body(key: int) -> str:
-        return json.dumps({"model": model, "prompt": prompt_text(tok, args.prompt_len, key),
+        return json.dumps({"model": model, "prompt": shared + prompt_text(tok, args.prompt_len, key),
                            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}})
 
@@ -354,14 +368,16 @@ def main(argv=None) -> int:
 
             shutdown(httpd, app, drain_timeout=5.0)
     src = args.ckpt or args.config or args.url
-    print(f"\n{src}: prompt {args.prompt_len} tokens, {args.max_tokens} new tokens per request (greedy, ignore_eos), "
-          f"{args.requests} requests per client\n")
+    pre = f"a shared prefix of {args.shared_prefix} tokens + " if args.shared_prefix else ""
+    print(f"\n{src}: prompt {pre}{args.prompt_len} tokens, {args.max_tokens} new tokens per request (greedy, "
+          f"ignore_eos), {args.requests} requests per client\n")
     print(table(results))
     if results and "spec_acceptance_rate" in results[-1]:
         print(f"\nspeculative decoding ({app.scheduler.spec_method}): {results[-1]['spec_acceptance_rate']:.1%} of "
               "the draft tokens accepted")
     if args.json:
-        payload = {**info, "source": src, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        payload = {**info, "source": src, "prompt_len": args.prompt_len, "shared_prefix": args.shared_prefix,
+                   "max_tokens": args.max_tokens,
                    "requests_per_client": args.requests, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "results": results}
         Path(args.json).write_text(json.dumps(payload, indent=2))

@@ -38,3 +38,19 @@ def test_percentiles_and_summary():
     r = bench.summarise(2, level, steps=3)
     assert r["ok"] == 1 and r["errors"] == {"429": 1, "conn": 1} and r["tok_per_s"] == 1.5
     assert abs(r["ttft_ms"]["p50"] - 100) < 1e-9 and abs(r["itl_ms"]["p99"] - 200) < 1e-9
+
+
+def test_a_shared_prefix_is_served_from_the_prefix_cache(tmp_path):
+    """--shared-prefix: every prompt starts with the same text, which the paged engine computes once; its usage
+    reports the cached tokens (whole blocks of the prefix), and without prefix caching none are cached."""
+    bench = load_benchmark()
+    common = ["--config", "tiny", "--device", "cpu", "--engine", "paged", "--block-size", "16", "--clients", "2",
+              "--requests", "2", "--prompt-len", "16", "--max-tokens", "4", "--warmup", "1", "--shared-prefix", "80"]
+    for extra, name in (([], "on.json"), (["--no-prefix-caching"], "off.json")):
+        assert bench.main(common + extra + ["--json", str(tmp_path / name)]) == 0
+    on = json.loads((tmp_path / "on.json").read_text())["results"][0]
+    off = json.loads((tmp_path / "off.json").read_text())["results"][0]
+    assert on["prompt_tokens_mean"] == off["prompt_tokens_mean"] == 80 + 16
+    assert off["cached_tokens_mean"] == 0
+    # the warm-up request computed the prefix; each measured request finds at least its 5 whole blocks
+    assert 80 <= on["cached_tokens_mean"] <= 96
