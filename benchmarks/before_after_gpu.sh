@@ -9,7 +9,8 @@
 #   D1    z2all-1.1b on 1 GPU, seq 2048, micro-batch 8 x accumulation 4
 #   TP    tp2 + SP (defaults), same shape           PP    pp2 1F1B (defaults), 4 pipeline microbatches of 2
 #   FS    FSDP2 dp2 (fsdp_accum_no_sync)            EP1 / EP2   z2all-moe-1b, micro-batch 16 x 2: 1 GPU / ep2
-# 3 warm-up + 10 timed steps per run (min / median / max printed); DEADLINE_S (default 540) stops starting runs
+# 3 warm-up + 10 timed steps per run (min / median / max printed), RUN_S (default 200) seconds at most each;
+# DEADLINE_S (default 540) stops starting runs
 # that would not finish inside the call.
 set -u
 OUT=${OUT:?set OUT to a folder for the outputs}
@@ -45,7 +46,7 @@ for row in ${ROWS//,/ }; do
     if [ $((SECONDS - T0)) -gt "$DEADLINE_S" ]; then echo "$row $side: not started (deadline)"; continue; fi
     t0=$SECONDS
     # shellcheck disable=SC2086
-    (cd "$tree" && PYTHONPATH=$tree timeout -k 5 200 python3 benchmarks/distributed_throughput.py $a) \
+    (cd "$tree" && PYTHONPATH=$tree timeout -k 5 "${RUN_S:-200}" python3 benchmarks/distributed_throughput.py $a) \
       > "$OUT/$row-$side.txt" 2>&1
     echo "$row $side: rc $? ($((SECONDS - t0)) s)"
     grep -E '^\[(ours|tp|pp|fsdp)[^]]*\]|Error' "$OUT/$row-$side.txt" | tail -3 | cut -c1-330
