@@ -70,12 +70,18 @@ def test_paged_kernel_matches_float64_reference(case, dtype):
 
 @needs_triton
 def test_paged_kernel_takes_int64_lengths_as_they_are():
-    """The paged session's step keeps its lengths as int64 beside positions and slots: the kernel reads them
-    without a conversion and gives the int32 lengths' result exactly."""
+    """The paged session's step keeps its lengths as int64 beside positions and slots, one column of a (rows, 3)
+    buffer: the kernel reads them at their stride without a conversion and gives the int32 lengths' result
+    exactly (read as if contiguous, row 1's length would be row 0's slot: a wrong length, reads past the table)."""
     q, k, v, tables, lens = _case(3, 6, 2, 40, 16, [1, 17, 50], torch.float32, seed=3)
     want = pa.paged_decode_attention(q, k, v, tables, lens.to(torch.int32), impl="triton")
     got = pa.paged_decode_attention(q, k, v, tables, lens.to(torch.int64), impl="triton")
     assert torch.equal(got, want)
+    meta = torch.zeros(3, 3, dtype=torch.int64, device=lens.device)     # position, slot, length per row
+    meta[:, 0], meta[:, 1], meta[:, 2] = lens - 1, 7, lens              # slots small: a misread stays in bounds
+    column = meta[:, 2]
+    assert column.stride(0) == 3
+    assert torch.equal(pa.paged_decode_attention(q, k, v, tables, column, impl="triton"), want)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,6 +1,8 @@
 """The paged KV cache (zero2all/infer/paged.py): block pool, prefix caching with LRU eviction, and the paged
 session's greedy tokens against the contiguous-cache Generator on the tiny model."""
 
+import os
+
 import pytest
 import torch
 from standin_tokenizer import tiny_model_config
@@ -69,6 +71,17 @@ def test_paged_greedy_matches_the_contiguous_generator(model, block_size):
     for r in (0, 2, 3):
         s.release(r)
     assert s.pool.in_use() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+def test_paged_greedy_through_the_triton_kernel_matches_the_contiguous_generator(model):
+    """The session's decode step with the Triton kernel (what CUDA runs; interpreted on CPU): the kernel reads the
+    step's lengths from the session's (position, slot, length) buffer, rows of different lengths, a free row."""
+    prompts = [prompt(1, 21), prompt(2, 5), prompt(3, 37)]
+    want = [reference(model, p, 6) for p in prompts]
+    s = PagedSession(model, rows=4, max_len=64, block_size=16, impl="triton")
+    assert paged_greedy(s, [0, 2, 3], prompts, 6) == want
 
 
 def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(model):
@@ -194,19 +207,23 @@ def test_decode_into_the_graphs_shared_logits_buffer_across_buckets(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphed_paged_decode_equals_the_eager_step():
-    """On CUDA: the paged decode step captured per batch bucket and replayed gives the eager step's logits, with
-    rows joining (the bucket grows from 2 to 4 to 8 rows) and leaving."""
+    """On CUDA: the paged decode step captured per batch bucket and replayed gives the eager step's logits, and
+    the PyTorch path's greedy tokens (the kernel's reference), with rows joining (the bucket grows from 2 to 4 to
+    8 rows) and leaving."""
     m = build_model(tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100),
                     device="cuda", seed=0).eval()
     graphed = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=True)
     eager = PagedSession(m, rows=8, max_len=64, block_size=16, cuda_graph=False)
+    torch_path = PagedSession(m, rows=8, max_len=64, block_size=16, impl="torch")
     for rows, prompts in (([0, 1], [prompt(1, 5), prompt(2, 20)]), ([3], [prompt(3, 17)]), ([6], [prompt(4, 2)])):
-        for sess in (graphed, eager):
+        for sess in (graphed, eager, torch_path):
             sess.prefill_rows(rows, prompts)
         tokens = torch.arange(8, device="cuda") + 7
         for _ in range(6):
-            a, b = graphed.decode(tokens), eager.decode(tokens)
+            a, b, c = graphed.decode(tokens), eager.decode(tokens), torch_path.decode(tokens)
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            occupied = [r for r, st in enumerate(eager.rows) if st is not None]
+            assert torch.equal(b[occupied].argmax(-1), c[occupied].argmax(-1))   # greedy: the same tokens
             tokens = b.argmax(-1)
     assert graphed.graphs and all(g is not None for g in graphed.graphs.values()) and not eager.graphs
     graphed.release(1)

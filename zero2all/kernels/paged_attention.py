@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, len_ptr, scale,
                              stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_ob, stride_oh,
-                             stride_tb, G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             stride_tb, stride_len, G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              G_PAD: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -86,7 +86,7 @@ if triton is not None:
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)                          # (G_PAD, D_PAD)
         if UPCAST:
             q = q.to(tl.float32)
-        length = tl.load(len_ptr + b)
+        length = tl.load(len_ptr + b * stride_len)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         s = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -138,13 +138,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty_like(q)
     G = H // Hkv
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    # the kernel loads a length of either width: no conversion (one launch fewer per layer) for int64 lengths
+    # the kernel loads a length of either width at its stride: no conversion (one launch fewer per layer) for the
+    # session's int64 lengths, a column of its (position, slot, length) buffer
     lens = lengths if lengths.dtype in (torch.int32, torch.int64) else lengths.to(torch.int32)
     upcast = _INTERPRET or q.dtype == torch.float32
     _paged_decode_kernel[(B, Hkv)](
         q, k_cache, v_cache, out, tables, lens, scale if scale is not None else 1.0 / math.sqrt(D),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), tables.stride(0),
+        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0),
         G=G, D=D, BLOCK_SIZE=bs, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=max(16, triton.next_power_of_2(D)),
         UPCAST=upcast)
     return out
