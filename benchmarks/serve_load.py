@@ -171,6 +171,11 @@ def summarise(clients: int, level: dict, steps: int | None) -> dict:
             "rows_per_step": tokens / steps if steps else None, "errors": errors}
 
 
+def _mean_ttft(level: dict) -> float:
+    ttft = [(r["times"][0] - r["sent"]) * 1e3 for r in level["requests"] if r["status"] == 200 and r["times"]]
+    return sum(ttft) / len(ttft) if ttft else float("nan")
+
+
 def table(rows: list[dict]) -> str:
     out = ["| clients | requests | req/s | tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | rows/step "
            "| cached prompt tokens | errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -354,14 +359,21 @@ def main(argv=None) -> int:
         for level, clients in enumerate(levels):
             bodies = [[body(10_000 * level + 100 * c + r) for r in range(args.requests)] for c in range(clients)]
             steps0 = app.scheduler.steps if app else None
+            ttft0 = (app.metrics.ttft.sum, app.metrics.ttft.count) if app else None
             out = run_level(url, bodies)
             steps = app.scheduler.steps - steps0 if app else None
             results.append(summarise(clients, out, steps))
             r = results[-1]
+            if app is not None and app.metrics.ttft.count > ttft0[1]:
+                # the server's own TTFT (request parsed -> first token in its event loop): the client's TTFT minus
+                # this is the HTTP side (connection, request, the first chunk's way back)
+                r["server_ttft_ms_mean"] = 1e3 * (app.metrics.ttft.sum - ttft0[0]) / (app.metrics.ttft.count - ttft0[1])
             if app is not None and app.scheduler.spec_method != "off":
                 s = app.scheduler.stats()
                 r["spec_acceptance_rate"] = s["spec_acceptance_rate"]  # cumulative, warm-up included
-            print(f"  {clients} clients: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s", flush=True)
+            server = (f"; TTFT mean {_mean_ttft(out):.1f} ms at the client, {r['server_ttft_ms_mean']:.1f} ms in the "
+                      "server" if "server_ttft_ms_mean" in r else "")
+            print(f"  {clients} clients: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s{server}", flush=True)
     finally:
         if httpd is not None:
             from zero2all.infer.server import shutdown

@@ -26,6 +26,8 @@ def test_serve_load_runs_on_cpu(tmp_path, capsys):
         assert r["tok_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p99"] >= r["itl_ms"]["p50"]
         # a request's first token comes from its prefill, the others from decode steps shared by the rows
         assert 1 <= r["rows_per_step"] <= r["clients"] * 8 / 7 + 1e-9
+        # the server's own TTFT lies inside each request's TTFT as the client timed it
+        assert 0 < r["server_ttft_ms_mean"] <= r["ttft_ms"]["p99"]
     assert "| 4 | 8/8 |" in capsys.readouterr().out
 
 
