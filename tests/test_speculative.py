@@ -332,3 +332,28 @@ def test_generate_with_a_draft_model_prints_the_plain_greedy_text(checkpoints, m
     assert out.out == plain and "draft tokens accepted" in out.err
     assert main(base + ["--draft-model", str(root / "vocab")]) == 2
     assert "its vocabulary has 320 ids" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_draft_model_greedy_tokens_equal_plain_decoding(model, near_draft):
+    """On the GPU (paged engine, graphed decode steps, the Triton paged kernel; verify forwards eager): greedy
+    sequences with a draft model give the plain scheduler's tokens, rows joining and leaving, a shared prefix."""
+    target, draft = copy.deepcopy(model).cuda(), copy.deepcopy(near_draft).cuda()
+    spec = Scheduler(Generator(target, ByteTokenizer(), cuda_graph=True), max_batch=3, draft_model=draft,
+                     speculative_tokens=3, max_num_batched_tokens=8)
+    plain = Scheduler(Generator(target, ByteTokenizer(), cuda_graph=True), max_batch=3, max_num_batched_tokens=8)
+    try:
+        shared = [(5 * j + 1) % 250 for j in range(40)]
+        jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(m)) for i, (n, m) in enumerate([(3, 20), (17, 5),
+                                                                                                  (50, 12), (9, 25)])]
+        jobs += [(shared + [7 + i, 9], greedy(8 + 3 * i)) for i in range(3)]
+        got, want = run(spec, jobs), run(plain, jobs)
+        assert [tokens_of(g) for g in got] == [tokens_of(w) for w in want]
+        assert all(len(tokens_of(w)) == params.max_new_tokens for (_, params), w in zip(jobs, want))
+        stats = spec.stats()
+        assert stats["spec_drafted"] > 20 and 0.0 < stats["spec_acceptance_rate"] < 1.0
+        assert stats["kv_blocks_in_use"] == 0 and stats["draft_kv_blocks_in_use"] == 0
+    finally:
+        spec.stop()
+        plain.stop()

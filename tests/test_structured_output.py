@@ -6,6 +6,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 from standin_tokenizer import ByteTokenizer, tiny_model_config
 
 pytest.importorskip("xgrammar")
@@ -34,10 +35,10 @@ def valid(obj) -> bool:
             and len(obj["tags"]) <= 3 and all(t in ("a", "bc") for t in obj["tags"]))
 
 
-def serve(tmp_path_factory, engine):
+def serve(tmp_path_factory, engine, device="cpu"):
     ckpt = tmp_path_factory.mktemp("srv") / MODEL
     save_model(build_model(tiny_model_config(max_seq_len=1024, initializer_range=0.3), seed=0), ckpt)
-    httpd, app = create_server(ckpt, port=0, tokenizer=TOK, device="cpu", max_tokens_limit=200, max_queue=8,
+    httpd, app = create_server(ckpt, port=0, tokenizer=TOK, device=device, max_tokens_limit=200, max_queue=8,
                                quiet=True, engine_options={"engine": engine})
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -83,6 +84,31 @@ def test_json_schema_outputs_validate(server, stream):
         text, reason = chat(client, stream, response_format=FORMAT, temperature=temperature, seed=seed, top_k=0)
         assert reason == "stop", (temperature, text)
         assert valid(json.loads(text)), (temperature, text)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("engine", ["paged", "column"])
+def test_on_cuda_json_schema_outputs_validate(tmp_path_factory, engine):
+    """On the GPU (masks applied to CUDA logits, graphed decode steps, pipelined steps): every output parses and
+    validates, greedy and sampled, streamed and not, and a batch of 4 beside each other."""
+    httpd, app, url = serve(tmp_path_factory, engine, device="cuda")
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for stream in (False, True):
+                for temperature, seed in ((0, None), (0.7, 1), (1.3, 2)):
+                    text, reason = chat(client, stream, response_format=FORMAT, temperature=temperature, seed=seed,
+                                        top_k=0)
+                    assert reason == "stop" and valid(json.loads(text)), (engine, stream, temperature, text)
+            body = {"model": MODEL, "prompt": ["x", "{", "ab", "1"], "max_tokens": 150, "temperature": 0.9,
+                    "seed": 5, "response_format": FORMAT}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert all(valid(json.loads(c["text"])) for c in r.json()["choices"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.close()
 
 
 def test_completions_json_object_and_batch(server):
