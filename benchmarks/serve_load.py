@@ -6,24 +6,43 @@ server already running (``--url``). For each concurrency level of ``--clients``,
 ``--requests`` streaming completions one after the other: a prompt of ``--prompt-len`` tokens (distinct per
 request; ``--shared-prefix N`` puts the same N-token text in front of every prompt, as a system prompt repeated
 across requests would be), ``--max-tokens`` new tokens, greedy, with the ``"ignore_eos": true`` extension so that
-every request generates exactly that many tokens. The clients run in a separate process (asyncio, one connection
-per request), so that their work does not compete with the server for the interpreter lock; they time every
-streamed chunk.
+every request generates exactly that many tokens, and ``"stream_options": {"include_usage": true}`` so that the
+server reports them. The clients run in a separate process (asyncio, one connection per request), so that their
+work does not compete with the server for the interpreter lock; they time every streamed chunk.
+
+``--minimal-request`` is for servers that refuse fields they do not know (``transformers serve`` answers 422 to
+``ignore_eos``) or ignore ``stream_options``: the requests then carry only ``model``, ``prompt``, ``max_tokens``,
+``temperature`` and ``stream``. Two things change. A request may stop early at the model's end-of-text token (give
+that server a model whose end-of-text id no sampled token can hit: ``serve_peers.py`` does); the tokens-per-request
+column shows any early stop. And a request's generated tokens come from its usage when the server still sends one
+(``transformers serve`` 5.24 does on its last chunk), else from its streamed text chunks: these servers stream one
+chunk per generated token, so the count is exact except for tokens that print nothing (special tokens the server
+skips) and the pieces of a multi-byte character that the detokeniser holds back until it is whole; both only ever
+undercount. Counting chunks is preferred to re-tokenising the streamed text: random weights emit token sequences
+that the tokenizer would never produce, and re-encoding their text splits and merges pieces differently. Measured
+on ``transformers serve`` 5.24 (CPU, the tiny preset, greedy, 8 requests, usage for reference): at 8 new tokens the
+chunks gave 8 every time, re-encoding 8 to 17; at 128, the chunks 121 to 128 (mean 126.75), re-encoding 108 to 158.
+Without usage, a request counts as completed when its stream closes with a ``finish_reason`` or ``[DONE]``; with
+usage it must carry the usage, as before.
 
 Per level::
 
     req/s        completed requests / wall time of the level
-    tok/s        generated tokens (the usage chunk's completion_tokens) / wall time
+    tok/s        generated tokens (usage: completion_tokens; else text chunks) / wall time
+    new tokens   generated tokens per request: min / mean / max (below --max-tokens: a request stopped early)
     TTFT         time to first token: request sent -> first chunk with text; p50 / p90 / p99 in ms
     ITL          inter-token latency: the gaps between a request's consecutive text chunks; p50 / p90 / p99 in ms
                  (one chunk per token, except where the detokeniser holds text back: multi-byte characters)
     rows/step    generated tokens per decode step: how full the batch was (in-process servers only)
-    errors       failed requests by HTTP status ("conn": the connection failed, "stream": an error chunk)
+    errors       failed requests by HTTP status ("conn": the connection failed, "stream": an error chunk, or a
+                 stream that ended without its usage / without finishing)
 
     python benchmarks/serve_load.py                                      # z2all-1.1b, random init, 1/4/16/64 clients
     python benchmarks/serve_load.py --config z2all-1.1b --clients 1,16 --requests 8 --json serve_load.json
     python benchmarks/serve_load.py --ckpt runs/demo/sft/final --clients 1,4,16
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 4
+    python benchmarks/serve_load.py --url http://127.0.0.1:8301 --model M/hf --tokenizer M/tokenizer \\
+        --minimal-request                                                # transformers serve
     python benchmarks/serve_load.py --engine paged --shared-prefix 1000 --prompt-len 32 --clients 1,16  # prefix cache
     python benchmarks/serve_load.py --config tiny --device cpu --clients 1,4 --requests 2 --prompt-len 16 \\
         --max-tokens 16                                                  # a CPU smoke run (seconds)
@@ -55,7 +74,8 @@ WORDS = ("the model reads every weight once per step so a batch of rows shares t
 
 
 async def _one(host: str, port: int, body: bytes) -> dict:
-    """One streamed request: its HTTP status, when it was sent, when each text chunk arrived, its usage."""
+    """One streamed request: its HTTP status, when it was sent, when each text chunk arrived, its usage (None when
+    the server sent none) and whether the stream finished (a ``finish_reason`` or ``[DONE]`` came)."""
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
@@ -74,7 +94,7 @@ async def _one(host: str, port: int, body: bytes) -> dict:
             pass
         if status != 200:
             return {"status": status}
-        times, usage = [], None
+        times, usage, finished = [], None, False
         while True:
             line = await reader.readline()
             if not line:
@@ -83,16 +103,20 @@ async def _one(host: str, port: int, body: bytes) -> dict:
                 continue
             data = line[6:].strip()
             if data == b"[DONE]":
+                finished = True
                 break
             now = time.perf_counter()
             obj = json.loads(data)
             if "error" in obj:
                 return {"status": "stream"}
-            if obj.get("choices") and obj["choices"][0].get("text"):
+            choice = obj["choices"][0] if obj.get("choices") else {}
+            if choice.get("text"):  # one chunk per generated token (see the module's docstring)
                 times.append(now)
+            if choice.get("finish_reason"):
+                finished = True
             if obj.get("usage"):    # its own chunk (OpenAI, ours) or on the last text chunk (llama-server)
                 usage = obj["usage"]
-        return {"status": 200, "sent": t0, "times": times, "usage": usage}
+        return {"status": 200, "sent": t0, "times": times, "usage": usage, "finished": finished}
     except (OSError, ValueError, IndexError):
         return {"status": "conn"}
     finally:
@@ -149,23 +173,44 @@ def draft_options(args, device: str, dtype: str, tok) -> dict:
     return {"draft_model": draft, "speculative_tokens": args.speculative_tokens}
 
 
+def completed(r: dict) -> bool:
+    """A request that succeeded: HTTP 200 and, if the server sent usage, the usage; without usage (a server that
+    has none, or ``--minimal-request``), a stream that finished."""
+    return r["status"] == 200 and bool(r.get("usage") or r.get("finished"))
+
+
+def generated_tokens(r: dict) -> int:
+    """A completed request's generated tokens: its usage's ``completion_tokens``, else its text chunks (one per
+    token, see the module's docstring)."""
+    return r["usage"]["completion_tokens"] if r.get("usage") else len(r["times"])
+
+
 def summarise(clients: int, level: dict, steps: int | None) -> dict:
     reqs = level["requests"]
-    ok = [r for r in reqs if r["status"] == 200 and r.get("usage")]
+    ok = [r for r in reqs if completed(r)]
     errors: dict[str, int] = {}
     for r in reqs:
-        if r not in ok:
+        if not completed(r):
             key = str(r["status"] if r["status"] != 200 else "stream")
             errors[key] = errors.get(key, 0) + 1
-    tokens = sum(r["usage"]["completion_tokens"] for r in ok)
+    per_request = [generated_tokens(r) for r in ok]
+    tokens = sum(per_request)
+    with_usage = [r for r in ok if r.get("usage")]
+    counted_from = ("usage" if len(with_usage) == len(ok) else "text chunks" if not with_usage
+                    else "usage and text chunks")
     ttft = [(r["times"][0] - r["sent"]) * 1e3 for r in ok if r["times"]]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["times"], r["times"][1:])]
     wall = level["wall"]
     return {"clients": clients, "requests": len(reqs), "ok": len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "tok_per_s": tokens / wall, "generated_tokens": tokens,
-            "prompt_tokens_mean": sum(r["usage"]["prompt_tokens"] for r in ok) / max(1, len(ok)),
-            "cached_tokens_mean": sum(((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                                      for r in ok) / max(1, len(ok)),
+            "tokens_per_request": {"min": min(per_request, default=0), "max": max(per_request, default=0),
+                                   "mean": tokens / max(1, len(ok))},
+            "tokens_counted_from": counted_from if ok else None,
+            # prompt and cached tokens: known only from usage (None when no request reported it)
+            "prompt_tokens_mean": (sum(r["usage"]["prompt_tokens"] for r in with_usage) / len(with_usage)
+                                   if with_usage else None),
+            "cached_tokens_mean": (sum(((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                                       for r in with_usage) / len(with_usage) if with_usage else None),
             "ttft_ms": {q: percentile(ttft, float(q[1:])) for q in ("p50", "p90", "p99")},
             "itl_ms": {q: percentile(itl, float(q[1:])) for q in ("p50", "p90", "p99")},
             "rows_per_step": tokens / steps if steps else None, "errors": errors}
@@ -177,15 +222,26 @@ def _mean_ttft(level: dict) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| clients | requests | req/s | tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | rows/step "
-           "| cached prompt tokens | errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    """The levels as one Markdown table; a note under it when tokens were counted from text chunks."""
+    out = ["| clients | requests | req/s | tok/s | new tokens min / mean / max | TTFT p50 / p90 / p99 ms "
+           "| ITL p50 / p90 / p99 ms | rows/step | cached prompt tokens | errors |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    chunks = False
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "none"
         per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
+        n = r.get("tokens_per_request") or {}
+        star = "*" if r.get("tokens_counted_from") not in (None, "usage") else ""
+        chunks = chunks or bool(star)
+        new = f"{n['min']} / {n['mean']:.1f} / {n['max']}{star}" if n and r["ok"] else "-"
+        cached = r.get("cached_tokens_mean")
         out.append(f"| {r['clients']} | {r['ok']}/{r['requests']} | {r['req_per_s']:.2f} | {r['tok_per_s']:,.0f} | "
-                   f"{t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | {i['p50']:.2f} / {i['p90']:.2f} / "
-                   f"{i['p99']:.2f} | {per_step} | {r.get('cached_tokens_mean', 0):.0f} | {errors} |")
+                   f"{new} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | {i['p50']:.2f} / {i['p90']:.2f} / "
+                   f"{i['p99']:.2f} | {per_step} | {'-' if cached is None else f'{cached:.0f}'} | {errors} |")
+    if chunks:
+        out.append("\n\\* no usage from the server: generated tokens counted from the streamed text chunks (one per "
+                   "token; tokens that print nothing are not counted)")
     return "\n".join(out)
 
 
@@ -279,6 +335,16 @@ def shared_text(tokenizer, n_tokens: int) -> str:
     return prompt_text(tokenizer, n_tokens, 999_999_999) + " " if n_tokens else ""
 
 
+def request_body(model: str, prompt: str, max_tokens: int, minimal: bool = False) -> str:
+    """One streamed, greedy completion request (JSON). Unless ``minimal``, with the ``ignore_eos`` extension (every
+    request generates ``max_tokens``) and ``stream_options.include_usage`` (the server reports its tokens);
+    ``minimal`` leaves both out, for servers that refuse fields they do not know (``--minimal-request``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if not minimal:
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    return json.dumps(body)
+
+
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:] == ["--client-worker"]:
         return client_worker()
@@ -314,6 +380,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of one text put in front of every prompt "
                     "(a repeated system prompt: what the paged engine's prefix cache serves)")
+    ap.add_argument("--minimal-request", action="store_true",
+                    help="send only model, prompt, max_tokens, temperature and stream: no ignore_eos and no "
+                    "stream_options, which servers such as transformers serve refuse or ignore. Requests may then "
+                    "stop at the end-of-text token (the new-tokens column shows it); tokens come from usage if the "
+                    "server sends it, else from the streamed text chunks")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
@@ -348,9 +419,8 @@ def main(argv=None) -> int:
     shared = shared_text(tok, args.shared_prefix)
 
     def body(key: int) -> str:
-        return json.dumps({"model": model, "prompt": shared + prompt_text(tok, args.prompt_len, key),
-                           "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}})
+        return request_body(model, shared + prompt_text(tok, args.prompt_len, key), args.max_tokens,
+                            args.minimal_request)
 
     try:
         if args.warmup:
@@ -381,15 +451,16 @@ def main(argv=None) -> int:
             shutdown(httpd, app, drain_timeout=5.0)
     src = args.ckpt or args.config or args.url
     pre = f"a shared prefix of {args.shared_prefix} tokens + " if args.shared_prefix else ""
+    eos = "minimal requests: no ignore_eos" if args.minimal_request else "ignore_eos"
     print(f"\n{src}: prompt {pre}{args.prompt_len} tokens, {args.max_tokens} new tokens per request (greedy, "
-          f"ignore_eos), {args.requests} requests per client\n")
+          f"{eos}), {args.requests} requests per client\n")
     print(table(results))
     if results and "spec_acceptance_rate" in results[-1]:
         print(f"\nspeculative decoding ({app.scheduler.spec_method}): {results[-1]['spec_acceptance_rate']:.1%} of "
               "the draft tokens accepted")
     if args.json:
         payload = {**info, "source": src, "prompt_len": args.prompt_len, "shared_prefix": args.shared_prefix,
-                   "max_tokens": args.max_tokens,
+                   "max_tokens": args.max_tokens, "minimal_request": args.minimal_request,
                    "requests_per_client": args.requests, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "results": results}
         Path(args.json).write_text(json.dumps(payload, indent=2))

@@ -4,16 +4,24 @@ byte-level BPE tokenizer trained on the embedded standard-library corpus, saved 
 ``llama-server``). All three servers then load the same weights and the same tokenizer.
 
     python benchmarks/serve_peers.py DIR [--config z2all-1.1b]      # DIR/ckpt, DIR/hf, DIR/model-f16.gguf
+    python benchmarks/serve_peers.py DIR --config tiny               # the same in seconds on a CPU
 
-Random weights decode as fast as trained ones (the work per token does not depend on the values); the load
-generator (``benchmarks/serve_load.py``) asks every server for the same number of tokens with ``ignore_eos``
-(``transformers serve`` has no such switch: a request there may stop early at the end-of-text token, and the
-tokens/s column counts the tokens each server reports, so an early stop costs it nothing in that column).
+Random weights decode as fast as trained ones (the work per token does not depend on the values), but they may pick
+the end-of-text token at any step. The load generator (``benchmarks/serve_load.py``) asks ours and ``llama-server``
+for exactly ``--max-tokens`` tokens with the ``ignore_eos`` extension. ``transformers serve`` refuses that field
+(422), and a minimum of new tokens cannot be asked of it either (a ``min_new_tokens`` in its ``generation_config``
+request field becomes a logits processor that its continuous batching drops). Its continuous batching stops a
+request at ``max_tokens`` (exactly: the closing chunk's usage says how many) or at an id of the generation config's
+``eos_token_id``, which it reads from the model directory's ``generation_config.json``. So the HF directory made
+here is for benchmarking only: its ``generation_config.json`` names as end-of-text the id one past the last logit
+(``vocab_size``), which no sampled token can equal, and every request there runs to ``max_tokens`` like the others
+(serve_load's tokens-per-request column shows it). Our checkpoint and the GGUF file keep the model's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -22,6 +30,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def unreachable_eos(hf_dir: str | Path) -> int:
+    """Rewrite ``hf_dir/generation_config.json`` (atomically) so that its ``eos_token_id`` is ``vocab_size``: an id
+    no logit stands for, so generation never stops at an end-of-text token and runs to its ``max_new_tokens``
+    (see the module's docstring). Returns that id."""
+    from zero2all.fileio import save_json
+
+    hf_dir = Path(hf_dir)
+    vocab = int(json.loads((hf_dir / "config.json").read_text())["vocab_size"])
+    path = hf_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen["eos_token_id"] = vocab
+    save_json(gen, path)
+    return vocab
 
 
 def main(argv=None) -> int:
@@ -53,6 +76,8 @@ def main(argv=None) -> int:
     save_model(model, out / "ckpt", tokenizer_dir=tok_dir)
     del model
     export_hf(out / "ckpt", out / "hf", dtype="bfloat16")
+    eos = unreachable_eos(out / "hf")
+    print(f"{out / 'hf'}: generation_config.json eos_token_id = {eos} (unreachable: no early stop)", flush=True)
     subprocess.run([sys.executable, "-m", "zero2all.cli", "export-gguf", "--ckpt", str(out / "ckpt"), "--out",
                     str(out / "model-f16.gguf"), "--dtype", "f16", "--overwrite"], check=True)
     print(f"checkpoint, HF and GGUF under {out} ({time.time() - t0:.0f} s)", flush=True)
