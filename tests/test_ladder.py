@@ -1,5 +1,7 @@
 """The scaling ladder: the L(N, D) fit on synthetic points, and `z2all ladder` end to end on CPU."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,15 @@ def test_rung_plan_gives_small_rungs_a_smaller_batch_and_lr_rule():
     assert all(r["steps"] >= 1000 for r in after) and after[-1]["steps"] == 1370
     assert all(abs(a["tokens"] - a["tokens_target"]) <= a["tokens_per_step"] for a in after)
     assert rung_lr_factor(32, 288, 0.5) == pytest.approx(3.0) and rung_lr_factor(288, 288, 0.5) == 1.0
+    # a rung's run: its micro-batch, the scaled lr and min_lr, warmup 2 % of its updates, and as many more
+    # validation batches as its micro-batch is smaller (the same validation tokens as the base batch)
+    from zero2all.train.ladder import _rung_config
+
+    d1 = after[0] | {"lr_factor": 3.0}
+    c = _rung_config(cfg, d1, 32, 32, Path("/nonexistent/d1"), warmup_fraction=0.02)
+    assert (c.train.micro_batch_size, c.train.max_steps, c.train.warmup_steps) == (5, 1129, 23)
+    assert c.train.lr == pytest.approx(3 * cfg.train.lr) and c.train.min_lr == pytest.approx(3 * cfg.train.min_lr)
+    assert c.train.eval_batches * 5 >= cfg.train.eval_batches * 64 > (c.train.eval_batches - 1) * 5
 
 
 TINY = ["--config", "tiny", "--depths", "1,2,3,4,5", "--aspect", "8", "--head-dim", "8", "--ratio", "0.002",

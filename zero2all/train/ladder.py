@@ -11,16 +11,48 @@ depth grow together (the aspect ratio of nanochat's and OLMo's ladders).
 it saw. Several ``--ratio`` values train each size at each ratio, which identifies the full L(N, D); one ratio
 (or a FLOP budget per rung at one size) identifies only the loss along that line, which the fit says.
 
+**The recipe of each run** (rungs and the check alike, a function of the run's size only), because a scaling law
+describes models trained well for their size, and a fixed recipe across a 70x range in N does not: the 2026-11-27
+H200 ladder (depths 1-5, hidden 32 x depth, one micro-batch of 64 x 512 tokens, one lr 3e-3, warmup 20) ran its
+rungs for 89, 226, 443, 811 and 1,370 updates; depth 1 ended at 6.33 nats (8.32 at the start), and the steps
+between rungs were no power law (0.66 nats for 1.97x N, then 0.94 for 1.83x). The fit bent to them, put E at 0 and
+predicted depth 9 at 1.668 where it measured 2.056 (-18.9 %). So:
+
+- ``--min-updates U`` (1,000): a rung whose ``D`` gives fewer than ``U`` updates at the base micro-batch trains
+  at the largest micro-batch that gives ``U`` (depths 1-4 of that ladder: 5, 14, 28, 51 sequences instead of 64).
+  Its tokens stay ``ratio x N``; only the batch shrinks, which costs small models little: the critical batch size
+  grows as the loss falls (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"), and these rungs
+  sit at high loss. A rung still short at one sequence per update is trained, recorded and left out of the fit; a
+  plan with fewer than 3 sizes reaching ``U`` is refused before anything trains.
+- ``--warmup-fraction`` (0.02): warmup is that fraction of the run's updates (replacing ``train.warmup_steps``,
+  which was 9 % of depth 1's updates and 0.3 % of the check's), so the schedule has one shape at every size.
+- ``--lr-width-exponent x`` (0.5): ``lr = train.lr x (hidden of the predicted run / hidden)^x`` and ``min_lr``
+  alike, so ``train.lr`` is the predicted run's learning rate and smaller widths train faster. With Adam the best
+  lr of the hidden matrices falls as 1 / width (muP, Yang et al. 2022, "Tensor Programs V"), while embeddings, LM
+  head and norms keep theirs; the small rungs are mostly LM head, hence a global exponent between 0 and 1. DeepSeek
+  LLM (2024) fitted lr_opt ~ C^-0.125 over compute; along this family C ~ N^2, and from depth 1 to depth 9 (N x70,
+  C x4,900, hidden x9) that is hidden^-0.48: 0.5. (``train.muon_lr``, when set, is left alone: Muon's update is
+  already scaled by shape.)
+- the validation tokens are the same for every run: ``train.eval_batches`` grows as the micro-batch shrinks.
+
+The family is unchanged: the check at 20 tokens per parameter costs ~N^2, and depth 9 (10.1M, 280 s on one H200)
+is the largest that fits a 5-minute check; a family from a larger minimum (depths 3-7, up to 5.1M) would need a
+20M-parameter check (~15 minutes) to extrapolate 4x. Depths 1-5 with the recipe above keep the 4.5x extrapolation.
+
 **Each rung** is a plain ``z2all pretrain`` run, in this process, in ``OUT/rungs/d<depth>-r<ratio>/`` (or
 ``-c<flops>``): its validation loss at the end (evaluated at step 0 and at the last step) and bits per byte (from
 ``train.eval_data`` when set, else the validation loss over the data's bytes per token from ``meta.json``).
 A rung with ``final/`` is not retrained; an interrupted one resumes from its newest checkpoint.
 
-**The fit** (``zero2all/train/scaling_fit.py``): Hoffmann et al.'s Huber fit in log space, bootstrap over rungs.
-**The prediction**: the loss (with its bootstrap spread) and the time of a larger family member (``--predict-depth``,
+**The fit** (``zero2all/train/scaling_fit.py``): Hoffmann et al.'s Huber fit in log space over the rungs with at
+least ``--min-updates`` updates, bootstrap over rungs, a backtest (the fit without the largest rung predicting it)
+whose error, scaled to the prediction's reach, widens the stated spread, and a warning when E lands on its 0
+boundary. **The prediction**: the loss (with that spread) and the time of a larger family member (``--predict-depth``,
 default the smallest at least 4x the largest rung's N) at ``--predict-tokens`` (default ratio x N), the time from
-``z2all estimate``'s machinery (``zero2all.accounting.estimate``) at the MFU the largest rung measured (else
-``--mfu``). ``--check`` then trains that run (``OUT/check/``) and reports the error of the prediction.
+``z2all estimate``'s machinery (``zero2all.accounting.estimate``) at an MFU extrapolated from the rungs' measured
+MFUs against their model FLOPs per update (:func:`predict_mfu`; ``--mfu`` overrides). On the 2026-11-27 numbers that
+trend predicts depth 9 in 281 s (measured 280.6 s); the largest rung's MFU, used before, said 763 s.
+``--check`` then trains that run (``OUT/check/``) and reports the error of the prediction.
 
 ``OUT/ladder.json`` holds the settings, every rung, the fit and the prediction (rewritten atomically after each
 rung); ``OUT/ladder.png`` the plot when matplotlib is installed. ``OUT`` is locked while a ladder runs in it.
@@ -150,6 +182,8 @@ def _rung_config(cfg: Config, rung: dict, aspect: int, head_dim: int, out_dir: P
     t = c.train
     t.max_steps = rung["steps"]
     t.micro_batch_size = rung.get("micro_batch", t.micro_batch_size)
+    # the same validation tokens for every rung: as many more batches as the micro-batch is smaller
+    t.eval_batches = math.ceil(cfg.train.eval_batches * cfg.train.micro_batch_size / t.micro_batch_size)
     factor = rung.get("lr_factor", 1.0)
     t.lr, t.min_lr = t.lr * factor, t.min_lr * factor
     if warmup_fraction is None:
