@@ -213,6 +213,16 @@ def test_cli_ladder_end_to_end_resume_and_check(tmp_path, capsys):
     assert check["val_loss"] > 0 and check["relative_error"] == pytest.approx(
         (pred["loss"] - check["val_loss"]) / check["val_loss"])
     assert "ladder: check: measured val loss" in text
+    # a ladder written before the per-size recipe (no such settings) is not resumed with it: its rungs differ
+    for key in ("min_updates", "warmup_fraction", "lr_width_exponent", "lr_anchor_hidden"):
+        report["settings"].pop(key)
+    (out / "ladder.json").write_text(json.dumps(report))
+    before = (out / "ladder.json").read_bytes()
+    assert main(["ladder", "--out", str(out)] + TINY) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "other settings (lr_anchor_hidden, lr_width_exponent, min_updates, " \
+        "warmup_fraction)" in err
+    assert (out / "ladder.json").read_bytes() == before
 
 
 @pytest.mark.parametrize("argv, message", [
