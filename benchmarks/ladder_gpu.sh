@@ -2,7 +2,7 @@
 # A scaling ladder on one GPU: 5 rungs at 20 tokens per parameter, the fit, the prediction of a run 4x larger than
 # the largest rung made before it runs, then that run (--check) and the prediction's error. One command:
 #
-#   bash benchmarks/ladder_gpu.sh [OUT_DIR]          # GPU: the site-packages corpus, <= ~8 minutes in all
+#   bash benchmarks/ladder_gpu.sh [OUT_DIR]          # GPU: the site-packages corpus, <= ~8.5 minutes in all
 #   LADDER_SMOKE=1 bash benchmarks/ladder_gpu.sh DIR # CPU: the same steps scaled down (the plumbing only)
 #
 # Results: OUT_DIR/ladder/ladder.json (every rung, the fit with its bootstrap uncertainty, the prediction, the check)
@@ -14,7 +14,7 @@
 # 2026-11-27 ladder, which missed the check by 18.9 %), warmup 2 % of the updates, lr x (288 / hidden)^0.5 (9e-3 at
 # depth 1, 3e-3 at depth 9), the same 20 x 64 x 512 validation tokens for each.
 # Timing on one H200 (2026-11-27, the old recipe): corpus 38 s, tokenizer 10 s, shards 22 s, rungs 101 s, check
-# 289 s (4.7 min), 469 s in all. The new recipe runs ~3,100 more rung updates at small batches (~10 ms each on that
+# 289 s (4.7 min), 469 s in all. The new recipe runs ~2,600 more rung updates, at small batches (~10 ms each on that
 # GPU): ~500 s expected, under 8.5 minutes.
 set -u
 cd "$(dirname "$0")/.."
