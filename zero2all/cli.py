@@ -584,6 +584,13 @@ def _ladder(p):
     p.add_argument("--mfu", type=float, default=None,
                    help="MFU of the time prediction (default: the largest rung's measured MFU, else 0.4)")
     p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the fit's uncertainty")
+    p.add_argument("--min-updates", type=int, default=1000,
+                   help="updates every rung needs: a smaller micro-batch where the base one gives fewer; a rung "
+                        "still short at micro-batch 1 is left out of the fit (0: off)")
+    p.add_argument("--warmup-fraction", type=float, default=0.02,
+                   help="each run's warmup as a fraction of its updates (replaces train.warmup_steps)")
+    p.add_argument("--lr-width-exponent", type=float, default=0.5,
+                   help="rung lr = train.lr x (predicted run's hidden / rung's hidden)^x (0: one lr for all)")
     _overrides(p)
     flags = _config_flags(p, TRAIN_SECTIONS, ("--data", "--device"), extra=PRETRAIN_DATA)  # --out: the ladder's
 
@@ -604,6 +611,12 @@ def _ladder(p):
                             ("--predict-depth", args.predict_depth), ("--resamples", args.resamples)):
             if value is not None and not value > 0:
                 raise ConfigError(f"{name}: {value} must be > 0")
+        if args.min_updates < 0:
+            raise ConfigError(f"--min-updates: {args.min_updates} must be >= 0")
+        if not 0 <= args.warmup_fraction < 1:
+            raise ConfigError(f"--warmup-fraction: {args.warmup_fraction} must be in [0, 1)")
+        if not 0 <= args.lr_width_exponent <= 2:
+            raise ConfigError(f"--lr-width-exponent: {args.lr_width_exponent} must be in [0, 2] (1: lr ~ 1 / width)")
         if args.flops and args.ratio:
             raise ConfigError("--flops and --ratio: give one (a FLOP budget per rung, or tokens per parameter)")
         if args.mfu is not None and not 0 < args.mfu <= 1:
@@ -616,7 +629,9 @@ def _ladder(p):
                               f"({max(depths)})")
         run_ladder(cfg, args.out, depths=depths, aspect=args.aspect, head_dim=args.head_dim, ratios=ratios,
                    flops=args.flops, predict_depth=args.predict_depth, predict_tokens=args.predict_tokens,
-                   check=args.check, gpu=args.gpu, mfu=args.mfu, resamples=args.resamples)
+                   check=args.check, gpu=args.gpu, mfu=args.mfu, resamples=args.resamples,
+                   min_updates=args.min_updates, warmup_fraction=args.warmup_fraction,
+                   lr_width_exponent=args.lr_width_exponent)
 
     return _data_errors("ladder", run)
 
