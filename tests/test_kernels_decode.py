@@ -141,6 +141,34 @@ def test_fused_gemv_takes_strided_vectors(M):
             K_.fused_gemv(x, w, out, prologue=1, **kw)
 
 
+def _check_weight_past_int32_offsets(M, K, dtype, tiles=None):
+    """fused_gemv over a weight of more than 2**31 elements (an LM head of a large vocabulary and hidden size):
+    the last rows start past element 2**31 and must be read at their own offsets (int32 offsets would wrap to
+    before the weight). Rows of small integers (exact in any dtype); every other row is zero."""
+    K_ = _kernels()
+    N = 2 ** 31 // K + 8
+    w = torch.zeros(N, K, dtype=dtype, device=DEVICE)
+    g = torch.Generator().manual_seed(M)
+    rows = torch.tensor([0, 1, N - 9, N - 8, N - 1])
+    vals = torch.randint(-3, 4, (len(rows), K), generator=g)
+    w[rows.to(DEVICE)] = vals.to(DEVICE, dtype)
+    x = torch.randint(-4, 5, (M, K), generator=g).to(DEVICE, torch.bfloat16) / 4     # exact in bfloat16
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    K_.fused_gemv(x, w, out, tiles=tiles)
+    assert_close_to_reference(out[:, rows.to(DEVICE)], x.double() @ vals.to(DEVICE).double().t(), rel_l2=1e-5,
+                              what=f"rows past 2**31 elements, {M} rows")   # measured 2e-7 on the CPU (int8)
+    others = torch.ones(N, dtype=torch.bool, device=DEVICE)
+    others[rows.to(DEVICE)] = False
+    assert torch.equal(out[:, others], torch.zeros_like(out[:, others]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a 4 GiB weight; the interpreter takes minutes over it")
+@pytest.mark.parametrize("M", [1, 3])
+def test_fused_gemv_reads_rows_past_int32_offsets(M):
+    _check_weight_past_int32_offsets(M, 4096, torch.bfloat16)
+
+
 def _reference_decode_attention(qkv, cos, sin, kc, vc, pad, slot):
     """(rotated k, v, attention output) as apply_rope_torch + attention_naive compute them, over a cache that
     already holds the new key and value at ``slot`` (left padding hidden)."""

@@ -189,12 +189,15 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     _pdl_start(PDL)
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rl = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rl
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
+    # this program's first row in int64 (an LM head may hold more than 2**31 elements), the tile's rows from it
+    w_rows = W + (pid * BLOCK_N).to(tl.int64) * K + rl[:, None] * K
     # weight tiles are double-buffered: the next tile's load is in flight while this one is used; the first is
     # loaded before waiting for the previous kernel (weights never depend on it)
-    w_next = tl.load(W + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    w_next = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     _pdl_wait(PDL)
     if GATHER:  # X is an embedding table: the input row is the token's
         X = X + tl.load(TOK).to(tl.int64) * K
@@ -209,7 +212,7 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
         k_mask = kk < K
         w = w_next
         nk = kk + BLOCK_K
-        w_next = tl.load(W + rn[:, None] * K + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
+        w_next = tl.load(w_rows + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
         a, b, c = a_next, b_next, c_next
         a_next, b_next, c_next = _row_inputs(X, RES, NORM_W, nk, K, PROLOGUE, HAS_RES)
         if PROLOGUE == 2:  # swiglu: X is [gate | up] of width 2K
@@ -239,7 +242,9 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
                       HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rl = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rl
+    w_rows = W + (pid * BLOCK_N).to(tl.int64) * K + rl[:, None] * K    # int64 row offsets, as in the one-row kernel
     rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -249,7 +254,7 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
         kk = k0 + rk
         k_mask = kk < K
         x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _dot(x.to(W.dtype.element_ty), tl.trans(w), acc, DOT_UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
