@@ -114,6 +114,74 @@ def test_fused_gemv_bf16_residual_stream_and_errors():
         K_.fused_gemv(x, w, torch.empty(2, 41, device=DEVICE, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_fused_gemv_takes_strided_vectors(M):
+    """The residual, the norm weight and the bias may be views (a transposed residual, columns of wider
+    tensors): both products read them as laid out (read as if contiguous, each would take its neighbours'
+    values). Vectors of the wrong length are refused before any kernel reads past them."""
+    K_ = _kernels()
+    g = torch.Generator().manual_seed(M)
+    N, K = 37, 48
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(DEVICE)
+    residual = torch.randn(K, M + 1, generator=g).to(DEVICE).t()[:M]          # (M, K), strides (1, M + 1)
+    norm_w = (1 + 0.1 * torch.randn(K, 3, generator=g)).to(DEVICE)[:, 1]    # stride 3
+    bias = torch.randn(N, 2, generator=g).to(DEVICE)[:, 0]                  # stride 2
+    assert residual.stride(-1) != 1 and norm_w.stride(0) == 3 and bias.stride(0) == 2
+    out = torch.empty(M, N, device=DEVICE)
+    res_out = torch.empty(M, K, device=DEVICE)
+    K_.fused_gemv(x, w, out, bias=bias, prologue=1, residual=residual, norm_weight=norm_w, residual_out=res_out)
+    ref, ref_res = _reference_gemv(x, w, bias, 1, residual, norm_w, 1e-5, torch.float32)
+    assert_close_to_reference(out, ref, atol=2e-5, rtol=2e-5, what=f"fused_gemv, {M} rows")  # measured 4e-7
+    assert_close_to_reference(res_out, ref_res, atol=0, rtol=0, what=f"residual out, {M} rows")
+    for bad, match in ((dict(residual=residual[:, 1:]), "residual"), (dict(norm_weight=norm_w[1:]), "norm_weight"),
+                       (dict(bias=bias[1:]), "bias")):
+        kw = dict(bias=bias, residual=residual, norm_weight=norm_w, residual_out=res_out) | bad
+        with pytest.raises(ValueError, match=match):
+            K_.fused_gemv(x, w, out, prologue=1, **kw)
+
+
+def _check_weight_past_int32_offsets(M, K, dtype, tiles=None):
+    """fused_gemv over a weight of more than 2**31 elements (an LM head of a large vocabulary and hidden size):
+    the last rows start past element 2**31 and must be read at their own offsets (int32 offsets would wrap to
+    before the weight). Rows of small integers (exact in any dtype); every other row is zero."""
+    K_ = _kernels()
+    N = 2 ** 31 // K + 8
+    w = torch.zeros(N, K, dtype=dtype, device=DEVICE)
+    g = torch.Generator().manual_seed(M)
+    rows = torch.tensor([0, 1, N - 9, N - 8, N - 1])
+    vals = torch.randint(-3, 4, (len(rows), K), generator=g)
+    w[rows.to(DEVICE)] = vals.to(DEVICE, dtype)
+    x = torch.randint(-4, 5, (M, K), generator=g).to(DEVICE, torch.bfloat16) / 4     # exact in bfloat16
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    K_.fused_gemv(x, w, out, tiles=tiles)
+    assert_close_to_reference(out[:, rows.to(DEVICE)], x.double() @ vals.to(DEVICE).double().t(), rel_l2=1e-5,
+                              what=f"rows past 2**31 elements, {M} rows")   # measured 2e-7 on the CPU (int8)
+    others = torch.ones(N, dtype=torch.bool, device=DEVICE)
+    others[rows.to(DEVICE)] = False
+    assert torch.equal(out[:, others], torch.zeros_like(out[:, others]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a 4 GiB weight; the interpreter takes minutes over it")
+@pytest.mark.parametrize("M", [1, 3])
+def test_fused_gemv_reads_rows_past_int32_offsets(M):
+    _check_weight_past_int32_offsets(M, 4096, torch.bfloat16)
+
+
+def _reference_decode_attention(qkv, cos, sin, kc, vc, pad, slot):
+    """(rotated k, v, attention output) as apply_rope_torch + attention_naive compute them, over a cache that
+    already holds the new key and value at ``slot`` (left padding hidden)."""
+    B, Hkv, L, D = kc.shape
+    H = qkv.shape[1] // D - 2 * Hkv
+    q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
+    pos = (slot - pad).clamp_min(0)
+    rq, rk = ops.apply_rope_torch(q, k, cos[pos][:, None], sin[pos][:, None])
+    j = torch.arange(L, device=kc.device)
+    mask = ((j[None, :] >= pad[:, None]) & (j[None, :] <= slot))[:, None, None, :]   # (B, 1, 1, L)
+    return rk, v, ops.attention_naive(rq.transpose(1, 2), kc, vc, mask)[:, :, 0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,H,Hkv,L,slot", [(1, 4, 1, 200, 150), (2, 6, 2, 64, 63), (3, 4, 4, 40, 5),
                                              (1, 8, 2, 300, 0)])
@@ -134,9 +202,7 @@ def test_decode_attention_matches_reference(dtype, B, H, Hkv, L, slot):
     for _ in range(2):  # the arrival counters re-arm themselves: a second call gives the same result
         K_.decode_attention(qkv, cos, sin, kc, vc, pad, torch.tensor([slot], device=DEVICE), out, scratch)
         assert scratch.counter.abs().sum() == 0
-    q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
-    pos = (slot - pad).clamp_min(0)
-    rq, rk = ops.apply_rope_torch(q, k, cos[pos][:, None], sin[pos][:, None])
+    rk, v, ref = _reference_decode_attention(qkv, cos, sin, kc, vc, pad, slot)
     exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else EXACT_BF16
     assert kc.dtype == rk.dtype and vc.dtype == v.dtype
     assert_close_to_reference(kc[:, :, slot], rk[:, 0], dtype, **exact, what="k written to the cache")
@@ -144,13 +210,44 @@ def test_decode_attention_matches_reference(dtype, B, H, Hkv, L, slot):
     others = torch.arange(L, device=DEVICE) != slot
     assert torch.equal(kc[:, :, others], kc_before[:, :, others]) and torch.equal(vc[:, :, others],
                                                                                    vc_before[:, :, others])
-    j = torch.arange(L, device=DEVICE)
-    mask = ((j[None, :] >= pad[:, None]) & (j[None, :] <= slot))[:, None, None, :]   # (B, 1, 1, L)
-    ref = ops.attention_naive(rq.transpose(1, 2), kc, vc, mask)[:, :, 0]
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else TOL[dtype]
     assert_close_to_reference(out, ref, dtype, **tol, what="decode attention")
     if B == 1 and L >= 200:
         assert scratch.splits > 1  # the split-and-combine path is covered
+
+
+def test_decode_attention_reads_padding_and_tables_at_their_strides():
+    """A caller may keep each row's left padding as a column of a wider buffer and the RoPE tables as views of a
+    wider table: the kernel reads them at their strides (read as if contiguous, row 1's padding would be the
+    next column's entry and positions past 0 another row of the tables). A table shorter than the cache, or
+    padding of the wrong length, is refused."""
+    K_ = _kernels()
+    B, H, Hkv, L, D, slot = 3, 4, 2, 40, 32, 20
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(DEVICE)
+    kc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE)
+    vc = torch.randn(B, Hkv, L, D, generator=g).to(DEVICE)
+    pad = torch.tensor([0, 3, 7], device=DEVICE)
+    meta = torch.full((B, 3), 11, dtype=torch.long, device=DEVICE)     # (slot, padding, length) per row
+    meta[:, 1] = pad
+    cos, sin = ops.rope_frequencies(D, 10000.0, torch.arange(L, device=DEVICE))
+    wide = torch.cat([cos, sin], dim=1)                                # cos and sin as views of row stride D
+    tables = {"row-strided": (wide[:, :D // 2], wide[:, D // 2:]),
+              "transposed": (cos.t().contiguous().t(), sin.t().contiguous().t())}
+    slot_t = torch.tensor([slot], device=DEVICE)
+    for name, (c, s) in tables.items():
+        k2, v2 = kc.clone(), vc.clone()
+        out = torch.empty(B, H, D, device=DEVICE)
+        K_.decode_attention(qkv, c, s, k2, v2, meta[:, 1], slot_t, out, K_.AttentionScratch(B, H, Hkv, D, L, DEVICE))
+        rk, _, ref = _reference_decode_attention(qkv, cos, sin, k2, v2, pad, slot)
+        assert_close_to_reference(k2[:, :, slot], rk[:, 0], atol=1e-6, rtol=1e-6, what=f"k written, {name} tables")
+        assert_close_to_reference(out, ref, atol=2e-5, rtol=2e-5, what=f"decode attention, {name} tables")
+    scratch = K_.AttentionScratch(B, H, Hkv, D, L, DEVICE)
+    out = torch.empty(B, H, D, device=DEVICE)
+    with pytest.raises(ValueError, match="tables"):
+        K_.decode_attention(qkv, cos[:L - 1], sin[:L - 1], kc, vc, pad, slot_t, out, scratch)
+    with pytest.raises(ValueError, match="pad_len"):
+        K_.decode_attention(qkv, cos, sin, kc, vc, pad[:2], slot_t, out, scratch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -269,3 +269,35 @@ def test_kernels_on_gpu_bit_for_bit(monkeypatch):
     got, want = quantize(a, E5M2, "tensor", True, True, hints=hints), quantize_torch(a, E5M2, "tensor", True, True)
     for name in ("q", "q_scale", "qt", "qt_scale"):
         assert_same(getattr(got, name), getattr(want, name), f"swiglu_amax {name}")
+
+
+def test_norm_rowwise_cast_takes_strided_inputs_and_refuses_strided_outputs():
+    """norm_quantize reads x, the residual and the norm weight as laid out (rows of a wider tensor, a transposed
+    residual, a column of the weight): the same residual, rstd, y, codes and scales as from contiguous copies
+    (read as if contiguous, rows past the first would be another row's values). The tensors it writes must be
+    contiguous: a view is refused, not written in the wrong places."""
+    import triton
+
+    from zero2all.kernels.fp8 import norm_quantize
+    from zero2all.kernels.rmsnorm import _warps
+
+    rows, N = 5, 40
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(rows, N + 8, generator=g) * 4).to(torch.bfloat16)[:, 3:N + 3]     # row stride N + 8
+    residual = torch.randn(N, rows, generator=g).t()                                     # strides (1, rows)
+    w = (torch.rand(N, 2, generator=g) + 0.5)[:, 1]                                      # stride 2
+    warps = _warps(triton.next_power_of_2(N))
+    out = []
+    for args in ((x, residual, w), (x.contiguous(), residual.contiguous(), w.contiguous())):
+        res_out, rstd = torch.empty(rows, N), torch.empty(rows)
+        yhat = torch.empty(rows, N, dtype=torch.bfloat16)
+        qn = norm_quantize(*args, 1e-5, res_out, rstd, yhat, torch.bfloat16, warps)
+        out.append((qn.q.float(), qn.q_scale, qn.counts, res_out, rstd, yhat))
+    for name, got, want in zip(("q", "scale", "counts", "residual", "rstd", "y"), *out):
+        assert torch.equal(got, want), name
+    res_out, rstd, yhat = torch.empty(rows, N), torch.empty(rows), torch.empty(rows, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_quantize(x, residual, w, 1e-5, torch.empty(N, rows).t(), rstd, yhat, torch.bfloat16, warps)
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_quantize(x, residual, w, 1e-5, res_out, rstd, torch.empty(rows, 2 * N, dtype=torch.bfloat16)[:, :N],
+                      torch.bfloat16, warps)

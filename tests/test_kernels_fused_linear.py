@@ -145,6 +145,60 @@ def test_inference_mode_and_shape_errors():
         lean_linear(x, w[:, :30])
 
 
+def _layout_cases(g):
+    """(function, plain reference, inputs) of each lean projection, every tensor a view: transposed activations
+    and weights, a norm weight and a bias of stride 2, gate|up as columns of a wider tensor."""
+    M, N, O, I = 6, 40, 24, 20
+    view = lambda t: t.requires_grad_()  # noqa: E731  (the leaves are the views themselves)
+    x = view(torch.randn(N, M, generator=g).t())
+    residual = view(torch.randn(N, M, generator=g).t())
+    norm_w = view((1 + 0.2 * torch.randn(N, 2, generator=g))[:, 1])
+    w = view((torch.randn(N, O, generator=g) * N ** -0.5).t())
+    b = view(torch.randn(O, 2, generator=g)[:, 0])
+    gate_up = view((2 * torch.randn(M, 2 * I + 5, generator=g))[:, 3:2 * I + 3])
+    w_down = view((torch.randn(I, O, generator=g) * I ** -0.5).t())
+    assert not any(t.is_contiguous() for t in (x, residual, norm_w, w, b, gate_up, w_down))
+    return [(triton_norm_linear, ops.norm_linear_torch, (x, residual, norm_w, 1e-5, True, w, b), 2),
+            (triton_swiglu_linear, ops.swiglu_linear_torch, (gate_up, w_down, b), 1),
+            (lean_linear, F.linear, (x, w, b), 1)]
+
+
+def test_fused_linears_take_views_of_any_layout():
+    """In float32 the plain path's values and gradients for inputs of any layout (the norm and SwiGLU kernels
+    read rows at stride N or at the rows' stride: the wrappers copy views first or pass the stride)."""
+    g = torch.Generator().manual_seed(12)
+    for fused, plain, inputs, n_out in _layout_cases(g):
+        got, want = fused(*inputs), plain(*inputs)
+        got, want = (got, want) if n_out == 2 else ((got,), (want,))
+        leaves = [t for t in inputs if torch.is_tensor(t)]
+        grads = [torch.randn(t.shape, generator=g) for t in want]
+        for i, (a, b) in enumerate(zip(got, want)):
+            # float32, same arithmetic in another order: measured relative L2 errors <= 1e-7
+            assert_close_to_reference(a, b, rel_l2=5e-6, what=f"{fused.__name__} output {i}")
+        for i, (a, b) in enumerate(zip(torch.autograd.grad(got, leaves, grads),
+                                       torch.autograd.grad(want, leaves, grads))):
+            assert_close_to_reference(a, b, rel_l2=5e-6, what=f"{fused.__name__} grad of input {i}")
+
+
+@pytest.mark.parametrize("precision", ["fp8_rowwise", "fp8_tensorwise"])
+def test_fp8_linears_take_views_of_any_layout(precision):
+    """With FP8 GEMMs (emulated on the CPU, the casts by the Triton kernels) inputs of any layout give bit for bit
+    the outputs and gradients of contiguous copies."""
+    g = torch.Generator().manual_seed(13)
+    for fused, _, inputs, n_out in _layout_cases(g):
+        copies = tuple(t.detach().contiguous().requires_grad_() if torch.is_tensor(t) else t for t in inputs)
+        grads = None
+        results = []
+        for args in (inputs, copies):
+            out = fused(*args, precision=precision)
+            out = out if n_out == 2 else (out,)
+            grads = grads or [torch.randn(t.shape, generator=g) for t in out]
+            leaves = [t for t in args if torch.is_tensor(t)]
+            results.append(list(out) + list(torch.autograd.grad(out, leaves, grads)))
+        for i, (a, b) in enumerate(zip(*results)):
+            assert torch.equal(a, b), f"{fused.__name__} {precision}: result {i} differs from contiguous copies'"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_fused_linears_gpu_real_shapes(mode):

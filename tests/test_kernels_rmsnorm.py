@@ -86,3 +86,29 @@ def test_add_rmsnorm_rejects_bad_shapes():
 @pytest.mark.parametrize("hidden", [2048, 5632, 100])
 def test_add_rmsnorm_gpu_real_shapes(dtype, hidden):
     run_case((8, 2048, hidden) if hidden != 5632 else (2, 2048, hidden), dtype, True, True, device="cuda")
+
+
+def test_add_rmsnorm_views_of_any_layout():
+    """A transposed x, a residual broadcast over rows (stride 0), a weight of stride 2 and transposed incoming
+    gradients: the float64 reference's values and gradients (the kernels read rows at stride N: the wrapper
+    copies views first)."""
+    g = torch.Generator().manual_seed(8)
+    M, N = 6, 40
+    x = torch.randn(N, M, generator=g).t().requires_grad_()
+    res_row = (3 * torch.randn(N, generator=g)).requires_grad_()
+    residual = res_row.expand(M, N)
+    w_wide = (1 + 0.3 * torch.randn(N, 2, generator=g)).requires_grad_()
+    weight = w_wide[:, 0]
+    normed, new_res = triton_add_rmsnorm(x, residual, weight, 1e-5, True)
+    ref_normed, ref_res = reference(x, residual, weight, 1e-5)
+    # float32 against float64: measured relative L2 errors <= 1e-7
+    assert_close_to_reference(normed, ref_normed, rel_l2=3e-6, what="normed")
+    assert_close_to_reference(new_res, ref_res, rel_l2=3e-6, what="new residual")
+    gn, gr = torch.randn(N, M, generator=g).t(), torch.randn(N, M, generator=g).t()
+    leaves = [x, res_row, w_wide]
+    got = torch.autograd.grad((normed * gn).sum() + (new_res * gr).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    rn, rr = reference(ref_leaves[0], ref_leaves[1].expand(M, N), ref_leaves[2][:, 0], 1e-5)
+    want = torch.autograd.grad((rn * gn.double()).sum() + (rr * gr.double()).sum(), ref_leaves)
+    for name, a, b in zip(("x", "residual", "weight"), got, want):
+        assert_close_to_reference(a, b, rel_l2=3e-6, what=f"grad {name}")

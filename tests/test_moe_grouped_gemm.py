@@ -67,6 +67,33 @@ def test_triton_grouped_empty_batch():
     assert torch.count_nonzero(dw1) == 0 and torch.count_nonzero(dw2) == 0
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous layout (the last two dimensions stored transposed)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tma", [False, True])
+def test_triton_grouped_takes_views_of_any_layout(monkeypatch, tma):
+    """x, the expert weights and the incoming gradient stored transposed, the counts a column of a wider int32
+    buffer: the float64 loop's outputs and gradients (the kernels take the weights' strides, x and dy are copied,
+    and a view never reaches the TMA descriptors, which need contiguous tensors)."""
+    if tma:
+        products = {k: (16, 16, 1, 1, True) for k in ("gate_up", "down", "dh", "dx")}
+        monkeypatch.setattr(gg, "INTERPRET_CONFIG", {**gg.INTERPRET_CONFIG, **products})
+    counts, x, w1, w2, dy = make([5, 0, 13, 1], 32, 16, torch.float32, seed=7)
+    want = grads("loop", counts, x, w1, w2, dy, torch.float64)
+    leaves = [_strided(t.float()).requires_grad_() for t in (x, w1, w2)]
+    assert not any(t.is_contiguous() for t in leaves)
+    buf = torch.zeros(len(counts), 3, dtype=torch.int32)
+    buf[:, 1] = counts
+    out = grouped_swiglu_mlp(leaves[0], buf[:, 1], *leaves[1:], impl="triton")
+    out.backward(_strided(dy.float()))
+    for name, a, b in zip(("out", "dx", "dw1", "dw2"), [out] + [t.grad for t in leaves], want):
+        # float32 against float64: measured relative L2 errors <= 2e-7
+        assert_close_to_reference(a, b, rel_l2=5e-6, what=f"{name}, tma {tma}")
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
 def test_torch_grouped_mm_equals_loop():
     check("torch", [5, 0, 11], 16, 8, torch.float32)

@@ -189,12 +189,15 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     _pdl_start(PDL)
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rl = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rl
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
+    # this program's first row in int64 (an LM head may hold more than 2**31 elements), the tile's rows from it
+    w_rows = W + (pid * BLOCK_N).to(tl.int64) * K + rl[:, None] * K
     # weight tiles are double-buffered: the next tile's load is in flight while this one is used; the first is
     # loaded before waiting for the previous kernel (weights never depend on it)
-    w_next = tl.load(W + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    w_next = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     _pdl_wait(PDL)
     if GATHER:  # X is an embedding table: the input row is the token's
         X = X + tl.load(TOK).to(tl.int64) * K
@@ -209,7 +212,7 @@ def _gemv_row_kernel(X, TOK, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, eps,
         k_mask = kk < K
         w = w_next
         nk = kk + BLOCK_K
-        w_next = tl.load(W + rn[:, None] * K + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
+        w_next = tl.load(w_rows + nk[None, :], mask=n_mask[:, None] & (nk < K)[None, :], other=0.0)
         a, b, c = a_next, b_next, c_next
         a_next, b_next, c_next = _row_inputs(X, RES, NORM_W, nk, K, PROLOGUE, HAS_RES)
         if PROLOGUE == 2:  # swiglu: X is [gate | up] of width 2K
@@ -239,7 +242,9 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
                       HAS_BIAS: tl.constexpr, DOT_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rl = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rl
+    w_rows = W + (pid * BLOCK_N).to(tl.int64) * K + rl[:, None] * K    # int64 row offsets, as in the one-row kernel
     rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -249,7 +254,7 @@ def _gemv_rows_kernel(X, W, BIAS, OUT, M, N, K, stride_x, stride_out,
         kk = k0 + rk
         k_mask = kk < K
         x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _dot(x.to(W.dtype.element_ty), tl.trans(w), acc, DOT_UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -261,7 +266,8 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
                prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                eps: float = 1e-5, token: torch.Tensor | None = None, tiles: RowTiles | None = None) -> torch.Tensor:
-    """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight (N, K) contiguous.
+    """out (M, N) = input(x) @ weight.T (+ bias), for M <= 16 rows; weight, x and out contiguous (checked); bias,
+    residual and norm_weight of any layout (a view is copied first: the kernels read them at stride 1).
 
     ``token`` (one element, on the device): x is an embedding table (V, K) and the input row is x[token] (the
     first layer of a batch-1 step reads its embedding row inside the product, no gather kernel).
@@ -294,6 +300,16 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bias
             raise ValueError("fused_gemv: residual_out must not be the residual being read")
         if residual_out.shape != (M, K) or not residual_out.is_contiguous():
             raise ValueError(f"fused_gemv: residual_out {tuple(residual_out.shape)} must be contiguous like x")
+    if bias is not None:
+        if bias.shape != (N,):
+            raise ValueError(f"fused_gemv: bias {tuple(bias.shape)} is not ({N},)")
+        bias = bias.contiguous()                # the kernels read it at stride 1 (no copy for a parameter)
+    if prologue == PROLOGUE_NORM:
+        if norm_weight.shape != (K,) or (residual is not None and residual.shape != (M, K)):
+            raise ValueError(f"fused_gemv: norm_weight {tuple(norm_weight.shape)} and residual "
+                             f"{None if residual is None else tuple(residual.shape)} must be ({K},) and ({M}, {K})")
+        norm_weight = norm_weight.contiguous()  # the one-row kernel reads both at stride 1
+        residual = residual.contiguous() if residual is not None else None
     if M == 1:
         bn, bk, warps = tiles or ROW_TILES.get(row_tiles_key(weight, prologue)) or default_row_tiles()
         pdl = _use_pdl(weight)  # one row only: measured +3 % per step at one row, -7 % at 16 (H200)
@@ -360,10 +376,10 @@ def _load_keys(KC, VC, base, j, lo, hi, rh, rd, HALF: tl.constexpr):
 
 
 @triton.jit
-def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, COUNTER, stride_qkv, n_heads,
-                        n_kv, max_len, chunk, scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
-                        DOT_UPCAST: tl.constexpr, PDL: tl.constexpr):
+def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML, COUNTER, stride_qkv,
+                        stride_cos, stride_sin, stride_pad, n_heads, n_kv, max_len, chunk, scale,
+                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                        SPLITS: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr):
     _pdl_start(PDL)
     D: tl.constexpr = 2 * HALF
     bh = tl.program_id(0).to(tl.int64)               # b * n_kv + kv head
@@ -379,10 +395,10 @@ def _decode_attn_kernel(QKV, COS, SIN, KC, VC, PAD, SLOT, OUT, PART_ACC, PART_ML
     # RoPE tables are set before the step; the cached keys and values at slots < slot were written by earlier
     # steps (this step's key goes to the slot itself, which no split reads from the cache).
     slot = tl.load(SLOT).to(tl.int64)
-    pad = tl.load(PAD + b)
+    pad = tl.load(PAD + b * stride_pad)
     pos = tl.maximum(slot - pad, 0)
-    cos = tl.load(COS + pos * HALF + rh)
-    sin = tl.load(SIN + pos * HALF + rh)
+    cos = tl.load(COS + pos * stride_cos + rh)
+    sin = tl.load(SIN + pos * stride_sin + rh)
     base = bh * max_len * D
     # cached keys of this split: slots [lo, min(lo + chunk, slot)), visible from the row's padding on; the
     # first block's loads are issued now, each next block's while the current one is used
@@ -495,10 +511,11 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     """Attention of one new token per row, RoPE and the KV-cache write included.
 
     qkv (B, (H + 2 Hkv) D): the qkv projection of the new tokens. Row b's position is max(slot - pad_len[b], 0);
-    its q and k are rotated there (cos/sin: (positions, D/2) float32 tables), k and v are written into the caches
-    (B, Hkv, L, D) at ``slot`` (a 1-element device tensor), and out (B, H, D) = softmax(q k^T / sqrt(D)) v over
-    the keys at slots pad_len[b] .. slot. The cached keys are split over ``scratch.splits`` programs per
-    (row, KV head); the last one to finish combines the partial softmaxes.
+    its q and k are rotated there (cos/sin: (positions >= L, D/2) float32 tables), k and v are written into the
+    caches (B, Hkv, L, D) at ``slot`` (a 1-element device tensor), and out (B, H, D) = softmax(q k^T / sqrt(D)) v
+    over the keys at slots pad_len[b] .. slot. The cached keys are split over ``scratch.splits`` programs per
+    (row, KV head); the last one to finish combines the partial softmaxes. ``pad_len`` (B,) integers and the
+    tables' rows are read at their strides: a column of a wider buffer or a view of a wider table needs no copy.
     """
     B, H, D = out.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
@@ -508,11 +525,22 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
         raise ValueError("decode_attention: the caches and out must be contiguous, qkv along its last dimension")
     if qkv.shape != (B, (H + 2 * n_kv) * D):
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not ({B}, {(H + 2 * n_kv) * D})")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != D // 2 or cos.shape[0] < max_len:
+        raise ValueError(f"decode_attention: the RoPE tables {tuple(cos.shape)}, {tuple(sin.shape)} must both be "
+                         f"(positions >= {max_len}, {D // 2})")
+    if pad_len.shape != (B,) or pad_len.dtype.is_floating_point or slot.numel() != 1:
+        raise ValueError(f"decode_attention: pad_len {tuple(pad_len.shape)} must be ({B},) integers and slot one "
+                         f"element, got {slot.numel()}")
+    # the padding and the tables' rows are read at their strides (a column of a wider buffer, a view of a wider
+    # table); a table's columns must be adjacent (a copy otherwise, which a real caller never needs)
+    cos = cos if cos.stride(1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(1) == 1 else sin.contiguous()
     G = H // n_kv
     pdl = _use_pdl(qkv) and B == 1  # as for the products: programmatic launch pays at one row only
     _decode_attn_kernel[(B * n_kv, scratch.splits)](
         qkv, cos, sin, k_cache, v_cache, pad_len, slot, out, scratch.acc, scratch.ml, scratch.counter,
-        qkv.stride(0), H, n_kv, max_len, scratch.chunk, 1.0 / D ** 0.5, G=G,
+        qkv.stride(0), cos.stride(0), sin.stride(0), pad_len.stride(0), H, n_kv, max_len, scratch.chunk,
+        1.0 / D ** 0.5, G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HALF=D // 2, SPLITS=scratch.splits,
         DOT_UPCAST=_DOT_UPCAST, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -604,11 +604,23 @@ def norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], norm_weight: t
                   hints: Optional[AmaxHints] = None) -> Quantized:
     """The residual add + RMSNorm of ``kernels/rmsnorm.py`` (writing res_out, rstd and yhat as its forward kernel
     with WRITE_Y does) with the rowwise FP8 cast of normed = round_c(norm_weight * y) in the same pass, instead
-    of normed itself: normed is never written to memory. x2, res2 (or None), res_out, yhat: (M, N) contiguous.
-    ``warps``: the norm kernel's own choice, so that the row sums are added in the same order.
-    ``store_normed``: no cast; ``q`` is normed itself (in ``normed_dtype``), ``q_scale`` its rows' amax, handed to
-    normed's next ``quantize`` (``hints``: tensorwise scaling then needs no amax pass of its own)."""
+    of normed itself: normed is never written to memory. x2, res2 (or None): (M, N) and norm_weight (N,), any
+    layout (a view is copied first: the kernel reads them at row stride N); res_out, yhat (M, N) and rstd (M,),
+    which it writes: contiguous (checked). ``warps``: the norm kernel's own choice, so that the row sums are added
+    in the same order. ``store_normed``: no cast; ``q`` is normed itself (in ``normed_dtype``), ``q_scale`` its
+    rows' amax, handed to normed's next ``quantize`` (``hints``: tensorwise scaling then needs no amax pass of its
+    own)."""
     M, N = x2.shape
+    if (res2 is not None and res2.shape != (M, N)) or norm_weight.shape != (N,):
+        raise ValueError(f"fp8 norm_quantize: x {tuple(x2.shape)}, residual "
+                         f"{None if res2 is None else tuple(res2.shape)}, norm weight {tuple(norm_weight.shape)} "
+                         f"do not match")
+    if any(t.shape != shape or not t.is_contiguous() for t, shape in ((res_out, (M, N)), (yhat, (M, N)),
+                                                                       (rstd, (M,)))):
+        raise ValueError(f"fp8 norm_quantize: res_out, yhat ({M}, {N}) and rstd ({M},) must be contiguous, got "
+                         f"{tuple(res_out.shape)}, {tuple(yhat.shape)}, {tuple(rstd.shape)}")
+    x2, norm_weight = x2.contiguous(), norm_weight.contiguous()   # no copy for what the projections pass
+    res2 = res2.contiguous() if res2 is not None else None
     mant, min_exp = _GRID[dtype]
     q = torch.empty((M, N), dtype=normed_dtype if store_normed else dtype, device=x2.device)
     s = torch.empty(M, dtype=torch.float32, device=x2.device)
