@@ -430,6 +430,7 @@ def main(argv=None) -> int:
             bodies = [[body(10_000 * level + 100 * c + r) for r in range(args.requests)] for c in range(clients)]
             steps0 = app.scheduler.steps if app else None
             ttft0 = (app.metrics.ttft.sum, app.metrics.ttft.count) if app else None
+            parts0 = dict(app.scheduler.stats()["ttft_parts"]) if app else None
             out = run_level(url, bodies)
             steps = app.scheduler.steps - steps0 if app else None
             results.append(summarise(clients, out, steps))
@@ -438,11 +439,20 @@ def main(argv=None) -> int:
                 # the server's own TTFT (request parsed -> first token in its event loop): the client's TTFT minus
                 # this is the HTTP side (connection, request, the first chunk's way back)
                 r["server_ttft_ms_mean"] = 1e3 * (app.metrics.ttft.sum - ttft0[0]) / (app.metrics.ttft.count - ttft0[1])
+                parts = app.scheduler.stats()["ttft_parts"]
+                n = parts["n"] - parts0["n"]
+                if n:  # the engine's share, per sequence: waiting for a row, prefill (host view), the first draw
+                    r["engine_ttft_ms_mean"] = {k: 1e3 * (parts[k] - parts0[k]) / n
+                                                for k in ("queue", "prefill", "first_draw")}
             if app is not None and app.scheduler.spec_method != "off":
                 s = app.scheduler.stats()
                 r["spec_acceptance_rate"] = s["spec_acceptance_rate"]  # cumulative, warm-up included
             server = (f"; TTFT mean {_mean_ttft(out):.1f} ms at the client, {r['server_ttft_ms_mean']:.1f} ms in the "
                       "server" if "server_ttft_ms_mean" in r else "")
+            if "engine_ttft_ms_mean" in r:
+                e = r["engine_ttft_ms_mean"]
+                server += (f" (engine: {e['queue']:.1f} waiting for a row, {e['prefill']:.1f} prefill, "
+                           f"{e['first_draw']:.1f} to the first token drawn)")
             print(f"  {clients} clients: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s{server}", flush=True)
     finally:
         if httpd is not None:

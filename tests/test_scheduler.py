@@ -221,6 +221,26 @@ def test_a_consumer_that_fell_behind_gets_the_queued_events_at_once(model, make_
     assert tokens_of(batches[0]) == tokens_of(sched.generate([[4, 5, 6], [7, 8]], params))
 
 
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_time_to_first_token_is_split_into_waiting_prefill_and_first_draw(model, make_scheduler, engine):
+    """``stats()["ttft_parts"]``: per sequence, the time waiting for a row, its prefill and its first draw, summed
+    (one entry per sequence, each part > 0). One row and two sequences (the second waits for the first to finish):
+    together the parts fit inside the two sequences' times to their first token as their consumer saw them."""
+    sched = make_scheduler(max_batch=1, engine=engine)
+    params = greedy(max_new_tokens=12)
+    t0 = time.perf_counter()
+    subs = [sched.submit([[4, 5, 6, 7]], params), sched.submit([[9, 8]], params)]
+    firsts = []
+    for sub in subs:
+        next(iter(sub.events()))
+        firsts.append(time.perf_counter())
+    assert sched.wait_idle(20)
+    parts = sched.stats()["ttft_parts"]
+    assert parts["n"] == 2 and min(parts["queue"], parts["prefill"], parts["first_draw"]) >= 0
+    assert parts["queue"] + parts["prefill"] + parts["first_draw"] <= (firsts[0] - t0) + (firsts[1] - t0)
+    assert parts["queue"] > 0 and parts["prefill"] > 0 and parts["first_draw"] > 0   # each part was timed
+
+
 def test_cancel_frees_rows_and_queue_bound(model, make_scheduler):
     """Cancelled sequences (running or waiting) end with "cancelled" and free their rows; the queue holds
     max_queue sequences beyond the free rows; after drain nothing is accepted."""

@@ -28,6 +28,8 @@ def test_serve_load_runs_on_cpu(tmp_path, capsys):
         assert 1 <= r["rows_per_step"] <= r["clients"] * 8 / 7 + 1e-9
         # the server's own TTFT lies inside each request's TTFT as the client timed it
         assert 0 < r["server_ttft_ms_mean"] <= r["ttft_ms"]["p99"]
+        # and the engine's parts (waiting for a row, prefill, first draw) inside the server's
+        assert 0 < sum(r["engine_ttft_ms_mean"].values()) <= r["server_ttft_ms_mean"]
     assert "| 4 | 8/8 |" in capsys.readouterr().out
 
 

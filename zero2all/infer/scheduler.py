@@ -230,6 +230,10 @@ class _Seq:
         self.drawn = 0                # tokens drawn so far (a stop token included)
         self.cached = 0               # prompt tokens found in the prefix cache (paged engine)
         self.ready = False            # its prompt is computed: it draws a token every step
+        # host clock (perf_counter) when it was queued, given a row, and had its prompt computed: a time to first
+        # token split into waiting, prefill and the first draw (Scheduler.ttft_parts)
+        self.t_queued = time.perf_counter()
+        self.t_row = self.t_ready = 0.0
         # structured output: its grammar's matcher (infer/structured.py), None for a free row
         self.constraint = params.grammar.start() if params.grammar is not None else None
 
@@ -362,6 +366,10 @@ class Scheduler:
         self.steps = 0                # decode steps run
         self.moves = 0                # times the occupied span was moved
         self.finished: Counter = Counter()  # sequences ended, by finish_reason ("error" for a failed step)
+        # summed over sequences, seconds from queued to a row / from a row to the prompt computed (the host's view:
+        # chunked prefills span steps) / from there to the first token drawn (the GPU finished the prefill and the
+        # host read the token); "n" sequences
+        self.ttft_parts = {"queue": 0.0, "prefill": 0.0, "first_draw": 0.0, "n": 0}
         on_cuda = self.device.type == "cuda"
         self.pipelined = on_cuda if pipelined is None else pipelined
         self._host = torch.empty(max_batch, dtype=torch.long, pin_memory=on_cuda)
@@ -419,7 +427,8 @@ class Scheduler:
     def stats(self) -> dict:
         with self._cond:
             out = {"running": sum(s is not None for s in self._rows), "waiting": len(self._waiting),
-                   "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished)}
+                   "column": self._col, "steps": self.steps, "moves": self.moves, "finished": dict(self.finished),
+                   "ttft_parts": dict(self.ttft_parts)}
             if self.paged:
                 pool = self.session.pool
                 out.update(kv_blocks_in_use=pool.in_use(), kv_blocks_total=pool.total,
@@ -623,6 +632,7 @@ class Scheduler:
             if shift:
                 ops.append(self._move(shift))
             seq.row = self._rows.index(None)
+            seq.t_row = time.perf_counter()
             seq.pad = self._col - len(seq.prompt)
             self._rows[seq.row] = seq
             self._changed = True
@@ -693,8 +703,10 @@ class Scheduler:
     def _ready(self, seqs: list[_Seq]):
         """Sequences whose prompt is computed (their first logits in place): they draw tokens from now on."""
         B, dev = self.max_batch, self.device
+        now = time.perf_counter()
         for seq in seqs:
             seq.ready = True
+            seq.t_ready = now
             self._changed = True
             if seq.params.repetition_penalty != 1.0:
                 if self._seen is None:
@@ -898,6 +910,12 @@ class Scheduler:
 
     def _advance(self, seq: _Seq, tok: int):
         """(Lock held.) One drawn token of a running sequence: stop checks and its streamed text."""
+        if not seq.drawn:
+            parts = self.ttft_parts
+            parts["queue"] += seq.t_row - seq.t_queued
+            parts["prefill"] += seq.t_ready - seq.t_row
+            parts["first_draw"] += time.perf_counter() - seq.t_ready
+            parts["n"] += 1
         seq.drawn += 1
         if seq.constraint is not None and seq.constraint.accept(tok) and seq.constraint.done:
             # the grammar is complete and this is its stop token (also when ignore_eos left no stop ids)
