@@ -5,10 +5,12 @@
 #   OUT=DIR bash benchmarks/paged_gpu_check.sh [ROWS]
 #
 # z2all-1.1b randomly initialised in bf16, benchmarks/serve_load.py (in-process server, loopback HTTP, streamed,
-# greedy, ignore_eos). ROWS (default T,PG,CO,PF), a comma list of
-#   T    pytest -m gpu tests/test_paged.py tests/test_scheduler.py (the CUDA-only paths: graphs, pinned uploads)
+# greedy, ignore_eos). ROWS (default T,PG,CO,PF; add CD for the column engine's default rows), a comma list of
+#   T    pytest -m gpu on the serving and decode-kernel tests (the CUDA-only paths: graphs, pinned uploads,
+#        draft-model speculation, grammar masks on CUDA logits, strided kernel inputs)
 #   PG   --engine paged  --max-batch 256, 128-token prompts, 128 new tokens, clients 1,64,256, 2 requests each
 #   CO   --engine column --max-batch 256, the same load
+#   CD   --engine column with its default rows (16 on CUDA), the same load: what `z2all serve` does out of the box
 #   PF   the paged engine with a shared 1,000-token prefix before 32 distinct prompt tokens, 32 new tokens, clients
 #        1,16, 4 requests each: with prefix caching, then with --no-prefix-caching (the TTFT cut)
 set -u
@@ -25,15 +27,17 @@ row() {  # row NAME LIMIT_S CMD...
   local t0=$SECONDS
   timeout -k 5 "$lim" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name: rc $? ($((SECONDS - t0)) s)"
-  grep -E '^\|| passed| failed|Error|error:' "$OUT/$name.txt" | tail -7 | cut -c1-200
+  grep -E '^\|| clients: | passed| failed|Error|error:' "$OUT/$name.txt" | tail -10 | cut -c1-260
 }
-L=(python3 benchmarks/serve_load.py --config z2all-1.1b --max-batch 256 --requests 2 --clients 1,64,256
-   --prompt-len 128 --max-tokens 128)
+L=(python3 benchmarks/serve_load.py --config z2all-1.1b --requests 2 --clients 1,64,256 --prompt-len 128
+   --max-tokens 128)
 P=(python3 benchmarks/serve_load.py --config z2all-1.1b --engine paged --shared-prefix 1000 --prompt-len 32
    --max-tokens 32 --clients 1,16 --requests 4)
-row T 200 python3 -m pytest -q -m gpu tests/test_paged.py tests/test_scheduler.py
-row PG 200 "${L[@]}" --engine paged --json "$OUT/PG.json"
-row CO 200 "${L[@]}" --engine column --json "$OUT/CO.json"
+row T 400 python3 -m pytest -q -m gpu tests/test_paged.py tests/test_scheduler.py tests/test_speculative.py \
+  tests/test_structured_output.py tests/test_kernels_paged_attention.py tests/test_kernels_decode.py
+row PG 200 "${L[@]}" --engine paged --max-batch 256 --json "$OUT/PG.json"
+row CO 200 "${L[@]}" --engine column --max-batch 256 --json "$OUT/CO.json"
+row CD 300 "${L[@]}" --engine column --json "$OUT/CD.json"
 row PF 150 "${P[@]}" --json "$OUT/PF.json"
 want PF && ROWS="$ROWS,PFN,"
 row PFN 150 "${P[@]}" --no-prefix-caching --json "$OUT/PFN.json"
