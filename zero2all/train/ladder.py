@@ -68,7 +68,7 @@ from pathlib import Path
 
 from zero2all.config import Config, ConfigError
 
-__all__ = ["family_model", "fit_rungs", "predict_mfu", "run_ladder", "rung_lr_factor", "rung_plan"]
+__all__ = ["family_model", "fit_rungs", "fittable", "predict_mfu", "run_ladder", "rung_lr_factor", "rung_plan"]
 
 
 def family_model(base, depth: int, aspect: int, head_dim: int):
@@ -124,6 +124,16 @@ def rung_lr_factor(hidden: int, anchor_hidden: int, exponent: float) -> float:
     return (anchor_hidden / hidden) ** exponent
 
 
+def fittable(rungs: list, min_updates: int) -> list:
+    """The rungs with at least ``min_updates`` updates (the plan's already at their smallest micro-batch); a
+    ConfigError when they hold fewer than 3 sizes, too few for a fit."""
+    used = [r for r in rungs if r["steps"] >= min_updates]
+    if len({r["params"] for r in used}) < 3:
+        raise ConfigError(f"--min-updates {min_updates}: only {len(used)} rung(s) reach it even at micro-batch 1, a "
+                          f"fit needs 3 sizes; lower --min-updates, raise --ratio or use larger --depths")
+    return used
+
+
 def fit_rungs(rungs: list, predict_at, *, min_updates: int = 0, resamples: int = 200, seed: int = 0,
               reduced: bool | None = None) -> dict:
     """Fit the law to the rungs with at least ``min_updates`` updates and predict ``predict_at`` = (N, D).
@@ -133,12 +143,9 @@ def fit_rungs(rungs: list, predict_at, *, min_updates: int = 0, resamples: int =
     fewer than 3 rungs are left."""
     from zero2all.train.scaling_fit import backtest, bootstrap_fit, prediction_spread
 
-    used = [r for r in rungs if r["steps"] >= min_updates]
+    used = fittable(rungs, min_updates)
     excluded = {r["name"]: f"{r['steps']} updates < --min-updates {min_updates}" for r in rungs
                 if r["steps"] < min_updates}
-    if len({r["params"] for r in used}) < 3:
-        raise ConfigError(f"--min-updates {min_updates}: only {len(used)} rung(s) reach it, a fit needs 3 sizes; "
-                          f"lower --min-updates, raise --ratio or use larger --depths")
     n, d, loss = ([r[k] for r in used] for k in ("params", "tokens", "val_loss"))
     law, preds = bootstrap_fit(n, d, loss, resamples=resamples, seed=seed, predict_at=[predict_at], reduced=reduced)
     test = backtest(n, d, loss, reduced=law.reduced)
@@ -324,10 +331,7 @@ def run_ladder(cfg: Config, out: str | Path, *, depths, aspect: int, head_dim: i
         r["lr_factor"] = rung_lr_factor(aspect * r["depth"], pmodel.hidden_dim, lr_width_exponent)
         r["lr"] = cfg.train.lr * r["lr_factor"]
     short = [r for r in plan if r["steps"] < min_updates]
-    if len({r["params"] for r in plan if r["steps"] >= min_updates}) < 3:
-        raise ConfigError(f"--min-updates {min_updates}: only {len(plan) - len(short)} rung(s) reach it even at "
-                          f"micro-batch 1, a fit needs 3 sizes; lower --min-updates, raise --ratio or use larger "
-                          f"--depths")
+    fittable(plan, min_updates)  # refused before anything trains
     settings = {"depths": depths, "aspect": aspect, "head_dim": head_dim, "ratios": list(ratios) if not flops else [],
                 "flops": flops, "base_model": _model_dict(cfg.model), "data": cfg.data.path,
                 "seq_len": _seq_len(cfg), "micro_batch": cfg.train.micro_batch_size,
