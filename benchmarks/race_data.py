@@ -35,6 +35,7 @@ import numpy as np
 
 MAGIC, VERSION = 20240520, 1
 EOT = 50256  # GPT-2's <|endoftext|>
+MAX_DOC_TOKENS = 16384  # a third of modded-nanogpt's 48k-token training sequence (see to_modded)
 GPT2_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
                "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 # GPT-2's pre-tokenisation pattern as tiktoken writes it (equivalent to the original release's)
@@ -157,6 +158,16 @@ def doc_stream(texts: Iterable[str], encode_batch: Callable[[list[str]], list[li
         yield from flush()
 
 
+def split_document(doc: np.ndarray, max_tokens: int, eot: int = EOT) -> list[np.ndarray]:
+    """``[eot] + ids`` as pieces of at most ``max_tokens`` tokens, each starting with ``eot``."""
+    if max_tokens < 2:
+        raise ValueError(f"--max-doc-tokens: {max_tokens} must be at least 2")
+    ids, step = doc[1:], max_tokens - 1
+    if ids.size <= step:
+        return [doc]
+    return [np.concatenate([[eot], ids[i:i + step]]).astype(doc.dtype) for i in range(0, ids.size, step)]
+
+
 def scored_val_tokens(n_stream: int, val_seq_len: int, accum: int = 8) -> int:
     """The most validation predictions modded-nanogpt's loader reads from a stream of ``n_stream`` ids without
     loading a next file: it reads groups of ``accum`` sequences of ``val_seq_len`` ids and refuses a group unless
@@ -177,9 +188,14 @@ def target_bytes(stream: np.ndarray, n_scored: int, token_bytes: Callable[[int],
 
 def to_modded(corpus: Path, out: Path, encode_batch: Callable[[list[str]], list[list[int]]],
               token_bytes: Callable[[int], int], val_seq_len: int = 16384, shard_tokens: int = 100_000_000,
-              eot: int = EOT) -> dict:
+              eot: int = EOT, max_doc_tokens: int = MAX_DOC_TOKENS) -> dict:
     """``out/data/fineweb10B/fineweb_{train,val}_*.bin`` (the paths modded-nanogpt's ``DATA_PATH`` points into)
-    and ``out/val_meta.json``."""
+    and ``out/val_meta.json``.
+
+    Training documents longer than ``max_doc_tokens`` are cut into pieces of at most that many tokens, each after
+    its own end-of-text: modded-nanogpt's loader starts every sequence at an end-of-text and looks for the next
+    ones within twice a sequence's length per micro-step, which web documents (its data) always offer and a long
+    source file does not (it stops with an assertion). Validation text is left whole (read as one stream)."""
     data = out / "data" / "fineweb10B"
     data.mkdir(parents=True, exist_ok=True)
     val = np.concatenate(list(doc_stream(read_texts(corpus / "valid.jsonl"), encode_batch, eot)))
@@ -189,8 +205,11 @@ def to_modded(corpus: Path, out: Path, encode_batch: Callable[[list[str]], list[
                          f"8 x {val_seq_len} (lower --val-seq-len)")
     write_bin(val, data / "fineweb_val_000000.bin")
     nbytes, n_eot = target_bytes(val, n_scored, token_bytes, eot)
-    train_tokens, shards, buf, held = 0, 0, [], 0
-    for arr in doc_stream(read_texts(corpus / "train.jsonl"), encode_batch, eot):
+    train_tokens, shards, buf, held, cut = 0, 0, [], 0, 0
+    for doc in doc_stream(read_texts(corpus / "train.jsonl"), encode_batch, eot):
+        pieces = split_document(doc, max_doc_tokens, eot)
+        cut += len(pieces) > 1
+        arr = np.concatenate(pieces)
         buf.append(arr)
         held += arr.size
         if held >= shard_tokens:
@@ -205,7 +224,8 @@ def to_modded(corpus: Path, out: Path, encode_batch: Callable[[list[str]], list[
     meta = {"val_stream_tokens": int(val.size), "val_seq_len": val_seq_len, "val_tokens": n_scored,
             "val_scored_bytes": nbytes, "val_eot_targets": n_eot,
             "val_text_bytes": sum(len(t.encode("utf-8")) for t in read_texts(corpus / "valid.jsonl")),
-            "train_tokens": train_tokens, "train_shards": shards}
+            "train_tokens": train_tokens, "train_shards": shards, "train_docs_cut": cut,
+            "max_doc_tokens": max_doc_tokens}
     _atomic(out / "val_meta.json", lambda p: p.write_text(json.dumps(meta, indent=1) + "\n"))
     return meta
 
@@ -222,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out")
     m.add_argument("--gpt2", required=True, help="folder with GPT-2's encoder.json and vocab.bpe")
     m.add_argument("--val-seq-len", type=int, default=16384)
+    m.add_argument("--max-doc-tokens", type=int, default=MAX_DOC_TOKENS,
+                   help="training documents longer than this are cut into pieces, each after an end-of-text")
     m.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     corpus, out = Path(args.corpus), Path(args.out)
@@ -236,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--val-seq-len: {args.val_seq_len} must be a positive multiple of 128")
             enc = gpt2_encoding(args.gpt2)
             stats = to_modded(corpus, out, lambda b: enc.encode_ordinary_batch(b, num_threads=args.threads),
-                              lambda i: len(enc.decode_single_token_bytes(i)), args.val_seq_len)
+                              lambda i: len(enc.decode_single_token_bytes(i)), args.val_seq_len,
+                              max_doc_tokens=args.max_doc_tokens)
     except (ValueError, FileNotFoundError) as e:
         print(f"race_data: {e}", file=sys.stderr)
         return 2

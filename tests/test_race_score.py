@@ -220,10 +220,25 @@ def test_modded_loader_reads_our_shards(tmp_path):
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": "x = %d\n" % i * 9}) + "\n" for i in range(60)))
+    train_texts = ["x = %d\n" % i * 9 for i in range(60)]
+    train_texts.insert(7, "y" * 3000)  # one long source file: more than the loader's window of 8 x 2 x 128 tokens
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train_texts))
     (corpus / "valid.jsonl").write_text("".join(json.dumps({"text": "ü" * (50 + i)}) + "\n" for i in range(30)))
-    meta = race_data.to_modded(corpus, tmp_path, lambda b: [list(t.encode()) for t in b], lambda i: 1,
-                               val_seq_len=128, shard_tokens=2000)
+
+    def write(max_doc_tokens):
+        return race_data.to_modded(corpus, tmp_path, lambda b: [list(t.encode()) for t in b], lambda i: 1,
+                                   val_seq_len=128, shard_tokens=2000, max_doc_tokens=max_doc_tokens)
+
+    write(10**9)  # the long file left whole: modded's loader gives up on it (its own `assert False`)
+    with pytest.raises(AssertionError):
+        train = ns["distributed_data_generator"](f"{tmp_path}/data/fineweb10B/fineweb_train_*.bin", 128, 8,
+                                                 align_to_bos=True)
+        for _ in range(64):
+            next(train)
+    for f in (tmp_path / "data" / "fineweb10B").glob("*.bin"):
+        f.unlink()
+    meta = write(100)  # at most 128 + 100 tokens a micro-step: inside the 2 x 128 the loader looks ahead
+    assert meta["train_docs_cut"] == 1
     data = str(tmp_path / "data" / "fineweb10B")
     stream = race_data.read_bin(f"{data}/fineweb_val_000000.bin").astype(np.int64)
     val = ns["distributed_data_generator"](f"{data}/fineweb_val_*.bin", 128, 8, align_to_bos=False)
@@ -235,3 +250,14 @@ def test_modded_loader_reads_our_shards(tmp_path):
         inputs, _ = next(train)
         assert int(inputs[0]) == race_data.EOT
         seen += inputs.numel()
+
+
+def test_split_document_keeps_every_token_in_pieces_after_an_end_of_text():
+    doc = np.asarray([race_data.EOT] + list(range(10)), dtype=np.int64)
+    assert race_data.split_document(doc, 11)[0] is doc
+    pieces = race_data.split_document(doc, 4)
+    assert [p.tolist() for p in pieces] == [[race_data.EOT, 0, 1, 2], [race_data.EOT, 3, 4, 5],
+                                            [race_data.EOT, 6, 7, 8], [race_data.EOT, 9]]
+    assert all(p.dtype == doc.dtype for p in pieces)
+    with pytest.raises(ValueError, match="--max-doc-tokens"):
+        race_data.split_document(doc, 1)
