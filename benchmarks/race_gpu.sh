@@ -6,6 +6,8 @@
 #   SIDE=ours|nanochat|modded bash benchmarks/race_gpu.sh [WORK]        # GPU machine: one side, <= ~9 minutes
 #   RACE_PHASE=setup SIDE=... bash benchmarks/race_gpu.sh [WORK]        # only the data and tokenizer (see below)
 #   RACE_SMOKE=1 SIDE=... RACE_SITE=DIR bash benchmarks/race_gpu.sh WORK  # CPU: tiny sizes, the plumbing only
+#   RACE_DETACH=1 SIDE=modded bash benchmarks/race_gpu.sh [WORK]      # GPU: the side outlives the call (see below)
+#   RACE_PHASE=collect SIDE=modded bash benchmarks/race_gpu.sh [WORK] # the next call: wait for it, its results
 #
 # Each side: the corpus (`z2all corpus`, CORPUS_MB, deterministic on a given machine image: the same packages for
 # all three calls), that side's tokenizer and data format, training for BUDGET_MIN minutes of its own training
@@ -94,6 +96,35 @@ left() { echo $((DEADLINE - (SECONDS - T0))); }  # seconds left of the call
 # RACE_PHASE=setup stops once the side's data and tokenizer are ready (every step above training skips what exists),
 # so that setup and training can take two calls when they do not fit one
 setup_done() { if [ "${RACE_PHASE:-}" = setup ]; then say "$SIDE: setup done"; exit 0; fi; }
+
+# RACE_DETACH=1: the side runs in a process session of its own (setsid), which outlives this call, with
+# RACE_DETACH_DEADLINE_S (default 1500 s) in place of RACE_DEADLINE_S; this call waits up to RACE_WAIT_S (default
+# 540 s) for it, and `RACE_PHASE=collect` waits again and returns what it left. For a side whose compilation alone
+# fills most of a 10-minute call (modded-nanogpt's, on torch 2.11): two calls on one warm machine.
+DONE="$WORK/$SIDE.detached.rc" DOUT="$WORK/$SIDE.detached.out"
+if [ -n "${RACE_DETACH:-}" ] || [ "${RACE_PHASE:-}" = collect ]; then
+  if [ -n "${RACE_DETACH:-}" ]; then
+    rm -f "$DONE"
+    RACE_DETACH='' RACE_PHASE='' RACE_DEADLINE_S=${RACE_DETACH_DEADLINE_S:-1500} OUT='' setsid bash -c \
+      'bash "$0" "$1"; echo $? > "$2"' "$PWD/benchmarks/race_gpu.sh" "$WORK" "$DONE" > "$DOUT" 2>&1 < /dev/null &
+    say "$SIDE: detached (its output: $DOUT)"
+  fi
+  [ -f "$DOUT" ] || die "nothing detached for $SIDE in $WORK (start it with RACE_DETACH=1)"
+  waited=0
+  while [ ! -f "$DONE" ] && [ "$waited" -lt "${RACE_WAIT_S:-540}" ]; do sleep 5; waited=$((waited + 5)); done
+  tail -n 40 "$DOUT"
+  if [ ! -f "$DONE" ]; then
+    say "$SIDE: still running; collect: RACE_PHASE=collect SIDE=$SIDE bash benchmarks/race_gpu.sh $WORK"
+    exit 0
+  fi
+  say "$SIDE: the detached run ended with rc $(cat "$DONE")"
+  if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+    cp "$DOUT" "$LOG" "$OUT/" 2>/dev/null
+    cp "$WORK/race-$SIDE.json" "$OUT/" 2>/dev/null
+    cp "$WORK/corpus/manifest.json" "$OUT/corpus-manifest.json" 2>/dev/null
+  fi
+  exit "$(cat "$DONE")"
+fi
 
 # peers' Python packages: wheels carried in .whl/race (GPU), or an existing folder (RACE_SITE, CPU smoke)
 SITE=${RACE_SITE:-}

@@ -127,6 +127,7 @@ def test_nanochat_parquet_keeps_texts_and_puts_validation_last(tmp_path):
     stats = race_data.to_nanochat(corpus, tmp_path / "nc", shard_docs=10)
     files = sorted(p.name for p in (tmp_path / "nc").glob("*.parquet"))
     assert stats["train_shards"] == 3 and files[-1] == race_data.VAL_SHARD and len(files) == 4
+    assert stats["train_docs"] == stats["train_pieces"] == 25 and stats["train_docs_cut"] == 0
     got = [t for f in files[:-1] for t in pq.read_table(tmp_path / "nc" / f).column("text").to_pylist()]
     assert got == train
     assert pq.read_table(tmp_path / "nc" / files[-1]).column("text").to_pylist() == ["held out"]
@@ -261,3 +262,32 @@ def test_split_document_keeps_every_token_in_pieces_after_an_end_of_text():
     assert all(p.dtype == doc.dtype for p in pieces)
     with pytest.raises(ValueError, match="--max-doc-tokens"):
         race_data.split_document(doc, 1)
+
+
+def test_split_text_cuts_at_line_ends_and_joins_back():
+    text = "".join(f"line {i:03d} " + "x" * (i % 7) + "\n" for i in range(200)) + "z" * 95 + "\nend"
+    for n in (1, 9, 40, 95, 96, 200, 10_000):
+        pieces = race_data.split_text(text, n)
+        assert "".join(pieces) == text
+        assert all(0 < len(p) <= n for p in pieces)
+        if n >= 96:  # every line fits a piece: each cut follows a line end
+            assert all(p.endswith("\n") for p in pieces[:-1])
+    assert race_data.split_text("short", 10) == ["short"]
+    with pytest.raises(ValueError, match="--max-doc-chars"):
+        race_data.split_text(text, 0)
+
+
+def test_nanochat_long_documents_become_pieces_that_fit_a_row(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    long_doc = "".join(f"def f{i}():\n    return {i}\n" for i in range(400))
+    train = ["short one\n", long_doc, "short two\n"]
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train))
+    (corpus / "valid.jsonl").write_text(json.dumps({"text": long_doc}) + "\n")
+    stats = race_data.to_nanochat(corpus, tmp_path / "nc", shard_docs=1000, max_doc_chars=500)
+    got = pq.read_table(tmp_path / "nc" / "shard_00000.parquet").column("text").to_pylist()
+    assert got[0] == "short one\n" and got[-1] == "short two\n" and "".join(got[1:-1]) == long_doc
+    assert all(len(p) <= 500 for p in got) and len(got) > 3
+    assert stats["train_docs"] == 3 and stats["train_docs_cut"] == 1 and stats["train_pieces"] == len(got)
+    assert pq.read_table(tmp_path / "nc" / race_data.VAL_SHARD).column("text").to_pylist() == [long_doc]
