@@ -293,7 +293,8 @@ def start_server(args):
                        engine_options=dict(engine=args.engine, block_size=args.block_size,
                                            kv_cache_gb=args.kv_cache_gb, prefix_caching=not args.no_prefix_caching,
                                            max_num_batched_tokens=args.max_num_batched_tokens,
-                                           speculative_ngram=args.speculative_ngram, **draft_options(args, device,
+                                           speculative_ngram=args.speculative_ngram,
+                                           prefill_graphs=args.prefill_graphs, **draft_options(args, device,
                                                                                                       dtype, tok)))
     setup = time.perf_counter() - t0
     httpd, _ = bind(app, "127.0.0.1", 0, quiet=True)
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="column engine (auto picks it): one-prompt prefills as CUDA graphs of length buckets")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
     ap.add_argument("--speculative-ngram", type=int, default=0, help="paged engine: prompt-lookup draft tokens")
     ap.add_argument("--draft-model", default=None, help="paged engine: a draft model's checkpoint for speculative "

@@ -158,6 +158,56 @@ def test_prefill_row_touches_only_its_row(model):
         s.prefill_row(0, prompt, end=5)
 
 
+def test_bucketed_prefill_equals_the_plain_prefill_in_float64():
+    """One prompt right-padded to its bucket and run from a scratch cache (the shape a prefill CUDA graph needs):
+    the logits at its last token, the keys and values it leaves in its row, the row's padding and the decode steps
+    after it equal the plain prefill's, in float64, for lengths at, below and past the buckets; other rows keep
+    their caches."""
+    m = build_model(tiny_model_config(initializer_range=0.3), seed=0).double().eval()
+    plain = DecodeSession(m, 3, 96, cuda_graph=False)
+    padded = DecodeSession(m, 3, 96, cuda_graph=False, prefill_buckets=(8, 16, 32, 200))
+    assert padded.prefill_buckets == [8, 16, 32] and plain.prefill_buckets == []  # 200 > the cache: dropped
+    for s in (plain, padded):
+        s.prefill([[1, 2, 3]] * 3, 0)
+    for n, row, end in [(1, 0, 40), (5, 2, 20), (8, 1, 8), (9, 1, 60), (32, 0, 90), (33, 2, 70)]:
+        prompt = [(11 * i + n) % 250 for i in range(n)]
+        before = [k[[r for r in range(3) if r != row]].clone() for k in padded.cache.k]
+        got, want = padded.prefill_rows([row], [prompt], end), plain.prefill_rows([row], [prompt], end)
+        assert padded.bucket_for(n) == next((b for b in (8, 16, 32) if n <= b), None)
+        torch.testing.assert_close(got, want, atol=4e-13, rtol=4e-13)
+        for kv_got, kv_want in zip((*padded.cache.k, *padded.cache.v), (*plain.cache.k, *plain.cache.v)):
+            torch.testing.assert_close(kv_got[row, :, end - n:end], kv_want[row, :, end - n:end], atol=4e-13,
+                                       rtol=4e-13)
+        for k, k0 in zip(padded.cache.k, before):
+            assert torch.equal(k[[r for r in range(3) if r != row]], k0)
+        assert padded.pad_len.tolist() == plain.pad_len.tolist()
+        tok = torch.tensor([3, 7, 9])
+        for step in range(3):
+            padded.set_pad_lens(plain.pad_len.tolist())
+            torch.testing.assert_close(padded.decode(tok, end + step)[row], plain.decode(tok, end + step)[row],
+                                       atol=4e-13, rtol=4e-13)
+
+
+def test_scheduler_with_prefill_graphs_gives_each_prompt_its_own_tokens(make_scheduler, model):
+    """The column engine with bucketed one-prompt prefills (eager on CPU, graphed on CUDA): greedy tokens equal
+    the one-prompt Generator's; the paged engine refuses the option."""
+    sched = make_scheduler(max_batch=3, cache_len=96, engine="column", prefill_graphs=True)
+    assert sched.session.prefill_buckets == [32, 64]
+    jobs = [([(5 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=k))
+            for i, (n, k) in enumerate(zip([3, 31, 40, 1, 70], [9, 4, 12, 6, 5]))]
+    for (prompt, params), events in zip(jobs, run_all(sched, jobs)):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+    with pytest.raises(ValueError, match="prefill_graphs needs the column engine"):
+        Scheduler(Generator(model, ByteTokenizer()), engine="paged", prefill_graphs=True)
+    from zero2all.infer.server import InferenceApp
+
+    app = InferenceApp(Generator(model, ByteTokenizer()), "m", engine_options={"prefill_graphs": True})
+    try:  # auto picks the column engine for it (on CPU auto is otherwise paged)
+        assert app.scheduler.engine == "column" and app.scheduler.session.prefill_buckets
+    finally:
+        app.scheduler.stop()
+
+
 @pytest.mark.parametrize("rows", [[1, 2, 3], [3, 0, 2]])
 def test_prefill_rows_together_equal_each_prompt_alone(model, rows):
     """Prompts of different lengths prefilled in one forward, into consecutive rows (a view of the cache) or
@@ -385,16 +435,18 @@ def wait_until(condition, timeout=20.0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False])
-def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused):
+@pytest.mark.parametrize("fused,prefill_graphs", [(True, False), (False, False), (True, True)])
+def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused, prefill_graphs):
     """On CUDA: the decode step as a CUDA graph (fused kernels or the model's own step), pipelined, with rows
-    joining, leaving and moving; float32, so greedy tokens equal the one-prompt Generator's."""
+    joining, leaving and moving, and with one-prompt prefills as CUDA graphs of their buckets; float32, so greedy
+    tokens equal the one-prompt Generator's."""
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device="cuda", seed=0).eval()
     sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=4, max_queue=32, cache_len=96,
-                      compact_min=4, engine="column")
+                      compact_min=4, engine="column", prefill_graphs=prefill_graphs)
     try:
         assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == fused
+        assert sorted(sched.session.prefill_graphs) == ([32, 64] if prefill_graphs else [])
         lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
         jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m_))
                 for i, (n, m_) in enumerate(zip(lengths, budgets))]

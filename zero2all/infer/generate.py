@@ -278,6 +278,10 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # either way.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+# Prompt lengths a one-prompt prefill is padded up to when its prefill is graphed (`z2all serve --prefill-graphs`):
+# doubling, so that at most half of a bucket's tokens are padding; longer prompts prefill eagerly.
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+
 
 def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) -> int:
     """Prompt tokens per prefill chunk so that a (batch, chunk, vocab)-sized intermediate stays under the budget
@@ -297,7 +301,8 @@ class DecodeSession:
     """
 
     def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool,
-                 compile: bool | str = False, window: int = 256, fused: bool = False):
+                 compile: bool | str = False, window: int = 256, fused: bool = False,
+                 prefill_buckets: Sequence[int] = ()):
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         w = model.embed_tokens.weight
@@ -328,6 +333,84 @@ class DecodeSession:
             except Exception as e:  # a kernel that cannot be captured: keep going eagerly, say so
                 warnings.warn(f"decode: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly")
                 self.graphs, self.logits_out = {}, {}
+        self._setup_prefill_buckets(prefill_buckets, cuda_graph)
+
+    # -- one prompt's prefill at a bucketed length (CUDA graphs of the prefill) ---------------------------------
+    def _setup_prefill_buckets(self, buckets: Sequence[int], cuda_graph: bool):
+        """Buffers (and on CUDA, graphs) for prefilling one prompt at a fixed length L per bucket: the prompt is
+        right-padded to L and run from slot 0 of a one-row scratch cache with plain causal attention, so that no
+        real token sees the padding; the logits are read at the prompt's last token and its keys and values copied
+        into the row. One shape per bucket is what a CUDA graph needs: an eager prefill launches every operation
+        of every layer from the host, a fixed cost that dominates a short prompt's time to first token."""
+        limit = min(self.max_len, self.model.cfg.max_seq_len)
+        self.prefill_buckets = sorted({int(b) for b in buckets if 0 < int(b) <= limit})
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if not self.prefill_buckets:
+            return
+        cfg, L = self.model.cfg, self.prefill_buckets[-1]
+        dtype = self.cache.k[0].dtype
+        shape = (1, cfg.n_kv_heads, L, cfg.head_dim)
+        self._pf_k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self._pf_v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self._pf_tokens = torch.zeros(1, L, dtype=torch.long, device=self.device)
+        self._pf_last = torch.zeros(1, dtype=torch.long, device=self.device)   # the prompt's last token's index
+        self._pf_slots = torch.arange(L, device=self.device)
+        self._pf_out: dict[int, torch.Tensor] = {}
+        if not cuda_graph:
+            return
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                for b in self.prefill_buckets:
+                    for _ in range(2):
+                        self._bucket_forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            pool = None
+            for b in reversed(self.prefill_buckets):  # largest first; the others reuse its memory pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    self._pf_out[b] = self._bucket_forward(b)
+                pool = graph.pool()
+                self.prefill_graphs[b] = graph
+        except Exception as e:  # keep the eager prefill, say so
+            warnings.warn(f"decode: prefill CUDA graph capture failed ({type(e).__name__}: {e}); prefilling eagerly")
+            self.prefill_graphs, self._pf_out = {}, {}
+
+    def _bucket_forward(self, L: int) -> torch.Tensor:
+        """The first L tokens of the bucket's input through the model from slot 0 of the scratch cache (causal, no
+        mask); the logits (1, V) at index ``_pf_last``, float32."""
+        m = self.model
+        cache = StaticKVCache.over([k[:, :, :L] for k in self._pf_k], [v[:, :, :L] for v in self._pf_v])
+        cache.slots, cache.visible_len = self._pf_slots[:L], L
+        cos, sin = m.rope_tables(0, L, self.device)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            x, residual = m.blocks(m.embed(self._pf_tokens[:, :L]), None, cos, sin, cache)
+        h = m.final_norm(x, residual).index_select(1, self._pf_last)                         # (1, 1, hidden)
+        return m.lm_head(h)[:, 0].float()
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest prefill bucket holding ``n`` tokens (None: no bucket, the eager prefill)."""
+        for b in self.prefill_buckets:
+            if n <= b:
+                return b
+        return None
+
+    def _prefill_bucketed(self, row: int, prompt: Sequence[int], end: int, L: int) -> torch.Tensor:
+        P = len(prompt)
+        tokens = list(prompt) + [0] * (L - P)
+        self._pf_tokens[:, :L].copy_(to_device([tokens], torch.long, self.device))
+        self._pf_last.fill_(P - 1)
+        graph = self.prefill_graphs.get(L)
+        if graph is not None:
+            graph.replay()
+            logits = self._pf_out[L].clone()
+        else:
+            logits = self._bucket_forward(L)
+        for dst, src in zip((*self.cache.k, *self.cache.v), (*self._pf_k, *self._pf_v)):
+            dst[row, :, end - P:end] = src[0, :, :P]
+        self.pad_len[row] = end - P
+        return logits
 
     @property
     def graph(self):
@@ -445,6 +528,8 @@ class DecodeSession:
                 or len(set(rows)) != R or not all(0 <= r < self.batch_size for r in rows)):
             raise ValueError(f"decode session: a prefill of prompts of {lengths} tokens ending at slot {end} in rows "
                              f"{list(rows)} does not fit ({self.batch_size}, {self.max_len})")
+        if R == 1 and (L := self.bucket_for(P)) is not None:
+            return self._prefill_bucketed(rows[0], prompts[0], end, L)
         start = end - P
         rows = list(rows)
         pad = [P - n for n in lengths]

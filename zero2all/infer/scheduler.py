@@ -74,6 +74,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import torch
 
 from zero2all.infer.generate import (
+    PREFILL_BUCKETS,
     DecodeSession,
     GenerationEvent,
     Generator,
@@ -284,7 +285,7 @@ class Scheduler:
                  compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
                  block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0,
-                 draft_model=None, speculative_tokens: int = 0):
+                 draft_model=None, speculative_tokens: int = 0, prefill_graphs: bool = False):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if max_num_batched_tokens < 1:
@@ -294,6 +295,8 @@ class Scheduler:
         if speculative_ngram < 0 or (speculative_ngram and engine != "paged"):
             raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
                              f"{speculative_ngram} with {engine!r}")
+        if prefill_graphs and engine != "column":
+            raise ValueError(f"scheduler: prefill_graphs needs the column engine, got {engine!r}")
         model = generator.model
         if draft_model is not None:
             if speculative_ngram:
@@ -340,7 +343,8 @@ class Scheduler:
             self.context = min(self.cache_len, model.cfg.max_seq_len)  # the most one sequence may span
             self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
                                          compile=generator.compile, window=generator.attention_window,
-                                         fused=generator.use_fused(max_batch))
+                                         fused=generator.use_fused(max_batch),
+                                         prefill_buckets=PREFILL_BUCKETS if prefill_graphs else ())
         self.compact_min = compact_min
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
