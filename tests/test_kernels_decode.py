@@ -297,6 +297,67 @@ def test_fused_decode_step_equals_generic_step(dtype):
                 assert_close_to_reference(got, want, dtype, atol=1e-4, rtol=1e-4, what=f"cache {name}, layer {layer}")
 
 
+def test_lone_row_step_computes_its_row_alone_and_leaves_the_others():
+    """One stream running in a 3-row session: ``decode(..., lone_row=r)`` runs the fused step over row r only:
+    row r's logits and the keys and values it writes equal the full step's (float32), the other rows' caches are
+    untouched, and full steps after lone ones carry on as if every step had been full."""
+    from zero2all.infer.generate import DecodeSession
+    from zero2all.model.z2all import build_model
+
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)
+    model = build_model(cfg, device=DEVICE, seed=0).float().eval()
+    prompts = [[5, 9, 200], list(range(30, 41)), [7]]
+    full, lone = (DecodeSession(model, 3, 32, cuda_graph=False, fused=True) for _ in range(2))
+    for s in (full, lone):
+        s.prefill(prompts, 0)
+    P, row = 11, 1
+    for step in range(4):
+        nxt = torch.tensor([(17 * step + 31 * r) % 256 for r in range(3)], device=DEVICE)
+        others = [k[[0, 2]].clone() for k in lone.cache.k]
+        want = full.decode(nxt, P + step)
+        if step < 3:
+            got = lone.decode(nxt, P + step, lone_row=row)
+            for k, k0 in zip(lone.cache.k, others):
+                assert torch.equal(k[[0, 2]], k0)
+            assert_close_to_reference(got[row], want[row], torch.float32, atol=2e-5, rtol=2e-5,
+                                      what=f"lone row logits, step {step}")
+        else:  # back to the full step: row r reads the keys and values its lone steps wrote
+            got = lone.decode(nxt, P + step)
+            assert_close_to_reference(got[row], want[row], torch.float32, atol=2e-5, rtol=2e-5,
+                                      what="full step after lone ones")
+        for layer in range(cfg.n_layers):
+            assert_close_to_reference(lone.cache.k[layer][row], full.cache.k[layer][row], torch.float32,
+                                      atol=2e-5, rtol=2e-5, what=f"row {row} keys, layer {layer}")
+
+
+def test_scheduler_runs_a_lone_stream_on_its_row_alone():
+    """The column engine with the fused step: one request alone, then three at once; every request's greedy
+    tokens equal the one-prompt Generator's, and the lone stretches took the one-row step."""
+    from standin_tokenizer import ByteTokenizer
+
+    from zero2all.infer.generate import Generator, SamplingParams
+    from zero2all.infer.scheduler import Scheduler
+    from zero2all.model.z2all import build_model
+
+    cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)
+    model = build_model(cfg, device=DEVICE, seed=0).float().eval()
+    sched = Scheduler(Generator(model, ByteTokenizer(), fused=True), max_batch=3, cache_len=64, engine="column")
+    try:
+        assert sched.session.fused is not None
+        params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=[])
+        alone = Generator(model, fused=False, cuda_graph=False)
+        jobs = [[5, 9, 200, 4], [30, 31, 32], [7], list(range(60, 70))]
+        first = list(sched.generate([jobs[0]], params))
+        assert sched.session._lone_steps  # the lone request ran the one-row step
+        subs = [sched.submit([p], params) for p in jobs[1:]]
+        results = [first] + [list(sub.events()) for sub in subs]
+        for prompt, events in zip(jobs, results):
+            got = [ev.token_id for ev in events if ev.token_id >= 0 and not ev.stop_token]
+            assert got == alone.generate([prompt], params)[0].token_ids
+    finally:
+        sched.stop()
+
+
 def test_fused_decode_support_reasons():
     from zero2all.infer.fused_decode import supported
     from zero2all.model.lora import LoRAConfig, apply_lora

@@ -319,6 +319,9 @@ class DecodeSession:
         self.logits_out: dict[int, torch.Tensor] = {}
         self.step_fn = self._step
         self.fused = None
+        self._lone_steps: dict = {}                            # row -> FusedDecodeStep over that row alone
+        self._lone_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lone_out: torch.Tensor | None = None            # (B, V) float32: a lone row's logits land in its row
         if fused:
             from zero2all.infer.fused_decode import FusedDecodeStep
 
@@ -454,6 +457,52 @@ class DecodeSession:
                 self.logits_out[w] = self.step_fn(w)
             pool = graph.pool()
             self.graphs[w] = graph
+        if self.fused is not None and self.batch_size > 1:
+            try:
+                self._capture_lone_rows()
+            except Exception as e:  # the full step serves a lone row too, only slower
+                warnings.warn(f"decode: one-row CUDA graphs failed ({type(e).__name__}: {e}); a lone stream runs "
+                              f"the {self.batch_size}-row step")
+                self._lone_graphs = {}
+
+    # -- a lone running row: the fused step over that row only ------------------------------------------------
+    def _lone_step(self, row: int):
+        """The fused one-row step over ``row``'s cache (views of it), made on first use."""
+        step = self._lone_steps.get(row)
+        if step is None:
+            from zero2all.infer.fused_decode import FusedDecodeStep
+
+            step = FusedDecodeStep(self.model, [k[row:row + 1] for k in self.cache.k],
+                                   [v[row:row + 1] for v in self.cache.v], 1, self.max_len)
+            self._lone_steps[row] = step
+            if self._lone_out is None:
+                self._lone_out = torch.zeros(self.batch_size, self.model.lm_head.weight.size(0),
+                                             dtype=torch.float32, device=self.device)
+        return step
+
+    def _run_lone(self, row: int):
+        self._lone_out[row:row + 1] = self._lone_step(row)(self.tokens[row:row + 1], self.slot,
+                                                           self.pad_len[row:row + 1])
+
+    def _capture_lone_rows(self):
+        """One graph per row of the fused step over that row alone (slot 0 at capture, as above): a lone stream
+        then costs a one-row step, not a step over every row of the session."""
+        self.slot.fill_(0)
+        self._lone_step(0).tune(self.tokens[:1], self.slot, self.pad_len[:1])  # the tiles of the one-row shapes
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for row in range(self.batch_size):
+                for _ in range(2):
+                    self._run_lone(row)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        for row in range(self.batch_size):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                self._run_lone(row)
+            pool = graph.pool()
+            self._lone_graphs[row] = graph
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -575,10 +624,22 @@ class DecodeSession:
         self.pad_len.copy_(to_device(list(pad), torch.long, self.device))
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
-        """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32."""
+    def decode(self, tokens: torch.Tensor, slot: int, lone_row: int | None = None) -> torch.Tensor:
+        """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32.
+
+        ``lone_row``: the only row whose result matters (one stream running). With the fused step, only that row
+        is computed (its own one-row step, graphed where the session is): its logits are right and its cache is
+        written, the other rows' logits and caches are left as they were."""
         self.tokens.copy_(tokens[:, None])
         self.slot.fill_(slot)
+        if lone_row is not None and self.fused is not None and self.batch_size > 1:
+            graph = self._lone_graphs.get(lone_row)
+            if graph is not None:
+                graph.replay()
+                return self._lone_out
+            if not self.graphs:  # an eager session; a graphed one without this graph takes the full graph
+                self._run_lone(lone_row)
+                return self._lone_out
         window = self.window_for(slot)
         if window in self.graphs:
             self.graphs[window].replay()

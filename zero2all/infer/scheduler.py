@@ -807,7 +807,7 @@ class Scheduler:
                 self._host.copy_(tokens, non_blocking=True)
                 self._copied.record()
             if any(s.drawn + 1 < s.params.max_new_tokens for s in running):
-                self._logits, launched = S.decode(tokens, self._col), True
+                self._logits, launched = self._decode(tokens, running), True
             if on_cuda:
                 self._copied.synchronize()
             host = self._host.tolist() if on_cuda else tokens.tolist()
@@ -821,7 +821,7 @@ class Scheduler:
                     self._advance(seq, host[seq.row])
             still = any(s is not None for s in self._rows)
         if not self.pipelined and still:  # nothing runs ahead: step only for the rows that go on
-            self._logits, launched = S.decode(tokens, self._col), True
+            self._logits, launched = self._decode(tokens, running), True
             if self.paged:
                 S.note_tokens(host)
         self.steps += launched
@@ -829,6 +829,12 @@ class Scheduler:
             self._col += 1
         else:
             self._logits = None
+
+    def _decode(self, tokens: torch.Tensor, running: list[_Seq]) -> torch.Tensor:
+        """The next decode step; with one stream running in the column engine, over its row alone."""
+        if not self.paged and len(running) == 1:
+            return self.session.decode(tokens, self._col, lone_row=running[0].row)
+        return self.session.decode(tokens, self._col)
 
     def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
         """(Paged, speculating rows present.) Speculative decoding: after the drawn tokens are handed out, each
