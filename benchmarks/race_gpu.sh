@@ -20,8 +20,9 @@
 #
 #   ours      Z2all 12 x 768 (6 heads of 128, SwiGLU 2048), byte-level BPE 32,768 trained on 100 MB of the train
 #             split, seq 2048, 64k tokens per update (16 x 2048 x 2), Muon `spectral` at muon_lr 0.02 + AdamW 2e-3
-#             (cosine to a tenth, warmup 50), bf16, train.time_budget_s; bits per byte on the whole validation
-#             split every RACE_EVAL_EVERY updates (inside its budget) and by `z2all eval` at the end.
+#             (cosine to a tenth, warmup 50), bf16, train.time_budget_s counting training only (as the peers'
+#             clocks do); bits per byte on the whole validation split every RACE_EVAL_EVERY updates (off its
+#             clock) and by `z2all eval` at the end.
 #   nanochat  karpathy/nanochat @ 92d63d4 unmodified but for the budget edit (race_patch.py): its tokenizer
 #             (rustbpe, 32,768, scripts.tok_train on 100M characters), scripts.base_train --depth 12 with its own
 #             recipe (Muon for matrices + AdamW, its LR / batch-size / weight-decay scaling, 524k tokens per update,
@@ -79,7 +80,7 @@ if [ -n "${RACE_SMOKE:-}" ]; then
   CORPUS_MB=${CORPUS_MB:-3}; BUDGET_S=${BUDGET_S:-30}; EVAL_DOCS=20; VOCAB=512; SEQ=128; DEPTH=2; DIM=64; HEADS=2
   FFN=192
   MB=4; ACCUM=1; TOK_BYTES=2M; DEVICE=cpu; TAG=cpu-smoke; FIX_STEP=12; NC_BATCH=2; NC_TOTAL=512; NC_EVAL=1024
-  EVAL_EVERY=10; NC_EVAL_EVERY=5; VAL_SEQ=128; DEADLINE=${RACE_DEADLINE_S:-900}
+  EVAL_EVERY=200; NC_EVAL_EVERY=5; VAL_SEQ=128; DEADLINE=${RACE_DEADLINE_S:-900}
 else
   WORK=${1:-runs/race}  # git-ignored: kept between two calls on a machine that is still warm (RACE_PHASE)
   CORPUS_MB=${CORPUS_MB:-300}; BUDGET_S=$((BUDGET_MIN * 60)); VOCAB=32768; SEQ=2048; DEPTH=12; DIM=768; HEADS=6
@@ -156,7 +157,8 @@ ours)
     model.vocab_size=$VOCAB model.hidden_dim=$DIM model.intermediate_size=$FFN model.n_layers=$DEPTH \
     model.n_heads=$HEADS model.n_kv_heads=$HEADS model.max_seq_len=$SEQ data.seq_len=$SEQ \
     train.device="'$DEVICE'" train.micro_batch_size=$MB train.grad_accum_steps=$ACCUM train.max_steps=1000000 \
-    train.time_budget_s=$BUDGET_S train.optimizer="'muon'" train.muon_scale="'spectral'" train.muon_lr=0.02 \
+    train.time_budget_s=$BUDGET_S train.time_budget_counts="'training'" train.optimizer="'muon'" \
+    train.muon_scale="'spectral'" train.muon_lr=0.02 \
     train.lr=2e-3 train.min_lr=2e-4 train.schedule="'cosine'" train.warmup_steps=50 train.eval_every=$EVAL_EVERY \
     train.eval_batches=10 train.eval_data="['$VALID']" train.eval_data_max_docs=$EVAL_DOCS train.num_samples=0 \
     train.ckpt_every=1000000000 train.keep_last=1 train.tensorboard=false train.log_every=10 \

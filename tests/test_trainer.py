@@ -147,6 +147,32 @@ def test_time_budget_stops_when_the_time_is_up(tmp_path, monkeypatch, capsys):
     assert Path(summary["final"]).is_dir()
 
 
+@pytest.mark.parametrize("counts", ["all", "training"])
+def test_time_budget_counts_training_only_when_asked(tmp_path, monkeypatch, capsys, counts):
+    """Evaluations of 1 s every 5 updates (and one at the start), 0.125 s per update, a 3.5 s budget: counting
+    training only, the run is the 28 updates of the budget without evaluations (they are left off its clock);
+    counting all, the evaluations spend the budget and the run is shorter."""
+    import zero2all.train.trainer as trainer_module
+
+    clock = _FakeClock(trainer_module, monkeypatch, 0.125)
+    cfg = tiny_cfg(tmp_path, "train.max_steps=1000", "train.warmup_steps=4", "train.time_budget_s=3.5",
+                   "train.eval_every=5", f"train.time_budget_counts='{counts}'")
+    trainer = clock.wrap(Trainer(cfg, show_progress=False))
+    evaluate = trainer.evaluate
+
+    def slow_evaluate(*a, **k):
+        clock.now += 1.0
+        return evaluate(*a, **k)
+    trainer.evaluate = slow_evaluate
+    trainer.fit()
+    out = capsys.readouterr().out
+    if counts == "training":
+        assert "-> 28 updates in all" in out and trainer.step == 28
+        assert trainer.wall_s == pytest.approx(3.5)
+    else:
+        assert trainer.step == 10 and trainer.wall_s == pytest.approx(4.25)  # 1 + 10 x 0.125 + 2 evaluations
+
+
 # ------------------------------------------------------------------------------------------------ optimiser
 
 

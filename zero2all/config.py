@@ -381,6 +381,9 @@ class TrainConfig:
     # bound, the LR schedule's length is fixed from the rate measured over the first updates (at the end of warmup,
     # at least 10 updates), and training stops when the time is up
     time_budget_s: float = 0.0
+    # what the budget counts: all (the loop's wall time) | training (updates only: evaluations, samples and
+    # checkpoints are left out, as the small-model speed records count their clocks)
+    time_budget_counts: str = "all"
     # -- optimiser
     lr: float = 3e-4               # peak learning rate
     min_lr: float = 3e-5           # learning rate at the end of the schedule (<= lr)
@@ -452,7 +455,7 @@ class TrainConfig:
     sample_prompts: list[str] = field(default_factory=list)
 
     _CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "fused_adamw": FUSED_ADAMW, "optimizer": OPTIMIZERS,
-                "muon_scale": ("rms", "spectral"), "trainable": TRAINABLE}
+                "muon_scale": ("rms", "spectral"), "trainable": TRAINABLE, "time_budget_counts": ("all", "training")}
 
     def validate(self, prefix: str = "train") -> None:
         """Every field in range (naming it). ``LRSchedule`` (train/optim.py) checks the schedule fields again

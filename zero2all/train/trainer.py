@@ -401,7 +401,7 @@ class Trainer:
         self.skipped_total = 0
         self.skipped_in_a_row = 0
         self.elapsed_s = 0.0
-        self.wall_s = 0.0  # wall time of the training loop (evaluations and checkpoints included), all sessions
+        self.wall_s = 0.0  # the time budget's clock over all sessions: the loop's wall time (train.time_budget_counts)
         self.budget_steps: int | None = None  # train.time_budget_s: the run's length once fixed from the rate
         self.resumed_from: Path | None = None
         self.last_samples: list[dict] = []
@@ -509,12 +509,14 @@ class Trainer:
     # the updates a time-budgeted run times before fixing its length (at least; and at least until warmup ends)
     BUDGET_WINDOW = 10
 
-    def _budget_check(self, wall0: float, window: tuple[int, float], eval_s: float) -> bool:
+    def _budget_check(self, wall0: float, window: tuple[int, float], eval_s: float, clock) -> bool:
         """``train.time_budget_s``: at the end of the measuring window fix the run's length from the measured rate
         (seconds per update since ``window`` = (step, time) after this session's first update, plus the
-        evaluations' share, ``eval_s`` per evaluation); True when the time is up (every rank agrees)."""
+        evaluations' share, ``eval_s`` per evaluation); True when the time is up (every rank agrees). ``clock``:
+        the budget's clock (the wall clock, less the evaluations' and checkpoints' time when the budget counts
+        training only)."""
         t = self.tcfg
-        now = wall_clock()
+        now = clock()
         self.wall_s = now - wall0
         if self.budget_steps is None and self.step >= max(t.warmup_steps, window[0] + self.BUDGET_WINDOW):
             per_update = zd.all_reduce_mean((now - window[1]) / max(1, self.step - window[0]), self.dist)
@@ -968,12 +970,23 @@ class Trainer:
     def _loop(self, stop: "_StopSignals") -> None:
         t = self.tcfg
         self._last_eval = self._last_sample = self._last_ckpt = None
-        wall0 = wall_clock() - self.wall_s  # a budget counts the earlier sessions of the run too
+        # the budget's clock: with train.time_budget_counts = training, the time of evaluations, samples and
+        # checkpoints is taken off it (``left_out``), so that it counts updates only
+        left_out = 0.0
+        training_only = t.time_budget_counts == "training"
+
+        def clock() -> float:
+            return wall_clock() - left_out
+        wall0 = clock() - self.wall_s  # a budget counts the earlier sessions of the run too
         eval_s = 0.0
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
+            t0 = wall_clock()
             self.evaluate()
             self._last_eval = 0
-            eval_s = wall_clock() - wall0
+            if training_only:
+                left_out += wall_clock() - t0
+            else:
+                eval_s = wall_clock() - t0
         window = None
         while self.step < t.max_steps:
             try:
@@ -1000,6 +1013,7 @@ class Trainer:
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
+            paused = wall_clock()
             with self.watchdog.pause():  # these have their own collective timeout
                 if t.eval_every and self.step % t.eval_every == 0:
                     self.evaluate()
@@ -1010,14 +1024,16 @@ class Trainer:
                 if t.ckpt_every and self.step % t.ckpt_every == 0:
                     self.save_checkpoint()
                     self._last_ckpt = self.step
+            if training_only:
+                left_out += wall_clock() - paused
             if t.time_budget_s:
-                window = window or (self.step, wall_clock())
-                if self._budget_check(wall0, window, eval_s):
+                window = window or (self.step, clock())
+                if self._budget_check(wall0, window, eval_s, clock):
                     self._print(f"time budget of {t.time_budget_s:g} s used up after update {self.step} "
                                 f"(of {t.max_steps})")
                     break
             else:
-                self.wall_s = wall_clock() - wall0
+                self.wall_s = clock() - wall0
             # every rank stops at the same update, whichever of them got the signal
             if zd.any_true(stop.received is not None, self.dist):
                 path = self.save_checkpoint() if self._last_ckpt != self.step else \
