@@ -307,7 +307,9 @@ def test_lone_row_step_computes_its_row_alone_and_leaves_the_others():
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)
     model = build_model(cfg, device=DEVICE, seed=0).float().eval()
     prompts = [[5, 9, 200], list(range(30, 41)), [7]]
-    full, lone = (DecodeSession(model, 3, 32, cuda_graph=False, fused=True) for _ in range(2))
+    full = DecodeSession(model, 3, 32, cuda_graph=False, fused=True)
+    lone = DecodeSession(model, 3, 32, cuda_graph=False, fused=True, lone_rows=True)
+    assert not full.lone_rows and lone.lone_rows
     for s in (full, lone):
         s.prefill(prompts, 0)
     P, row = 11, 1

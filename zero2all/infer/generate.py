@@ -302,7 +302,7 @@ class DecodeSession:
 
     def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool,
                  compile: bool | str = False, window: int = 256, fused: bool = False,
-                 prefill_buckets: Sequence[int] = ()):
+                 prefill_buckets: Sequence[int] = (), lone_rows: bool = False):
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         w = model.embed_tokens.weight
@@ -322,6 +322,7 @@ class DecodeSession:
         self._lone_steps: dict = {}                            # row -> FusedDecodeStep over that row alone
         self._lone_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._lone_out: torch.Tensor | None = None            # (B, V) float32: a lone row's logits land in its row
+        self.lone_rows = lone_rows and fused and batch_size > 1  # decode(lone_row=r) runs row r alone
         if fused:
             from zero2all.infer.fused_decode import FusedDecodeStep
 
@@ -457,7 +458,7 @@ class DecodeSession:
                 self.logits_out[w] = self.step_fn(w)
             pool = graph.pool()
             self.graphs[w] = graph
-        if self.fused is not None and self.batch_size > 1:
+        if self.lone_rows:
             try:
                 self._capture_lone_rows()
             except Exception as e:  # the full step serves a lone row too, only slower
@@ -627,12 +628,13 @@ class DecodeSession:
     def decode(self, tokens: torch.Tensor, slot: int, lone_row: int | None = None) -> torch.Tensor:
         """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32.
 
-        ``lone_row``: the only row whose result matters (one stream running). With the fused step, only that row
-        is computed (its own one-row step, graphed where the session is): its logits are right and its cache is
-        written, the other rows' logits and caches are left as they were."""
+        ``lone_row``: the only row whose result matters (one stream running). In a session made with
+        ``lone_rows`` (the fused step, more than one row), only that row is computed (its own one-row step, graphed
+        where the session is): its logits are right and its cache is written, the other rows' logits and caches
+        are left as they were. Elsewhere it is ignored."""
         self.tokens.copy_(tokens[:, None])
         self.slot.fill_(slot)
-        if lone_row is not None and self.fused is not None and self.batch_size > 1:
+        if lone_row is not None and self.lone_rows:
             graph = self._lone_graphs.get(lone_row)
             if graph is not None:
                 graph.replay()

@@ -344,7 +344,8 @@ class Scheduler:
             self.session = DecodeSession(model, max_batch, self.cache_len, cuda_graph=generator.cuda_graph,
                                          compile=generator.compile, window=generator.attention_window,
                                          fused=generator.use_fused(max_batch),
-                                         prefill_buckets=PREFILL_BUCKETS if prefill_graphs else ())
+                                         prefill_buckets=PREFILL_BUCKETS if prefill_graphs else (),
+                                         lone_rows=True)
         self.compact_min = compact_min
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
