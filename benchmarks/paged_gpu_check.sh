@@ -13,6 +13,7 @@
 #   CD   --engine column with its default rows (16 on CUDA), the same load: what `z2all serve` does out of the box
 #   CDG  CD with --prefill-graphs (one-prompt prefills as CUDA graphs of length buckets), then CD again beside it
 #        (same call: the TTFT split's prefill part with and without the graphs)
+#   PFG  PF with --prefill-graphs (the paged engine's one-row prefill chunks as CUDA graphs of length buckets)
 #   PF   the paged engine with a shared 1,000-token prefix before 32 distinct prompt tokens, 32 new tokens, clients
 #        1,16, 4 requests each: with prefix caching, then with --no-prefix-caching (the TTFT cut)
 set -u
@@ -45,3 +46,4 @@ want CDG && ! want CD && ROWS="$ROWS,CD2," && row CD2 300 "${L[@]}" --engine col
 row PF 150 "${P[@]}" --json "$OUT/PF.json"
 want PF && ROWS="$ROWS,PFN,"
 row PFN 150 "${P[@]}" --no-prefix-caching --json "$OUT/PFN.json"
+row PFG 150 "${P[@]}" --prefill-graphs --json "$OUT/PFG.json"

@@ -102,6 +102,40 @@ def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(model):
     assert paged_greedy(plain, [1], [p2], 8)[0] == second and plain.cached_tokens[1] == 0
 
 
+def test_bucketed_prefill_equals_the_plain_prefill_in_float64():
+    """One row's prompt tokens right-padded to a bucket, its table padded with the null block (the shapes a prefill
+    CUDA graph needs; eager on CPU): in float64 the logits, the keys and values written into the row's blocks and
+    the decode steps after it equal the plain forward's, with a prefix-cache hit, in chunks (the token budget)
+    and past the largest bucket."""
+    m = build_model(tiny_model_config(initializer_range=0.3), seed=0).double().eval()
+    plain = PagedSession(m, rows=3, max_len=96, block_size=16)
+    padded = PagedSession(m, rows=3, max_len=96, block_size=16, prefill_buckets=(8, 32, 500))
+    assert padded.prefill_buckets == [8, 32] and plain.prefill_buckets == []
+    system = prompt(7, 40)
+    cases = [(0, system + prompt(8, 9), 64), (1, system + prompt(9, 3), 64), (2, prompt(10, 5), 4),
+             (0, prompt(11, 50), 64)]
+    for row, p, chunk in cases:
+        got, want = [], []
+        for s, out in ((padded, got), (plain, want)):
+            if s.rows[row] is not None:
+                s.release(row)
+            s.start(row, p)
+            while s.remaining(row):
+                out.append(s.prefill_step([row], [chunk]))
+        assert padded.cached_tokens[row] == plain.cached_tokens[row]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=5e-13, rtol=5e-13)
+        blocks = padded.rows[row].blocks
+        assert blocks == plain.rows[row].blocks
+        for kv_got, kv_want in zip((*padded.cache.k, *padded.cache.v), (*plain.cache.k, *plain.cache.v)):
+            torch.testing.assert_close(kv_got[blocks], kv_want[blocks], atol=5e-13, rtol=5e-13)
+    assert padded.cached_tokens[1] == 32                      # the shared system prompt's two full blocks
+    tokens = torch.tensor([3, 7, 9])
+    for _ in range(3):
+        torch.testing.assert_close(padded.decode(tokens), plain.decode(tokens), atol=5e-13, rtol=5e-13)
+
+
 def test_shared_blocks_while_both_run_and_eviction_under_pressure(model):
     system = prompt(11, 32)
     s = PagedSession(model, rows=2, max_len=48, n_blocks=1 + 6, block_size=16)
@@ -229,6 +263,30 @@ def test_cuda_graphed_paged_decode_equals_the_eager_step():
     graphed.release(1)
     eager.release(1)
     torch.testing.assert_close(graphed.decode(tokens), eager.decode(tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_bucketed_prefill_equals_the_eager_prefill():
+    """On CUDA: one row's prompt chunks through the prefill graphs of their buckets (with a prefix-cache hit, in
+    chunks of the token budget) give the eager prefill's logits, and the same greedy tokens after (float32)."""
+    m = build_model(tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100),
+                    device="cuda", seed=0).eval()
+    graphed = PagedSession(m, rows=4, max_len=96, block_size=16, cuda_graph=True, prefill_buckets=(32, 64))
+    eager = PagedSession(m, rows=4, max_len=96, block_size=16, cuda_graph=True)
+    assert sorted(graphed.prefill_graphs) == [32, 64] and not eager.prefill_graphs
+    system = prompt(7, 40)
+    for row, p, chunk in ((0, system + prompt(8, 9), 64), (1, system + prompt(9, 3), 64), (2, prompt(10, 70), 24)):
+        for s in (graphed, eager):
+            s.start(row, p)
+        while eager.remaining(row):
+            a, b = graphed.prefill_step([row], [chunk]), eager.prefill_step([row], [chunk])
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert graphed.cached_tokens[1] == 32
+    tokens = torch.arange(4, device="cuda") + 7
+    for _ in range(5):
+        a, b = graphed.decode(tokens), eager.decode(tokens)
+        assert torch.equal(a[:3].argmax(-1), b[:3].argmax(-1))
+        tokens = b.argmax(-1)
 
 
 def test_auto_engine_and_default_rows_follow_the_device():

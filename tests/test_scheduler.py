@@ -188,22 +188,22 @@ def test_bucketed_prefill_equals_the_plain_prefill_in_float64():
                                        atol=4e-13, rtol=4e-13)
 
 
-def test_scheduler_with_prefill_graphs_gives_each_prompt_its_own_tokens(make_scheduler, model):
-    """The column engine with bucketed one-prompt prefills (eager on CPU, graphed on CUDA): greedy tokens equal
-    the one-prompt Generator's; the paged engine refuses the option."""
-    sched = make_scheduler(max_batch=3, cache_len=96, engine="column", prefill_graphs=True)
+@pytest.mark.parametrize("engine", ["column", "paged"])
+def test_scheduler_with_prefill_graphs_gives_each_prompt_its_own_tokens(make_scheduler, model, engine):
+    """Either engine with bucketed one-prompt prefills (eager on CPU, graphed on CUDA): greedy tokens equal the
+    one-prompt Generator's."""
+    sched = make_scheduler(max_batch=3, cache_len=96, engine=engine, prefill_graphs=True)
     assert sched.session.prefill_buckets == [32, 64]
     jobs = [([(5 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=k))
             for i, (n, k) in enumerate(zip([3, 31, 40, 1, 70], [9, 4, 12, 6, 5]))]
     for (prompt, params), events in zip(jobs, run_all(sched, jobs)):
         assert tokens_of(events) == [reference(model, prompt, params)]
-    with pytest.raises(ValueError, match="prefill_graphs needs the column engine"):
-        Scheduler(Generator(model, ByteTokenizer()), engine="paged", prefill_graphs=True)
     from zero2all.infer.server import InferenceApp
 
-    app = InferenceApp(Generator(model, ByteTokenizer()), "m", engine_options={"prefill_graphs": True})
-    try:  # auto picks the column engine for it (on CPU auto is otherwise paged)
-        assert app.scheduler.engine == "column" and app.scheduler.session.prefill_buckets
+    app = InferenceApp(Generator(model, ByteTokenizer()), "m", engine_options={"engine": engine,
+                                                                              "prefill_graphs": True})
+    try:  # the server passes it through
+        assert app.scheduler.engine == engine and app.scheduler.session.prefill_buckets
     finally:
         app.scheduler.stop()
 

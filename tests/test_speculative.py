@@ -209,8 +209,6 @@ def checkpoints(tmp_path_factory):
     ("tokens alone", ["--speculative-tokens", "3"], "--speculative-tokens needs --draft-model"),
     ("zero tokens", ["--draft-model", "{root}/draft", "--speculative-tokens", "0"], "must be >= 1"),
     ("column", ["--draft-model", "{root}/draft", "--engine", "column"], "--engine paged"),
-    ("prefill graphs, paged", ["--prefill-graphs", "--engine", "paged"], "the column engine's"),
-    ("prefill graphs, drafts", ["--prefill-graphs", "--speculative-ngram", "2"], "the column engine's"),
 ])
 def test_serve_refuses_a_draft_that_cannot_work_before_loading(checkpoints, monkeypatch, capsys, case, args,
                                                                 expected):

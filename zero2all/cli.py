@@ -1027,8 +1027,8 @@ def _serve(p):
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
     p.add_argument("--prefill-graphs", action="store_true",
-                   help="column engine (picked by auto): prefill a lone prompt of up to 2,048 tokens as a CUDA graph "
-                        "of its length bucket (32, 64, ..., 2048), instead of launching every operation from the host")
+                   help="prefill a prompt that is computed alone (up to 2,048 new tokens) by replaying a CUDA graph of "
+                        "its length bucket (32, 64, ..., 2048) instead of launching every operation from the host")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds to let running and queued requests finish before cancelling "
                         "them (exit status 143 if any was cancelled; a second signal cancels at once)")
@@ -1085,9 +1085,6 @@ def _serve(p):
                 args.speculative_tokens = 4
             if args.speculative_tokens < 1:
                 raise ConfigError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1 (e.g. 4)")
-        if args.prefill_graphs and (args.engine == "paged" or args.speculative_ngram or args.draft_model):
-            raise ConfigError("--prefill-graphs: graphed prefills are the column engine's; leave out --engine paged, "
-                              "--speculative-ngram and --draft-model")
         if (args.speculative_ngram or args.draft_model) and args.engine == "auto":
             args.engine = "paged"           # asking for a paged engine's feature picks that engine
         if args.max_num_batched_tokens < 1:

@@ -197,7 +197,8 @@ class PagedSession:
     :meth:`release` (a row's blocks back to the pool)."""
 
     def __init__(self, model, rows: int, max_len: int, n_blocks: int | None = None, block_size: int = 16,
-                 prefix_caching: bool = True, impl: str = "auto", cuda_graph: bool = False):
+                 prefix_caching: bool = True, impl: str = "auto", cuda_graph: bool = False,
+                 prefill_buckets: Sequence[int] = ()):
         self.model = model
         w = model.embed_tokens.weight
         self.device = w.device
@@ -233,6 +234,92 @@ class PagedSession:
         self._graph_out: dict[int, torch.Tensor] = {}
         self._logits_buf: torch.Tensor | None = None   # with graphs: the one (rows, V) float32 output they share
         self._graph_pool = None
+        self._setup_prefill_buckets(prefill_buckets)
+
+    # -- one row's prefill chunk at a bucketed length (CUDA graphs of the prefill) --------------------------------
+    def _setup_prefill_buckets(self, buckets: Sequence[int]):
+        """Static buffers (and on CUDA, graphs) for computing one row's next prompt tokens at a fixed count L per
+        bucket: the tokens are right-padded to L (the padding writes to the null block and reads only the row's
+        real keys), the row's block table is padded to its full width with the null block (masked by its length),
+        and the logits are read at the last real token. One shape per bucket is what a CUDA graph needs; an eager
+        prefill launches every operation of every layer from the host, a fixed cost per forward."""
+        limit = min(self.max_len, self.model.cfg.max_seq_len)
+        self.prefill_buckets = sorted({int(b) for b in buckets if 0 < int(b) <= limit})
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if not self.prefill_buckets:
+            return
+        L, dev = self.prefill_buckets[-1], self.device
+        # tokens, positions, slots (each L), then the table (max_blocks), the length and the last token's index
+        self._pf_buf = torch.zeros(3 * L + self.max_blocks + 2, dtype=torch.long, device=dev)
+        self._pf_tables = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=dev)
+        self._pf_lengths = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._pf_out: dict[int, torch.Tensor] = {}
+        if not self.cuda_graph:
+            return
+        try:
+            self._pf_buf[2 * L:3 * L].fill_(NULL_BLOCK * self.block_size)   # warm-up writes land in the null block
+            self._pf_lengths.fill_(1)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                for b in self.prefill_buckets:
+                    for _ in range(2):
+                        self._bucket_forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            pool = None
+            for b in reversed(self.prefill_buckets):  # largest first; the others reuse its memory pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    self._pf_out[b] = self._bucket_forward(b)
+                pool = graph.pool()
+                self.prefill_graphs[b] = graph
+        except Exception as e:  # keep the eager prefill, say so
+            warnings.warn(f"paged session: prefill CUDA graph capture failed ({type(e).__name__}: {e}); "
+                          f"prefilling eagerly")
+            self.prefill_graphs, self._pf_out = {}, {}
+
+    def prefill_bucket_for(self, n: int) -> int | None:
+        """The smallest prefill bucket holding ``n`` tokens (None: no bucket, the eager forward)."""
+        for b in self.prefill_buckets:
+            if n <= b:
+                return b
+        return None
+
+    def _bucket_forward(self, L: int) -> torch.Tensor:
+        """The bucket's first L tokens of one row through the model (the static buffers only); the logits (1, V)
+        at the last real token, float32."""
+        m, c, Lmax = self.model, self.cache, self.prefill_buckets[-1]
+        buf = self._pf_buf
+        c.slots, c.tables, c.lengths = buf[2 * Lmax:2 * Lmax + L], self._pf_tables, self._pf_lengths
+        c.q_pos = buf[Lmax:Lmax + L][None]
+        cos, sin = m.rope_tables(0, L, self.device, c.q_pos)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            x, residual = m.blocks(m.embed(buf[:L][None]), None, cos, sin, c)
+        last = buf[-1:]
+        return m.lm_head(m.final_norm(x, residual).index_select(1, last))[:, 0].float()
+
+    def _forward_bucketed(self, s: _RowState, n: int, L: int) -> torch.Tensor:
+        """``_forward_new`` for one row whose ``n`` new tokens fit bucket ``L``: one upload, then the graph."""
+        Lmax, first = self.prefill_buckets[-1], s.computed
+        pad = L - n
+        host = [0] * (3 * Lmax + self.max_blocks + 2)
+        host[:n] = s.tokens[first:first + n]
+        host[Lmax:Lmax + L] = list(range(first, first + n)) + [first + n - 1] * pad  # padding: the last position
+        host[2 * Lmax:2 * Lmax + L] = [self._slot(s, p) for p in range(first, first + n)] \
+            + [NULL_BLOCK * self.block_size] * pad                                   # padding: the null block
+        host[3 * Lmax:3 * Lmax + len(s.blocks)] = s.blocks
+        host[3 * Lmax + len(s.blocks):3 * Lmax + self.max_blocks] = [NULL_BLOCK] * (self.max_blocks - len(s.blocks))
+        s.computed += n
+        host[-2], host[-1] = s.computed, n - 1
+        self._pf_buf.copy_(to_device(host, torch.long, self.device))
+        tail = self._pf_buf[3 * Lmax:]
+        self._pf_tables.copy_(tail[:self.max_blocks][None])
+        self._pf_lengths.copy_(tail[self.max_blocks:self.max_blocks + 1])
+        graph = self.prefill_graphs.get(L)
+        if graph is not None:
+            graph.replay()
+            return self._pf_out[L].clone()
+        return self._bucket_forward(L)
 
     # -- room ----------------------------------------------------------------------------------------------------
     def _blocks_for(self, n: int) -> int:
@@ -360,6 +447,8 @@ class PagedSession:
         """The next ``counts[i]`` uncomputed tokens of each row in one forward (rows with fewer than the most are
         left-padded: their padding writes to the null block); logits of each row's last ``keep`` positions
         (keep 1: (B, V); else (B, keep, V))."""
+        if len(states) == 1 and keep == 1 and (L := self.prefill_bucket_for(counts[0])) is not None:
+            return self._forward_bucketed(states[0], counts[0], L)
         toks, pos, slots, lengths = [], [], [], []
         T = max(counts)
         for s, n in zip(states, counts):

@@ -295,8 +295,6 @@ class Scheduler:
         if speculative_ngram < 0 or (speculative_ngram and engine != "paged"):
             raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
                              f"{speculative_ngram} with {engine!r}")
-        if prefill_graphs and engine != "column":
-            raise ValueError(f"scheduler: prefill_graphs needs the column engine, got {engine!r}")
         model = generator.model
         if draft_model is not None:
             if speculative_ngram:
@@ -332,7 +330,8 @@ class Scheduler:
                 half = torch.cuda.mem_get_info(generator.device)[0] // 2
                 kv_blocks = min(full, kv_blocks_for_bytes(model, block_size, half))
             self.session = PagedSession(model, max_batch, self.context, n_blocks=kv_blocks, block_size=block_size,
-                                        prefix_caching=prefix_caching, cuda_graph=bool(generator.cuda_graph))
+                                        prefix_caching=prefix_caching, cuda_graph=bool(generator.cuda_graph),
+                                        prefill_buckets=PREFILL_BUCKETS if prefill_graphs else ())
             if draft_model is not None:  # its own pool of as many blocks (fewer bytes for a smaller model)
                 from zero2all.infer.speculative import ModelDrafter
 

@@ -159,7 +159,7 @@ class InferenceApp:
     bytes. ``max_batch`` None: :func:`default_rows`. ``engine_options``: the :class:`Scheduler`'s engine arguments
     (engine: ``auto`` by default, :func:`resolve_engine`, or paged when speculative decoding is asked for;
     block_size, kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram, draft_model,
-    speculative_tokens; prefill_graphs, which picks the column engine under ``auto``). ``max_queue``: sequences
+    speculative_tokens, prefill_graphs). ``max_queue``: sequences
     that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
@@ -176,8 +176,6 @@ class InferenceApp:
         if engine == "auto" and (engine_options.get("draft_model") is not None
                                  or engine_options.get("speculative_ngram")):
             engine = "paged"              # speculative decoding is the paged engine's
-        elif engine == "auto" and engine_options.get("prefill_graphs"):
-            engine = "column"             # graphed prefills are the column engine's
         engine_options["engine"] = resolve_engine(engine, generator.device)
         if max_batch is None:
             max_batch = default_rows(engine_options["engine"], generator.device)
