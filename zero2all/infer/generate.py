@@ -283,6 +283,28 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
+def capture_graphs(keys: Sequence, run: Callable, warmups: int = 2) -> tuple[dict, dict]:
+    """CUDA graphs of ``run(key)`` for each key: ``warmups`` eager runs of each on a side stream first (kernels
+    compiled and tuned outside any capture), then the captures in the order given, sharing one memory pool (give
+    the largest first: the others fit in its memory). Returns ({key: graph}, {key: what ``run`` returned in its
+    capture}, the tensors a replay refills)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for key in keys:
+            for _ in range(warmups):
+                run(key)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs, pool = {}, {}, None
+    for key in keys:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            outs[key] = run(key)
+        pool = graph.pool()
+        graphs[key] = graph
+    return graphs, outs
+
+
 def prefill_chunk_len(batch: int, vocab: int, budget_elements: int = 1 << 27) -> int:
     """Prompt tokens per prefill chunk so that a (batch, chunk, vocab)-sized intermediate stays under the budget
     (the vocabulary stands in for the widest one: the attention scores of a long prompt are about as wide)."""
@@ -363,20 +385,7 @@ class DecodeSession:
         if not cuda_graph:
             return
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode():
-                for b in self.prefill_buckets:
-                    for _ in range(2):
-                        self._bucket_forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            pool = None
-            for b in reversed(self.prefill_buckets):  # largest first; the others reuse its memory pool
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                    self._pf_out[b] = self._bucket_forward(b)
-                pool = graph.pool()
-                self.prefill_graphs[b] = graph
+            self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward)
         except Exception as e:  # keep the eager prefill, say so
             warnings.warn(f"decode: prefill CUDA graph capture failed ({type(e).__name__}: {e}); prefilling eagerly")
             self.prefill_graphs, self._pf_out = {}, {}
@@ -444,20 +453,7 @@ class DecodeSession:
         self.slot.fill_(0)  # warm-up writes land in slot 0, which every prefill overwrites
         if self.fused is not None:
             self.fused.tune(self.tokens, self.slot, self.pad_len)  # once per shape and device
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for w in self.windows:
-                for _ in range(2):
-                    self.step_fn(w)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        for w in reversed(self.windows):  # largest first; the others reuse its memory pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                self.logits_out[w] = self.step_fn(w)
-            pool = graph.pool()
-            self.graphs[w] = graph
+        self.graphs, self.logits_out = capture_graphs(self.windows[::-1], self.step_fn)  # largest window first
         if self.lone_rows:
             try:
                 self._capture_lone_rows()
@@ -490,20 +486,7 @@ class DecodeSession:
         then costs a one-row step, not a step over every row of the session."""
         self.slot.fill_(0)
         self._lone_step(0).tune(self.tokens[:1], self.slot, self.pad_len[:1])  # the tiles of the one-row shapes
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for row in range(self.batch_size):
-                for _ in range(2):
-                    self._run_lone(row)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        for row in range(self.batch_size):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                self._run_lone(row)
-            pool = graph.pool()
-            self._lone_graphs[row] = graph
+        self._lone_graphs, _ = capture_graphs(range(self.batch_size), self._run_lone)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], pad_id: int) -> torch.Tensor:

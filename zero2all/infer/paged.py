@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from zero2all.infer.generate import PREFILL_ATTENTION, prefill_chunk_len, to_device
+from zero2all.infer.generate import PREFILL_ATTENTION, capture_graphs, prefill_chunk_len, to_device
 from zero2all.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
@@ -259,20 +259,7 @@ class PagedSession:
         try:
             self._pf_buf[2 * L:3 * L].fill_(NULL_BLOCK * self.block_size)   # warm-up writes land in the null block
             self._pf_lengths.fill_(1)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode():
-                for b in self.prefill_buckets:
-                    for _ in range(2):
-                        self._bucket_forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            pool = None
-            for b in reversed(self.prefill_buckets):  # largest first; the others reuse its memory pool
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                    self._pf_out[b] = self._bucket_forward(b)
-                pool = graph.pool()
-                self.prefill_graphs[b] = graph
+            self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward)
         except Exception as e:  # keep the eager prefill, say so
             warnings.warn(f"paged session: prefill CUDA graph capture failed ({type(e).__name__}: {e}); "
                           f"prefilling eagerly")
