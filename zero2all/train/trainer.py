@@ -977,16 +977,17 @@ class Trainer:
 
         def clock() -> float:
             return wall_clock() - left_out
-        wall0 = clock() - self.wall_s  # a budget counts the earlier sessions of the run too
+        start = clock()
+        wall0 = start - self.wall_s  # a budget counts the earlier sessions of the run too
         eval_s = 0.0
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
-            t0 = wall_clock()
             self.evaluate()
             self._last_eval = 0
+            spent = wall_clock() - start  # (nothing is left out yet: the clock is the wall clock)
             if training_only:
-                left_out += wall_clock() - t0
+                left_out += spent
             else:
-                eval_s = wall_clock() - t0
+                eval_s = spent
         window = None
         while self.step < t.max_steps:
             try:
@@ -1013,7 +1014,7 @@ class Trainer:
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
-            paused = wall_clock()
+            paused = wall_clock() if training_only else 0.0  # (read only when used: tests count the readings)
             with self.watchdog.pause():  # these have their own collective timeout
                 if t.eval_every and self.step % t.eval_every == 0:
                     self.evaluate()
