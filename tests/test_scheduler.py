@@ -9,7 +9,7 @@ import pytest
 import torch
 from standin_tokenizer import ByteTokenizer, tiny_model_config
 
-from zero2all.infer.generate import DecodeSession, Generator, SamplingParams, sample_rows
+from zero2all.infer.generate import DecodeSession, Generator, SamplingParams, sample_rows, smallest_bucket
 from zero2all.infer.scheduler import CANCELLED, QueueFull, Scheduler, ShuttingDown
 from zero2all.model.z2all import build_model
 
@@ -173,7 +173,7 @@ def test_bucketed_prefill_equals_the_plain_prefill_in_float64():
         prompt = [(11 * i + n) % 250 for i in range(n)]
         before = [k[[r for r in range(3) if r != row]].clone() for k in padded.cache.k]
         got, want = padded.prefill_rows([row], [prompt], end), plain.prefill_rows([row], [prompt], end)
-        assert padded.bucket_for(n) == next((b for b in (8, 16, 32) if n <= b), None)
+        assert smallest_bucket(padded.prefill_buckets, n) == next((b for b in (8, 16, 32) if n <= b), None)
         torch.testing.assert_close(got, want, atol=4e-13, rtol=4e-13)
         for kv_got, kv_want in zip((*padded.cache.k, *padded.cache.v), (*plain.cache.k, *plain.cache.v)):
             torch.testing.assert_close(kv_got[row, :, end - n:end], kv_want[row, :, end - n:end], atol=4e-13,

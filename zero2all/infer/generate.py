@@ -283,6 +283,17 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
+def prefill_buckets_for(buckets: Sequence[int], model: Z2all, max_len: int) -> list[int]:
+    """The prefill buckets a session of ``max_len`` slots can use (no longer than it or the model's context)."""
+    limit = min(max_len, model.cfg.max_seq_len)
+    return sorted({int(b) for b in buckets if 0 < int(b) <= limit})
+
+
+def smallest_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest of the sorted ``buckets`` holding ``n`` tokens (None: none does, the eager prefill)."""
+    return next((b for b in buckets if n <= b), None)
+
+
 def capture_graphs(keys: Sequence, run: Callable, warmups: int = 2) -> tuple[dict, dict]:
     """CUDA graphs of ``run(key)`` for each key: ``warmups`` eager runs of each on a side stream first (kernels
     compiled and tuned outside any capture), then the captures in the order given, sharing one memory pool (give
@@ -368,8 +379,7 @@ class DecodeSession:
         real token sees the padding; the logits are read at the prompt's last token and its keys and values copied
         into the row. One shape per bucket is what a CUDA graph needs: an eager prefill launches every operation
         of every layer from the host, a fixed cost that dominates a short prompt's time to first token."""
-        limit = min(self.max_len, self.model.cfg.max_seq_len)
-        self.prefill_buckets = sorted({int(b) for b in buckets if 0 < int(b) <= limit})
+        self.prefill_buckets = prefill_buckets_for(buckets, self.model, self.max_len)
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not self.prefill_buckets:
             return
@@ -401,13 +411,6 @@ class DecodeSession:
             x, residual = m.blocks(m.embed(self._pf_tokens[:, :L]), None, cos, sin, cache)
         h = m.final_norm(x, residual).index_select(1, self._pf_last)                         # (1, 1, hidden)
         return m.lm_head(h)[:, 0].float()
-
-    def bucket_for(self, n: int) -> int | None:
-        """The smallest prefill bucket holding ``n`` tokens (None: no bucket, the eager prefill)."""
-        for b in self.prefill_buckets:
-            if n <= b:
-                return b
-        return None
 
     def _prefill_bucketed(self, row: int, prompt: Sequence[int], end: int, L: int) -> torch.Tensor:
         P = len(prompt)
@@ -561,7 +564,7 @@ class DecodeSession:
                 or len(set(rows)) != R or not all(0 <= r < self.batch_size for r in rows)):
             raise ValueError(f"decode session: a prefill of prompts of {lengths} tokens ending at slot {end} in rows "
                              f"{list(rows)} does not fit ({self.batch_size}, {self.max_len})")
-        if R == 1 and (L := self.bucket_for(P)) is not None:
+        if R == 1 and (L := smallest_bucket(self.prefill_buckets, P)) is not None:
             return self._prefill_bucketed(rows[0], prompts[0], end, L)
         start = end - P
         rows = list(rows)

@@ -34,7 +34,14 @@ from typing import Sequence
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from zero2all.infer.generate import PREFILL_ATTENTION, capture_graphs, prefill_chunk_len, to_device
+from zero2all.infer.generate import (
+    PREFILL_ATTENTION,
+    capture_graphs,
+    prefill_buckets_for,
+    prefill_chunk_len,
+    smallest_bucket,
+    to_device,
+)
 from zero2all.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
@@ -243,8 +250,7 @@ class PagedSession:
         real keys), the row's block table is padded to its full width with the null block (masked by its length),
         and the logits are read at the last real token. One shape per bucket is what a CUDA graph needs; an eager
         prefill launches every operation of every layer from the host, a fixed cost per forward."""
-        limit = min(self.max_len, self.model.cfg.max_seq_len)
-        self.prefill_buckets = sorted({int(b) for b in buckets if 0 < int(b) <= limit})
+        self.prefill_buckets = prefill_buckets_for(buckets, self.model, self.max_len)
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not self.prefill_buckets:
             return
@@ -264,13 +270,6 @@ class PagedSession:
             warnings.warn(f"paged session: prefill CUDA graph capture failed ({type(e).__name__}: {e}); "
                           f"prefilling eagerly")
             self.prefill_graphs, self._pf_out = {}, {}
-
-    def prefill_bucket_for(self, n: int) -> int | None:
-        """The smallest prefill bucket holding ``n`` tokens (None: no bucket, the eager forward)."""
-        for b in self.prefill_buckets:
-            if n <= b:
-                return b
-        return None
 
     def _bucket_forward(self, L: int) -> torch.Tensor:
         """The bucket's first L tokens of one row through the model (the static buffers only); the logits (1, V)
@@ -434,7 +433,7 @@ class PagedSession:
         """The next ``counts[i]`` uncomputed tokens of each row in one forward (rows with fewer than the most are
         left-padded: their padding writes to the null block); logits of each row's last ``keep`` positions
         (keep 1: (B, V); else (B, keep, V))."""
-        if len(states) == 1 and keep == 1 and (L := self.prefill_bucket_for(counts[0])) is not None:
+        if len(states) == 1 and keep == 1 and (L := smallest_bucket(self.prefill_buckets, counts[0])) is not None:
             return self._forward_bucketed(states[0], counts[0], L)
         toks, pos, slots, lengths = [], [], [], []
         T = max(counts)

@@ -159,8 +159,8 @@ class InferenceApp:
     bytes. ``max_batch`` None: :func:`default_rows`. ``engine_options``: the :class:`Scheduler`'s engine arguments
     (engine: ``auto`` by default, :func:`resolve_engine`, or paged when speculative decoding is asked for;
     block_size, kv_blocks, kv_cache_gb, prefix_caching, max_num_batched_tokens, speculative_ngram, draft_model,
-    speculative_tokens, prefill_graphs). ``max_queue``: sequences
-    that may wait for a row (a waiting request costs its prompt, no cache); more get 429."""
+    speculative_tokens, prefill_graphs). ``max_queue``: sequences that may wait for a row (a waiting request costs
+    its prompt, no cache); more get 429."""
 
     def __init__(self, generator: Generator, model_name: str, max_tokens_limit: int = 1024,
                  default_max_tokens: int = 256, max_queue: int = 64, max_batch: int | None = None,
