@@ -11,9 +11,9 @@
 #   PG   --engine paged  --max-batch 256, 128-token prompts, 128 new tokens, clients 1,64,256, 2 requests each
 #   CO   --engine column --max-batch 256, the same load
 #   CD   --engine column with its default rows (16 on CUDA), the same load: what `z2all serve` does out of the box
-#   CDG  CD with --prefill-graphs (one-prompt prefills as CUDA graphs of length buckets), then CD again beside it
-#        (same call: the TTFT split's prefill part with and without the graphs)
-#   PFG  PF with --prefill-graphs (the paged engine's one-row prefill chunks as CUDA graphs of length buckets)
+#   CDE  CD with --no-prefill-graphs (one-prompt prefills eager, launched op by op), then CD again beside it
+#        (same call: the TTFT split's prefill part without and with the graphs)
+#   PFE  PF and PFN with --no-prefill-graphs (the paged engine's one-row prefill chunks eager)
 #   PF   the paged engine with a shared 1,000-token prefix before 32 distinct prompt tokens, 32 new tokens, clients
 #        1,16, 4 requests each: with prefix caching, then with --no-prefix-caching (the TTFT cut)
 set -u
@@ -41,9 +41,11 @@ row T 400 python3 -m pytest -q -m gpu tests/test_paged.py tests/test_scheduler.p
 row PG 200 "${L[@]}" --engine paged --max-batch 256 --json "$OUT/PG.json"
 row CO 200 "${L[@]}" --engine column --max-batch 256 --json "$OUT/CO.json"
 row CD 300 "${L[@]}" --engine column --json "$OUT/CD.json"
-row CDG 300 "${L[@]}" --engine column --prefill-graphs --json "$OUT/CDG.json"
-want CDG && ! want CD && ROWS="$ROWS,CD2," && row CD2 300 "${L[@]}" --engine column --json "$OUT/CD2.json"
+row CDE 300 "${L[@]}" --engine column --no-prefill-graphs --json "$OUT/CDE.json"
+want CDE && ! want CD && ROWS="$ROWS,CD2," && row CD2 300 "${L[@]}" --engine column --json "$OUT/CD2.json"
 row PF 150 "${P[@]}" --json "$OUT/PF.json"
 want PF && ROWS="$ROWS,PFN,"
 row PFN 150 "${P[@]}" --no-prefix-caching --json "$OUT/PFN.json"
-row PFG 150 "${P[@]}" --prefill-graphs --json "$OUT/PFG.json"
+want PFE && ROWS="$ROWS,PFEN,"
+row PFE 150 "${P[@]}" --no-prefill-graphs --json "$OUT/PFE.json"
+row PFEN 150 "${P[@]}" --no-prefill-graphs --no-prefix-caching --json "$OUT/PFEN.json"

@@ -369,8 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="paged engine: tokens per KV block")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged engine: GiB for the KV block pool")
     ap.add_argument("--no-prefix-caching", action="store_true", help="paged engine: no prefix caching")
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="one-prompt prefills as CUDA graphs of length buckets")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="one-prompt prefills as CUDA graphs of length buckets (default: the server's, on CUDA)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged engine: tokens per step")
     ap.add_argument("--speculative-ngram", type=int, default=0, help="paged engine: prompt-lookup draft tokens")
     ap.add_argument("--draft-model", default=None, help="paged engine: a draft model's checkpoint for speculative "

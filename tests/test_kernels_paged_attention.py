@@ -50,20 +50,25 @@ CASES = [  # (B, H, Hkv, D, block size, lengths)
     (4, 8, 8, 32, 16, [33, 0, 16, 5]),        # MHA, a free row (length 0), an exact block
     (2, 12, 1, 24, 32, [70, 31]),             # MQA (12 query heads on one key/value head), block of 32
     (5, 10, 2, 64, 16, [3, 100, 47, 64, 1]),
+    (1, 8, 2, 64, 16, [1000]),                # one long row: what the splits are for
 ]
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [1, 3, 8, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_paged_kernel_matches_float64_reference(case, dtype):
+def test_paged_kernel_matches_float64_reference(case, dtype, splits):
+    """Whole rows (1 split) and rows walked in pieces then combined (3: uneven pieces, and short rows whose last
+    splits get no block; 8: more splits than some tables have blocks, clamped to the table's width; None: the
+    default, on CUDA from the device's multiprocessors, 1 elsewhere)."""
     B, H, Hkv, D, bs, lengths = case
     q, k, v, tables, lens = _case(B, H, Hkv, D, bs, lengths, dtype, seed=B * 100 + D)
     want = _reference(q, k, v, tables, lens)
-    got = pa.paged_decode_attention(q, k, v, tables, lens, impl="triton")
+    got = pa.paged_decode_attention(q, k, v, tables, lens, impl="triton", splits=splits)
     assert got.dtype == dtype and got.shape == (B, H, D)
     assert_close_to_reference(got, want, rel_l2={torch.float32: 1e-5, torch.bfloat16: 1e-2}, dtype=dtype,
-                              what=f"paged attention {case}")
+                              what=f"paged attention {case}, {splits} splits")
     free = [b for b in range(B) if lengths[b] == 0]
     assert all(got[b].abs().max().item() == 0 for b in free)
 

@@ -84,6 +84,39 @@ def test_paged_greedy_through_the_triton_kernel_matches_the_contiguous_generator
     assert paged_greedy(s, [0, 2, 3], prompts, 6) == want
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+def test_short_prompt_chunks_through_the_decode_kernel_equal_the_masked_attention(model):
+    """Prompt chunks of at most SHORT_CHUNK tokens attend through the decode kernel, one query per new token (what
+    CUDA runs; interpreted on CPU): after a prefix-cache hit, two rows of different lengths in one left-padded
+    chunk, and a chunk past SHORT_CHUNK (the masked attention on both sides). Logits and the cache's keys and
+    values equal the PyTorch session's."""
+    from zero2all.infer import paged
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = build_model(tiny_model_config(initializer_range=0.3), seed=0, device=device).float().eval()
+    system = prompt(7, 40)
+    kernel = PagedSession(m, rows=3, max_len=160, block_size=16, impl="triton")
+    plain = PagedSession(m, rows=3, max_len=160, block_size=16, impl="torch")
+    steps = [([0], [system + prompt(8, 9)], 64), ([1, 2], [system + prompt(9, 3), prompt(10, 30)], 16),
+             ([0], [prompt(11, 2 * paged.SHORT_CHUNK + 5)], 160)]
+    for rows, prompts, chunk in steps:
+        for s in (kernel, plain):
+            for r in rows:
+                if s.rows[r] is not None:
+                    s.release(r)
+            for r, p in zip(rows, prompts):
+                s.start(r, p)
+        while kernel.remaining(rows[0]) or kernel.remaining(rows[-1]):
+            live = [r for r in rows if kernel.remaining(r)]
+            got = kernel.prefill_step(live, [chunk] * len(live))
+            want = plain.prefill_step(live, [chunk] * len(live))
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert kernel.cached_tokens[1] == plain.cached_tokens[1] == 32
+    for kv_got, kv_want in zip((*kernel.cache.k, *kernel.cache.v), (*plain.cache.k, *plain.cache.v)):
+        torch.testing.assert_close(kv_got, kv_want, atol=2e-5, rtol=2e-5)
+
+
 def test_prefix_cache_reuses_blocks_and_gives_the_same_tokens(model):
     system = prompt(7, 40)
     p1, p2 = system + prompt(8, 9), system + prompt(9, 3)

@@ -1026,9 +1026,10 @@ def _serve(p):
                    help="with --draft-model: draft tokens the draft model proposes a step (default 4)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="paged engine: compute every prompt in full instead of reusing cached blocks of earlier ones")
-    p.add_argument("--prefill-graphs", action="store_true",
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill a prompt that is computed alone (up to 2,048 new tokens) by replaying a CUDA graph of "
-                        "its length bucket (32, 64, ..., 2048) instead of launching every operation from the host")
+                        "its length bucket (32, 64, ..., 2048) instead of launching every operation from the host "
+                        "(default: on where the decode step is graphed, i.e. on CUDA; captured at start-up)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds to let running and queued requests finish before cancelling "
                         "them (exit status 143 if any was cancelled; a second signal cancels at once)")

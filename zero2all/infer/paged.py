@@ -155,6 +155,9 @@ class _RowState:
         self.ready = False            # its prompt is computed: it decodes
 
 
+SHORT_CHUNK = 64  # prompt chunks of at most this many tokens attend through the decode kernel (on CUDA)
+
+
 class PagedKVCache:
     """The layers' block pools plus the current forward's addressing, set by the session before each forward.
 
@@ -187,6 +190,14 @@ class PagedKVCache:
                 self._visible_for = self.lengths
             return paged_decode_attention_torch(q[:, :, 0], kc, vc, self.tables, self.lengths,
                                                 visible=self._visible)[:, :, None]
+        if T <= SHORT_CHUNK and uses_triton(q, self.impl):
+            # a few new tokens after a long cached prefix (a chat turn after a prefix-cache hit): each new token is
+            # a decode query of its own over its row's table, seeing its positions <= q_pos (its own key is written
+            # above), so the kernel's split walk replaces gathering the table's whole width for a masked attention
+            lens = torch.minimum(self.q_pos + 1, self.lengths[:, None].long()).reshape(B * T)
+            out = paged_decode_attention(q.transpose(1, 2).reshape(B * T, H, D), kc, vc,
+                                         self.tables.repeat_interleave(T, 0), lens, impl="triton")
+            return out.view(B, T, H, D).transpose(1, 2)
         nb = self.tables.size(1)
         S = nb * self.block_size
         keys = kc[self.tables].reshape(B, S, Hkv, D).transpose(1, 2).to(q.dtype)          # (B, Hkv, S, D)

@@ -279,13 +279,16 @@ class Scheduler:
     ``infer/paged.py``; a sequence joins when the pool holds its prompt and budget next to the running rows'; the
     default pool holds every row at the full context) or "column" (the layout of the module docstring: rows of
     ``cache_len`` slots, default ``default_cache_len``; with the fused decode step and CUDA graphs).
+
+    ``prefill_graphs`` (None: on when the decode step is graphed, i.e. on CUDA): a prompt computed alone of at most
+    2,048 new tokens is padded to its length bucket and computed by replaying a CUDA graph of that bucket.
     """
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64, cache_len: int | None = None,
                  compact_min: int = 16, pipelined: bool | None = None, start: bool = True, engine: str = "paged",
                  block_size: int = 16, kv_blocks: int | None = None, kv_cache_gb: float | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 2048, speculative_ngram: int = 0,
-                 draft_model=None, speculative_tokens: int = 0, prefill_graphs: bool = False):
+                 draft_model=None, speculative_tokens: int = 0, prefill_graphs: bool | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"scheduler: max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         if max_num_batched_tokens < 1:
@@ -296,6 +299,8 @@ class Scheduler:
             raise ValueError(f"scheduler: speculative_ngram must be >= 0 and needs the paged engine, got "
                              f"{speculative_ngram} with {engine!r}")
         model = generator.model
+        if prefill_graphs is None:
+            prefill_graphs = generator.device.type == "cuda" and bool(generator.cuda_graph)
         if draft_model is not None:
             if speculative_ngram:
                 raise ValueError("scheduler: speculative_ngram and draft_model are exclusive: draft by prompt lookup "

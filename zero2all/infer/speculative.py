@@ -217,7 +217,7 @@ def generate_with_draft(generator, draft_model, speculative_tokens: int, prompts
     from zero2all.infer.scheduler import Scheduler
 
     sched = Scheduler(generator, max_batch=len(prompts), max_queue=0, draft_model=draft_model,
-                      speculative_tokens=speculative_tokens)
+                      speculative_tokens=speculative_tokens, prefill_graphs=False)  # one batch: nothing to replay
     try:
         sub = sched.submit(prompts, params)
         tokens = [[] for _ in prompts]

@@ -10,10 +10,20 @@ the same blocks. For each row b and query head h (grouped-query attention: key/v
 
     out[b, h] = softmax(q[b, h] . K[b, :len_b, h']^T * scale) @ V[b, :len_b, h']
 
-The Triton kernel runs one program per (row, key/value head): it loads the row's G = H / Hkv query heads as one
-tile and walks the row's blocks once (each block of keys and values is read once for all G heads, which is what
-grouped-query attention saves), keeping a running maximum and sum (the online softmax of FlashAttention) in
-float32. A row of length 0 (a free batch slot) gets zeros. The plain PyTorch function ``paged_decode_attention_torch``
+The Triton kernel runs one program per (row, key/value head, split): it loads the row's G = H / Hkv query heads
+as one tile and walks its share of the row's blocks once (each block of keys and values is read once for all G
+heads, which is what grouped-query attention saves), keeping a running maximum and sum (the online softmax of
+FlashAttention) in float32. With one split a program walks the whole row and writes the output. A few rows give
+few programs (one row of a model with 4 key/value heads: 4 programs on a GPU of 132 multiprocessors, each walking
+a long row alone), so the row's blocks are then divided among S splits (split-K, "flash-decoding"): split s takes
+blocks [s c, (s + 1) c) of the row's n, c = ceil(n / S), and leaves its maximum m_s, sum l_s and unnormalised sum
+a_s = sum_t exp(score_t - m_s) v_t; a second kernel combines them per head with M = max_s m_s::
+
+    out = sum_s exp(m_s - M) a_s / sum_s exp(m_s - M) l_s
+
+(a split with no blocks has m_s = -inf and adds nothing). The number of splits is chosen on the host from the rows
+and heads alone (so a CUDA graph of a decode step keeps one grid): enough programs for about two per
+multiprocessor. A row of length 0 (a free batch slot) gets zeros. The plain PyTorch function ``paged_decode_attention_torch``
 computes the same thing by gathering each row's blocks; it is the CPU path and the kernel's reference.
 """
 
@@ -70,12 +80,14 @@ def uses_triton(q: torch.Tensor, impl: str = "auto") -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, len_ptr, scale,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, table_ptr, len_ptr, scale,
                              stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_ob, stride_oh,
-                             stride_tb, stride_len, G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             G_PAD: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr):
+                             stride_tb, stride_len, SPLITS, G: tl.constexpr, D: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                             UPCAST: tl.constexpr, SPLIT: tl.constexpr):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
+        split = tl.program_id(2)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
         t = tl.arange(0, BLOCK_SIZE)
@@ -91,7 +103,10 @@ if triton is not None:
         s = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         n_blocks = tl.cdiv(length, BLOCK_SIZE)
-        for i in range(0, n_blocks):
+        per = tl.cdiv(n_blocks, SPLITS)                  # this split's blocks: [lo, hi)
+        lo = split * per
+        hi = tl.minimum(lo + per, n_blocks)
+        for i in range(lo, hi):
             block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
             pos = i * BLOCK_SIZE + t
             t_ok = pos < length
@@ -117,17 +132,54 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        out = acc / tl.where(s > 0, s, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if SPLIT:  # partials (B, H, SPLITS, D_PAD + 2) float32: a_s, then m_s and l_s
+            row = part_ptr + ((b * (G * tl.num_programs(1)) + heads) * SPLITS + split) * (D_PAD + 2)
+            tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(row + D_PAD, m, mask=g_ok)
+            tl.store(row + D_PAD + 1, s, mask=g_ok)
+        else:
+            out = acc / tl.where(s > 0, s, 1.0)[:, None]
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _paged_combine_kernel(part_ptr, out_ptr, stride_ob, stride_oh, H, SPLITS, D: tl.constexpr,
+                              S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        s_ok = sp < SPLITS
+        rows = part_ptr + ((b * H + h) * SPLITS + sp) * (D_PAD + 2)
+        m = tl.load(rows + D_PAD, mask=s_ok, other=float("-inf"))                           # (S_PAD,)
+        big = tl.max(m, axis=0)
+        w = tl.where(m > float("-inf"), tl.exp(m - tl.where(big > float("-inf"), big, 0.0)), 0.0)
+        l_sum = tl.sum(w * tl.load(rows + D_PAD + 1, mask=s_ok, other=0.0), axis=0)
+        a = tl.load(rows[:, None] + d[None, :], mask=s_ok[:, None], other=0.0)               # (S_PAD, D_PAD)
+        out = tl.sum(w[:, None] * a, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_splits(rows: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """How many splits of each row's blocks a decode step uses: about two programs per multiprocessor over
+    rows x kv_heads x splits (a power of two, at most 64 and at most the table's width); 1 once the rows and heads
+    alone give that many. Off CUDA (the interpreter), 1."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, rows * kv_heads))
+    if want <= 1:
+        return 1
+    return max(1, min(64, max_blocks, triton.next_power_of_2(want)))
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, lengths: torch.Tensor,
-                                  scale: float | None = None) -> torch.Tensor:
+                                  scale: float | None = None, splits: int | None = None) -> torch.Tensor:
     """The Triton kernel: the arguments and result of :func:`paged_decode_attention_torch`. Needs the cache's
     last dimension contiguous, the same strides for keys and values, and a block size that is a power of two
-    >= 16 (the kernel's tile is one block)."""
+    >= 16 (the kernel's tile is one block). ``splits``: the number of pieces each row's blocks are walked in
+    (combined after; default :func:`decode_splits`), at most the table's width."""
     B, H, D = q.shape
     n, bs, Hkv, Dk = k_cache.shape
     if Dk != D or H % Hkv or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -142,17 +194,27 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     # session's int64 lengths, a column of its (position, slot, length) buffer
     lens = lengths if lengths.dtype in (torch.int32, torch.int64) else lengths.to(torch.int32)
     upcast = _INTERPRET or q.dtype == torch.float32
-    _paged_decode_kernel[(B, Hkv)](
-        q, k_cache, v_cache, out, tables, lens, scale if scale is not None else 1.0 / math.sqrt(D),
+    if splits is None:
+        splits = decode_splits(B, Hkv, tables.size(1), q.device)
+    splits = max(1, min(int(splits), tables.size(1)))
+    D_PAD = max(16, triton.next_power_of_2(D))
+    parts = out if splits == 1 else torch.empty(B, H, splits, D_PAD + 2, device=q.device, dtype=torch.float32)
+    _paged_decode_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, out, parts, tables, lens, scale if scale is not None else 1.0 / math.sqrt(D),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0),
-        G=G, D=D, BLOCK_SIZE=bs, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=max(16, triton.next_power_of_2(D)),
-        UPCAST=upcast)
+        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), splits,
+        G=G, D=D, BLOCK_SIZE=bs, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=D_PAD, UPCAST=upcast,
+        SPLIT=splits > 1)
+    if splits > 1:
+        _paged_combine_kernel[(B, H)](parts, out, out.stride(0), out.stride(1), H, splits, D=D,
+                                      S_PAD=max(16, triton.next_power_of_2(splits)), D_PAD=D_PAD)
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale=None, impl: str = "auto"):
-    """``impl``: "triton", "torch", or "auto" (the kernel on CUDA, the PyTorch path elsewhere and for float64)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale=None, impl: str = "auto",
+                           splits: int | None = None):
+    """``impl``: "triton", "torch", or "auto" (the kernel on CUDA, the PyTorch path elsewhere and for float64);
+    ``splits``: the kernel's (:func:`paged_decode_attention_triton`)."""
     if uses_triton(q, impl):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale, splits)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lengths, scale)
