@@ -32,7 +32,7 @@ def paged_greedy(session, rows, prompts, n_new):
     logits = session.prefill_rows(rows, prompts)
     B = session.batch_size
     out = {r: [] for r in rows}
-    tokens = torch.zeros(B, dtype=torch.long)
+    tokens = torch.zeros(B, dtype=torch.long, device=session.device)
     tokens[rows] = logits.argmax(-1)
     for step in range(n_new):
         for r in rows:
@@ -80,8 +80,12 @@ def test_paged_greedy_through_the_triton_kernel_matches_the_contiguous_generator
     step's lengths from the session's (position, slot, length) buffer, rows of different lengths, a free row."""
     prompts = [prompt(1, 21), prompt(2, 5), prompt(3, 37)]
     want = [reference(model, p, 6) for p in prompts]
-    s = PagedSession(model, rows=4, max_len=64, block_size=16, impl="triton")
-    assert paged_greedy(s, [0, 2, 3], prompts, 6) == want
+    on = model.to("cuda") if torch.cuda.is_available() else model   # the kernel reads device memory on a GPU
+    try:
+        s = PagedSession(on, rows=4, max_len=64, block_size=16, impl="triton")
+        assert paged_greedy(s, [0, 2, 3], prompts, 6) == want
+    finally:
+        model.to("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -42,6 +42,7 @@ from zero2all.infer.generate import (
     smallest_bucket,
     to_device,
 )
+from zero2all.kernels import paged_attention
 from zero2all.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_torch,
@@ -226,6 +227,8 @@ class PagedSession:
             n_blocks = rows * self.max_blocks + 1
         self.pool = BlockPool(n_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(model, n_blocks, block_size, w.dtype, impl)
+        if uses_triton(w, impl) and w.is_cuda:
+            paged_attention.warm_up(self.cache.k[0], self.cache.v[0], model.cfg.n_heads, w.dtype)
         self.rows: list[_RowState | None] = [None] * rows
         self.cached_tokens: dict[int, int] = {}                     # row -> prompt tokens found in the cache
         self._verify_start: dict[int, int] = {}                     # row -> its length before a verify forward

@@ -78,8 +78,12 @@ def uses_triton(q: torch.Tensor, impl: str = "auto") -> bool:
     return impl == "triton" or (impl == "auto" and q.is_cuda and triton is not None and q.dtype != torch.float64)
 
 
+MAX_SPLITS = 64  # the most pieces a row is walked in (the combine kernel's tile)
+
 if triton is not None:
-    @triton.jit
+    # the integers that vary between calls are not specialised on (Triton compiles a variant per value class
+    # otherwise: a compilation in the middle of serving the first time a table width or split count comes up)
+    @triton.jit(do_not_specialize=["stride_tb", "stride_len", "SPLITS"])
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, table_ptr, len_ptr, scale,
                              stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_ob, stride_oh,
                              stride_tb, stride_len, SPLITS, G: tl.constexpr, D: tl.constexpr,
@@ -142,7 +146,7 @@ if triton is not None:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["H", "SPLITS"])
     def _paged_combine_kernel(part_ptr, out_ptr, stride_ob, stride_oh, H, SPLITS, D: tl.constexpr,
                               S_PAD: tl.constexpr, D_PAD: tl.constexpr):
         b = tl.program_id(0)
@@ -170,7 +174,7 @@ def decode_splits(rows: int, kv_heads: int, max_blocks: int, device: torch.devic
     want = -(-2 * sms // max(1, rows * kv_heads))
     if want <= 1:
         return 1
-    return max(1, min(64, max_blocks, triton.next_power_of_2(want)))
+    return max(1, min(MAX_SPLITS, max_blocks, triton.next_power_of_2(want)))
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -196,7 +200,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     upcast = _INTERPRET or q.dtype == torch.float32
     if splits is None:
         splits = decode_splits(B, Hkv, tables.size(1), q.device)
-    splits = max(1, min(int(splits), tables.size(1)))
+    splits = max(1, min(int(splits), tables.size(1), MAX_SPLITS))
     D_PAD = max(16, triton.next_power_of_2(D))
     parts = out if splits == 1 else torch.empty(B, H, splits, D_PAD + 2, device=q.device, dtype=torch.float32)
     _paged_decode_kernel[(B, Hkv, splits)](
@@ -207,8 +211,18 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         SPLIT=splits > 1)
     if splits > 1:
         _paged_combine_kernel[(B, H)](parts, out, out.stride(0), out.stride(1), H, splits, D=D,
-                                      S_PAD=max(16, triton.next_power_of_2(splits)), D_PAD=D_PAD)
+                                      S_PAD=MAX_SPLITS, D_PAD=D_PAD)
     return out
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, dtype: torch.dtype):
+    """Compile the kernel's two variants (whole rows, and splits with the combine) for this cache and query dtype
+    now, on one empty row, rather than at the first request that needs each."""
+    q = torch.zeros(1, n_heads, k_cache.size(-1), device=k_cache.device, dtype=dtype)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=k_cache.device)
+    lengths = torch.zeros(1, dtype=torch.int64, device=k_cache.device)
+    for splits in (1, 2):
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, lengths, splits=splits)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale=None, impl: str = "auto",
