@@ -23,8 +23,9 @@ a_s = sum_t exp(score_t - m_s) v_t; a second kernel combines them per head with 
 
 (a split with no blocks has m_s = -inf and adds nothing). The number of splits is chosen on the host from the rows
 and heads alone (so a CUDA graph of a decode step keeps one grid): enough programs for about two per
-multiprocessor. A row of length 0 (a free batch slot) gets zeros. The plain PyTorch function ``paged_decode_attention_torch``
-computes the same thing by gathering each row's blocks; it is the CPU path and the kernel's reference.
+multiprocessor. A row of length 0 (a free batch slot) gets zeros. The plain PyTorch function
+``paged_decode_attention_torch`` computes the same thing by gathering each row's blocks; it is the CPU path and the
+kernel's reference.
 """
 
 from __future__ import annotations
