@@ -297,18 +297,20 @@ def test_fused_decode_step_equals_generic_step(dtype):
                 assert_close_to_reference(got, want, dtype, atol=1e-4, rtol=1e-4, what=f"cache {name}, layer {layer}")
 
 
-def test_lone_row_step_computes_its_row_alone_and_leaves_the_others():
-    """One stream running in a 3-row session: ``decode(..., lone_row=r)`` runs the fused step over row r only:
-    row r's logits and the keys and values it writes equal the full step's (float32), the other rows' caches are
-    untouched, and full steps after lone ones carry on as if every step had been full."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_lone_row_step_computes_its_row_alone_and_leaves_the_others(fused):
+    """One stream running in a 3-row session: ``decode(..., lone_row=r)`` runs the fused one-row step over row r
+    only: row r's logits and the keys and values it writes equal the full step's (float32), the other rows' caches
+    are untouched, and full steps after lone ones carry on as if every step had been full. The session's own step
+    fused, or generic (a session of more rows than the fused kernels take)."""
     from zero2all.infer.generate import DecodeSession
     from zero2all.model.z2all import build_model
 
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)
     model = build_model(cfg, device=DEVICE, seed=0).float().eval()
     prompts = [[5, 9, 200], list(range(30, 41)), [7]]
-    full = DecodeSession(model, 3, 32, cuda_graph=False, fused=True)
-    lone = DecodeSession(model, 3, 32, cuda_graph=False, fused=True, lone_rows=True)
+    full = DecodeSession(model, 3, 32, cuda_graph=False, fused=fused)
+    lone = DecodeSession(model, 3, 32, cuda_graph=False, fused=fused, lone_rows=True)
     assert not full.lone_rows and lone.lone_rows
     for s in (full, lone):
         s.prefill(prompts, 0)

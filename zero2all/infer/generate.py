@@ -355,7 +355,9 @@ class DecodeSession:
         self._lone_steps: dict = {}                            # row -> FusedDecodeStep over that row alone
         self._lone_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._lone_out: torch.Tensor | None = None            # (B, V) float32: a lone row's logits land in its row
-        self.lone_rows = lone_rows and fused and batch_size > 1  # decode(lone_row=r) runs row r alone
+        # decode(lone_row=r) runs row r alone with the fused one-row step (``lone_rows``: the caller says the
+        # fused kernels run here); the session's own step may be fused or not (any number of rows)
+        self.lone_rows = lone_rows and batch_size > 1
         if fused:
             from zero2all.infer.fused_decode import FusedDecodeStep
 
@@ -615,9 +617,9 @@ class DecodeSession:
         """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32.
 
         ``lone_row``: the only row whose result matters (one stream running). In a session made with
-        ``lone_rows`` (the fused step, more than one row), only that row is computed (its own one-row step, graphed
-        where the session is): its logits are right and its cache is written, the other rows' logits and caches
-        are left as they were. Elsewhere it is ignored."""
+        ``lone_rows`` (more than one row; the session's own step fused or generic), only that row is computed (the
+        fused one-row step over its cache, graphed where the session is): its logits are right and its cache is
+        written, the other rows' logits and caches are left as they were. Elsewhere it is ignored."""
         self.tokens.copy_(tokens[:, None])
         self.slot.fill_(slot)
         if lone_row is not None and self.lone_rows:

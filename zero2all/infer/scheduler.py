@@ -349,7 +349,7 @@ class Scheduler:
                                          compile=generator.compile, window=generator.attention_window,
                                          fused=generator.use_fused(max_batch),
                                          prefill_buckets=PREFILL_BUCKETS if prefill_graphs else (),
-                                         lone_rows=True)
+                                         lone_rows=generator.use_fused(1))
         self.compact_min = compact_min
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
