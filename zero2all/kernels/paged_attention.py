@@ -30,6 +30,7 @@ kernel's reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -165,14 +166,19 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index
+                                            ).multi_processor_count
+
+
 def decode_splits(rows: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
     """How many splits of each row's blocks a decode step uses: about two programs per multiprocessor over
     rows x kv_heads x splits (a power of two, at most 64 and at most the table's width); 1 once the rows and heads
     alone give that many. Off CUDA (the interpreter), 1."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, rows * kv_heads))
+    want = -(-2 * _multiprocessors(device.index) // max(1, rows * kv_heads))
     if want <= 1:
         return 1
     return max(1, min(MAX_SPLITS, max_blocks, triton.next_power_of_2(want)))
