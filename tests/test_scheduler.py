@@ -158,6 +158,64 @@ def test_prefill_row_touches_only_its_row(model):
         s.prefill_row(0, prompt, end=5)
 
 
+def test_row_bucket_steps_compute_the_first_rows_alone_in_float64():
+    """A generic session of 20 rows with row buckets (8, 16): a step over the first b rows gives those rows the
+    full step's logits and cache writes (float64) and leaves the rows past b untouched; rows that join later (a
+    prefill into a free row, as the scheduler does) and full steps after bucket steps carry on as if every step
+    had been full; decode(rows=n) takes the smallest bucket holding n rows."""
+    m = build_model(tiny_model_config(initializer_range=0.3), seed=0).double().eval()
+    full = DecodeSession(m, 20, 64, cuda_graph=False)
+    rows = DecodeSession(m, 20, 64, cuda_graph=False, row_buckets=True)
+    assert rows.row_buckets == [8, 16] and full.row_buckets == []
+    prompts = [[(5 * r + j) % 250 + 3 for j in range(1 + r % 7)] for r in range(20)]
+    for s in (full, rows):
+        s.prefill(prompts, 0)
+    P = max(len(p) for p in prompts)
+    used = []
+    real = rows._rows_step
+    rows._rows_step = lambda key: used.append(key[1]) or real(key)
+    n_before = 5
+    for step, n in enumerate([5, 8, 9, 16, 20, 3]):
+        if n > n_before:  # rows [n_before, n) join at this slot: free rows until now, prefilled in both
+            joining = list(range(n_before, n))
+            for s in (full, rows):
+                s.prefill_rows(joining, [prompts[r] for r in joining], P + step)
+        n_before = max(n_before, n)
+        nxt = torch.tensor([(17 * step + 31 * r) % 250 for r in range(20)])
+        past = 8 if n <= 8 else 16
+        untouched = [k[past:].clone() for k in rows.cache.k]
+        want = full.decode(nxt, P + step)
+        got = rows.decode(nxt, P + step, rows=n)
+        torch.testing.assert_close(got[:n], want[:n], atol=1e-12, rtol=1e-12)
+        if n <= 16:
+            for k, k0 in zip(rows.cache.k, untouched):
+                assert torch.equal(k[past:], k0)
+        for layer in range(len(rows.cache.k)):
+            torch.testing.assert_close(rows.cache.k[layer][:n], full.cache.k[layer][:n], atol=1e-12, rtol=1e-12)
+    assert used == [8, 8, 16, 16, 8]                      # 20 rows: the full step
+
+
+def test_column_engine_with_more_rows_than_a_bucket_gives_each_prompt_its_tokens(model, make_scheduler):
+    """The column engine's generic step over 20 rows, with row buckets: ten sequences joining and leaving (rows
+    are handed out lowest first, so the running ones fit the smaller buckets) get the one-prompt tokens, and the
+    steps ran over buckets smaller than the session."""
+    sched = make_scheduler(max_batch=20, cache_len=96, engine="column")
+    assert sched.session.row_buckets == [8, 16]
+    used = []
+    real = sched.session._rows_step
+    sched.session._rows_step = lambda key: used.append(key[1]) or real(key)
+    lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
+    jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m))
+            for i, (n, m) in enumerate(zip(lengths, budgets))]
+    for (prompt, params), events in zip(jobs, run_all(sched, jobs)):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+    assert used and set(used) == {16}                     # ten rows at first: the 16-row bucket
+    eight = [([(11 * i + 5 * j) % 250 for j in range(2 + i)], greedy(max_new_tokens=6 + i)) for i in range(8)]
+    for (prompt, params), events in zip(eight, run_all(sched, eight)):
+        assert tokens_of(events) == [reference(model, prompt, params)]
+    assert 8 in used                                      # then rows 0-7: the 8-row bucket, row 7 in use
+
+
 def test_bucketed_prefill_equals_the_plain_prefill_in_float64():
     """One prompt right-padded to its bucket and run from a scratch cache (the shape a prefill CUDA graph needs):
     the logits at its last token, the keys and values it leaves in its row, the row's padding and the decode steps
@@ -435,17 +493,22 @@ def wait_until(condition, timeout=20.0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused,prefill_graphs", [(True, False), (False, False), (True, True)])
-def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused, prefill_graphs):
+@pytest.mark.parametrize("fused,prefill_graphs,rows", [(True, False, 4), (False, False, 4), (True, True, 4),
+                                                       (None, True, 20)])
+def test_cuda_graphed_scheduler_matches_each_prompt_alone(fused, prefill_graphs, rows):
     """On CUDA: the decode step as a CUDA graph (fused kernels or the model's own step), pipelined, with rows
-    joining, leaving and moving, and with one-prompt prefills as CUDA graphs of their buckets; float32, so greedy
+    joining, leaving and moving, and with one-prompt prefills as CUDA graphs of their buckets; 20 rows: the
+    generic step with graphs of its row buckets, and a lone stream on the fused one-row step; float32, so greedy
     tokens equal the one-prompt Generator's."""
     cfg = tiny_model_config(initializer_range=0.3, hidden_dim=128, intermediate_size=100)  # head_dim 32
     m = build_model(cfg, device="cuda", seed=0).eval()
-    sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=4, max_queue=32, cache_len=96,
+    sched = Scheduler(Generator(m, ByteTokenizer(), fused=fused), max_batch=rows, max_queue=32, cache_len=96,
                       compact_min=4, engine="column", prefill_graphs=prefill_graphs)
     try:
-        assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == fused
+        assert sched.pipelined and sched.session.graphs and (sched.session.fused is not None) == bool(fused)
+        if rows == 20:
+            assert sched.session.row_buckets == [8, 16] and sched.session._row_graphs
+            assert sched.session.lone_rows and sched.session._lone_graphs
         assert sorted(sched.session.prefill_graphs) == ([32, 64] if prefill_graphs else [])
         lengths, budgets = [3, 17, 1, 9, 30, 5, 12, 40, 2, 20], [20, 5, 30, 12, 8, 25, 3, 10, 40, 15]
         jobs = [([(7 * i + 3 * j) % 250 for j in range(n)], greedy(max_new_tokens=m_))

@@ -281,6 +281,9 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 # Prompt lengths a one-prompt prefill is padded up to when its prefill is graphed (`z2all serve --prefill-graphs`):
 # doubling, so that at most half of a bucket's tokens are padding; longer prompts prefill eagerly.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+# Row counts a generic decode step may run over (its first rows only) when the rest of the session's rows are free
+# (`DecodeSession(row_buckets=True)`, the scheduler's column engine beyond the fused step's 16 rows)
+ROW_BUCKETS = (8, 16, 32, 64, 128)
 
 
 def prefill_buckets_for(buckets: Sequence[int], model: Z2all, max_len: int) -> list[int]:
@@ -335,7 +338,7 @@ class DecodeSession:
 
     def __init__(self, model: Z2all, batch_size: int, max_len: int, cuda_graph: bool,
                  compile: bool | str = False, window: int = 256, fused: bool = False,
-                 prefill_buckets: Sequence[int] = (), lone_rows: bool = False):
+                 prefill_buckets: Sequence[int] = (), lone_rows: bool = False, row_buckets: bool = False):
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         w = model.embed_tokens.weight
@@ -358,6 +361,14 @@ class DecodeSession:
         # decode(lone_row=r) runs row r alone with the fused one-row step (``lone_rows``: the caller says the
         # fused kernels run here); the session's own step may be fused or not (any number of rows)
         self.lone_rows = lone_rows and batch_size > 1
+        # the generic step over the first b rows only (decode(rows=n), b the smallest bucket >= n): the rows past b
+        # are free, neither computed nor written; their logits rows in the shared output keep what they had
+        self.row_buckets = [b for b in ROW_BUCKETS if b < batch_size] if row_buckets and not fused else []
+        self._row_caches = {b: StaticKVCache.over([k[:b] for k in self.cache.k], [v[:b] for v in self.cache.v])
+                            for b in self.row_buckets}
+        self._row_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._rows_out = (torch.zeros(batch_size, model.lm_head.weight.size(0), dtype=torch.float32,
+                                      device=self.device) if self.row_buckets else None)
         if fused:
             from zero2all.infer.fused_decode import FusedDecodeStep
 
@@ -437,13 +448,24 @@ class DecodeSession:
 
     # the decode step: one token per row at cache slot self.slot, attending to slots [0, window)
     def _step(self, window: int) -> torch.Tensor:
-        self.cache.slots, self.cache.visible_len = self.slot, window
-        positions = (self.slot - self.pad_len).clamp_min(0)[:, None]                        # (B, 1)
+        return self._generic_step(window, self.cache, self.batch_size)                      # (B, V)
+
+    def _generic_step(self, window: int, cache: StaticKVCache, b: int) -> torch.Tensor:
+        """The plain step over the first ``b`` rows (``cache``: theirs); their logits (b, V)."""
+        cache.slots, cache.visible_len = self.slot, window
+        pad = self.pad_len[:b]
+        positions = (self.slot - pad).clamp_min(0)[:, None]                                 # (b, 1)
         j = self.key_slots[None, :window]
-        visible = (j >= self.pad_len[:, None]) & (j <= self.slot)                           # (B, W)
-        logits, _ = self.model(self.tokens, kv_cache=self.cache, position_ids=positions,
+        visible = (j >= pad[:, None]) & (j <= self.slot)                                    # (b, W)
+        logits, _ = self.model(self.tokens[:b], kv_cache=cache, position_ids=positions,
                                attn_mask=visible[:, None, None, :])
-        return logits[:, -1]                                                                # (B, V)
+        return logits[:, -1]
+
+    def _rows_step(self, key: tuple[int, int]) -> torch.Tensor:
+        """The step over the first b rows at ``window`` (key (window, b)), written into the shared (B, V) output."""
+        window, b = key
+        self._rows_out[:b] = self._generic_step(window, self._row_caches[b], b)
+        return self._rows_out
 
     def _fused_step(self, window: int) -> torch.Tensor:
         return self.fused(self.tokens, self.slot, self.pad_len)                            # (B, V)
@@ -459,6 +481,14 @@ class DecodeSession:
         if self.fused is not None:
             self.fused.tune(self.tokens, self.slot, self.pad_len)  # once per shape and device
         self.graphs, self.logits_out = capture_graphs(self.windows[::-1], self.step_fn)  # largest window first
+        if self.row_buckets:
+            keys = [(w, b) for w in self.windows[::-1] for b in self.row_buckets[::-1]]
+            try:
+                self._row_graphs, _ = capture_graphs(keys, self._rows_step)
+            except Exception as e:  # the full step serves any rows, only slower
+                warnings.warn(f"decode: row-bucket CUDA graphs failed ({type(e).__name__}: {e}); every step runs "
+                              f"all {self.batch_size} rows")
+                self._row_graphs, self.row_buckets = {}, []
         if self.lone_rows:
             try:
                 self._capture_lone_rows()
@@ -613,13 +643,18 @@ class DecodeSession:
         self.pad_len.copy_(to_device(list(pad), torch.long, self.device))
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, slot: int, lone_row: int | None = None) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, slot: int, lone_row: int | None = None,
+               rows: int | None = None) -> torch.Tensor:
         """Feed tokens (B,) at cache slot ``slot``; return the next logits (B, V), float32.
 
         ``lone_row``: the only row whose result matters (one stream running). In a session made with
         ``lone_rows`` (more than one row; the session's own step fused or generic), only that row is computed (the
         fused one-row step over its cache, graphed where the session is): its logits are right and its cache is
-        written, the other rows' logits and caches are left as they were. Elsewhere it is ignored."""
+        written, the other rows' logits and caches are left as they were. Elsewhere it is ignored.
+
+        ``rows``: only rows [0, rows) are in use (the others free). In a session made with ``row_buckets`` (the
+        generic step), the step runs over the smallest row bucket holding them; rows past it are not computed and
+        their logits are whatever the returned buffer held."""
         self.tokens.copy_(tokens[:, None])
         self.slot.fill_(slot)
         if lone_row is not None and self.lone_rows:
@@ -631,6 +666,13 @@ class DecodeSession:
                 self._run_lone(lone_row)
                 return self._lone_out
         window = self.window_for(slot)
+        if rows is not None and (b := next((x for x in self.row_buckets if rows <= x), None)) is not None:
+            graph = self._row_graphs.get((window, b))
+            if graph is not None:
+                graph.replay()
+                return self._rows_out
+            if not self.graphs:
+                return self._rows_step((window, b))
         if window in self.graphs:
             self.graphs[window].replay()
             return self.logits_out[window].float()

@@ -349,7 +349,7 @@ class Scheduler:
                                          compile=generator.compile, window=generator.attention_window,
                                          fused=generator.use_fused(max_batch),
                                          prefill_buckets=PREFILL_BUCKETS if prefill_graphs else (),
-                                         lone_rows=generator.use_fused(1))
+                                         lone_rows=generator.use_fused(1), row_buckets=True)
         self.compact_min = compact_min
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefilling: list[_Seq] = []  # paged: started sequences whose prompt is still being computed
@@ -836,10 +836,13 @@ class Scheduler:
             self._logits = None
 
     def _decode(self, tokens: torch.Tensor, running: list[_Seq]) -> torch.Tensor:
-        """The next decode step; with one stream running in the column engine, over its row alone."""
-        if not self.paged and len(running) == 1:
+        """The next decode step; in the column engine, over a lone stream's row alone, else over the smallest row
+        bucket holding the running rows (rows are handed out lowest first)."""
+        if self.paged:
+            return self.session.decode(tokens, self._col)
+        if len(running) == 1:
             return self.session.decode(tokens, self._col, lone_row=running[0].row)
-        return self.session.decode(tokens, self._col)
+        return self.session.decode(tokens, self._col, rows=1 + max(s.row for s in running))
 
     def _speculative_step(self, running: list[_Seq], tokens: torch.Tensor):
         """(Paged, speculating rows present.) Speculative decoding: after the drawn tokens are handed out, each
