@@ -83,7 +83,7 @@ def _interpreting() -> bool:
 
 class FusedDecodeStep:
     def __init__(self, model, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], batch_size: int,
-                 max_len: int):
+                 max_len: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         from zero2all.kernels import decode as K
 
         reason = supported(model, batch_size)
@@ -105,7 +105,8 @@ class FusedDecodeStep:
         self.lm_head = model.lm_head.weight.contiguous()
         self.eps = cfg.rms_norm_eps
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.cos, self.sin = (t.contiguous() for t in model.rope_tables(0, max_len, device))
+        # the RoPE tables of max_len positions; ``rope``: another step's, shared (a session's one-row steps)
+        self.cos, self.sin = rope or tuple(t.contiguous() for t in model.rope_tables(0, max_len, device))
         B, H, D, Hkv = batch_size, cfg.n_heads, cfg.head_dim, cfg.n_kv_heads
         res_dtype = torch.float32 if cfg.residual_in_fp32 else dtype
         empty = lambda *shape, dt=dtype: torch.empty(shape, device=device, dtype=dt)  # noqa: E731

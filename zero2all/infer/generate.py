@@ -504,8 +504,10 @@ class DecodeSession:
         if step is None:
             from zero2all.infer.fused_decode import FusedDecodeStep
 
+            first = next(iter(self._lone_steps.values()), None)   # every row's step shares one RoPE table
             step = FusedDecodeStep(self.model, [k[row:row + 1] for k in self.cache.k],
-                                   [v[row:row + 1] for v in self.cache.v], 1, self.max_len)
+                                   [v[row:row + 1] for v in self.cache.v], 1, self.max_len,
+                                   rope=(first.cos, first.sin) if first is not None else None)
             self._lone_steps[row] = step
             if self._lone_out is None:
                 self._lone_out = torch.zeros(self.batch_size, self.model.lm_head.weight.size(0),
