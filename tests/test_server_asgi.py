@@ -195,3 +195,28 @@ def test_serve_without_the_server_packages_is_one_line(tmp_path, capsys, monkeyp
     assert main(["serve", "--ckpt", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "uvicorn" in err and "zero2all[serve]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_chunks_from_the_template_are_the_dicts_json(chat):
+    """A token's streamed chunk is written from a per-index template (head + the text's JSON string + tail): the
+    bytes equal json.dumps of the chunk's dict for texts with quotes, backslashes, control characters, non-ASCII,
+    emoji, a lone surrogate and the empty string, in several choices; a marker that also appears in the dict's
+    other fields falls back to json.dumps."""
+    import json
+
+    from zero2all.infer.server import ChunkTemplate
+
+    def make(index, text, rid="cmpl-7", model="z2all \"m\" \u00e9"):
+        choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None} if chat
+                  else {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+        return {"id": rid, "object": "x", "created": 1, "model": model, "choices": [choice]}
+
+    template = ChunkTemplate(make)
+    texts = ["a", " the", 'say "hi"', "back\\slash", "line\nbreak\ttab\x01\x1f", "caf\u00e9 \u4e2d\u6587",
+             "\U0001f600", "\ud800", "</script>", ""]
+    for index in (0, 1, 3):
+        for text in texts:
+            assert template(index, text) == json.dumps(make(index, text)).encode(), (index, text)
+    clash = ChunkTemplate(lambda i, t: make(i, t, rid=ChunkTemplate.MARK))
+    assert clash(0, "x") == json.dumps(make(0, "x", rid=ChunkTemplate.MARK)).encode() and not clash.parts

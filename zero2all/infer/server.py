@@ -423,6 +423,7 @@ class InferenceApp:
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
+        text_chunk = ChunkTemplate(lambda index, text: chunk(index, text, None))
         if job.chat:
             yield [chunk(0, "", None, first=True)]
         # with tools, a reply that may still be a tool call is held back until it is clearly text (then it streams
@@ -446,7 +447,9 @@ class InferenceApp:
                         if not ev.finish_reason and may_be_tool_call(held):
                             continue
                         text, held = held, None
-                    if text or ev.finish_reason:
+                    if text and not ev.finish_reason:  # the common chunk: its JSON from a template
+                        out.append(text_chunk(ev.index, text))
+                    elif text or ev.finish_reason:
                         if job.chat and text and ev.finish_reason:
                             out.append(chunk(ev.index, text, None))
                             out.append(chunk(ev.index, "", ev.finish_reason))
@@ -658,9 +661,34 @@ def needs_key(method: str, path: str) -> bool:
     return method == "POST" or path.startswith("/v1")
 
 
-def _sse(chunks: list[dict]) -> bytes:
-    """Server-sent events, one ``data:`` line per chunk."""
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+def _sse(chunks: list[dict | bytes]) -> bytes:
+    """Server-sent events, one ``data:`` line per chunk (a dict, or its JSON already encoded)."""
+    return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n" for c in chunks)
+
+
+class ChunkTemplate:
+    """``json.dumps(make(index, text)).encode()`` for a streamed chunk whose only varying field is ``text``, without
+    building and encoding the dict per token: the JSON of one chunk per index, made once with a marker for the
+    text, split around the marker; a token's chunk is then head + the text's JSON string + tail (the same bytes:
+    ``json.dumps`` encodes a string with the same function, and the dict's other fields do not change)."""
+
+    MARK = "\x00z2all\x01"
+
+    def __init__(self, make):
+        self.make, self.parts = make, {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        parts = self.parts.get(index)
+        if parts is None:
+            whole, quoted = json.dumps(self.make(index, self.MARK)), json.dumps(self.MARK)
+            if whole.count(quoted) != 1:  # the marker elsewhere too (it cannot be in generated text): no template
+                return json.dumps(self.make(index, text)).encode()
+            head, tail = whole.split(quoted)
+            parts = self.parts[index] = (head.encode(), tail.encode())
+        return parts[0] + _json_string(text).encode() + parts[1]
+
+
+_json_string = json.encoder.encode_basestring_ascii  # what json.dumps (ensure_ascii) writes for a str
 
 
 def _json(err: RequestError, headers: dict | None = None) -> JSONResponse:
