@@ -433,20 +433,44 @@ def test_cli_chat_leaves_cleanly_on_ctrl_c(real_ckpt, monkeypatch):
     assert main(["chat", "--ckpt", str(real_ckpt), "--device", "cpu"]) in (0, None)
 
 
-def test_row_text_windowed_decoding_equals_the_full_decode(real_ckpt):
-    """The row text decodes only its last tokens each step; over long rows of random ids (broken multi-byte
-    sequences, special tokens) its text equals decoding all the ids at once, for the byte stand-in and for a
-    trained BPE tokenizer."""
+@pytest.mark.parametrize("by_bytes", [True, False])
+def test_row_text_windowed_decoding_equals_the_full_decode(real_ckpt, monkeypatch, by_bytes):
+    """The row text decodes only its last tokens each step, or, for a tokenizer whose decoding concatenates bytes
+    (a trained byte-level BPE), a token's bytes at a time through an incremental UTF-8 decoder; over long rows of
+    random ids (broken multi-byte sequences, special tokens, ids past the vocabulary's pieces) its text equals
+    decoding all the ids at once, for the byte stand-in and for a trained BPE tokenizer (both ways), with stop
+    strings that cut the text."""
     from zero2all.tokenizer import load_tokenizer
 
+    bpe = load_tokenizer(real_ckpt)
+    assert bpe.byte_decoding() is not None
+    if not by_bytes:
+        monkeypatch.setattr(type(bpe), "byte_decoding", lambda self: None)
     g = torch.Generator().manual_seed(0)
-    for tok in (ByteTokenizer(), load_tokenizer(real_ckpt)):
-        for trial in range(3):
+    for tok in (ByteTokenizer(), bpe):
+        for trial in range(4):
             ids = torch.randint(0, tok.vocab_size, (300,), generator=g).tolist()
-            if trial == 2:  # mostly plain text, as a model writes it
+            if trial >= 2:  # mostly plain text, as a model writes it
                 ids = tok.encode(open(__file__).read()[:3000])[:300]
-            row = _RowText(tok, [])
-            pieces = [row.add(i)[0] for i in ids]
-            pieces.append(row.finish())
-            assert "".join(pieces) == tok.decode(ids, skip_special=True)
-            assert row.cut > 0  # the window really moved
+            full = tok.decode(ids, skip_special=True)
+            stop = [full[200:204]] if trial == 3 else []
+            row = _RowText(tok, stop)
+            pieces = []
+            for i in ids:
+                piece, hit = row.add(i)
+                pieces.append(piece)
+                if hit:
+                    break
+            if not row.hit:
+                pieces.append(row.finish())
+            assert "".join(pieces) == (full[:full.find(stop[0])] if stop else full)
+            assert (row._bytes is not None) == (by_bytes and tok is bpe)
+            assert row.cut > 0 or row._bytes is not None or stop  # the window really moved
+    # a row that ends inside a character: its first bytes come out as the full decode's replacement character
+    table = bpe.token_bytes()
+    lead = table.index(b"\xe2")                     # the first of the three bytes of e.g. "\u20ac"
+    ids = bpe.encode("price: 5 ") + [lead]
+    row = _RowText(bpe, [])
+    text = "".join(row.add(i)[0] for i in ids)
+    assert not text.endswith("\ufffd")               # held back while more bytes may come
+    assert text + row.finish() == bpe.decode(ids, skip_special=True) and bpe.decode(ids).endswith("\ufffd")

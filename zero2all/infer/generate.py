@@ -36,6 +36,7 @@ not run off the cache. Each row there has its own sampling parameters (``sample_
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 import warnings
@@ -693,9 +694,15 @@ class _RowText:
     replies would take longer than the GPU's decode step. The cut moves only where decoding the two sides apart
     gives exactly the text of decoding them together (not inside a multi-byte character, not where a tokenizer
     would drop the leading space of the token after the cut), so the text is always the full decode's.
+
+    A tokenizer whose decoding only concatenates its tokens' bytes (``byte_decoding()``: a byte-level BPE such as
+    the ones ``z2all train-tokenizer`` makes) is decoded a token at a time instead: each token's bytes go through an
+    incremental UTF-8 decoder, which holds back a character's first bytes until the rest arrive (2-3 us of host
+    time per token against 8-10 us for a window of 8 and 17-19 us for one of 32, BENCHMARKS.md, "Streaming: host
+    time per token").
     """
 
-    WINDOW = 32
+    WINDOW = 8
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, list(stop)
@@ -704,8 +711,16 @@ class _RowText:
         self.text = ""
         self.cut = 0       # self.ids[:cut] decode to self.base, whatever follows them
         self.base = ""
+        table = getattr(tokenizer, "byte_decoding", None)
+        self._bytes = table() if callable(table) else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
+        self.hit = False   # a stop string was found: the text ends before it
 
     def _decoded(self) -> str:
+        if self._bytes is not None:  # the text so far, but for a character still missing bytes
+            i = self.ids[-1]
+            self.base += self._utf8.decode(self._bytes[i] if 0 <= i < len(self._bytes) else b"")
+            return self.base
         decode = self.tokenizer.decode
         tail = decode(self.ids[self.cut:], skip_special=True)
         if len(self.ids) - self.cut >= 2 * self.WINDOW:
@@ -724,7 +739,7 @@ class _RowText:
         text = self._decoded()
         hits = [at for at in (text.find(s) for s in self.stop) if at != -1]
         if hits:
-            self.text = text[:min(hits)]
+            self.text, self.hit = text[:min(hits)], True
             return self._emit(len(self.text)), True
         self.text = text
         end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its other bytes
@@ -737,6 +752,8 @@ class _RowText:
         return self._emit(safe), False
 
     def finish(self) -> str:
+        if self._bytes is not None and not self.hit:  # a character's first bytes left over: replaced
+            self.text = self.base = self.base + self._utf8.decode(b"", final=True)
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:

@@ -242,6 +242,32 @@ class Tokenizer:
                 out.append(b"" if "\ufffd" in text else text.encode("utf-8"))
         return out
 
+    def byte_decoding(self) -> list[bytes] | None:
+        """Each id's bytes when decoding is only concatenating them (a ByteLevel decoder and nothing else), so that
+        ``decode(ids, skip_special=True) == b"".join(table[i] for i in ids).decode("utf-8", "replace")`` and text can be
+        decoded a token at a time (``infer/generate.py``'s rows); None for any other pipeline. Checked once against
+        the tokenizer's own decoding of every id whose bytes are whole characters, then kept."""
+        if not hasattr(self, "_byte_decoding"):
+            self._byte_decoding = None
+            decoder = json.loads(self._json).get("decoder") or {}
+            if {d.get("type") for d in decoder.get("decoders", [decoder])} == {"ByteLevel"}:
+                table = self.token_bytes()
+                specials = set(self.special_ids.values())
+                ok = True
+                for i, b in enumerate(table):
+                    text = self._full.decode([i], skip_special_tokens=True)
+                    if i in specials or not b:
+                        ok = text == ""
+                    else:
+                        try:
+                            ok = b.decode("utf-8") == text
+                        except UnicodeDecodeError:  # part of a character: decoded alone it cannot be compared
+                            ok = True
+                    if not ok:
+                        break
+                self._byte_decoding = table if ok else None
+        return self._byte_decoding
+
     def id_to_token(self, i: int) -> str | None:
         return self._full.id_to_token(int(i))
 
