@@ -318,6 +318,8 @@ class Scheduler:
             raise ValueError("scheduler: speculative_tokens needs a draft_model (prompt lookup: speculative_ngram)")
         self.generator = generator
         self.tokenizer = generator.tokenizer
+        if callable(getattr(self.tokenizer, "byte_decoding", None)):
+            self.tokenizer.byte_decoding()  # checked once now (every id decoded), not at the first request
         self.max_batch, self.max_queue = max_batch, max_queue
         self.paged = engine == "paged"
         self.engine = engine
