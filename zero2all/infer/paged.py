@@ -31,6 +31,7 @@ import warnings
 from collections import OrderedDict, deque
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
 
@@ -271,6 +272,8 @@ class PagedSession:
         L, dev = self.prefill_buckets[-1], self.device
         # tokens, positions, slots (each L), then the table (max_blocks), the length and the last token's index
         self._pf_buf = torch.zeros(3 * L + self.max_blocks + 2, dtype=torch.long, device=dev)
+        self._pf_host = torch.zeros(self._pf_buf.numel(), dtype=torch.long)   # written through a numpy view
+        self._pf_np = self._pf_host.numpy()
         self._pf_tables = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=dev)
         self._pf_lengths = torch.zeros(1, dtype=torch.int32, device=dev)
         self._pf_out: dict[int, torch.Tensor] = {}
@@ -300,18 +303,18 @@ class PagedSession:
 
     def _forward_bucketed(self, s: _RowState, n: int, L: int) -> torch.Tensor:
         """``_forward_new`` for one row whose ``n`` new tokens fit bucket ``L``: one upload, then the graph."""
-        Lmax, first = self.prefill_buckets[-1], s.computed
-        pad = L - n
-        host = [0] * (3 * Lmax + self.max_blocks + 2)
-        host[:n] = s.tokens[first:first + n]
-        host[Lmax:Lmax + L] = list(range(first, first + n)) + [first + n - 1] * pad  # padding: the last position
-        host[2 * Lmax:2 * Lmax + L] = [self._slot(s, p) for p in range(first, first + n)] \
-            + [NULL_BLOCK * self.block_size] * pad                                   # padding: the null block
-        host[3 * Lmax:3 * Lmax + len(s.blocks)] = s.blocks
-        host[3 * Lmax + len(s.blocks):3 * Lmax + self.max_blocks] = [NULL_BLOCK] * (self.max_blocks - len(s.blocks))
+        Lmax, first, bs, nb = self.prefill_buckets[-1], s.computed, self.block_size, len(s.blocks)
+        host = self._pf_np   # the step's inputs written in place (numpy), then uploaded in one copy
+        pos = np.arange(first, first + n)
+        blocks = np.asarray(s.blocks, dtype=np.int64)
+        host[:n], host[n:L] = s.tokens[first:first + n], 0
+        host[Lmax:Lmax + n], host[Lmax + n:Lmax + L] = pos, first + n - 1            # padding: the last position
+        host[2 * Lmax:2 * Lmax + n] = blocks[pos // bs] * bs + pos % bs
+        host[2 * Lmax + n:2 * Lmax + L] = NULL_BLOCK * bs                             # padding: the null block
+        host[3 * Lmax:3 * Lmax + nb], host[3 * Lmax + nb:3 * Lmax + self.max_blocks] = blocks, NULL_BLOCK
         s.computed += n
         host[-2], host[-1] = s.computed, n - 1
-        self._pf_buf.copy_(to_device(host, torch.long, self.device))
+        self._upload(self._pf_buf, self._pf_host, self._pf_buf.numel())
         tail = self._pf_buf[3 * Lmax:]
         self._pf_tables.copy_(tail[:self.max_blocks][None])
         self._pf_lengths.copy_(tail[self.max_blocks:self.max_blocks + 1])
