@@ -665,3 +665,18 @@ def test_a_small_kv_pool_makes_sequences_wait_and_cancelling_a_prefill_frees_its
     sub.cancel()
     assert [e.finish_reason for e in sub.events()][-1] == CANCELLED
     wait_until(lambda: sched.stats()["kv_blocks_in_use"] == 0 and sched.stats()["running"] == 0)
+
+
+def test_a_graph_capture_that_fails_warns_and_leaves_no_graphs_when_asked():
+    """capture_graphs with a fallback: a step that cannot be captured gives a warning naming what was captured,
+    why it failed and what runs instead, and no graphs (the caller then runs eagerly); without one it raises."""
+    from zero2all.infer.generate import capture_graphs
+
+    def run(key):
+        raise RuntimeError(f"step {key} cannot be captured")
+
+    with pytest.warns(UserWarning, match=r"decode: prefill: CUDA graph capture failed \(RuntimeError: .*\); "
+                                         r"prefilling eagerly"):
+        assert capture_graphs([32, 64], run, fallback=("decode: prefill", "prefilling eagerly")) == ({}, {})
+    with pytest.raises(Exception):
+        capture_graphs([32], run)

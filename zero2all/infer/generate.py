@@ -298,11 +298,19 @@ def smallest_bucket(buckets: Sequence[int], n: int) -> int | None:
     return next((b for b in buckets if n <= b), None)
 
 
-def capture_graphs(keys: Sequence, run: Callable, warmups: int = 2) -> tuple[dict, dict]:
+def capture_graphs(keys: Sequence, run: Callable, warmups: int = 2,
+                   fallback: tuple[str, str] | None = None) -> tuple[dict, dict]:
     """CUDA graphs of ``run(key)`` for each key: ``warmups`` eager runs of each on a side stream first (kernels
     compiled and tuned outside any capture), then the captures in the order given, sharing one memory pool (give
     the largest first: the others fit in its memory). Returns ({key: graph}, {key: what ``run`` returned in its
-    capture}, the tensors a replay refills)."""
+    capture: the tensors a replay refills}). ``fallback`` (what was captured, what runs instead): a capture that
+    fails is said in a warning and gives two empty dicts (the caller runs eagerly); None: the error is raised."""
+    if fallback is not None:
+        try:
+            return capture_graphs(keys, run, warmups)
+        except Exception as e:  # a kernel that cannot be captured: keep going without graphs, say so
+            warnings.warn(f"{fallback[0]}: CUDA graph capture failed ({type(e).__name__}: {e}); {fallback[1]}")
+            return {}, {}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():
@@ -408,11 +416,8 @@ class DecodeSession:
         self._pf_out: dict[int, torch.Tensor] = {}
         if not cuda_graph:
             return
-        try:
-            self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward)
-        except Exception as e:  # keep the eager prefill, say so
-            warnings.warn(f"decode: prefill CUDA graph capture failed ({type(e).__name__}: {e}); prefilling eagerly")
-            self.prefill_graphs, self._pf_out = {}, {}
+        self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward,
+                                                           fallback=("decode: prefill", "prefilling eagerly"))
 
     def _bucket_forward(self, L: int) -> torch.Tensor:
         """The first L tokens of the bucket's input through the model from slot 0 of the scratch cache (causal, no
@@ -484,12 +489,10 @@ class DecodeSession:
         self.graphs, self.logits_out = capture_graphs(self.windows[::-1], self.step_fn)  # largest window first
         if self.row_buckets:
             keys = [(w, b) for w in self.windows[::-1] for b in self.row_buckets[::-1]]
-            try:
-                self._row_graphs, _ = capture_graphs(keys, self._rows_step)
-            except Exception as e:  # the full step serves any rows, only slower
-                warnings.warn(f"decode: row-bucket CUDA graphs failed ({type(e).__name__}: {e}); every step runs "
-                              f"all {self.batch_size} rows")
-                self._row_graphs, self.row_buckets = {}, []
+            self._row_graphs, _ = capture_graphs(keys, self._rows_step, fallback=(
+                "decode: row buckets", f"every step runs all {self.batch_size} rows"))
+            if not self._row_graphs:  # the full step serves any rows, only slower
+                self.row_buckets = []
         if self.lone_rows:
             try:
                 self._capture_lone_rows()

@@ -279,14 +279,10 @@ class PagedSession:
         self._pf_out: dict[int, torch.Tensor] = {}
         if not self.cuda_graph:
             return
-        try:
-            self._pf_buf[2 * L:3 * L].fill_(NULL_BLOCK * self.block_size)   # warm-up writes land in the null block
-            self._pf_lengths.fill_(1)
-            self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward)
-        except Exception as e:  # keep the eager prefill, say so
-            warnings.warn(f"paged session: prefill CUDA graph capture failed ({type(e).__name__}: {e}); "
-                          f"prefilling eagerly")
-            self.prefill_graphs, self._pf_out = {}, {}
+        self._pf_buf[2 * L:3 * L].fill_(NULL_BLOCK * self.block_size)   # warm-up writes land in the null block
+        self._pf_lengths.fill_(1)
+        self.prefill_graphs, self._pf_out = capture_graphs(self.prefill_buckets[::-1], self._bucket_forward,
+                                                           fallback=("paged session: prefill", "prefilling eagerly"))
 
     def _bucket_forward(self, L: int) -> torch.Tensor:
         """The bucket's first L tokens of one row through the model (the static buffers only); the logits (1, V)
