@@ -20,9 +20,12 @@ modded-nanogpt (``train_gpt.py`` of the last record before its attention kernel 
   * the training files are cycled (``itertools.cycle``, as its own comment suggests for several epochs): the
     corpus is smaller than what one budget reads;
   * one line ``race-params total=N embedding=M`` after the model is built;
-  * budget: as for nanochat, after update ``RACE_FIX_STEP`` ``args.num_iterations`` (its LR and attention-window
-    schedules read it) and the loop's end are fixed from the rate its own clock measured (validation and the
-    compilation warm-up are outside that clock).
+  * budget: as for nanochat, from update ``RACE_FIX_STEP`` on, ``args.num_iterations`` (its LR and
+    attention-window schedules read it) and the loop's end follow the rate its own clock measures (validation and
+    the compilation warm-up are outside that clock). Its updates slow down as its attention window grows (665 ms
+    at the start, 760 ms at the end on an H200), so the length is fixed again after every update from the rate of
+    the last 20: fixed once at update 20, a 300 s budget ran 318 s (454 updates). Each correction moves the
+    schedules' progress by about one update in 450.
 """
 
 from __future__ import annotations
@@ -39,16 +42,22 @@ _NC_BUDGET = '''
 '''
 
 _MD_BUDGET = '''
-    if os.environ.get("RACE_BUDGET_S") and step + 1 == int(os.environ.get("RACE_FIX_STEP", "20")):  # race: budget
+    if os.environ.get("RACE_BUDGET_S") and step + 1 >= int(os.environ.get("RACE_FIX_STEP", "20")):  # race: budget
+        _race_clock.append(approx_training_time_ms)
+        _race_n = min(20, len(_race_clock) - 1)
+        _race_per_step = ((_race_clock[-1] - _race_clock[-1 - _race_n]) / _race_n if _race_n
+                          else approx_training_time_ms / (step + 1))
         _race_left = float(os.environ["RACE_BUDGET_S"]) * 1000 - approx_training_time_ms
-        _race_per_step = approx_training_time_ms / (step + 1)
-        train_steps = args.num_iterations = min(args.num_iterations, step + 1 + int(_race_left / _race_per_step))
-        print0(f"race: time budget {os.environ['RACE_BUDGET_S']} s -> num_iterations {train_steps}", console=True)
+        _race_steps = min(_race_max_steps, step + 1 + max(0, int(_race_left / _race_per_step)))
+        if _race_n == 0:
+            print0(f"race: time budget {os.environ['RACE_BUDGET_S']} s -> num_iterations {_race_steps}", console=True)
+        train_steps = args.num_iterations = _race_steps
 '''
 
 _MD_PARAMS = '''
 _race_emb = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
 print0(f"race-params total={sum(p.numel() for p in model.parameters())} embedding={_race_emb}", console=True)
+_race_clock, _race_max_steps = [], args.num_iterations  # race: budget (below)
 '''
 
 _NC_TIME_LINE = "        total_training_time += dt # only count the time after the first 10 steps\n"

@@ -153,6 +153,37 @@ def test_patches_apply_once_and_refuse_a_moved_anchor():
         race_patch.apply("modded", text.replace("num_iterations = 1695", "num_iterations = 1700"))
 
 
+def _modded_loop(budget_source: str, step_ms) -> tuple[float, int]:
+    """modded-nanogpt's training loop reduced to its clock (its ``last_step`` test and step print line), with the
+    race's budget edit after the print; ``step_ms(progress)`` is an update's time. (training ms, updates)."""
+    harness = (
+        "class Args:\n    num_iterations = 100000\n"
+        "args = Args()\n"
+        "def print0(*a, **k): pass\n"
+        "_race_clock, _race_max_steps = [], args.num_iterations\n"
+        "train_steps = args.num_iterations\n"
+        "approx_training_time_ms = 0.0\n"
+        "for step in range(train_steps + 1):\n"
+        "    last_step = (step == train_steps)\n"
+        "    if last_step:\n"
+        "        break\n"
+        "    approx_training_time_ms += step_ms(step / args.num_iterations)\n" + budget_source)
+    ns = {"os": __import__("os"), "step_ms": step_ms}
+    exec(compile(harness, "modded-loop", "exec"), ns)
+    return ns["approx_training_time_ms"], ns["step"]
+
+
+def test_modded_budget_follows_updates_that_slow_down(monkeypatch):
+    """Its updates slow as its attention window grows (665 -> 760 ms on an H200): the budget edit keeps the run's
+    length following the recent rate, so a 300 s budget ends within an update of 300 s; fixed once from the first
+    20 updates' rate it ran 318 s."""
+    monkeypatch.setenv("RACE_BUDGET_S", "300")
+    train_ms, steps = _modded_loop(race_patch._MD_BUDGET, lambda x: 665.0 + 95.0 * x)
+    assert abs(train_ms - 300_000) < 800 and 380 < steps < 460
+    train_ms, _ = _modded_loop(race_patch._MD_BUDGET, lambda x: 700.0)  # a steady rate: the same
+    assert abs(train_ms - 300_000) < 800
+
+
 @pytest.mark.parametrize("kind,member", [("nanochat", "scripts/base_train.py"), ("modded", "train_gpt.py")])
 def test_patched_peer_source_compiles(kind, member, tmp_path):
     """On the peers' real source when `bash benchmarks/race_gpu.sh pack` has been run here."""
