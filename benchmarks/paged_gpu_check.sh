@@ -10,7 +10,8 @@
 #        draft-model speculation, grammar masks on CUDA logits, strided kernel inputs)
 #   PG   --engine paged  --max-batch 256, 128-token prompts, 128 new tokens, clients 1,64,256, 2 requests each
 #   CO   --engine column --max-batch 256, the same load
-#   CD   --engine column with its default rows (16 on CUDA), the same load: what `z2all serve` does out of the box
+#   CD   --engine column with its default rows (256 on a GPU with the memory, z2all serve's default), the same load
+#   C16  --engine column --max-batch 16 (the fused step's rows, the default before row buckets), the same load
 #   CDE  CD with --no-prefill-graphs (one-prompt prefills eager, launched op by op), then CD again beside it
 #        (same call: the TTFT split's prefill part without and with the graphs)
 #   PFE  PF and PFN with --no-prefill-graphs (the paged engine's one-row prefill chunks eager)
@@ -41,6 +42,7 @@ row T 400 python3 -m pytest -q -m gpu tests/test_paged.py tests/test_scheduler.p
 row PG 200 "${L[@]}" --engine paged --max-batch 256 --json "$OUT/PG.json"
 row CO 200 "${L[@]}" --engine column --max-batch 256 --json "$OUT/CO.json"
 row CD 300 "${L[@]}" --engine column --json "$OUT/CD.json"
+row C16 300 "${L[@]}" --engine column --max-batch 16 --json "$OUT/C16.json"
 row CDE 300 "${L[@]}" --engine column --no-prefill-graphs --json "$OUT/CDE.json"
 want CDE && ! want CD && ROWS="$ROWS,CD2," && row CD2 300 "${L[@]}" --engine column --json "$OUT/CD2.json"
 row PF 150 "${P[@]}" --json "$OUT/PF.json"

@@ -328,11 +328,19 @@ def test_cuda_graphed_bucketed_prefill_equals_the_eager_prefill():
 
 def test_auto_engine_and_default_rows_follow_the_device():
     """``auto`` is the column engine on CUDA (measured the faster there) and the paged one on CPU; default rows: 8 on
-    CPU, on CUDA 256 for the paged engine (bucketed steps) and 16 for the column one (every step computes all rows)."""
+    CPU, 256 on CUDA, with the column engine fewer (128 / 64 / 32, at least 16) when 256 rows' cache at the model's
+    context would take over half the free memory."""
     pytest.importorskip("starlette")
     from zero2all.infer.server import default_rows, resolve_engine
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_engine("auto", cuda) == "column" and resolve_engine("auto", cpu) == "paged"
     assert resolve_engine("paged", cuda) == "paged" and resolve_engine("column", cpu) == "column"
-    assert [default_rows(e, d) for e in ("paged", "column") for d in (cpu, cuda)] == [8, 256, 8, 16]
+    assert [default_rows(e, d) for e in ("paged", "column") for d in (cpu, cuda)] == [8, 256, 8, 256]
+    model = build_model(tiny_model_config(vocab_size=64)).to(torch.bfloat16)
+    cfg = model.cfg
+    per_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.max_seq_len  # bf16 keys + values
+    rows = {free: default_rows("column", cuda, model, free_bytes=free)
+            for free in (2 * 256 * per_row, 2 * 256 * per_row - 1, 2 * 64 * per_row + 1, 2 * 32 * per_row - 1, 0)}
+    assert list(rows.values()) == [256, 128, 64, 16, 16]
+    assert default_rows("paged", cuda, model, free_bytes=0) == 256  # the paged pool sizes itself

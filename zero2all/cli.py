@@ -1002,8 +1002,8 @@ def _serve(p):
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a batch row while all rows are busy; more get HTTP 429")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="sequences decoded together (default: 8 on CPU; on CUDA 256 with the paged engine, 16 with "
-                        "the column engine, whose every step computes all its rows: give it 256 for many clients)")
+                   help="sequences decoded together (default: 8 on CPU; on CUDA 256, with the column engine fewer "
+                        "(128, 64, 32, at least 16) when 256 rows' cache would take over half the free GPU memory)")
     p.add_argument("--engine", default="auto", choices=["auto", "paged", "column"],
                    help="paged: a pool of KV blocks with prefix caching and chunked prefill; column: one cache row "
                         "per sequence, with the fused decode step and CUDA graphs; auto (default): column on CUDA "

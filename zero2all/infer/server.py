@@ -142,16 +142,26 @@ def resolve_engine(engine: str, device: torch.device) -> str:
     return engine
 
 
-def default_rows(engine: str, device: torch.device) -> int:
+COLUMN_ROWS = (256, 128, 64, 32)  # the column engine's default rows on CUDA, the first whose cache fits
+
+
+def default_rows(engine: str, device: torch.device, model=None, free_bytes: int | None = None) -> int:
     """Batch rows when none are asked for: 8 on CPU; on CUDA 256 with the paged engine (its memory is per token
-    held, and its step is padded only to the smallest bucket holding the running rows) and 16 with the column engine,
-    whose step always computes every row: its fused one-row kernels go up to 16 rows, and at 256 rows one client
-    decodes at 239 tokens/s against 540-613 at 16 in earlier calls (256 rows pay off from dozens of clients:
-    ``--max-batch 256``;
-    BENCHMARKS.md, "Serving: the paged engine")."""
+    held) and with the column engine the most of 256, 128, 64, 32 rows whose cache at the model's context takes at
+    most half of ``free_bytes`` (default: the GPU's free memory now), else 16. The column engine's step runs over
+    the smallest row bucket holding the running rows and a lone stream takes its one-row step, so many rows cost
+    a few clients little: z2all-1.1b on one H200, 256 rows against 16, one client 1,033 against 1,080 tokens/s, 64
+    clients 16,128 against 7,891 (TTFT p50 196 against 726 ms), 256 clients 30,482 against 9,381 (BENCHMARKS.md,
+    "Serving: row buckets"); the price is the set-up (graphs per bucket: 34 s against 16 s)."""
     if device.type != "cuda":
         return 8
-    return 256 if engine == "paged" else 16
+    if engine == "paged" or model is None:
+        return 256
+    cfg, w = model.cfg, model.embed_tokens.weight
+    per_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * w.element_size() * cfg.max_seq_len  # keys + values
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    return next((rows for rows in COLUMN_ROWS if rows * per_row <= free_bytes // 2), 16)
 
 
 class InferenceApp:
@@ -178,7 +188,7 @@ class InferenceApp:
             engine = "paged"              # speculative decoding is the paged engine's
         engine_options["engine"] = resolve_engine(engine, generator.device)
         if max_batch is None:
-            max_batch = default_rows(engine_options["engine"], generator.device)
+            max_batch = default_rows(engine_options["engine"], generator.device, generator.model)
         self.scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len,
                                    **engine_options)
         self.context = self.scheduler.context
