@@ -152,7 +152,7 @@ def default_rows(engine: str, device: torch.device, model=None, free_bytes: int 
     the smallest row bucket holding the running rows and a lone stream takes its one-row step, so many rows cost
     a few clients little: z2all-1.1b on one H200, 256 rows against 16, one client 1,033 against 1,080 tokens/s, 64
     clients 16,128 against 7,891 (TTFT p50 196 against 726 ms), 256 clients 30,482 against 9,381 (BENCHMARKS.md,
-    "Serving: row buckets"); the price is the set-up (graphs per bucket: 34 s against 16 s)."""
+    "Serving: row buckets"); the price is the set-up (graphs per bucket: 34-45 s against 14-16 s)."""
     if device.type != "cuda":
         return 8
     if engine == "paged" or model is None:
