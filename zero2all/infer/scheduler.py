@@ -247,11 +247,17 @@ class _Seq:
         self.sub._put(ev)
 
 
+def kv_bytes_per_token(model) -> int:
+    """The bytes one token's keys and values take in a cache of the model's dtype, over every layer."""
+    cfg = model.cfg
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
+
+
 def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
     """Twice the model's context when a cache that long takes at most half of the free GPU memory (``cpu_budget``
     bytes on CPU), else the context (see the module docstring for what the second length costs)."""
     cfg, w = model.cfg, model.embed_tokens.weight
-    per_slot = 2 * cfg.n_layers * max_batch * cfg.n_kv_heads * cfg.head_dim * w.element_size()  # keys + values
+    per_slot = max_batch * kv_bytes_per_token(model)
     budget = torch.cuda.mem_get_info(w.device)[0] // 2 if w.device.type == "cuda" else cpu_budget
     return 2 * cfg.max_seq_len if per_slot * 2 * cfg.max_seq_len <= budget else cfg.max_seq_len
 
@@ -259,8 +265,7 @@ def default_cache_len(model, max_batch: int, cpu_budget: int = 2 << 30) -> int:
 def kv_blocks_for_bytes(model, block_size: int, budget: int) -> int:
     """How many blocks of ``block_size`` tokens (keys and values of every layer) fit in ``budget`` bytes, the null
     block included."""
-    cfg, w = model.cfg, model.embed_tokens.weight
-    per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * w.element_size()
+    per_block = block_size * kv_bytes_per_token(model)
     blocks = budget // per_block
     if blocks < 2:
         raise ValueError(f"kv_cache_gb: {budget / (1 << 30):g} GiB holds {blocks} blocks of {block_size} tokens "

@@ -110,7 +110,7 @@ from zero2all.data.tools import may_be_tool_call, parse_tool_calls, template_mes
 from zero2all.infer import api
 from zero2all.infer.api import RequestError, show
 from zero2all.infer.generate import Generator, SamplingParams
-from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown, Submission
+from zero2all.infer.scheduler import QueueFull, Scheduler, ShuttingDown, Submission, kv_bytes_per_token
 from zero2all.infer.structured import GrammarError, Grammars, GrammarUnavailable
 
 MAX_BODY_BYTES = 1 << 20
@@ -157,8 +157,7 @@ def default_rows(engine: str, device: torch.device, model=None, free_bytes: int 
         return 8
     if engine == "paged" or model is None:
         return 256
-    cfg, w = model.cfg, model.embed_tokens.weight
-    per_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * w.element_size() * cfg.max_seq_len  # keys + values
+    per_row = kv_bytes_per_token(model) * model.cfg.max_seq_len
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     return next((rows for rows in COLUMN_ROWS if rows * per_row <= free_bytes // 2), 16)
